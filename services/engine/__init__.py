@@ -1,0 +1,1 @@
+"""Engine worker: one serving instance (executor, paged KV pool, prefix/session cache, scheduler)."""

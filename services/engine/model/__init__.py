@@ -1,0 +1,1 @@
+"""Native PyTorch models of the Llama family (Llama, Qwen2, Qwen3, Mistral) over a paged KV pool."""

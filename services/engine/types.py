@@ -1,0 +1,67 @@
+"""Plain data types at the boundary of the executor (no torch, no I/O).
+
+The engine service decodes a protobuf ``GenerateRequest`` into an :class:`EngineRequest`, hands it to the
+executor, and encodes each :class:`RequestOutput` back into a protobuf ``TokenChunk``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string/token
+    LENGTH = "length"  # max_tokens reached (or the context limit)
+    ABORT = "abort"  # cancelled by the caller or the engine shutting down
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => disabled
+    seed: int | None = None  # per-request generator seed; None => engine-derived from request id
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str = ""  # empty => no session cache entry is kept after the call
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix/session cache (not recomputed)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """Incremental output of one request after one engine step.
+
+    ``new_token_ids``/``new_text`` hold only what was produced since the previous output of this request.
+    Text withheld because it might be the beginning of a stop string is released later (or dropped when
+    the stop string completes).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # set on the final output
+    error: str = ""
