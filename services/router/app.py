@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP API of the router (FastAPI).
+
+Thin layer: parse and validate at the edge, choose an instance (``placement.place``), forward over NATS
+(``engine_client``), encode the token stream as OpenAI JSON or SSE. Every failure is an OpenAI-style error
+body with a meaningful status (see ``services/router/README.md``); nothing here raises a bare 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
+from services.router.errors import APIError
+from services.router.placement import place
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"]
+    if err["type"] == "missing":
+        msg = f"missing required field '{loc}'"
+    elif loc:
+        msg = f"invalid value for '{loc}': {msg}"
+    return APIError(422, msg, code="invalid_value" if err["type"] != "missing" else "missing_field", param=loc)
+
+
+def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
+    app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg = state.cfg.router
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, e: APIError) -> JSONResponse:
+        state.counters[f"error_{e.status}"] += 1
+        return e.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected router error")
+        state.counters["error_500"] += 1
+        return APIError(500, "internal router error; see router logs", code="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Liveness plus a summary; 503 until NATS is connected."""
+        ok = state.nc is not None and state.nc.is_connected
+        body = {
+            "status": "ok" if ok else "degraded",
+            "router": cfg.id,
+            "instances": {i: state.registry.healthy(v) for i, v in state.registry.instances.items()},
+            "sessions": len(state.sessions),
+            "counters": dict(state.counters),
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Ready when NATS is connected and at least one instance is healthy."""
+        models = state.registry.models()
+        ok = state.nc is not None and state.nc.is_connected and bool(models)
+        return JSONResponse({"ready": ok, "models": sorted(models)}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "talaria", "max_model_len": ctx}
+            for m, ctx in sorted(state.registry.models().items())
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _read_json(request: Request) -> dict:
+        body = await request.body()
+        if len(body) > cfg.max_request_bytes:
+            raise APIError(413, f"request body of {len(body)} bytes exceeds the limit of {cfg.max_request_bytes}", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        data = await _read_json(request)
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+            messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in req.messages]
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        except ValueError as e:
+            raise APIError(422, str(e), code="invalid_value", param="messages") from None
+        g = _base_request(request, req, req.effective_max_tokens())
+        g.messages.CopyFrom(pb.ChatMessages(messages=messages))
+        return await _serve(g, req, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        data = await _read_json(request)
+        try:
+            req = CompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        g = _base_request(request, req, req.effective_max_tokens())
+        if isinstance(req.prompt, str):
+            g.text = req.prompt
+        else:
+            g.token_ids.CopyFrom(pb.TokenIds(ids=list(req.prompt)))
+        return await _serve(g, req, chat=False)
+
+    def _base_request(request: Request, req, max_tokens: int | None) -> pb.GenerateRequest:
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_MAX_TOKENS, cfg.max_tokens_limit)
+        if not 1 <= max_tokens <= cfg.max_tokens_limit:
+            raise APIError(422, f"max_tokens must be between 1 and {cfg.max_tokens_limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
+        session = request.headers.get("x-session-id") or req.session_id or req.user or ""
+        sp = pb.SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=max_tokens,
+            stop=req.stop_list(),
+            ignore_eos=req.ignore_eos,
+        )
+        if req.seed is not None:
+            sp.has_seed, sp.seed = True, req.seed
+        return pb.GenerateRequest(
+            schema_version=SCHEMA_VERSION,
+            request_id=uuid.uuid4().hex,
+            session_id=session[:256],
+            model=req.model,
+            sampling=sp,
+            stream=req.stream,
+            deadline_unix=time.time() + state.cfg.router.request_timeout_s,
+        )
+
+    async def _start_call(g: pb.GenerateRequest) -> tuple[EngineCall, pb.TokenChunk]:
+        """Place and forward; retries another instance when one does not accept (nothing was started)."""
+        tried: set[str] = set()
+        last_error: EngineUnavailable | None = None
+        for _attempt in range(3):
+            candidates = [c for c in state.registry.candidates(g.model) if c.instance_id not in tried]
+            if not candidates:
+                break
+            entry = state.sessions.get(g.session_id) if g.session_id else None
+            prev = entry.instance_id if entry is not None and entry.model == g.model else None
+            decision = place(candidates, prev)
+            assert decision.instance_id is not None
+            inst = decision.instance_id
+            tried.add(inst)
+            state.counters[f"placement_{decision.reason}"] += 1
+            if entry is not None and prev is not None:
+                state.counters["same_instance_return" if inst == prev else "moved_return"] += 1
+            if entry is not None:
+                g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
+            call = EngineCall(state.nc, state.subjects, cfg.id, inst, g)
+            view = state.registry.instances[inst]
+            view.inflight += 1
+            try:
+                await call.start()
+                first = await call.wait_accepted(cfg.accept_timeout_s, lambda: state.registry.alive(view))
+            except EngineUnavailable as e:
+                await call.close()
+                state.registry.mark_suspect(inst, cfg.accept_timeout_s)
+                state.counters["engine_unavailable"] += 1
+                log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
+                last_error = e
+                continue
+            except BaseException:
+                await call.close()
+                raise
+            if first.HasField("error"):
+                await call.close()
+                err = first.error
+                headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
+                raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
+            if g.session_id:
+                state.sessions.record(g.session_id, g.model, inst)
+            return call, first
+        if last_error is not None:
+            raise APIError(503, f"no engine answered for model '{g.model}': {last_error}", code="engine_unavailable", headers={"Retry-After": "1"})
+        if state.registry.known_model(g.model):
+            raise APIError(503, f"no healthy instance serves model '{g.model}'", code="no_healthy_instance", headers={"Retry-After": "1"})
+        raise APIError(404, f"model '{g.model}' does not exist", code="model_not_found", param="model")
+
+    async def _serve(g: pb.GenerateRequest, req, chat: bool) -> Response:
+        call, first = await _start_call(g)
+        view = state.registry.instances[call.instance_id]
+        view_alive = lambda: state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
+        if g.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(call, rid, created, g.model, chat, include_usage, view_alive),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Talaria-Instance": call.instance_id},
+            )
+        try:
+            text, reason, usage = [], None, None
+            async for c in call.chunks(cfg.idle_chunk_timeout_s, view_alive):
+                if c.HasField("error"):
+                    raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
+                text.append(c.text)
+                if c.finished:
+                    reason, usage = c.finish_reason, c.usage
+        except EngineUnavailable as e:
+            state.counters["engine_lost_midcall"] += 1
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+        finally:
+            if not call.finished:  # client went away or the engine was lost: free the engine's work
+                await call.cancel("call abandoned")
+            await call.close()
+        content = "".join(text)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
+            if chat
+            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
+        )
+        body = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": g.model,
+            "choices": [choice],
+            "usage": _usage(usage),
+        }
+        return JSONResponse(body, headers={"X-Talaria-Instance": call.instance_id})
+
+    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, usage=None) -> bytes:
+            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                d["usage"] = usage
+            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+
+        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+
+        try:
+            if chat:
+                yield event([choice("", None, first=True)])
+            async for c in call.chunks(cfg.idle_chunk_timeout_s, alive):
+                if c.HasField("error"):
+                    err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
+                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                    break
+                if c.text:
+                    yield event([choice(c.text, None)])
+                if c.finished:
+                    yield event([choice(None if chat else "", c.finish_reason)])
+                    if include_usage:
+                        yield event([], _usage(c.usage))
+            yield b"data: [DONE]\n\n"
+        except EngineUnavailable as e:
+            state.counters["engine_lost_midcall"] += 1
+            err = APIError(503, str(e), code="engine_unavailable")
+            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            # Runs on normal end and when the client disconnects (the generator is closed/cancelled).
+            if not call.finished:
+                state.counters["client_disconnect"] += 1
+                await call.cancel("client disconnected")
+            await call.close()
+
+    return app
+
+
+def _usage(u) -> dict:
+    if u is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+__all__ = ["create_app", "Counter"]

@@ -1,0 +1,115 @@
+"""Calls into engines over NATS: publish a GenerateRequest with a private reply inbox, then read the
+TokenChunk stream from it. Liveness is bounded at every step: the engine must accept within
+``accept_timeout``, chunks must keep coming within ``idle_timeout``, and the call is abandoned as soon as
+the instance's heartbeats stop (``alive()``), so a dead engine costs a bounded wait, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from nats.aio.client import Client as NATS
+
+from talaria.subjects import Subjects
+from talaria.v1 import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+class EngineUnavailable(Exception):
+    """The engine did not accept or stopped answering; ``accepted`` says whether it had started."""
+
+    def __init__(self, instance_id: str, message: str, accepted: bool):
+        super().__init__(message)
+        self.instance_id = instance_id
+        self.accepted = accepted
+
+
+class EngineCall:
+    """One in-flight call. Iterate ``chunks()``; call ``cancel()`` if the client goes away."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, router_id: str, instance_id: str, req: pb.GenerateRequest):
+        self.nc = nc
+        self.subjects = subjects
+        self.instance_id = instance_id
+        self.req = req
+        self.inbox = f"{subjects.inbox_prefix(router_id)}.{uuid.uuid4().hex}"
+        self._queue: asyncio.Queue[pb.TokenChunk] = asyncio.Queue()
+        self._sub = None
+        self.accepted: pb.TokenChunk | None = None
+        self.finished = False
+
+    async def start(self) -> None:
+        async def on_msg(msg) -> None:
+            chunk = pb.TokenChunk()
+            try:
+                chunk.ParseFromString(msg.data)
+            except Exception:  # noqa: BLE001 - a corrupt chunk must not kill the subscription
+                log.warning("undecodable chunk on %s", self.inbox)
+                return
+            self._queue.put_nowait(chunk)
+
+        self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
+        await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox)
+        await self.nc.flush()
+
+    async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} {what} within {timeout:.0f}s", self.accepted is not None)
+            try:
+                return await asyncio.wait_for(self._queue.get(), timeout=min(left, 0.25))
+            except asyncio.TimeoutError:
+                if not alive():
+                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} stopped sending heartbeats", self.accepted is not None) from None
+
+    async def wait_accepted(self, timeout: float, alive: Callable[[], bool]) -> pb.TokenChunk:
+        """First chunk: ``accepted`` or a terminal error. Raises EngineUnavailable on silence."""
+        chunk = await self._next(timeout, alive, "did not accept the call")
+        if chunk.accepted:
+            self.accepted = chunk
+        else:
+            self.finished = True  # an error chunk is terminal
+        return chunk
+
+    async def chunks(self, idle_timeout: float, alive: Callable[[], bool]) -> AsyncIterator[pb.TokenChunk]:
+        """Token chunks after acceptance, in order, up to and including the finished one."""
+        expected = 1
+        pending: dict[int, pb.TokenChunk] = {}
+        while not self.finished:
+            chunk = await self._next(idle_timeout, alive, "sent nothing")
+            pending[chunk.seq] = chunk
+            while expected in pending:
+                c = pending.pop(expected)
+                expected += 1
+                if c.finished or c.HasField("error"):
+                    self.finished = True
+                yield c
+                if self.finished:
+                    break
+
+    async def cancel(self, reason: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            msg = pb.CancelRequest(schema_version=SCHEMA_VERSION, request_id=self.req.request_id, reason=reason)
+            await self.nc.publish(self.subjects.cancel(self.instance_id), msg.SerializeToString())
+        except Exception as e:  # noqa: BLE001 - cancellation is best effort; the engine's deadline is the backstop
+            log.warning("cancel of %s failed: %s", self.req.request_id, e)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may already be closed
+                pass
+            self._sub = None

@@ -1,0 +1,100 @@
+"""Instance registry: the router's view of engine instances, built from heartbeats (InstanceSnapshot).
+
+Health rule (Talaria §4.1): an instance whose last snapshot is older than ``miss_limit`` heartbeat periods
+is unhealthy and receives no new non-reserved calls until a fresh snapshot arrives. A snapshot from an
+older epoch (an engine that restarted) or with a sequence number not newer than the last one is stale and
+ignored. A draining instance is visible but takes no new calls.
+
+Pure state plus an injected clock: no NATS here (the service feeds ``observe``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from talaria.clock import Clock
+from talaria.v1 import engine_pb2 as pb
+
+
+@dataclass(slots=True)
+class InstanceView:
+    instance_id: str
+    snapshot: pb.InstanceSnapshot
+    received_at: float
+    inflight: int = 0  # in-flight overlay: calls this router forwarded since the last snapshot
+    suspect_until: float = 0.0  # set when a call to it timed out; cleared by a newer snapshot
+
+    def serves(self, model: str) -> bool:
+        return any(m.model == model and m.loaded for m in self.snapshot.models)
+
+    def max_context(self, model: str) -> int:
+        for m in self.snapshot.models:
+            if m.model == model:
+                return m.max_context
+        return 0
+
+    @property
+    def load(self) -> int:
+        """Queue pressure: calls the engine reported plus those forwarded since that report."""
+        return self.snapshot.num_running + self.snapshot.num_waiting + self.inflight
+
+
+@dataclass
+class Registry:
+    clock: Clock
+    miss_limit: float = 3.0
+    instances: dict[str, InstanceView] = field(default_factory=dict)
+
+    def observe(self, snap: pb.InstanceSnapshot) -> bool:
+        """Record a snapshot; returns False (and changes nothing) when it is stale. Mutates ``instances``."""
+        now = self.clock.now()
+        cur = self.instances.get(snap.instance_id)
+        if cur is not None:
+            old = cur.snapshot
+            if snap.epoch < old.epoch or (snap.epoch == old.epoch and snap.seq <= old.seq):
+                return False
+            cur.snapshot = snap
+            cur.received_at = now
+            cur.suspect_until = 0.0
+            cur.inflight = 0  # forwarded calls are now part of the snapshot's own counters
+            return True
+        self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now)
+        return True
+
+    def alive(self, view: InstanceView) -> bool:
+        """Heartbeats are fresh (in-flight calls keep going, even while the instance drains)."""
+        period = view.snapshot.heartbeat_period_s or 1.0
+        return self.clock.now() - view.received_at <= self.miss_limit * period
+
+    def healthy(self, view: InstanceView) -> bool:
+        """May receive new calls: alive, not suspect, not draining."""
+        now = self.clock.now()
+        if not self.alive(view):
+            return False
+        if view.suspect_until > now:
+            return False
+        return not view.snapshot.draining
+
+    def mark_suspect(self, instance_id: str, seconds: float) -> None:
+        """Exclude an instance that failed to answer until a fresh snapshot or ``seconds`` pass."""
+        v = self.instances.get(instance_id)
+        if v is not None:
+            v.suspect_until = self.clock.now() + seconds
+
+    def candidates(self, model: str) -> list[InstanceView]:
+        return [v for v in self.instances.values() if v.serves(model) and self.healthy(v)]
+
+    def models(self) -> dict[str, int]:
+        """Models served by at least one healthy instance -> their smallest max context."""
+        out: dict[str, int] = {}
+        for v in self.instances.values():
+            if not self.healthy(v):
+                continue
+            for m in v.snapshot.models:
+                if m.loaded:
+                    out[m.model] = min(out[m.model], m.max_context) if m.model in out else m.max_context
+        return out
+
+    def known_model(self, model: str) -> bool:
+        """True if any instance (healthy or not) has ever reported the model."""
+        return any(v.serves(model) for v in self.instances.values())

@@ -1,0 +1,171 @@
+"""Configuration: one pydantic-validated file (YAML, TOML or JSON) for the whole stack.
+
+Every address, port and size comes from here or from the environment (``NATS_URL`` overrides
+``nats.url``); nothing is hard-coded in the services. Unknown fields are errors, so a typo is reported
+with the field's path instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from talaria.subjects import check_token
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NatsConfig(_Strict):
+    url: str | None = Field(None, description="nats://host:port[,nats://...]; None => start an embedded server")
+    host: str = "127.0.0.1"
+    port: int = Field(-1, description="embedded server port; -1 picks a free one")
+    store_dir: str | None = None
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    connect_timeout_s: float = 5.0
+    max_reconnect_attempts: int = -1  # forever
+
+
+class EngineConfig(_Strict):
+    id: str
+    pool: Literal["hot", "cold"] = "hot"
+    models: list[str] = Field(min_length=1, description="catalog model names (directories under models_dir)")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    page_size: int = Field(16, ge=1, le=1024)
+    kv_cache_mb: int = Field(256, ge=1)
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=16)
+    session_cache_entries: int = Field(256, ge=0)
+    heartbeat_period_s: float = Field(0.5, gt=0)
+    max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
+    torch_threads: int | None = Field(None, ge=1)
+
+    @field_validator("id")
+    @classmethod
+    def _id_token(cls, v: str) -> str:
+        return check_token(v, "engine id")
+
+    @model_validator(mode="after")
+    def _hot_pins_one(self) -> "EngineConfig":
+        if self.pool == "hot" and len(self.models) != 1:
+            raise ValueError(f"hot engine {self.id!r} pins exactly one model, got {self.models}")
+        return self
+
+
+class RouterConfig(_Strict):
+    id: str = "router-0"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    accept_timeout_s: float = Field(10.0, gt=0, description="wait for the engine's accepted chunk")
+    idle_chunk_timeout_s: float = Field(60.0, gt=0, description="max silence between chunks of a call")
+    heartbeat_miss_limit: float = Field(3.0, gt=0, description="periods without a heartbeat => unhealthy")
+    request_timeout_s: float = Field(600.0, gt=0, description="engine aborts a call running longer than this")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_tokens_limit: int = Field(4096, ge=1)
+
+    @field_validator("id")
+    @classmethod
+    def _id_token(cls, v: str) -> str:
+        return check_token(v, "router id")
+
+
+class StackConfig(_Strict):
+    namespace: str = "talaria"
+    models_dir: str = ".talaria/models"
+    synthesize_models: bool = Field(True, description="`talaria up` synthesizes missing catalog models")
+    synth_seed: int = 0
+    nats: NatsConfig = NatsConfig()
+    router: RouterConfig = RouterConfig()
+    engines: list[EngineConfig] = Field(
+        default_factory=lambda: [
+            EngineConfig(id="engine-0", models=["tiny-llama"]),
+            EngineConfig(id="engine-1", models=["tiny-qwen2"]),
+        ]
+    )
+
+    @field_validator("namespace")
+    @classmethod
+    def _ns_token(cls, v: str) -> str:
+        return check_token(v, "namespace")
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> "StackConfig":
+        ids = [e.id for e in self.engines]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"duplicate engine ids: {sorted(dup)}")
+        return self
+
+    def engine(self, engine_id: str) -> EngineConfig:
+        for e in self.engines:
+            if e.id == engine_id:
+                return e
+        raise KeyError(f"no engine {engine_id!r} in config (have {[e.id for e in self.engines]})")
+
+    def model_path(self, name: str) -> Path:
+        return Path(self.models_dir).expanduser() / name
+
+    def nats_url(self) -> str | None:
+        return os.environ.get("NATS_URL") or self.nats.url
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be read or does not validate; the message names the fields."""
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "<config>") -> StackConfig:
+    try:
+        return StackConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+
+
+def load_config(path: str | os.PathLike | None) -> StackConfig:
+    """Load and validate a config file; ``None`` gives the embedded defaults."""
+    if path is None:
+        return StackConfig()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse config {p}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {p} must be a mapping at the top level")
+    return parse_config(data, str(p))
+
+
+def dump_config(cfg: StackConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

