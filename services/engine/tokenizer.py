@@ -1,0 +1,219 @@
+"""Tokenizer wrapper: ``tokenizers.Tokenizer`` (tokenizer.json) + tokenizer_config.json (special tokens,
+chat template), and a per-request :class:`IncrementalDecoder` for streaming text deltas."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+DEFAULT_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class TemplateError(Exception):
+    """Raised by ``raise_exception(...)`` inside a chat template."""
+
+
+def _token_content(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return str(tok)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        eos: list[int] = []
+        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+            eos.append(tokenizer.token_to_id(eos_token))
+        for i in extra_eos_token_ids:
+            if i not in eos:
+                eos.append(int(i))
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load tokenizer.json + tokenizer_config.json (+ chat_template.jinja, config.json and
+        generation_config.json for extra EOS ids) from a checkpoint directory."""
+        p = Path(path)
+        tok_file = p / "tokenizer.json"
+        if not tok_file.exists():
+            raise FileNotFoundError(f"{tok_file} not found (only fast tokenizer.json files are supported)")
+        tok = _HFTokenizer.from_file(str(tok_file))
+        tcfg = _read_json(p / "tokenizer_config.json")
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = p / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text(encoding="utf-8")
+        extra = _ids(_read_json(p / "config.json").get("eos_token_id"))
+        extra += _ids(_read_json(p / "generation_config.json").get("eos_token_id"))
+        return cls(
+            tok,
+            chat_template=template,
+            bos_token=_token_content(tcfg.get("bos_token")),
+            eos_token=_token_content(tcfg.get("eos_token")),
+            pad_token=_token_content(tcfg.get("pad_token")),
+            extra_eos_token_ids=extra,
+        )
+
+    # ----------------------------------------------------------------------------------- basic ops
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ----------------------------------------------------------------------------------- chat
+
+    def _compiled_template(self):
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                       separators: Any = None, sort_keys: bool = False) -> str:
+                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                  sort_keys=sort_keys)
+
+            def strftime_now(fmt: str) -> str:
+                return datetime.now().strftime(fmt)
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = strftime_now
+            self._template = env.from_string(self.chat_template or DEFAULT_CHATML_TEMPLATE)
+        return self._template
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render the chat template to text (``tools``, ``documents``… may be passed as kwargs)."""
+        return self._compiled_template().render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+            **kwargs,
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render the chat template and tokenize it. Special tokens in the rendered text (e.g. a BOS the
+        template writes) are parsed as such; no extra special tokens are added."""
+        text = self.render_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas (one instance per request).
+
+    Prefix/read offsets: ``decode(ids[prefix:read])`` is text already emitted (kept as left context so
+    decoders that depend on neighbours, e.g. SentencePiece's leading-space handling, behave); a delta is
+    ``decode(ids[prefix:])`` minus that. While the decoded tail ends with U+FFFD (an incomplete UTF-8
+    sequence split across byte-level tokens) nothing is emitted; the text is released once the character
+    completes (or by :meth:`flush` at the end).
+    """
+
+    _PROMPT_CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - self._PROMPT_CONTEXT)
+        self.text = ""  # everything emitted so far (generated part only)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def step(self, new_ids: Iterable[int]) -> str:
+        """Append ``new_ids`` and return the newly completed text (possibly "")."""
+        self.ids.extend(int(i) for i in new_ids)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        full_text = self._decode(self.ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Release whatever is held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        full_text = self._decode(self.ids[self._prefix :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
