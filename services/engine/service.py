@@ -1,0 +1,422 @@
+"""Engine worker process: a thin NATS shell around one executor (``services.engine.executor.Engine``).
+
+Threads: the asyncio loop owns NATS I/O (decode requests, encode chunks, heartbeats); one executor thread
+runs ``engine.step()`` whenever there is work, because a forward pass blocks. The executor's intake
+(``add_request``/``abort``) is thread-safe; its outputs come back to the loop through
+``call_soon_threadsafe`` and are published in order by a single publisher task.
+
+Per call the engine answers on the caller's reply inbox: an ``accepted`` chunk (with the prompt token
+count) or one terminal error chunk, then token chunks, the last with ``finished``; after every call it
+publishes a completion hook. A snapshot of the instance goes out every heartbeat period.
+
+Graceful drain (SIGTERM): stop accepting (new calls get 503 ``draining``), let in-flight calls finish up to
+``drain_timeout_s``, abort the rest, publish a last snapshot, drain the NATS connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+
+from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from talaria.config import EngineConfig, StackConfig
+from talaria.natsutil import connect
+from talaria.subjects import Subjects
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+class CallError(Exception):
+    """A call the engine refuses; becomes an error chunk with ``status``."""
+
+    def __init__(self, status: int, code: str, message: str, param: str = ""):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    def proto(self) -> cpb.Error:
+        return cpb.Error(code=self.code, message=self.message, http_status=self.status, param=self.param)
+
+
+@dataclass(slots=True)
+class _Call:
+    request_id: str
+    reply: str
+    session_id: str
+    model: str
+    arrival_wall: float
+    arrival: float
+    deadline_wall: float
+    prompt_tokens: int
+    seq: int = 0
+    first_token_at: float = 0.0
+
+
+class EngineService:
+    """One serving instance on NATS. ``engine`` is any object with the executor's API (see backend.py)."""
+
+    def __init__(self, stack: StackConfig, cfg: EngineConfig, engine, *, drain_timeout_s: float = 30.0):
+        self.stack = stack
+        self.cfg = cfg
+        self.engine = engine
+        self.model = cfg.models[0]
+        self.subjects = Subjects(stack.namespace)
+        self.drain_timeout_s = drain_timeout_s
+        self.epoch = time.time_ns()
+        self.seq = 0
+        self.nc: NATS | None = None
+        self.draining = False
+        self._calls: dict[str, _Call] = {}
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._wake = threading.Event()
+        self._stop_thread = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
+
+    # ---------------------------------------------------------------- executor thread
+    def _run_executor(self) -> None:
+        assert self._loop is not None
+        while not self._stop_thread.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failing step must fail its calls, not the process
+                log.exception("engine step failed")
+                self._loop.call_soon_threadsafe(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
+                continue
+            if outs:
+                self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
+
+    def _fail_all(self, message: str) -> None:
+        self.counters["step_failures"] += 1
+        for rid in list(self._calls):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                pass
+            self._finish_with_error(rid, CallError(500, "engine_error", message))
+
+    # ---------------------------------------------------------------- publishing
+    async def _publisher(self) -> None:
+        while True:
+            outs: list[RequestOutput] = await self._out.get()
+            for o in outs:
+                await self._publish_output(o)
+
+    async def _send(self, call: _Call, chunk: pb.TokenChunk) -> None:
+        chunk.schema_version = SCHEMA_VERSION
+        chunk.request_id = call.request_id
+        chunk.instance_id = self.cfg.id
+        chunk.seq = call.seq
+        call.seq += 1
+        assert self.nc is not None
+        try:
+            await self.nc.publish(call.reply, chunk.SerializeToString())
+        except Exception as e:  # noqa: BLE001 - a lost client must not stop the publisher
+            log.warning("publish to %s failed: %s", call.reply, e)
+
+    async def _publish_output(self, o: RequestOutput) -> None:
+        call = self._calls.get(o.request_id)
+        if call is None:
+            return  # cancelled/expired: its final chunk was already sent
+        now = time.monotonic()
+        if o.new_token_ids and not call.first_token_at:
+            call.first_token_at = now
+        chunk = pb.TokenChunk(token_ids=o.new_token_ids, text=o.new_text)
+        if o.finished:
+            del self._calls[o.request_id]
+            chunk.finished = True
+            reason = o.finish_reason or FinishReason.STOP
+            chunk.finish_reason = reason.value
+            if o.error:
+                chunk.error.CopyFrom(cpb.Error(code="engine_error", message=o.error, http_status=500))
+            if o.usage is not None:
+                chunk.usage.CopyFrom(cpb.Usage(prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens, cached_tokens=o.usage.cached_tokens))
+            chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
+        await self._send(call, chunk)
+        if o.finished:
+            await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
+
+    async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
+        hook = pb.CompletionHook(
+            schema_version=SCHEMA_VERSION,
+            request_id=call.request_id,
+            session_id=call.session_id,
+            model=call.model,
+            instance_id=self.cfg.id,
+            finish_reason=reason,
+            arrival_unix=call.arrival_wall,
+            finish_unix=time.time(),
+            ttft_seconds=ttft,
+        )
+        if usage is not None:
+            hook.usage.CopyFrom(usage)
+        if error is not None:
+            hook.error.CopyFrom(error)
+        if call.session_id:
+            info = self.engine.session_info(call.session_id)
+            if info is not None:
+                hook.prefix.CopyFrom(self._prefix_handle(info))
+        assert self.nc is not None
+        try:
+            await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
+        except Exception as e:  # noqa: BLE001
+            log.warning("completion hook for %s not published: %s", call.request_id, e)
+
+    def _prefix_handle(self, info: dict) -> cpb.PrefixHandle:
+        return cpb.PrefixHandle(
+            model=self.model,
+            committed_tokens=int(info.get("committed_tokens", 0)),
+            page_size=self.cfg.page_size,
+            last_page_hash=int(info.get("last_page_hash", 0)),
+            full_pages=int(info.get("full_pages", 0)),
+        )
+
+    def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
+        call = self._calls.pop(rid, None)
+        if call is None:
+            return
+        self.counters["errors"] += 1
+        chunk = pb.TokenChunk(finished=True, finish_reason=reason, error=err.proto())
+        asyncio.ensure_future(self._send(call, chunk))
+        asyncio.ensure_future(self._hook(call, reason, None, err.proto(), 0.0))
+
+    # ---------------------------------------------------------------- request intake
+    def _sampling(self, sp: pb.SamplingParams) -> SamplingParams:
+        if sp.max_tokens < 1:
+            raise CallError(422, "invalid_value", "max_tokens must be at least 1", "max_tokens")
+        if not 0.0 <= sp.temperature <= 2.0:
+            raise CallError(422, "invalid_value", "temperature must be within [0, 2]", "temperature")
+        top_p = sp.top_p if sp.top_p > 0 else 1.0
+        if top_p > 1.0:
+            raise CallError(422, "invalid_value", "top_p must be within (0, 1]", "top_p")
+        return SamplingParams(
+            temperature=sp.temperature,
+            top_p=top_p,
+            top_k=sp.top_k,
+            seed=sp.seed if sp.has_seed else None,
+            max_tokens=sp.max_tokens,
+            stop=tuple(sp.stop),
+            stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        )
+
+    def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
+        which = req.WhichOneof("prompt")
+        if which == "text":
+            return self.engine.tokenizer.encode(req.text)
+        if which == "token_ids":
+            ids = list(req.token_ids.ids)
+            vocab = self.engine.vocab_size
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
+            return ids
+        if which == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            try:
+                return self.engine.encode_chat(msgs)
+            except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+                raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
+        raise CallError(422, "missing_field", "request has no prompt", "prompt")
+
+    async def _on_generate(self, msg) -> None:
+        req = pb.GenerateRequest()
+        try:
+            req.ParseFromString(msg.data)
+        except Exception:  # noqa: BLE001
+            return await self._reject(msg.reply, "", CallError(400, "bad_message", "undecodable GenerateRequest"))
+        if not msg.reply:
+            return
+        if req.schema_version > SCHEMA_VERSION:
+            return await self._reject(msg.reply, req.request_id, CallError(400, "unsupported_schema", f"schema_version {req.schema_version} is newer than this engine's {SCHEMA_VERSION}"))
+        if self.draining:
+            return await self._reject(msg.reply, req.request_id, CallError(503, "draining", f"instance {self.cfg.id} is draining"))
+        if req.model != self.model:
+            return await self._reject(msg.reply, req.request_id, CallError(404, "model_not_found", f"instance {self.cfg.id} does not serve model '{req.model}'", "model"))
+        if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
+            return await self._reject(msg.reply, req.request_id, CallError(429, "overloaded", f"instance {self.cfg.id} has {len(self._calls)} calls in flight"))
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self._calls:
+            return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
+        try:
+            sampling = self._sampling(req.sampling)
+            prompt = await asyncio.to_thread(self._tokenize, req)
+            if not prompt:
+                raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
+            limit = self.engine.max_context
+            if len(prompt) + sampling.max_tokens > limit:
+                raise CallError(
+                    413,
+                    "context_length_exceeded",
+                    f"prompt of {len(prompt)} tokens plus max_tokens {sampling.max_tokens} exceeds the context limit of {limit} tokens of model '{self.model}'",
+                    "messages" if req.WhichOneof("prompt") == "messages" else "prompt",
+                )
+        except CallError as e:
+            return await self._reject(msg.reply, rid, e)
+        call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
+        self._calls[rid] = call
+        self.counters["calls"] += 1
+        try:
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival))
+        except ValueError as e:
+            self._calls.pop(rid, None)
+            status = 413 if "context" in type(e).__name__.lower() else 422
+            return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
+        self._wake.set()
+        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt))))
+
+    async def _reject(self, reply: str, rid: str, err: CallError) -> None:
+        self.counters["errors"] += 1
+        if not reply:
+            return
+        chunk = pb.TokenChunk(schema_version=SCHEMA_VERSION, request_id=rid, seq=0, finished=True, finish_reason="error", error=err.proto(), instance_id=self.cfg.id)
+        assert self.nc is not None
+        await self.nc.publish(reply, chunk.SerializeToString())
+
+    async def _on_cancel(self, msg) -> None:
+        req = pb.CancelRequest()
+        try:
+            req.ParseFromString(msg.data)
+        except Exception:  # noqa: BLE001
+            return
+        self._abort(req.request_id, req.reason or "cancelled")
+
+    def _abort(self, rid: str, reason: str) -> None:
+        call = self._calls.pop(rid, None)
+        if call is None:
+            return
+        self.engine.abort(rid)
+        self.counters["aborted"] += 1
+        asyncio.ensure_future(self._send(call, pb.TokenChunk(finished=True, finish_reason="abort")))
+        asyncio.ensure_future(self._hook(call, "abort", None, None, 0.0))
+        log.info("aborted %s: %s", rid, reason)
+
+    async def _on_control(self, msg) -> None:
+        req = pb.ControlRequest()
+        reply = pb.ControlReply(schema_version=SCHEMA_VERSION, ok=True)
+        try:
+            req.ParseFromString(msg.data)
+            if req.op == pb.CONTROL_DRAIN:
+                self.draining = True
+            elif req.op == pb.CONTROL_RESUME:
+                self.draining = False
+            elif req.op == pb.CONTROL_FLUSH_CACHE:
+                self.engine.flush_cache()
+            else:
+                reply.ok = False
+                reply.error.CopyFrom(cpb.Error(code="unsupported", message=f"control op {pb.ControlOp.Name(req.op)} is not supported by a hot instance", http_status=422))
+        except Exception as e:  # noqa: BLE001
+            reply.ok = False
+            reply.error.CopyFrom(cpb.Error(code="bad_message", message=str(e), http_status=400))
+        reply.snapshot.CopyFrom(self.snapshot())
+        if msg.reply:
+            await msg.respond(reply.SerializeToString())
+
+    # ---------------------------------------------------------------- snapshots
+    def snapshot(self) -> pb.InstanceSnapshot:
+        st = self.engine.stats()
+        self.seq += 1
+        snap = pb.InstanceSnapshot(
+            schema_version=SCHEMA_VERSION,
+            instance_id=self.cfg.id,
+            pool=pb.POOL_HOT if self.cfg.pool == "hot" else pb.POOL_COLD,
+            epoch=self.epoch,
+            seq=self.seq,
+            sent_unix=time.time(),
+            heartbeat_period_s=self.cfg.heartbeat_period_s,
+            num_running=st.get("num_running", 0),
+            num_waiting=st.get("num_waiting", 0),
+            kv_usage=st.get("kv_usage", 0.0),
+            kv_pages_total=st.get("kv_pages_total", 0),
+            kv_pages_free=st.get("kv_pages_free", 0),
+            draining=self.draining,
+            device=self.cfg.device,
+            tokens_generated=st.get("tokens_generated", 0),
+            prefix_hit_rate=st.get("prefix_hit_rate", 0.0),
+        )
+        snap.models.append(
+            pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
+        )
+        for s in st.get("sessions", []):
+            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
+        prof = st.get("profile") or {}
+        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0)))
+        return snap
+
+    async def _heartbeats(self) -> None:
+        assert self.nc is not None
+        while True:
+            try:
+                await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
+            except Exception as e:  # noqa: BLE001 - keep beating through reconnects
+                log.warning("heartbeat not published: %s", e)
+            await asyncio.sleep(self.cfg.heartbeat_period_s)
+
+    async def _deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.time()
+            for rid, call in list(self._calls.items()):
+                if call.deadline_wall and now > call.deadline_wall:
+                    self._abort(rid, "deadline passed")
+
+    # ---------------------------------------------------------------- lifecycle
+    async def run(self, stop: asyncio.Event, url: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
+        self._thread = threading.Thread(target=self._run_executor, name=f"executor-{self.cfg.id}", daemon=True)
+        self._thread.start()
+        subs = [
+            await self.nc.subscribe(self.subjects.generate(self.cfg.id), cb=self._on_generate),
+            await self.nc.subscribe(self.subjects.cancel(self.cfg.id), cb=self._on_cancel),
+            await self.nc.subscribe(self.subjects.control(self.cfg.id), cb=self._on_control),
+        ]
+        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._heartbeats(), self._deadlines())]
+        print(f"engine {self.cfg.id} serving {self.model} on {self.cfg.device}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await self._drain(subs, tasks)
+
+    async def _drain(self, subs, tasks) -> None:
+        self.draining = True
+        assert self.nc is not None
+        try:
+            await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
+        except Exception:  # noqa: BLE001
+            pass
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self._calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._calls):
+            self._abort(rid, "engine shutting down")
+        await asyncio.sleep(0.05)  # let the publisher flush final chunks
+        self._stop_thread.set()
+        self._wake.set()
+        for t in tasks:
+            t.cancel()
+        for s in subs:
+            try:
+                await s.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            await self.nc.drain()
+        except Exception:  # noqa: BLE001
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,131 @@
+"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``models``, ``proto``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _load(args):
+    from talaria.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config)
+    except ConfigError as e:
+        print(f"talaria: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run_until_signal(coro_factory) -> int:
+    """Run ``coro_factory(stop_event)`` until SIGINT/SIGTERM sets the event."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await coro_factory(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_router(args) -> int:
+    from talaria.config import RouterConfig
+
+    cfg = _load(args)
+    if args.port is not None or args.host is not None:
+        r = cfg.router.model_dump()
+        r.update({k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
+        cfg = cfg.model_copy(update={"router": RouterConfig(**r)})
+    from services.router.service import run_router
+
+    return _run_until_signal(lambda stop: run_router(cfg, stop))
+
+
+def cmd_engine(args) -> int:
+    cfg = _load(args)
+    try:
+        ecfg = cfg.engine(args.id)
+    except KeyError as e:
+        print(f"talaria: {e.args[0]}", file=sys.stderr)
+        return 2
+    url = cfg.nats_url()
+    if not url:
+        print("talaria: engine needs a NATS server: set nats.url in the config or NATS_URL", file=sys.stderr)
+        return 2
+    from services.engine.main import run_engine
+
+    return _run_until_signal(lambda stop: run_engine(cfg, ecfg, url, stop))
+
+
+def cmd_up(args) -> int:
+    from talaria.up import up
+
+    cfg = _load(args)
+    return up(cfg, port=args.port, models_dir=args.models_dir)
+
+
+def cmd_proto(args) -> int:
+    from talaria.protogen import generate
+
+    return generate(check=args.check)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="talaria", description="Session-aware multi-model LLM serving for tool-using agents")
+    p.add_argument("--log-level", default=os.environ.get("TALARIA_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start the whole local stack (embedded NATS, engines, router)")
+    up.add_argument("--config", help="YAML/TOML/JSON stack config (default: embedded defaults)")
+    up.add_argument("--port", type=int, help="router HTTP port (overrides the config)")
+    up.add_argument("--models-dir", help="where catalog models live / are synthesized")
+    up.set_defaults(fn=cmd_up)
+
+    r = sub.add_parser("router", help="run one router process")
+    r.add_argument("--config")
+    r.add_argument("--host")
+    r.add_argument("--port", type=int)
+    r.set_defaults(fn=cmd_router)
+
+    e = sub.add_parser("engine", help="run one engine worker process")
+    e.add_argument("--config")
+    e.add_argument("--id", required=True, help="engine id from the config")
+    e.set_defaults(fn=cmd_engine)
+
+    pr = sub.add_parser("proto", help="wire contracts")
+    prs = pr.add_subparsers(dest="proto_cmd", required=True)
+    g = prs.add_parser("gen", help="regenerate talaria/v1 from proto/")
+    g.add_argument("--check", action="store_true", help="fail if the generated code is out of date")
+    g.set_defaults(fn=cmd_proto)
+
+    from talaria.models.cli import add_cli as add_models_cli
+
+    add_models_cli(sub)
+    try:
+        from bench.cli import add_cli as add_bench_cli
+    except ImportError:
+        add_bench_cli = None
+    if add_bench_cli is not None:
+        add_bench_cli(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
