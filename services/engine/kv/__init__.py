@@ -1,0 +1,30 @@
+"""Paged KV bookkeeping of one engine instance (pure Python, no torch).
+
+Layers, lowest first; a layer never imports the ones above it:
+
+=================  ==========================================================================
+``allocator``      which pages are free; a reference count per page
+``radix``          prefix cache of full pages keyed by cumulative page hash (what to keep/evict)
+``session_cache``  per-session committed tokens + pages (incl. the partial last page)
+``manager``        the block manager the scheduler talks to: prefix match, admission, append,
+                   release, eviction across the two caches, copy-on-write decisions
+=================  ==========================================================================
+
+The physical pool (tensors) belongs to the executor; these modules only hand out page ids.
+"""
+
+from services.engine.kv.allocator import OutOfPagesError, PageAllocator
+from services.engine.kv.manager import CopyOp, KVManager, PrefixMatch
+from services.engine.kv.radix import RadixCache
+from services.engine.kv.session_cache import SessionCache, SessionEntry
+
+__all__ = [
+    "CopyOp",
+    "KVManager",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PrefixMatch",
+    "RadixCache",
+    "SessionCache",
+    "SessionEntry",
+]

@@ -1,0 +1,263 @@
+"""Block manager: the one object the scheduler asks about KV pages (pure Python, no torch).
+
+Design: it composes the page allocator, the radix prefix cache (full pages keyed by cumulative page hash,
+Talaria §4.3) and the session cache (committed tokens incl. the partial last page) and offers
+check-then-commit pairs to the scheduler:
+
+* ``match_prefix`` (read-only apart from LRU touches) finds the reusable prefix of a sequence: the longer of
+  the session entry's common prefix and the radix match, capped at ``len(tokens) - 1`` so that at least the
+  last prompt token is recomputed (its logits are needed). ``pages_needed`` says how many fresh pages an
+  admission costs, ``ensure_free`` evicts cache entries (radix leaves LRU first, then session entries LRU)
+  while protecting the match, and ``admit`` commits: references on reused pages, a lock on the radix path,
+  consumption of the session entry, fresh pages for the rest.
+* Copy-on-write: a request never writes into a page it shares with the radix cache, a session entry or
+  another request. When the reused prefix ends inside a page that is shared, ``admit`` allocates a fresh
+  page and emits a :class:`CopyOp` (copy the first ``num_rows`` KV rows); the executor performs the copies
+  before the step's forward. The source page keeps an extra reference until ``finish_copies`` (called at
+  the start of the next schedule), so it cannot be recycled before it is read.
+* ``can_append``/``append`` give a decoding sequence its next page; ``release`` ends a sequence: full
+  computed pages go into the radix cache, and with a session id the committed tokens + pages become the
+  session entry (the references pass to it); everything else is dereferenced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from talaria.hashing import page_hashes
+
+from services.engine.kv.allocator import PageAllocator
+from services.engine.kv.radix import RadixCache
+from services.engine.kv.session_cache import SessionCache, common_prefix_len
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy KV rows ``[0, num_rows)`` of page ``src`` into page ``dst`` (all layers)."""
+
+    src: int
+    dst: int
+    num_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    num_tokens: int  # tokens whose KV is reused (always < len(tokens) when tokens is non-empty)
+    pages: tuple[int, ...]  # ceil(num_tokens / page_size) pages holding them
+    radix_hashes: tuple[int, ...] = ()  # radix path to lock (radix source only)
+    from_session: bool = False
+    needs_copy: bool = False  # the last reused page is partial and shared: copy-on-write
+
+    @property
+    def source(self) -> str:
+        return "session" if self.from_session else ("radix" if self.pages else "none")
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What ``admit`` committed for one sequence."""
+
+    pages: list[int]  # page table covering the requested token count
+    locked_hashes: list[int]  # radix path the sequence must unlock on release
+    num_cached_tokens: int
+    copies: list[CopyOp] = field(default_factory=list)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        salt: int = 0,
+        clock: Callable[[], float],
+        session_entries: int = 256,
+        session_max_pages: int | None = None,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        self.page_size = page_size
+        self.salt = salt
+        self.allocator = PageAllocator(num_pages)
+        self.radix = RadixCache(self.allocator, clock)
+        self.sessions = SessionCache(self.allocator, clock, session_entries, session_max_pages)
+        self._pending_copy_src: list[int] = []
+        # prefix statistics (prompt tokens seen at admission / served from a cache)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---------------------------------------------------------------- hashing
+    def extend_hashes(self, hashes: list[int], token_ids: Sequence[int]) -> list[int]:
+        """Extend ``hashes`` in place to cover every full page of ``token_ids`` (tokens only ever append)."""
+        n_full = len(token_ids) // self.page_size
+        if len(hashes) < n_full:
+            prev = hashes[-1] if hashes else None
+            hashes.extend(page_hashes(token_ids, self.page_size, self.salt, start=len(hashes), prev=prev))
+        return hashes
+
+    # ---------------------------------------------------------------- admission
+    def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str = "") -> PrefixMatch:
+        """Longest reusable prefix of ``token_ids`` (``hashes`` = its full-page hashes).
+
+        Mutates nothing except LRU access times of matched radix nodes.
+        """
+        P = self.page_size
+        cap = max(len(token_ids) - 1, 0)
+        radix_pages = self.radix.match(hashes)
+        radix_n = len(radix_pages) * P
+        entry = self.sessions.peek(session_id) if session_id else None
+        sess_n = common_prefix_len(list(token_ids), entry.token_ids) if entry is not None else 0
+        if entry is not None and sess_n > 0 and sess_n >= radix_n:
+            n = min(sess_n, cap)
+            pages = tuple(entry.pages[: cdiv(n, P)])
+            shared = bool(pages) and self.allocator.refcount(pages[-1]) > 1
+            return PrefixMatch(n, pages, (), True, n % P != 0 and shared)
+        n = min(radix_n, cap)
+        k = cdiv(n, P)
+        return PrefixMatch(n, tuple(radix_pages[:k]), tuple(hashes[:k]), False, n % P != 0)
+
+    def pages_needed(self, match: PrefixMatch, num_tokens: int) -> int:
+        """Fresh pages ``admit(match, num_tokens)`` will allocate."""
+        return cdiv(num_tokens, self.page_size) - len(match.pages) + (1 if match.needs_copy else 0)
+
+    def can_allocate(self, n: int) -> bool:
+        return self.allocator.can_allocate(n)
+
+    def ensure_free(self, n: int, protect: PrefixMatch | None = None, protect_session: str = "") -> bool:
+        """Evict cache entries until ``n`` pages are free: unlocked radix leaves LRU first, then session
+        entries LRU. The match ``protect`` (its radix path / the session ``protect_session``) is kept.
+        Returns whether ``n`` pages are now free (the caches may have shrunk even when not)."""
+        if self.allocator.num_free >= n:
+            return True
+        locked = list(protect.radix_hashes) if protect is not None else []
+        self.radix.lock(locked)
+        try:
+            while self.allocator.num_free < n:
+                evicted, _ = self.radix.evict(n - self.allocator.num_free)
+                if evicted:
+                    continue
+                if self.sessions.num_evictable(protect_session):
+                    self.sessions.evict_lru(protect_session)
+                    continue
+                return False
+            return True
+        finally:
+            self.radix.unlock(locked)
+
+    def admit(self, match: PrefixMatch, num_tokens: int, session_id: str = "", num_prompt_tokens: int | None = None) -> Allocation:
+        """Commit an admission: pages for ``num_tokens`` tokens of which ``match.num_tokens`` are reused.
+
+        Consumes the session entry of ``session_id`` (if any): pages of a session match pass to the
+        sequence, the rest are released. Radix pages get a sequence reference and their path is locked.
+        Caller must have checked ``can_allocate(pages_needed(match, num_tokens))``.
+        """
+        P = self.page_size
+        need = self.pages_needed(match, num_tokens)
+        if not self.allocator.can_allocate(need):
+            raise RuntimeError(f"admit needs {need} pages, {self.allocator.num_free} free (check first)")
+        pages = list(match.pages)
+        locked: list[int] = []
+        entry = self.sessions.take(session_id) if session_id else None
+        if match.from_session:
+            assert entry is not None and list(entry.pages[: len(pages)]) == pages, "stale session match"
+            self.allocator.decref(entry.pages[len(pages) :])
+        else:
+            if entry is not None:
+                self.allocator.decref(entry.pages)
+            self.allocator.incref(pages)
+            self.radix.lock(match.radix_hashes)
+            locked = list(match.radix_hashes)
+        copies: list[CopyOp] = []
+        if match.needs_copy:
+            (dst,) = self.allocator.allocate(1)
+            src = pages[-1]
+            copies.append(CopyOp(src, dst, match.num_tokens % P))
+            self._pending_copy_src.append(src)  # our reference moves to the pending list
+            pages[-1] = dst
+        pages += self.allocator.allocate(cdiv(num_tokens, P) - len(pages))
+        prompt_n = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        self.num_queried_tokens += prompt_n
+        self.num_hit_tokens += min(match.num_tokens, prompt_n)
+        return Allocation(pages, locked, match.num_tokens, copies)
+
+    def finish_copies(self) -> None:
+        """The executor has performed every emitted CopyOp: drop the references kept on their sources."""
+        if self._pending_copy_src:
+            self.allocator.decref(self._pending_copy_src)
+            self._pending_copy_src = []
+
+    # ---------------------------------------------------------------- decode
+    def needs_page(self, num_pages: int, num_tokens: int) -> bool:
+        return num_tokens > num_pages * self.page_size
+
+    def can_append(self, num_pages: int, num_tokens: int) -> bool:
+        return not self.needs_page(num_pages, num_tokens) or self.allocator.can_allocate(1)
+
+    def append(self, pages: list[int], num_tokens: int) -> None:
+        """Grow ``pages`` in place to cover ``num_tokens`` tokens (at most one new page)."""
+        if self.needs_page(len(pages), num_tokens):
+            pages += self.allocator.allocate(1)
+
+    # ---------------------------------------------------------------- release
+    def release(
+        self,
+        pages: list[int],
+        locked_hashes: Sequence[int],
+        token_ids: Sequence[int] = (),
+        num_computed: int = 0,
+        hashes: list[int] | None = None,
+        session_id: str = "",
+        cache: bool = True,
+    ) -> None:
+        """Give up a sequence's pages (the list is not modified).
+
+        With ``cache``: the full pages among the first ``num_computed`` tokens are inserted into the radix
+        cache, and with ``session_id`` the committed tokens and their pages become the session entry (the
+        sequence's references pass to it). All other references are dropped; the radix path is unlocked.
+        """
+        P = self.page_size
+        keep = cdiv(num_computed, P) if cache else 0
+        if cache and num_computed >= P:
+            committed = token_ids[:num_computed]
+            hs = self.extend_hashes(hashes if hashes is not None else [], committed)[: num_computed // P]
+            self.radix.insert(hs, pages[: len(hs)])
+        if cache and session_id and keep:
+            self.allocator.decref(pages[keep:])
+            self.sessions.put(session_id, list(token_ids[:num_computed]), pages[:keep])
+        else:
+            self.allocator.decref(pages)
+        self.radix.unlock(locked_hashes)
+
+    def flush(self) -> int:
+        """Drop every unlocked radix node and every session entry. Returns pages freed."""
+        return self.sessions.clear() + self.radix.clear()
+
+    # ---------------------------------------------------------------- introspection
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def check_integrity(self, seq_pages: Sequence[Sequence[int]] = ()) -> None:
+        """With the page tables of all live sequences, check every page reference is accounted for."""
+        holders: dict[int, int] = {}
+        for p in [*self.radix.pages(), *(p for e in self.sessions.entries() for p in e.pages), *self._pending_copy_src]:
+            holders[p] = holders.get(p, 0) + 1
+        for table in seq_pages:
+            for p in table:
+                holders[p] = holders.get(p, 0) + 1
+        self.allocator.check_integrity(holders)
+        self.radix.check_integrity()
+        self.sessions.check_integrity(self.page_size)

@@ -1,0 +1,200 @@
+"""Continuous batching with chunked prefill (pure Python, no torch).
+
+Design NOTE. Every ``schedule()`` builds one flat batch under two limits: ``max_num_batched_tokens`` new
+tokens and ``max_num_seqs`` running sequences.
+
+1. Decodes first: each running sequence with exactly one uncomputed token (its last sampled token) gets
+   one token, oldest first. If it needs a new page and none is free, the block manager evicts cache
+   entries (radix leaves, then session entries, LRU); if that is not enough the *newest* running sequence
+   is preempted (pages released without caching, requeued at the head of the waiting queue, recomputed
+   later: its prompt + generated tokens are prefilled again, which yields the next token exactly as a
+   decode would).
+2. Then prefill chunks: running sequences with a partial prefill continue, then waiting sequences are
+   admitted FCFS. Admission is check-then-commit against the block manager: prefix match (session entry or
+   radix), pages for the whole remaining prompt (evicting caches if needed, never preempting), then
+   commit. A sequence whose prefill does not fit the remaining token budget gets a chunk and continues
+   next step. No admission happens in a step that preempted.
+
+``schedule()`` advances ``num_computed_tokens`` of the scheduled sequences (the executor runs exactly what
+was scheduled); the caller appends the sampled token of every entry with ``sample=True`` and ends
+sequences with ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.kv.manager import CopyOp, KVManager
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # num_computed_tokens before this step (position of the first new token)
+    num_new_tokens: int
+    sample: bool  # this step computes the last uncomputed token: sample the next one
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
+    copies: list[CopyOp] = field(default_factory=list)  # copy-on-write to run before the forward
+    preempted: list[str] = field(default_factory=list)  # request ids
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def summary(self) -> list[tuple[str, int]]:
+        """``(request_id, num_new_tokens)`` per scheduled sequence, in batch order (for tests and logs)."""
+        return [(s.seq.request_id, s.num_new_tokens) for s in self.scheduled]
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, *, max_num_seqs: int = 32, max_num_batched_tokens: int = 512) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- intake
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        self.kv.finish_copies()  # the previous step's copies have run
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. decodes, oldest first
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1 or seq.num_computed_tokens == 0:
+                continue
+            if not self._reserve_decode_page(seq, out):
+                continue  # seq itself was preempted
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+            seq.num_computed_tokens += 1
+            scheduled.add(id(seq))
+            budget -= 1
+
+        # 2a. running sequences in the middle of a chunked prefill
+        for seq in self.running:
+            if budget == 0:
+                break
+            if id(seq) in scheduled or seq.num_uncomputed == 0:
+                continue
+            budget -= self._schedule_chunk(seq, budget, out)
+
+        # 2b. admissions, FCFS
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            if not self._admit(seq, out):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= self._schedule_chunk(seq, budget, out)
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        n = min(seq.num_uncomputed, budget)
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        out.scheduled.append(ScheduledSeq(seq, start, n, seq.num_uncomputed == 0))
+        return n
+
+    def _reserve_decode_page(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make sure ``seq`` has a slot for its next token: evict caches, then preempt newest sequences.
+        Returns False when ``seq`` itself had to be preempted."""
+        kv = self.kv
+        while not kv.can_append(len(seq.pages), seq.num_tokens):
+            if kv.ensure_free(1):
+                break
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        kv.append(seq.pages, seq.num_tokens)
+        return True
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        kv = self.kv
+        kv.extend_hashes(seq.hashes, seq.token_ids)
+        match = kv.match_prefix(seq.token_ids, seq.hashes, seq.session_id)
+        need = kv.pages_needed(match, seq.num_tokens)
+        if not kv.can_allocate(need):
+            protect_sid = seq.session_id if match.from_session else ""
+            if not kv.ensure_free(need, match, protect_sid):
+                return False
+        alloc = kv.admit(match, seq.num_tokens, seq.session_id, seq.num_prompt_tokens)
+        seq.pages = alloc.pages
+        seq.locked_hashes = alloc.locked_hashes
+        seq.num_computed_tokens = alloc.num_cached_tokens
+        seq.num_cached_tokens = min(alloc.num_cached_tokens, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        out.copies += alloc.copies
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.pages, seq.locked_hashes, cache=False)
+        seq.pages = []
+        seq.locked_hashes = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+
+    # ---------------------------------------------------------------- endings
+    def finish(self, seq: Sequence, cache: bool = True) -> None:
+        """End a running or waiting sequence: release its pages (full pages into the radix cache and a
+        session entry when ``cache``), mark it finished."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.release(
+                seq.pages, seq.locked_hashes, seq.token_ids, seq.num_computed_tokens, seq.hashes,
+                seq.session_id, cache=cache,
+            )
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.pages = []
+        seq.locked_hashes = []
+        seq.status = SequenceStatus.FINISHED
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity([s.pages for s in self.running])
+        for s in self.running:
+            need = -(-s.num_computed_tokens // self.kv.page_size)
+            assert len(s.pages) >= need, f"{s.request_id}: {len(s.pages)} pages for {s.num_computed_tokens} computed"
+        for s in self.waiting:
+            assert not s.pages, f"waiting {s.request_id} holds pages"
