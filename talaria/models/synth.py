@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,8 +157,10 @@ def build_corpus() -> list[str]:
         for attr in sorted(vars(mod)):
             if attr.startswith("_"):
                 continue
-            obj = getattr(mod, attr)
-            doc = getattr(obj, "__doc__", None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated aliases such as typing.io
+                obj = getattr(mod, attr)
+                doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str) and doc.strip() and getattr(obj, "__module__", None) == mod.__name__:
                 chunks.append(inspect.cleandoc(doc))
     for name in _CORPUS_SOURCE_MODULES:
@@ -226,19 +229,23 @@ def tensor_shapes(spec: ModelSpec, vocab_size: int = VOCAB_SIZE) -> list[tuple[s
 
 
 _STD = {"embed": 0.5, "qk": 0.08, "linear": 0.02, "bias": 0.02, "head": 0.05}
+# With tied embeddings a large embedding scale makes every token predict itself (logits = E . norm(e));
+# keep the embedding small there and the layers' (token- and context-dependent) updates larger.
+_TIED_STD = {**_STD, "embed": 0.02, "linear": 0.05}
 
 
 def make_weights(spec: ModelSpec, seed: int, vocab_size: int = VOCAB_SIZE) -> dict[str, Any]:
     import torch
 
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % (2**63))
+    stds = _TIED_STD if spec.tie_word_embeddings else _STD
     tensors = {}
     for name, shape, kind in tensor_shapes(spec, vocab_size):
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "norm":
             t = 1.0 + 0.1 * t
         else:
-            t = t * _STD[kind]
+            t = t * stds[kind]
         tensors[name] = t.contiguous()
     return tensors
 
