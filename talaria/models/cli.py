@@ -1,0 +1,57 @@
+"""``talaria models ...`` subcommands; the main CLI calls :func:`add_cli` with its subparsers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from .synth import synthesize
+
+    paths = synthesize(args.out, seed=args.seed, names=args.only or None)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from .synth import MODEL_SPECS
+
+    for name, s in MODEL_SPECS.items():
+        print(
+            f"{name:<14} {s.architecture:<20} layers={s.num_hidden_layers} hidden={s.hidden_size} "
+            f"heads={s.num_attention_heads}/{s.num_key_value_heads} head_dim={s.hd}  {s.description}"
+        )
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``models synth --out DIR [--seed N] [--only NAME ...]`` and ``models list``.
+
+    Each leaf parser sets ``func`` (``func(args) -> int`` exit code) via ``set_defaults``.
+    """
+    models = subparsers.add_parser("models", help="synthesize / list small test checkpoints")
+    sub = models.add_subparsers(dest="models_command", required=True)
+
+    synth = sub.add_parser("synth", help="write small random-weight HF checkpoints with a trained BPE tokenizer")
+    synth.add_argument("--out", required=True, help="output directory (one subdirectory per model)")
+    synth.add_argument("--seed", type=int, default=0, help="weights seed (same seed => identical files)")
+    synth.add_argument("--only", nargs="+", metavar="NAME", help="synthesize only these models")
+    synth.set_defaults(func=_cmd_synth)
+
+    lst = sub.add_parser("list", help="list the models the synthesizer knows")
+    lst.set_defaults(func=_cmd_list)
+    return models
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m talaria.models.cli``), for use before the main CLI exists."""
+    parser = argparse.ArgumentParser(prog="talaria")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
