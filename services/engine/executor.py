@@ -1,0 +1,416 @@
+"""The executor core of one engine instance: scheduler + paged KV pool + model + sampler + detokenizer.
+
+Design: ``step()`` is the whole engine loop (as in nano-vllm / SGLang's offline Engine): drain the intake
+(requests and aborts queued by other threads under a lock), ``schedule()`` one flat batch (decodes first,
+then chunked prefills; see scheduler.py), run the copy-on-write page copies it asks for, one model forward,
+sample the sequences whose last uncomputed token was computed, and postprocess (append the token,
+incremental detokenization, stop tokens/strings, EOS, max_tokens; on finish release the pages: full pages
+into the radix cache, committed tokens + pages into the session cache when the request has a session).
+
+Cached prefix pages are never recomputed: the first computed token of an admitted request is its first
+non-cached token; when the whole prompt is cached the last prompt token is recomputed into a private page
+(the block manager copies the shared page's rows first), so no request ever writes into a page it shares.
+
+Threads: ``add_request``/``abort``/``stats``/``session_info``/``has_unfinished`` may be called from any
+thread; ``step``/``generate``/``flush_cache`` serialize on a step lock. ``stats``/``session_info`` read a
+snapshot refreshed after every step, so they never wait for a forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.kv.manager import KVManager, cdiv
+from services.engine.model.batch import AttnBatch
+from services.engine.model.loader import allocate_kv_cache, load_model
+from services.engine.sampling import Sampler
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.sequence import Sequence
+from services.engine.tokenizer import IncrementalDecoder, Tokenizer
+from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+from talaria.hashing import model_salt, page_hashes
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses at intake."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    pass
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+            f"exceeds the context limit of {max_context} tokens"
+        )
+
+
+class InvalidSamplingError(InvalidRequestError):
+    pass
+
+
+class DuplicateRequestError(InvalidRequestError):
+    pass
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per-request output state kept by the executor (the scheduler owns the Sequence)."""
+
+    seq: Sequence
+    decoder: IncrementalDecoder
+    text: str = ""  # generated text decoded so far (truncated at a stop string)
+    released: int = 0  # chars of ``text`` already returned
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        session_cache_entries: int = 256,
+        session_cache_pages: int | None = None,
+        model_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_id = model_id or self.model_dir.name
+        self.device = torch.device(device)
+        self.model, self.config = load_model(self.model_dir, device=self.device, dtype=dtype)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.vocab_size = self.config.vocab_size
+        self.page_size = page_size
+        cfg = self.config
+        if num_pages is None:
+            page_bytes = 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+            num_pages = budget // page_bytes
+            if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
+                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.max_position_embeddings, page_size))
+        if num_pages < 1:
+            raise ValueError(f"KV pool too small: {num_pages} pages")
+        self.num_pages = int(num_pages)
+        self.kv_cache = allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
+        self.max_context = min(cfg.max_position_embeddings, self.num_pages * page_size)
+        self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
+        self.salt = model_salt(self.model_id)
+        self.kv = KVManager(
+            self.num_pages, page_size, salt=self.salt, clock=clock,
+            session_entries=session_cache_entries, session_max_pages=session_cache_pages,
+        )
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.sampler = Sampler(self.device)
+        self._clock = clock
+
+        self._intake_lock = threading.Lock()
+        self._pending: list[EngineRequest] = []
+        self._pending_aborts: list[str] = []
+        self._live_ids: set[str] = set()  # queued or in flight (guarded by _intake_lock)
+        self._step_lock = threading.RLock()
+        self._requests: dict[str, _RequestState] = {}
+        self._session_info: dict[str, dict[str, Any]] = {}
+        self._gen_ids = itertools.count()
+        self.num_tokens_generated = 0
+        self.num_steps = 0
+        self._prefill_per_token = 0.0
+        self._decode_step = 0.0
+        self._snapshot: dict[str, Any] = {}
+        self._refresh_snapshot()
+
+    # ------------------------------------------------------------------ intake (any thread)
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue ``req``; it is admitted at the next ``step()``. Raises InvalidRequestError."""
+        sp = req.sampling
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise EmptyPromptError(f"request {req.request_id!r}: empty prompt")
+        if sp.max_tokens < 1:
+            raise InvalidSamplingError(f"request {req.request_id!r}: max_tokens must be >= 1, got {sp.max_tokens}")
+        if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
+            raise InvalidSamplingError(
+                f"request {req.request_id!r}: invalid sampling (temperature={sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k})"
+            )
+        if n + sp.max_tokens > self.max_context:
+            raise ContextLengthError(n, sp.max_tokens, self.max_context)
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"request {req.request_id!r}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        with self._intake_lock:
+            if req.request_id in self._live_ids:
+                raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
+            self._live_ids.add(req.request_id)
+            self._pending.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a queued or running request; its final output (``ABORT``) comes from the next step."""
+        with self._intake_lock:
+            if request_id in self._live_ids:
+                self._pending_aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._intake_lock:
+            return bool(self._live_ids)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            outputs = self._drain_intake()
+            sched = self.scheduler.schedule()
+            if not sched.is_empty:
+                t0 = time.perf_counter()
+                sampled = self._execute(sched)
+                self._record_timing(sched, time.perf_counter() - t0)
+                outputs += self._postprocess(sched, sampled)
+            self.num_steps += 1
+            self._refresh_snapshot()
+            return outputs
+
+    def generate(
+        self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Run the given prompts to completion (with anything else in flight) and return their tokens."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts_token_ids)
+        if len(params) != len(prompts_token_ids):
+            raise ValueError("one SamplingParams per prompt")
+        ids = [f"generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
+        for rid, prompt, sp in zip(ids, prompts_token_ids, params):
+            self.add_request(EngineRequest(rid, list(prompt), sp))
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ intake drain
+    def _drain_intake(self) -> list[RequestOutput]:
+        with self._intake_lock:
+            new, self._pending = self._pending, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        for req in new:
+            seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
+            dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
+            self._requests[req.request_id] = _RequestState(seq, dec)
+            self.sampler.add(req.request_id, req.sampling)
+            self.scheduler.add(seq)
+        outputs = []
+        for rid in aborts:
+            st = self._requests.get(rid)
+            if st is not None and not st.finished:
+                outputs.append(self._finish(st, FinishReason.ABORT, [], ""))
+        return outputs
+
+    # ------------------------------------------------------------------ forward
+    def _execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run copies + one forward; returns the sampled token per ``sample`` entry, in batch order."""
+        P = self.page_size
+        kv = self.kv_cache
+        for op in sched.copies:
+            s, d = op.src * P, op.dst * P
+            for layer in range(len(kv.k)):
+                kv.k[layer][d : d + op.num_rows].copy_(kv.k[layer][s : s + op.num_rows])
+                kv.v[layer][d : d + op.num_rows].copy_(kv.v[layer][s : s + op.num_rows])
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q = [0]
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        for sc in sched.scheduled:
+            seq, start, end = sc.seq, sc.start, sc.start + sc.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.pages[p // P] * P + p % P for p in range(start, end)]
+            cu_q.append(len(input_ids))
+            context_lens.append(end)
+            block_tables.append(seq.pages[: cdiv(end, P)])
+        dev = self.device
+        batch = AttnBatch(cu_q, context_lens, block_tables, torch.tensor(slots, dtype=torch.int64, device=dev))
+        rows = [i for i, sc in enumerate(sched.scheduled) if sc.sample]
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
+                batch,
+                kv,
+            )
+            if not rows:
+                return []
+            last = batch.last_token_indices()
+            idx = torch.tensor([last[i] for i in rows], dtype=torch.int64, device=dev)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            seqs = [sched.scheduled[i].seq for i in rows]
+            return self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs])
+
+    # ------------------------------------------------------------------ postprocess
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        seqs = [sc.seq for sc in sched.scheduled if sc.sample]
+        for seq, tok in zip(seqs, sampled):
+            st = self._requests[seq.request_id]
+            sp = seq.sampling
+            seq.append_token(tok)
+            self.num_tokens_generated += 1
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+                outputs.append(self._finish(st, FinishReason.STOP, [tok], self._release_text(st, st.decoder.flush(), final=True)[0]))
+                continue
+            text, hit_stop = self._release_text(st, st.decoder.step([tok]), final=False)
+            if hit_stop:
+                outputs.append(self._finish(st, FinishReason.STOP, [tok], text))
+            elif seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
+                more, hit_stop = self._release_text(st, st.decoder.flush(), final=True)
+                reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
+                outputs.append(self._finish(st, reason, [tok], text + more))
+            else:
+                outputs.append(RequestOutput(seq.request_id, [tok], text))
+        return outputs
+
+    def _release_text(self, st: _RequestState, delta: str, final: bool) -> tuple[str, bool]:
+        """Add ``delta`` to the request's text; return (text that can be released now, stop string hit).
+
+        Text that could be the beginning of a stop string is held back unless ``final``; on a stop string
+        the text is truncated before it and the rest is dropped."""
+        stops = st.seq.sampling.stop
+        st.text += delta
+        text = st.text
+        if stops:
+            longest = max(len(s) for s in stops)
+            search_from = max(0, st.released - longest + 1)
+            hits = [i for i in (text.find(s, search_from) for s in stops if s) if i >= 0]
+            if hits:
+                cut = max(min(hits), st.released)
+                st.text = text[:cut]
+                out = text[st.released : cut]
+                st.released = cut
+                return out, True
+            if not final:
+                hold = 0
+                for s in stops:
+                    for k in range(min(len(s) - 1, len(text) - st.released), hold, -1):
+                        if text.endswith(s[:k]):
+                            hold = k
+                            break
+                out = text[st.released : len(text) - hold]
+                st.released = len(text) - hold
+                return out, False
+        out = text[st.released :]
+        st.released = len(text)
+        return out, False
+
+    def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
+        seq = st.seq
+        st.finished = True
+        self.scheduler.finish(seq, cache=True)
+        if seq.session_id:
+            self._record_session(seq.session_id)
+        self.sampler.remove(seq.request_id)
+        del self._requests[seq.request_id]
+        with self._intake_lock:
+            self._live_ids.discard(seq.request_id)
+        usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens)
+        return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
+
+    def _record_session(self, session_id: str) -> None:
+        entry = self.kv.sessions.peek(session_id)
+        if entry is None:
+            self._session_info.pop(session_id, None)
+            return
+        full = len(entry.token_ids) // self.page_size
+        hs = page_hashes(entry.token_ids[: full * self.page_size], self.page_size, self.salt)
+        self._session_info[session_id] = {
+            "session_id": session_id,
+            "committed_tokens": len(entry.token_ids),
+            "full_pages": full,
+            "last_page_hash": hs[-1] if hs else 0,
+            "num_pages": len(entry.pages),
+            "last_use_unix": time.time(),
+        }
+
+    # ------------------------------------------------------------------ introspection
+    def _record_timing(self, sched: SchedulerOutput, dt: float) -> None:
+        a = 0.2
+        if all(sc.is_decode for sc in sched.scheduled):
+            self._decode_step = dt if not self._decode_step else (1 - a) * self._decode_step + a * dt
+        else:
+            per = dt / max(sched.num_batched_tokens, 1)
+            self._prefill_per_token = per if not self._prefill_per_token else (1 - a) * self._prefill_per_token + a * per
+
+    def _refresh_snapshot(self) -> None:
+        kv = self.kv
+        live = {e.session_id for e in kv.sessions.entries()}
+        for sid in list(self._session_info):
+            if sid not in live:
+                del self._session_info[sid]
+        total, free = kv.num_pages, kv.num_free_pages
+        self._snapshot = {
+            "model_id": self.model_id,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting + len(self._pending),
+            "kv_pages_total": total,
+            "kv_pages_free": free,
+            "kv_pages_used": total - free,
+            "kv_usage": (total - free) / total,
+            "radix_pages": kv.radix.num_pages,
+            "session_pages": kv.sessions.num_pages,
+            "sessions": [dict(v) for v in self._session_info.values()],
+            "prefix_hit_rate": kv.hit_rate,
+            "tokens_generated": self.num_tokens_generated,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "max_context": self.max_context,
+            "profile": {"prefill_per_token": self._prefill_per_token, "decode_step": self._decode_step},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot taken after the latest step (safe from any thread)."""
+        snap = dict(self._snapshot)
+        with self._intake_lock:
+            snap["num_unfinished"] = len(self._live_ids)
+        return snap
+
+    def session_info(self, session_id: str) -> dict[str, Any] | None:
+        """``committed_tokens``, ``full_pages``, ``last_page_hash`` … of the session's cached entry, or None."""
+        for s in self._snapshot.get("sessions", []):
+            if s["session_id"] == session_id:
+                return dict(s)
+        return None
+
+    def flush_cache(self) -> int:
+        """Drop all cached prefixes and session entries not in use. Returns pages freed."""
+        with self._step_lock:
+            freed = self.kv.flush()
+            self._refresh_snapshot()
+            return freed
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def check_integrity(self) -> None:
+        with self._step_lock:
+            self.scheduler.check_integrity()
