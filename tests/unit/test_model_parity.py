@@ -175,3 +175,100 @@ def test_kv_cache_is_one_tensor_with_views(synth_models):
     assert all(t.untyped_storage().data_ptr() == base for t in kv.k + kv.v)
     ptrs = {t.data_ptr() for t in kv.k + kv.v}
     assert len(ptrs) == 2 * cfg.num_hidden_layers
+
+
+# ------------------------------------------------------------------------------------ config / loader
+
+
+def _base_cfg(**over):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 100,
+    }
+    cfg.update(over)
+    return cfg
+
+
+def test_config_parsing_variants():
+    c = ModelConfig.from_dict(_base_cfg(eos_token_id=[5, 7], dtype="bfloat16"))
+    assert c.head_dim == 16 and c.eos_token_id == (5, 7) and c.dtype == "bfloat16" and c.rope_theta == 10000.0
+    c = ModelConfig.from_dict(_base_cfg(eos_token_id=3, torch_dtype="float16", head_dim=32))
+    assert c.head_dim == 32 and c.eos_token_id == (3,) and c.dtype == "float16"
+    # transformers-5 style rope_parameters
+    c = ModelConfig.from_dict(_base_cfg(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    assert c.rope_theta == 5e5 and c.rope_scaling.rope_type == "llama3" and c.rope_scaling.factor == 8.0
+    c = ModelConfig.from_dict(_base_cfg(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 4.0}))
+    assert c.rope_theta == 1e6 and c.rope_scaling.rope_type == "linear"
+    c = ModelConfig.from_dict(_base_cfg(architectures=["Qwen2ForCausalLM"], model_type="qwen2"))
+    assert c.qkv_bias and not c.o_bias and not c.qk_norm
+    c = ModelConfig.from_dict(_base_cfg(architectures=["Qwen3ForCausalLM"], model_type="qwen3"))
+    assert c.qk_norm and not c.qkv_bias
+
+
+def test_config_rejects_unsupported():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_dict(_base_cfg(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_dict(_base_cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        ModelConfig.from_dict(_base_cfg(rope_scaling={"rope_type": "llama3", "factor": 4.0}))
+
+
+def _copy_ckpt(src, dst, edit):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_loader_errors_name_the_tensor(synth_models, tmp_path):
+    src = synth_models["tiny-llama"]
+    d = _copy_ckpt(src, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(d)
+    d = _copy_ckpt(src, tmp_path / "extra", lambda t: t.update({"model.layers.9.foo": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"unexpected.*model\.layers\.9\.foo"):
+        load_model(d)
+
+    def bad_shape(t):
+        t["model.norm.weight"] = torch.ones(7)
+
+    d = _copy_ckpt(src, tmp_path / "shape", bad_shape)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(7,\)"):
+        load_model(d)
+
+
+def test_loader_sharded_and_tied(synth_models, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = synth_models["tiny-qwen2"]  # tied embeddings: no lm_head.weight in the file
+    d = tmp_path / "sharded"
+    shutil.copytree(src, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(d / fname))
+        weight_map.update({k: fname for k in keys})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model, cfg = load_model(d)
+    ref, _ = load_model(src)
+    assert cfg.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    bf, _ = load_model(src, dtype=torch.bfloat16)
+    assert bf.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -122,3 +122,14 @@ def test_fallback_chatml_template_and_jinja_file(synth_models, tmp_path):
     )
     (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
     assert Tokenizer.from_dir(d).render_chat_template([{"role": "user", "content": "x"}]) == "[user]"
+
+
+def test_matches_transformers_tokenizer(tok, synth_models):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(synth_models["tiny-llama"]))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂 你好"}]
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    assert tok.apply_chat_template(msgs) == list(ref)
+    for text in TEXTS:
+        assert tok.encode(text) == hf.encode(text)
