@@ -27,8 +27,10 @@ def _say(msg: str) -> None:
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], env: dict, ready_marker: str):
+    def __init__(self, name: str, cmd: list[str], env: dict, ready_marker: str, echo: bool = True):
         self.name = name
+        self.echo = echo
+        self.log: list[str] = []
         self.ready = threading.Event()
         self.ready_line = ""
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1)
@@ -39,7 +41,10 @@ class Child:
         assert self.proc.stdout
         for line in self.proc.stdout:
             line = line.rstrip()
-            print(f"[{self.name}] {line}", flush=True)
+            self.log.append(line)
+            del self.log[:-500]
+            if self.echo:
+                print(f"[{self.name}] {line}", flush=True)
             if self._marker in line and not self.ready.is_set():
                 self.ready_line = line
                 self.ready.set()
@@ -66,9 +71,126 @@ def _wait_ready(children: list[Child], timeout: float) -> None:
     for c in children:
         while not c.ready.wait(0.1):
             if not c.alive():
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during startup (see its log above)")
+                tail = "\n  ".join(c.log[-20:])
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during startup; last lines:\n  {tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{c.name} did not become ready within {timeout:.0f}s")
+
+
+class LocalStack:
+    """NATS (embedded unless configured), engines and router as child processes of this one.
+
+    Used by ``talaria up``, by the integration tests and by the benchmarks, so all three run the same
+    processes the same way. ``start()`` returns the router's base URL; ``stop()`` stops everything it
+    started and is safe to call twice.
+    """
+
+    def __init__(self, cfg: StackConfig, say=_say, quiet: bool = False):
+        self.cfg = cfg
+        self.say = say
+        self.quiet = quiet
+        self.nats: EmbeddedNats | None = None
+        self.children: dict[str, Child] = {}
+        self.api: str | None = None
+        self.nats_url: str | None = None
+        self._workdir = tempfile.mkdtemp(prefix="talaria-up-")
+        self.cfg_path = Path(self._workdir) / "stack.json"
+
+    def ensure_models(self) -> None:
+        cfg = self.cfg
+        needed = sorted({m for e in cfg.engines for m in e.models})
+        missing = [m for m in needed if not (cfg.model_path(m) / "config.json").exists()]
+        if not missing:
+            return
+        if not cfg.synthesize_models:
+            raise RuntimeError(f"models missing under {cfg.models_dir}: {missing} (synthesize_models is off)")
+        from talaria.models.synth import synthesize
+
+        self.say(f"synthesizing models {missing} into {cfg.models_dir} (seed {cfg.synth_seed}) ...")
+        t0 = time.monotonic()
+        synthesize(Path(cfg.models_dir), seed=cfg.synth_seed, names=missing)
+        self.say(f"models ready in {time.monotonic() - t0:.1f}s")
+
+    def _env(self) -> dict:
+        assert self.nats_url
+        return {**os.environ, "NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
+
+    def start(self, ready_timeout: float = 300.0) -> str:
+        self.ensure_models()
+        url = self.cfg.nats_url()
+        if not url:
+            self.nats = EmbeddedNats(self.cfg.nats.host, self.cfg.nats.port, self.cfg.nats.store_dir)
+            url = self.nats.start()
+            self.say(f"embedded NATS with JetStream at {url}")
+        else:
+            self.say(f"using NATS at {url}")
+        self.nats_url = url
+        self.cfg = self.cfg.model_copy(update={"nats": NatsConfig(**{**self.cfg.nats.model_dump(), "url": url})})
+        dump_config(self.cfg, self.cfg_path)
+        for e in self.cfg.engines:
+            self.start_engine(e.id, wait=False)
+        _wait_ready([self.children[e.id] for e in self.cfg.engines], ready_timeout)
+        self.say(f"starting router {self.cfg.router.id}")
+        router = self._spawn(self.cfg.router.id, ["-m", "services.router", "--config", str(self.cfg_path)], "listening on")
+        _wait_ready([router], ready_timeout)
+        self.api = router.ready_line.rsplit(" ", 1)[-1]
+        return self.api
+
+    def _spawn(self, name: str, args: list[str], marker: str) -> Child:
+        c = Child(name, [sys.executable, *args], self._env(), marker, echo=not self.quiet)
+        self.children[name] = c
+        return c
+
+    def start_engine(self, engine_id: str, wait: bool = True, ready_timeout: float = 300.0) -> Child:
+        """(Re)start one configured engine as a new process."""
+        e = self.cfg.engine(engine_id)
+        old = self.children.get(engine_id)
+        if old is not None and old.alive():
+            raise RuntimeError(f"engine {engine_id} is already running")
+        self.say(f"starting engine {e.id} ({e.pool}, models {e.models}, {e.device})")
+        c = self._spawn(e.id, ["-m", "services.engine", "--config", str(self.cfg_path), "--id", e.id], "serving")
+        if wait:
+            _wait_ready([c], ready_timeout)
+        return c
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one child's process group (tests: a crashed or stopped engine)."""
+        c = self.children[name]
+        try:
+            os.killpg(c.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            c.proc.wait(30)
+
+    def stop(self, grace: float = 30.0) -> None:
+        children = list(self.children.values())
+        for c in reversed(children):
+            c.terminate()
+        deadline = time.monotonic() + grace
+        for c in children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{c.name} did not stop in time; killing it")
+            c.kill()  # also reaps anything left in its process group
+            if c.proc.poll() is None:
+                c.proc.wait(5)
+        self.children.clear()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None, ready_timeout: float = 300.0) -> int:
@@ -77,59 +199,22 @@ def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None,
         updates["models_dir"] = models_dir
     if port is not None:
         updates["router"] = cfg.router.model_copy(update={"port": port})
-    cfg = cfg.model_copy(update=updates)
+    stack = LocalStack(cfg.model_copy(update=updates))
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-
-    needed = sorted({m for e in cfg.engines for m in e.models})
-    missing = [m for m in needed if not (cfg.model_path(m) / "config.json").exists()]
-    if missing:
-        if not cfg.synthesize_models:
-            _say(f"models missing under {cfg.models_dir}: {missing} (synthesize_models is off)")
-            return 2
-        from talaria.models.synth import synthesize
-
-        _say(f"synthesizing models {missing} into {cfg.models_dir} (seed {cfg.synth_seed}) ...")
-        t0 = time.monotonic()
-        synthesize(Path(cfg.models_dir), seed=cfg.synth_seed, names=missing)
-        _say(f"models ready in {time.monotonic() - t0:.1f}s")
-
-    nats_server: EmbeddedNats | None = None
-    children: list[Child] = []
-    workdir = tempfile.mkdtemp(prefix="talaria-up-")
     try:
-        url = cfg.nats_url()
-        if not url:
-            nats_server = EmbeddedNats(cfg.nats.host, cfg.nats.port, cfg.nats.store_dir)
-            url = nats_server.start()
-            _say(f"embedded NATS with JetStream at {url}")
-        else:
-            _say(f"using NATS at {url}")
-        cfg = cfg.model_copy(update={"nats": NatsConfig(**{**cfg.nats.model_dump(), "url": url})})
-        cfg_path = Path(workdir) / "stack.json"
-        dump_config(cfg, cfg_path)
-        env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1"}
-
-        for e in cfg.engines:
-            _say(f"starting engine {e.id} ({e.pool}, models {e.models}, {e.device})")
-            children.append(Child(e.id, [sys.executable, "-m", "services.engine", "--config", str(cfg_path), "--id", e.id], env, "serving"))
-        _wait_ready(children, ready_timeout)
-        _say(f"starting router {cfg.router.id}")
-        router = Child(cfg.router.id, [sys.executable, "-m", "services.router", "--config", str(cfg_path)], env, "listening on")
-        children.append(router)
-        _wait_ready([router], ready_timeout)
-        api = router.ready_line.rsplit(" ", 1)[-1]
-        _say(f"ready: OpenAI API at {api}/v1  (models: {', '.join(needed)}; Ctrl-C to stop)")
-
+        api = stack.start(ready_timeout)
+        models = sorted({m for e in stack.cfg.engines for m in e.models})
+        _say(f"ready: OpenAI API at {api}/v1  (models: {', '.join(models)}; Ctrl-C to stop)")
         reported: set[str] = set()
         while not stop.wait(0.5):
-            for c in children:
+            for c in stack.children.values():
                 if not c.alive() and c.name not in reported:
                     reported.add(c.name)
                     _say(f"{c.name} exited with code {c.proc.returncode}")
-            if not router.alive():
+            if not stack.children[stack.cfg.router.id].alive():
                 _say("router is gone; stopping the stack")
                 return 1
         _say("stopping ...")
@@ -138,15 +223,5 @@ def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None,
         _say(f"error: {e}")
         return 1
     finally:
-        for c in reversed(children):
-            c.terminate()
-        deadline = time.monotonic() + 30
-        for c in children:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _say(f"{c.name} did not stop in time; killing it")
-            c.kill()  # also reaps anything left in its process group
-        if nats_server is not None:
-            nats_server.stop()
+        stack.stop()
         _say("stopped")

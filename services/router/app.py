@@ -63,7 +63,19 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         body = {
             "status": "ok" if ok else "degraded",
             "router": cfg.id,
-            "instances": {i: state.registry.healthy(v) for i, v in state.registry.instances.items()},
+            "instances": {
+                i: {
+                    "healthy": state.registry.healthy(v),
+                    "alive": state.registry.alive(v),
+                    "running": v.snapshot.num_running,
+                    "waiting": v.snapshot.num_waiting,
+                    "inflight_overlay": v.inflight,
+                    "draining": v.snapshot.draining,
+                    "kv_usage": round(v.snapshot.kv_usage, 4),
+                    "models": [m.model for m in v.snapshot.models],
+                }
+                for i, v in state.registry.instances.items()
+            },
             "sessions": len(state.sessions),
             "counters": dict(state.counters),
         }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sets up .venv with the CPU build of PyTorch and Talaria with its test extras; safe to run again.
+# On a CUDA machine set TALARIA_TORCH="torch==2.13.0" plus your index URL instead.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)"; then
+  echo "setup.sh: Python 3.11+ is required" >&2; exit 1
+fi
+# (pip's exit status is kept; only its harmless "Location ... is ignored" warnings are filtered out)
+pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored" >&2); }
+# torch first and pinned: letting a dependency resolve plain "torch" would pull the multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "${TALARIA_TORCH:-torch==2.13.0}"
+pip install -c requirements/constraints.txt -e ".[test]"
+.venv/bin/python -c "import torch, talaria, nats; print('setup.sh: ready (torch', torch.__version__ + ')')"

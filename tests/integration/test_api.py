@@ -1,0 +1,207 @@
+"""End to end through the router's OpenAI API, NATS and real engine processes (official openai client)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import client_for, engine, health, stack_config, start_stack, wait_until
+
+pytestmark = pytest.mark.slow
+
+LLAMA, QWEN = "tiny-llama", "tiny-qwen2"
+
+
+@pytest.fixture(scope="module")
+def stack(models_dir):
+    cfg = stack_config(
+        models_dir,
+        [engine("llama-a", LLAMA), engine("llama-b", LLAMA), engine("qwen-a", QWEN)],
+        max_tokens_limit=512,
+    )
+    s = start_stack(cfg)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(stack):
+    return client_for(stack)
+
+
+def chat(client, content, model=LLAMA, session=None, **kw):
+    headers = {"X-Session-ID": session} if session else None
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": content}] if isinstance(content, str) else content, extra_headers=headers, **kw
+    )
+
+
+def test_models_lists_served_models(client):
+    ids = {m.id for m in client.models.list().data}
+    assert {LLAMA, QWEN} <= ids
+
+
+@pytest.mark.parametrize("model", [LLAMA, QWEN])
+def test_chat_non_stream_and_stream_agree(client, model):
+    raw = chat(client, "Tell me about the weather in Paris.", model=model, max_tokens=16, seed=1)
+    r = raw.parse()
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens > 5
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me about the weather in Paris."}],
+        max_tokens=16,
+        temperature=0,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, reason, usage = [], None, None
+    for ev in stream:
+        if ev.choices:
+            parts.append(ev.choices[0].delta.content or "")
+            reason = ev.choices[0].finish_reason or reason
+        if ev.usage is not None:
+            usage = ev.usage
+    assert "".join(parts) == r.choices[0].message.content
+    assert reason == r.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_stream_and_not(client):
+    r = client.completions.create(model=LLAMA, prompt="def fibonacci(n):", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens >= 1
+    text = "".join(ev.choices[0].text for ev in client.completions.create(model=LLAMA, prompt="def fibonacci(n):", max_tokens=10, temperature=0, stream=True) if ev.choices)
+    assert text == r.choices[0].text
+    # Pre-tokenized prompt.
+    r2 = client.completions.create(model=LLAMA, prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens == 5
+
+
+def test_ignore_eos_fixes_completion_length(client):
+    r = chat(client, "hi", max_tokens=24, extra_body={"ignore_eos": True}).parse()
+    assert r.usage.completion_tokens == 24
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_session_second_call_is_prefix_hit_on_same_instance(client):
+    session = "sess-prefix-1"
+    msgs = [{"role": "system", "content": "You are a careful coding agent. " * 8}, {"role": "user", "content": "List the files in the repository."}]
+    raw1 = chat(client, msgs, session=session, max_tokens=16)
+    r1 = raw1.parse()
+    inst1 = raw1.headers["x-talaria-instance"]
+    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Tool output: setup.py README.md src/"}]
+    raw2 = chat(client, msgs2, session=session, max_tokens=16)
+    r2 = raw2.parse()
+    assert raw2.headers["x-talaria-instance"] == inst1
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0, "second call of a session must reuse the prefix"
+    assert cached >= r1.usage.prompt_tokens - 16  # at least the first prompt, up to page alignment
+    # The `user` field is the fallback session id.
+    r3 = client.chat.completions.create(model=LLAMA, messages=msgs2, max_tokens=4, temperature=0, user=session)
+    assert r3.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_prefix_hit_gives_same_tokens_as_cold_run(client):
+    prompt = "A long shared system prompt about repositories and tests. " * 6
+    cold = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True}).parse()
+    warm = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True}).parse()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def post(stack, path, content, headers=None):
+    return httpx.post(f"{stack.api}{path}", content=content, headers={"content-type": "application/json", **(headers or {})}, timeout=30)
+
+
+def assert_error(resp, status, code=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if code:
+        assert body["error"]["code"] == code
+    assert "Traceback" not in resp.text
+
+
+def test_malformed_json_is_400(stack):
+    assert_error(post(stack, "/v1/chat/completions", b"{not json"), 400, "invalid_json")
+    assert_error(post(stack, "/v1/chat/completions", b"[1,2]"), 400, "invalid_json")
+
+
+def test_missing_and_invalid_fields_are_422(stack):
+    assert_error(post(stack, "/v1/chat/completions", b'{"model": "tiny-llama"}'), 422, "missing_field")
+    r = post(stack, "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 2}')
+    assert_error(r, 422)
+    assert r.json()["error"]["param"] == "n"
+    assert_error(post(stack, "/v1/completions", b'{"model": "tiny-llama", "prompt": ""}'), 422)
+
+
+def test_max_tokens_out_of_range_is_422(client):
+    for bad in (0, -3, 100000):
+        with pytest.raises(openai.UnprocessableEntityError) as ei:
+            chat(client, "hi", max_tokens=bad)
+        assert ei.value.body["param"] == "max_tokens"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as ei:
+        chat(client, "hi", model="no-such-model")
+    assert ei.value.body["code"] == "model_not_found"
+
+
+def test_prompt_over_context_is_413(client, stack):
+    ctx = {m.id: m for m in client.models.list().data}[LLAMA].model_extra["max_model_len"]
+    long = "word " * (ctx + 50)
+    with pytest.raises(openai.APIStatusError) as ei:
+        client.completions.create(model=LLAMA, prompt=long, max_tokens=4)
+    assert ei.value.status_code == 413
+    assert ei.value.body["code"] == "context_length_exceeded"
+
+
+def test_bad_requests_do_not_disturb_a_running_call(client, stack):
+    """A long good call runs while bad ones are rejected; its output equals a quiet run's."""
+    quiet = chat(client, "Write a haiku about rivers.", max_tokens=40, extra_body={"ignore_eos": True}).parse()
+    result = {}
+
+    def good():
+        result["r"] = chat(client, "Write a haiku about rivers.", max_tokens=40, extra_body={"ignore_eos": True}).parse()
+
+    t = threading.Thread(target=good)
+    t.start()
+    for _ in range(5):
+        post(stack, "/v1/chat/completions", b"{oops")
+        post(stack, "/v1/chat/completions", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}')
+    t.join(60)
+    assert result["r"].choices[0].message.content == quiet.choices[0].message.content
+
+
+def test_client_disconnect_mid_stream_cancels_engine_work(client, stack):
+    before = health(stack)["counters"].get("client_disconnect", 0)
+    with httpx.stream(
+        "POST",
+        f"{stack.api}/v1/chat/completions",
+        json={"model": QWEN, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "ignore_eos": True, "stream": True},
+        timeout=30,
+    ) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # The router notices, cancels, and the engine frees the call well before 400 tokens would finish.
+    wait_until(lambda: health(stack)["counters"].get("client_disconnect", 0) > before, timeout=10)
+    wait_until(lambda: health(stack)["instances"]["qwen-a"]["running"] == 0, timeout=10)
+    r = chat(client, "still fine?", model=QWEN).parse()
+    assert r.usage.completion_tokens >= 1
