@@ -33,7 +33,8 @@ def test_same_seed_is_byte_identical_across_processes(synth_models, tmp_path):
         f"synthesize(sys.argv[1], seed=0, names={names!r})"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=REPO,
-                   env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})
+                   env={"PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                        "PATH": "/usr/bin:/bin"})
     root = synth_models["tiny-llama"].parent
     for name in names:
         ours = _hashes(tmp_path / name)
