@@ -75,9 +75,15 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         raise RuntimeError("router needs a NATS server: set nats.url in the config or NATS_URL")
     state = make_state(cfg)
     state.nc = await connect(url, f"router-{cfg.router.id}", cfg.nats)
+    async def on_heartbeat(msg) -> None:
+        state.on_heartbeat(msg.data)
+
+    async def on_completed(msg) -> None:
+        state.on_completed(msg.data)
+
     subs = [
-        await state.nc.subscribe(state.subjects.all_heartbeats(), cb=lambda m: _sync(state.on_heartbeat, m)),
-        await state.nc.subscribe(state.subjects.completed(), cb=lambda m: _sync(state.on_completed, m)),
+        await state.nc.subscribe(state.subjects.all_heartbeats(), cb=on_heartbeat),
+        await state.nc.subscribe(state.subjects.completed(), cb=on_completed),
     ]
     app = create_app(state)
     server = uvicorn.Server(
@@ -105,6 +111,3 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
             await s.unsubscribe()
         await state.nc.drain()
 
-
-async def _sync(fn, msg) -> None:
-    fn(msg.data)
