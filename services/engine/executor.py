@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +66,53 @@ class DuplicateRequestError(InvalidRequestError):
     pass
 
 
+class StopStringBuffer:
+    """Generated text with stop-string handling: ``feed`` returns the text that can be released.
+
+    Text that could be the beginning of a stop string is held back (unless ``final``); when a stop string
+    completes, the text is truncated before it, the rest is dropped and ``hit`` is reported.
+    """
+
+    __slots__ = ("stops", "text", "released")
+
+    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""
+        self.released = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
+        self.text += delta
+        text, start = self.text, self.released
+        if self.stops:
+            longest = max(len(s) for s in self.stops)
+            search_from = max(0, start - longest + 1)
+            hits = [i for i in (text.find(s, search_from) for s in self.stops) if i >= 0]
+            if hits:
+                cut = max(min(hits), start)
+                self.text = text[:cut]
+                self.released = cut
+                return text[start:cut], True
+            if not final:
+                hold = 0
+                for s in self.stops:
+                    for k in range(min(len(s) - 1, len(text) - start), hold, -1):
+                        if text.endswith(s[:k]):
+                            hold = k
+                            break
+                self.released = len(text) - hold
+                return text[start : self.released], False
+        self.released = len(text)
+        return text[start:], False
+
+
 @dataclass(slots=True)
 class _RequestState:
     """Per-request output state kept by the executor (the scheduler owns the Sequence)."""
 
     seq: Sequence
     decoder: IncrementalDecoder
-    text: str = ""  # generated text decoded so far (truncated at a stop string)
-    released: int = 0  # chars of ``text`` already returned
+    text: StopStringBuffer
     finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -216,7 +253,7 @@ class Engine:
         for req in new:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
-            self._requests[req.request_id] = _RequestState(seq, dec)
+            self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling)
             self.scheduler.add(seq)
         outputs = []
@@ -278,50 +315,18 @@ class Engine:
             seq.append_token(tok)
             self.num_tokens_generated += 1
             if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
-                outputs.append(self._finish(st, FinishReason.STOP, [tok], self._release_text(st, st.decoder.flush(), final=True)[0]))
+                outputs.append(self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0]))
                 continue
-            text, hit_stop = self._release_text(st, st.decoder.step([tok]), final=False)
+            text, hit_stop = st.text.feed(st.decoder.step([tok]))
             if hit_stop:
                 outputs.append(self._finish(st, FinishReason.STOP, [tok], text))
             elif seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
-                more, hit_stop = self._release_text(st, st.decoder.flush(), final=True)
+                more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
                 reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
                 outputs.append(self._finish(st, reason, [tok], text + more))
             else:
                 outputs.append(RequestOutput(seq.request_id, [tok], text))
         return outputs
-
-    def _release_text(self, st: _RequestState, delta: str, final: bool) -> tuple[str, bool]:
-        """Add ``delta`` to the request's text; return (text that can be released now, stop string hit).
-
-        Text that could be the beginning of a stop string is held back unless ``final``; on a stop string
-        the text is truncated before it and the rest is dropped."""
-        stops = st.seq.sampling.stop
-        st.text += delta
-        text = st.text
-        if stops:
-            longest = max(len(s) for s in stops)
-            search_from = max(0, st.released - longest + 1)
-            hits = [i for i in (text.find(s, search_from) for s in stops if s) if i >= 0]
-            if hits:
-                cut = max(min(hits), st.released)
-                st.text = text[:cut]
-                out = text[st.released : cut]
-                st.released = cut
-                return out, True
-            if not final:
-                hold = 0
-                for s in stops:
-                    for k in range(min(len(s) - 1, len(text) - st.released), hold, -1):
-                        if text.endswith(s[:k]):
-                            hold = k
-                            break
-                out = text[st.released : len(text) - hold]
-                st.released = len(text) - hold
-                return out, False
-        out = text[st.released :]
-        st.released = len(text)
-        return out, False
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
