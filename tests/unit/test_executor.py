@@ -247,3 +247,29 @@ def test_stop_string_buffer_holds_back_partial_matches():
     b2 = StopStringBuffer(("ab",))
     assert b2.feed("xa", final=True) == ("xa", False)  # final: nothing held back
     assert StopStringBuffer().feed("anything") == ("anything", False)
+
+
+def test_intake_from_another_thread(llama):
+    import threading
+
+    e = make_engine(llama)
+    ps = prompts(e, 6)
+    ref = make_engine(llama).generate(ps, GREEDY)
+
+    def producer():
+        for i, p in enumerate(ps):
+            e.add_request(EngineRequest(f"t{i}", p, GREEDY))
+
+    th = threading.Thread(target=producer)
+    th.start()
+    got: dict[str, list[int]] = {f"t{i}": [] for i in range(len(ps))}
+    done = 0
+    while done < len(ps):
+        for o in e.step():
+            got[o.request_id] += o.new_token_ids
+            done += o.finished
+        e.stats()  # readable at any time
+    th.join()
+    assert [got[f"t{i}"] for i in range(len(ps))] == ref
+    st = e.stats()
+    assert st["tokens_generated"] == len(ps) * GREEDY.max_tokens and st["num_unfinished"] == 0
