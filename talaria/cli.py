@@ -1,4 +1,4 @@
-"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``models``, ``proto``, ``bench``."""
+"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``models``, ``health``, ``proto``, ``bench``."""
 
 from __future__ import annotations
 
@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from talaria.models.cli import add_cli as add_models_cli
 
     add_models_cli(sub)
+    from talaria.health import add_cli as add_health_cli
+
+    add_health_cli(sub)
     try:
         from bench.cli import add_cli as add_bench_cli
     except ImportError:

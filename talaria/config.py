@@ -7,6 +7,7 @@ with the field's path instead of being silently ignored.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tomllib
@@ -66,6 +67,36 @@ class EngineConfig(_Strict):
         return self
 
 
+class PlacementConfig(_Strict):
+    """Router placement (Talaria §3.3, §4.1, Algorithm 1, Eq. 1-2, Appendix E knobs). Times in seconds."""
+
+    policy: Literal["full", "least-pressure", "session-sticky", "round-robin"] = Field(
+        "full", description="full = leases + residency cost ranking; the others are comparison baselines"
+    )
+    lease_ttl_s: float = Field(1.0, ge=0, description="soft-reservation timeout tau; 0 disables leases")
+    lease_store: Literal["jetstream", "memory"] = Field("jetstream", description="jetstream = shared by router replicas")
+    admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")
+    admission_budget_s: float = Field(60.0, gt=0, description="round-admission check: predicted TTFT must stay under this")
+    hbm_reserve_fraction: float = Field(0.0, ge=0, lt=1, description="memory check: KV fraction kept free")
+    running_weight: float = Field(0.5, ge=0, description="queue weight of a running call relative to a waiting one")
+    stale_after_periods: float = Field(2.0, gt=0, description="snapshot older than this many periods: no new non-reserved calls")
+    ewma_alpha: float = Field(0.2, gt=0, le=1, description="weight of the newest sample in the EWMA profiles")
+    control_window_s: float = Field(10.0, gt=0, description="Eq. 2: window over which replica gain is predicted")
+    hbm_price_s_per_gib: float = Field(0.05, ge=0, description="Eq. 2 mu base: latency per GiB of added weights")
+    replica_penalty_s: float = Field(1.0, ge=0, description="Eq. 2 nu: per-replica penalty against transient bursts")
+    model_weights_gib: dict[str, float] = Field(default_factory=dict, description="Eq. 2 delta-W per model (default 1 GiB)")
+    default_prefill_per_token_s: float = Field(2e-4, ge=0)
+    default_decode_step_s: float = Field(0.02, ge=0)
+    default_restore_per_token_s: float = Field(2e-5, ge=0)
+    default_switch_s: float = Field(0.5, ge=0, description="C_act for a resident/staged but inactive model")
+    default_open_s: float = Field(5.0, ge=0, description="C_act for a model that is not resident")
+    overload: Literal["reject", "queue"] = Field("reject", description="no candidate: 429 + Retry-After, or a bounded gateway queue")
+    queue_max: int = Field(64, ge=0, description="gateway queue bound (overload: queue); beyond it 429")
+    queue_timeout_s: float = Field(10.0, gt=0, description="longest wait in the gateway queue before 429")
+    retry_after_s: float = Field(1.0, gt=0, description="minimum Retry-After of a 429")
+    decisions_kept: int = Field(256, ge=0, description="recent decisions (with cost breakdown) kept for /router/decisions")
+
+
 class RouterConfig(_Strict):
     id: str = "router-0"
     host: str = "127.0.0.1"
@@ -76,6 +107,7 @@ class RouterConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="engine aborts a call running longer than this")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(4096, ge=1)
+    placement: PlacementConfig = PlacementConfig()
 
     @field_validator("id")
     @classmethod
@@ -142,10 +174,54 @@ def parse_config(data: dict, source: str = "<config>") -> StackConfig:
         raise ConfigError(_format_validation(e, source)) from None
 
 
+ENV_PREFIX = "TALARIA__"
+
+
+def env_overrides(data: dict, environ=None) -> dict:
+    """Apply ``TALARIA__<FIELD>[__<FIELD>...]=value`` environment variables over a config mapping.
+
+    ``TALARIA__ROUTER__PORT=8001``, ``TALARIA__NATS__PASSWORD=...``, ``TALARIA__MODELS_DIR=/models``: the
+    path is case-insensitive and walks nested sections; a value starting with ``[`` or ``{`` is JSON (e.g.
+    ``TALARIA__ENGINES='[{"id": "e0", "models": ["m"]}]'``), anything else is a string that pydantic
+    coerces (``"8001"`` -> 8001). Containers and Nomad tasks set addresses and secrets this way.
+    Returns a new mapping; ``data`` is not modified.
+    """
+    environ = os.environ if environ is None else environ
+    out = copy.deepcopy(data)
+    for key in sorted(k for k in environ if k.startswith(ENV_PREFIX)):
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        if not path:
+            continue
+        raw = environ[key]
+        try:
+            value = json.loads(raw) if raw[:1] in ("[", "{") else raw
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"cannot parse environment override {key}: {e}") from None
+        node = out
+        for part in path[:-1]:
+            if isinstance(node, list):  # TALARIA__ENGINES__0__DEVICE: index into a list
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"environment override {key}: no list item {part}")
+                node = node[int(part)]
+                continue
+            if not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+            node = node[part]
+        last = path[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(f"environment override {key}: no list item {last}")
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return out
+
+
 def load_config(path: str | os.PathLike | None) -> StackConfig:
-    """Load and validate a config file; ``None`` gives the embedded defaults."""
+    """Load and validate a config file (``None``: the embedded defaults), then ``TALARIA__*`` overrides."""
     if path is None:
-        return StackConfig()
+        data = env_overrides({})
+        return parse_config(data, "<defaults+env>") if data else StackConfig()
     p = Path(path)
     try:
         text = p.read_text()
@@ -164,7 +240,7 @@ def load_config(path: str | os.PathLike | None) -> StackConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config {p} must be a mapping at the top level")
-    return parse_config(data, str(p))
+    return parse_config(env_overrides(data), str(p))
 
 
 def dump_config(cfg: StackConfig, path: str | os.PathLike) -> None:
