@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
 import openai
 import pytest
 
+from talaria.natsutil import connect
+from talaria.subjects import Subjects
+from talaria.v1 import engine_pb2 as pb
 from tests.integration.conftest import client_for, engine, health, stack_config, start_stack, wait_until
 
 pytestmark = pytest.mark.slow
@@ -188,20 +192,33 @@ def test_bad_requests_do_not_disturb_a_running_call(client, stack):
     assert result["r"].choices[0].message.content == quiet.choices[0].message.content
 
 
-def test_client_disconnect_mid_stream_cancels_engine_work(client, stack):
-    before = health(stack)["counters"].get("client_disconnect", 0)
-    with httpx.stream(
-        "POST",
-        f"{stack.api}/v1/chat/completions",
-        json={"model": QWEN, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "ignore_eos": True, "stream": True},
-        timeout=30,
-    ) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in got)
-    # The router notices, cancels, and the engine frees the call well before 400 tokens would finish.
-    wait_until(lambda: health(stack)["counters"].get("client_disconnect", 0) > before, timeout=10)
+async def test_client_disconnect_mid_stream_cancels_engine_work(stack):
+    """The router cancels the engine's work: the call's completion hook says 'abort', not 'length'."""
+    nc = await connect(stack.nats_url, "test-hooks")
+    hooks = await nc.subscribe(Subjects(stack.cfg.namespace).completed())
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream(
+                "POST",
+                f"{stack.api}/v1/chat/completions",
+                json={"model": QWEN, "messages": [{"role": "user", "content": "count"}], "max_tokens": 500, "ignore_eos": True, "stream": True},
+            ) as resp:
+                assert resp.status_code == 200
+                got = []
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        got.append(json.loads(line[6:]))
+                    if len(got) >= 4:
+                        break
+        rid = got[0]["id"].removeprefix("chatcmpl-")
+        while True:
+            hook = pb.CompletionHook.FromString((await hooks.next_msg(15)).data)
+            if hook.request_id == rid:
+                break
+        assert hook.finish_reason == "abort"
+    finally:
+        await nc.close()
+    assert health(stack)["counters"].get("client_disconnect", 0) >= 1
     wait_until(lambda: health(stack)["instances"]["qwen-a"]["running"] == 0, timeout=10)
-    r = chat(client, "still fine?", model=QWEN).parse()
+    r = chat(client_for(stack), "still fine?", model=QWEN).parse()
     assert r.usage.completion_tokens >= 1
