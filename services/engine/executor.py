@@ -29,7 +29,10 @@ from typing import Any
 import torch
 
 from services.engine.kv.manager import KVManager, cdiv
-from services.engine.model.batch import AttnBatch
+from services.engine.kv.allocator import PageAllocator
+from services.engine.model.batch import AttnBatch, KVCache
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -105,6 +108,25 @@ class StopStringBuffer:
         return text[start:], False
 
 
+def validate_request(req: EngineRequest, max_context: int, vocab_size: int) -> None:
+    """Intake checks shared by every executor front (raises InvalidRequestError subclasses)."""
+    sp = req.sampling
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise EmptyPromptError(f"request {req.request_id!r}: empty prompt")
+    if sp.max_tokens < 1:
+        raise InvalidSamplingError(f"request {req.request_id!r}: max_tokens must be >= 1, got {sp.max_tokens}")
+    if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
+        raise InvalidSamplingError(
+            f"request {req.request_id!r}: invalid sampling (temperature={sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k})"
+        )
+    if n + sp.max_tokens > max_context:
+        raise ContextLengthError(n, sp.max_tokens, max_context)
+    bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"request {req.request_id!r}: token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 @dataclass(slots=True)
 class _RequestState:
     """Per-request output state kept by the executor (the scheduler owns the Sequence)."""
@@ -131,16 +153,25 @@ class Engine:
         session_cache_pages: int | None = None,
         model_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        model: tuple[LlamaForCausalLM, ModelConfig] | None = None,
+        kv_cache: KVCache | None = None,
+        tokenizer: Tokenizer | None = None,
+        page_allocator: PageAllocator | None = None,
     ) -> None:
+        # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
+        # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
+        # loading and allocating; ``kv_cache`` then fixes the page count.
         self.model_dir = Path(model_dir)
         self.model_id = model_id or self.model_dir.name
         self.device = torch.device(device)
-        self.model, self.config = load_model(self.model_dir, device=self.device, dtype=dtype)
+        self.model, self.config = model if model is not None else load_model(self.model_dir, device=self.device, dtype=dtype)
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(self.model_dir)
         self.vocab_size = self.config.vocab_size
         self.page_size = page_size
         cfg = self.config
+        if kv_cache is not None:
+            num_pages = kv_cache.k[0].shape[0] // page_size
         if num_pages is None:
             page_bytes = 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
             budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
@@ -150,13 +181,13 @@ class Engine:
         if num_pages < 1:
             raise ValueError(f"KV pool too small: {num_pages} pages")
         self.num_pages = int(num_pages)
-        self.kv_cache = allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
+        self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.max_position_embeddings, self.num_pages * page_size)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
         self.kv = KVManager(
             self.num_pages, page_size, salt=self.salt, clock=clock,
-            session_entries=session_cache_entries, session_max_pages=session_cache_pages,
+            session_entries=session_cache_entries, session_max_pages=session_cache_pages, allocator=page_allocator,
         )
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.sampler = Sampler(self.device)
@@ -180,21 +211,7 @@ class Engine:
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue ``req``; it is admitted at the next ``step()``. Raises InvalidRequestError."""
-        sp = req.sampling
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise EmptyPromptError(f"request {req.request_id!r}: empty prompt")
-        if sp.max_tokens < 1:
-            raise InvalidSamplingError(f"request {req.request_id!r}: max_tokens must be >= 1, got {sp.max_tokens}")
-        if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
-            raise InvalidSamplingError(
-                f"request {req.request_id!r}: invalid sampling (temperature={sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k})"
-            )
-        if n + sp.max_tokens > self.max_context:
-            raise ContextLengthError(n, sp.max_tokens, self.max_context)
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"request {req.request_id!r}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        validate_request(req, self.max_context, self.vocab_size)
         with self._intake_lock:
             if req.request_id in self._live_ids:
                 raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")

@@ -40,6 +40,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session_id: str = ""  # empty => no session cache entry is kept after the call
     arrival_time: float = 0.0
+    model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
 
 
 @dataclass(frozen=True, slots=True)

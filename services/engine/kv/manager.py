@@ -78,12 +78,16 @@ class KVManager:
         clock: Callable[[], float],
         session_entries: int = 256,
         session_max_pages: int | None = None,
+        allocator: PageAllocator | None = None,
     ) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
+        if allocator is not None and allocator.num_pages != num_pages:
+            raise ValueError(f"allocator has {allocator.num_pages} pages, expected {num_pages}")
         self.page_size = page_size
         self.salt = salt
-        self.allocator = PageAllocator(num_pages)
+        # an injected allocator (e.g. the cold pool's staging-aware one) must start empty
+        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
         self.radix = RadixCache(self.allocator, clock)
         self.sessions = SessionCache(self.allocator, clock, session_entries, session_max_pages)
         self._pending_copy_src: list[int] = []

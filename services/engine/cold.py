@@ -1,0 +1,464 @@
+"""Cold-pool executor: several catalog models on one device, one active at a time (Talaria §3.5, §4.2, §4.4).
+
+Each model gets a *shell*: an ordinary :class:`~services.engine.executor.Engine` (scheduler, KV manager,
+sampler, detokenizer — nothing duplicated) whose parameters are views into the arena's weights region and
+whose KV pool is a view of the arena's KV region, with a staging-aware page allocator. Shells are cached
+across switches and reused when the stable-address check passes (``MemorySubstrate``/``SwitchProtocol``
+in ``substrate/switch.py`` do the memory work and time the five phases).
+
+Calls for every loaded model are accepted at any time; those of inactive models wait in per-model queues
+(they hold no pages). Calls of the active model are handed to its shell at once. At each ``step()``:
+
+1. intake (new calls, aborts) is drained;
+2. the switch rule (``IdleSwitchRule`` by default — one small class, replaced by the round scheduler of
+   issue 5) may pick another model: it only switches away from a model with no work, so a switch never
+   interrupts a running sequence;
+3. one step of the active shell;
+4. opportunistic staging of the predicted next model into the KV tail (``predict_next``), a few chunks
+   per step, while the active model serves.
+
+Thread model as in ``Engine``: ``add_request``/``abort``/``stats``/``open_model``-requests are safe from
+any thread; ``step`` (and therefore every switch) runs on the executor thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.executor import DEFAULT_KV_CACHE_BYTES, DuplicateRequestError, Engine, InvalidRequestError, validate_request
+from services.engine.substrate.arena import Arena, align_up
+from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
+from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
+from services.engine.substrate.staging import StagingAwareAllocator
+from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
+from services.engine.tokenizer import Tokenizer
+from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+
+
+class UnknownModelError(InvalidRequestError):
+    """The call names a model this instance does not have loaded."""
+
+
+class ModelBusyError(RuntimeError):
+    """A model cannot be closed while it has unfinished calls."""
+
+
+@dataclass(slots=True)
+class _Shell:
+    engine: Engine
+    addresses: ShellAddresses
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the service needs to accept a call for a model, active or not."""
+
+    model_id: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_context: int
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+
+class ColdEngine:
+    def __init__(
+        self,
+        catalog: dict[str, str | Path],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        page_size: int = 16,
+        arena_bytes: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        runtime_bytes: int = 1 << 20,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        session_cache_entries: int = 256,
+        staging: bool = True,
+        staging_chunks_per_step: int = 8,
+        staging_max_fraction: float = 1.0,
+        initial: str | None = None,
+        rule: IdleSwitchRule | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        before_kv_release: list[Callable[[str], None]] | None = None,
+        max_switch_records: int = 32,
+    ) -> None:
+        if not catalog:
+            raise ValueError("a cold engine needs at least one catalog model")
+        self.catalog = {m: Path(p) for m, p in catalog.items()}
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.page_size = page_size
+        self._engine_kw = dict(
+            device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, session_cache_entries=session_cache_entries, clock=clock,
+        )
+        self.clock = clock
+        self.rule = rule or IdleSwitchRule()
+        self.costs = SwitchCostModel()
+        self.staging_chunks_per_step = staging_chunks_per_step
+        self.bank = WeightBank(chunk_bytes)
+        self._info: dict[str, ModelInfo] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+        for m in self.catalog:
+            self.bank.load(m, self.catalog[m], dtype)
+        if arena_bytes is None:
+            arena_bytes = align_up(max(self.bank[m].nbytes for m in self.catalog)) + kv_cache_bytes + align_up(runtime_bytes)
+        self.arena = Arena(arena_bytes, self.device, runtime_bytes=runtime_bytes)
+        self.substrate = MemorySubstrate(self.arena, self.bank, page_size=page_size, staging=staging, staging_max_fraction=staging_max_fraction)
+        # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
+        self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
+        self.protocol = SwitchProtocol(self.substrate, self, before_kv_release=())
+        self.protocol.before_kv_release = self.before_kv_release  # the same list: callers may append later
+        self._shells: dict[str, _Shell] = {}
+        self._fresh_shell: str | None = None
+        self.loaded: list[str] = []
+        for m in self.catalog:
+            self._open(m)
+        self.active: str | None = None
+        self.previous: str | None = None
+        self.requested: str | None = None
+        self.switch_records: deque[SwitchRecord] = deque(maxlen=max_switch_records)
+        self._unpublished: list[SwitchRecord] = []
+
+        self._intake_lock = threading.Lock()
+        self._pending: list[EngineRequest] = []
+        self._pending_aborts: list[str] = []
+        self._live: dict[str, str] = {}  # request id -> model (queued or in flight)
+        self._queues: dict[str, deque[EngineRequest]] = {m: deque() for m in self.catalog}
+        self._step_lock = threading.RLock()
+        self._gen_ids = itertools.count()
+        self._staging_busy = False
+        self._snapshot: dict[str, Any] = {}
+        first = initial or next(iter(self.catalog))
+        with self._step_lock:
+            self._switch(first, "initial")
+            self._refresh_snapshot()
+
+    # ------------------------------------------------------------------ catalog (open / close)
+    def _open(self, model: str) -> None:
+        if model not in self.catalog:
+            raise UnknownModelError(f"model {model!r} is not in this instance's catalog {sorted(self.catalog)}")
+        e = self.bank.load(model, self.catalog[model], self.dtype)
+        _, g = self.substrate.layout_for(model)  # raises ArenaBudgetError naming the model and bytes
+        if model not in self._tokenizers:
+            self._tokenizers[model] = Tokenizer.from_dir(self.catalog[model])
+        tok = self._tokenizers[model]
+        self._info[model] = ModelInfo(model, tok, e.config.vocab_size, min(e.config.max_position_embeddings, g.num_pages * self.page_size))
+        if model not in self.loaded:
+            self.loaded.append(model)
+
+    def open_model(self, model: str, activate: bool = True) -> None:
+        """Load a catalog model (bank + tokenizer) and, with ``activate``, ask the switch rule for it."""
+        with self._step_lock:
+            self._open(model)
+            self._queues.setdefault(model, deque())
+            if activate and model != self.active:
+                self.requested = model
+            self._refresh_snapshot()
+
+    def close_model(self, model: str) -> None:
+        """Unload a model with no unfinished calls (raises ModelBusyError otherwise)."""
+        with self._step_lock:
+            if model not in self.loaded:
+                return
+            with self._intake_lock:
+                busy = sum(1 for m in self._live.values() if m == model)
+            if busy:
+                raise ModelBusyError(f"model {model!r} has {busy} unfinished calls")
+            self.loaded.remove(model)
+            if self.requested == model:
+                self.requested = None
+            if self.active == model:
+                for barrier in self.before_kv_release:
+                    barrier(model)
+                self.save_teardown(model)
+                self.arena.clear_weights()
+                self.active = None
+            self._shells.pop(model, None)
+            self._info.pop(model, None)
+            self.bank.drop(model)
+            self._refresh_snapshot()
+
+    def info(self, model: str) -> ModelInfo:
+        try:
+            return self._info[model]
+        except KeyError:
+            raise UnknownModelError(f"model {model!r} is not loaded on this instance (loaded: {self.loaded})") from None
+
+    def serves(self, model: str) -> bool:
+        return model in self._info
+
+    # Backend-compatible attributes (the first loaded model's; multi-model callers use ``info(model)``)
+    @property
+    def model_id(self) -> str:
+        return self.active or (self.loaded[0] if self.loaded else "")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.info(self.model_id).tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info(self.model_id).vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.info(self.model_id).max_context
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return self.info(self.model_id).encode_chat(messages, **kwargs)
+
+    # ------------------------------------------------------------------ intake (any thread)
+    def add_request(self, req: EngineRequest) -> None:
+        model = req.model or self.model_id
+        info = self.info(model)
+        validate_request(req, info.max_context, info.vocab_size)
+        req.model = model
+        with self._intake_lock:
+            if req.request_id in self._live:
+                raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
+            self._live[req.request_id] = model
+            self._pending.append(req)
+
+    def abort(self, request_id: str) -> None:
+        with self._intake_lock:
+            if request_id in self._live:
+                self._pending_aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Calls queued or in flight — or background staging work (so a step loop keeps staging)."""
+        with self._intake_lock:
+            if self._live:
+                return True
+        return self._staging_busy
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            outputs = self._drain_intake()
+            target = self.rule.decide(self._view(), self.clock())
+            if target is not None and target != self.active:
+                self._switch(target, "requested" if target == self.requested else "queued")
+            if self.active is not None:
+                eng = self._shells[self.active].engine
+                q = self._queues[self.active]
+                while q:
+                    eng.add_request(q.popleft())
+                if eng.has_unfinished():
+                    outputs += eng.step()
+            for o in outputs:
+                if o.finished:
+                    with self._intake_lock:
+                        self._live.pop(o.request_id, None)
+            self._stage()
+            self._refresh_snapshot()
+            return outputs
+
+    def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts_token_ids)
+        ids = [f"cold-generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
+        for rid, prompt, sp in zip(ids, prompts_token_ids, params):
+            self.add_request(EngineRequest(rid, list(prompt), sp, model=model or self.model_id))
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+    def _drain_intake(self) -> list[RequestOutput]:
+        with self._intake_lock:
+            new, self._pending = self._pending, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        for req in new:
+            self._queues.setdefault(req.model, deque()).append(req)
+        outputs: list[RequestOutput] = []
+        for rid in aborts:
+            hit = None
+            for q in self._queues.values():
+                for r in q:
+                    if r.request_id == rid:
+                        hit = (q, r)
+                        break
+            if hit is not None:
+                hit[0].remove(hit[1])
+                outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit[1].prompt_token_ids), 0, 0)))
+            elif self.active is not None:
+                self._shells[self.active].engine.abort(rid)  # its ABORT output comes from the shell's step
+        return outputs
+
+    def _view(self) -> EngineView:
+        queued = {m: len(q) for m, q in self._queues.items() if q and m != self.active}
+        oldest = {m: q[0].arrival_time for m, q in self._queues.items() if q}
+        busy = False
+        if self.active is not None:
+            busy = bool(self._queues.get(self.active)) or self._shells[self.active].engine.has_unfinished()
+        return EngineView(self.active, busy, queued, oldest, self.requested, self.previous, tuple(self.loaded))
+
+    # ------------------------------------------------------------------ staging
+    def _stage(self) -> None:
+        target = predict_next(self._view(), self.clock())
+        if target is not None:
+            self.substrate.stage(target, self.staging_chunks_per_step)
+        self._staging_busy = self.substrate.staging_pending(target)
+
+    # ------------------------------------------------------------------ the switch (RuntimeHooks)
+    def _switch(self, target: str, reason: str) -> SwitchRecord:
+        if target not in self.loaded:
+            raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
+        src = self.active
+        rec = self.protocol.run(src, target, reason)
+        if src is not None:
+            self.previous = src
+        if self.requested == target:
+            self.requested = None
+        self.costs.observe(rec.path, rec.total_seconds)
+        self.switch_records.append(rec)
+        self._unpublished.append(rec)
+        return rec
+
+    def switch_to(self, model: str, reason: str = "manual") -> SwitchRecord:
+        """Switch now (tests/benchmarks); the active model must have no unfinished work."""
+        with self._step_lock:
+            if self.active is not None and self._view().active_busy:
+                raise ModelBusyError(f"active model {self.active!r} has unfinished work")
+            rec = self._switch(model, reason)
+            self._refresh_snapshot()
+            return rec
+
+    def save_teardown(self, model: str) -> None:
+        """Phase 1: the outgoing model's KV region is released (its caches emptied; the shell is kept)."""
+        sh = self._shells.get(model)
+        if sh is not None:
+            eng = sh.engine
+            assert not eng.has_unfinished(), f"switching away from {model!r} with work in flight"
+            eng.flush_cache()
+        self.substrate.detach()
+
+    def _addresses(self, model: str) -> ShellAddresses:
+        _, g = self.substrate.layout_for(model)
+        a = self.arena.base_addresses()
+        return ShellAddresses(a["weights"], self.arena.base + g.kv_start, a["runtime"], g.num_pages)
+
+    def restore_kv_shell(self, model: str) -> bool:
+        """Phase 3: reuse the cached shell when its KV base address and page count are unchanged."""
+        now = self._addresses(model)
+        sh = self._shells.get(model)
+        if sh is not None and sh.addresses.kv == now.kv and sh.addresses.num_pages == now.num_pages:
+            return True
+        e = self.bank[model]
+        eng = Engine(
+            self.catalog[model], model=(bind_model(e, self.substrate.weights(model)), e.config),
+            kv_cache=self.substrate.kv_cache(model), tokenizer=self._tokenizers[model],
+            page_allocator=StagingAwareAllocator(now.num_pages), model_id=model, **self._engine_kw,
+        )
+        self._shells[model] = _Shell(eng, now)
+        self._fresh_shell = model  # its runtime state was built with it (phase 4 reports a rebuild)
+        return False
+
+    def restore_runtime(self, model: str) -> bool:
+        """Phase 4: reuse parameter views / runtime buffers when the weights and runtime bases match."""
+        sh = self._shells[model]
+        if self._fresh_shell == model:
+            self._fresh_shell = None
+            return False
+        now = self._addresses(model)
+        if sh.addresses.weights == now.weights and sh.addresses.runtime == now.runtime:
+            return True
+        sh.engine.model = bind_model(self.bank[model], self.substrate.weights(model))
+        sh.addresses = now
+        return False
+
+    def publish(self, model: str) -> None:
+        """Phase 5: the new model, allocator and staging area become the active references."""
+        alloc = self._shells[model].engine.kv.allocator
+        assert isinstance(alloc, StagingAwareAllocator)
+        self.substrate.attach(model, alloc)
+        self.active = model
+
+    # ------------------------------------------------------------------ introspection
+    def take_switch_records(self) -> list[SwitchRecord]:
+        """Records not yet handed out (the service publishes them on ``.switch``); any thread."""
+        with self._intake_lock:
+            out, self._unpublished = self._unpublished, []
+        return out
+
+    def _refresh_snapshot(self) -> None:
+        eng = self._shells[self.active].engine if self.active is not None else None
+        st = eng.stats() if eng is not None else {}
+        with self._intake_lock:
+            per_model: dict[str, int] = {}
+            for m in self._live.values():
+                per_model[m] = per_model.get(m, 0) + 1
+        staged = self.substrate.staged_models()
+        models = []
+        for m in self.loaded:
+            running = st.get("num_running", 0) if m == self.active else 0
+            models.append({
+                "model": m, "loaded": True, "active": m == self.active, "staged": m in staged,
+                "max_context": self._info[m].max_context, "num_running": running,
+                "num_waiting": max(per_model.get(m, 0) - running, 0),
+            })
+        snap = dict(st)
+        snap.update({
+            "model_id": self.active or "",
+            "num_running": st.get("num_running", 0),
+            "num_waiting": sum(len(q) for q in self._queues.values()) + st.get("num_waiting", 0),
+            "models": models,
+            "sessions": [dict(s, model=self.active) for s in st.get("sessions", [])],
+            "staging_slack_bytes": self.substrate.slack_bytes(),
+            "switches": [r.to_dict() for r in self.switch_records],
+            "num_switches": self.protocol.seq,
+            "arena_bytes": self.arena.capacity,
+        })
+        prof = dict(st.get("profile") or {})
+        prof["switch_by_path"] = dict(self.costs.by_path)
+        snap["profile"] = prof
+        self._snapshot = snap
+
+    def stats(self) -> dict[str, Any]:
+        snap = dict(self._snapshot)
+        with self._intake_lock:
+            snap["num_unfinished"] = len(self._live)
+        return snap
+
+    def session_info(self, session_id: str) -> dict[str, Any] | None:
+        for s in self._snapshot.get("sessions", []):
+            if s["session_id"] == session_id:
+                return dict(s)
+        return None
+
+    def flush_cache(self) -> int:
+        with self._step_lock:
+            freed = self._shells[self.active].engine.flush_cache() if self.active is not None else 0
+            self._refresh_snapshot()
+            return freed
+
+    def check_integrity(self) -> None:
+        with self._step_lock:
+            self.arena.check()
+            if self.active is not None:
+                eng = self._shells[self.active].engine
+                eng.check_integrity()
+                if self.substrate.area is not None:
+                    self.substrate.area.check(eng.kv.allocator.is_used)
+
+    def shell(self, model: str) -> Engine | None:
+        sh = self._shells.get(model)
+        return sh.engine if sh is not None else None
