@@ -67,7 +67,18 @@ def cmd_engine(args) -> int:
     return _run_until_signal(lambda stop: run_engine(cfg, ecfg, url, stop))
 
 
+def cmd_kvstore(args) -> int:
+    cfg = _load(args).kvstore
+    over = {k: v for k, v in (("host", args.host), ("port", args.port), ("capacity_mb", args.capacity_mb)) if v is not None}
+    if over:
+        cfg = cfg.model_copy(update=over)
+    from services.kvstore.main import run_kvstore
+
+    return run_kvstore(cfg)
+
+
 def cmd_up(args) -> int:
+
     from talaria.up import up
 
     cfg = _load(args)
@@ -101,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--config")
     e.add_argument("--id", required=True, help="engine id from the config")
     e.set_defaults(fn=cmd_engine)
+
+    kv = sub.add_parser("kvstore", help="run the node's host KV store (gRPC control, Mooncake data plane)")
+    kv.add_argument("--config")
+    kv.add_argument("--host")
+    kv.add_argument("--port", type=int)
+    kv.add_argument("--capacity-mb", type=int)
+    kv.set_defaults(fn=cmd_kvstore)
+
 
     pr = sub.add_parser("proto", help="wire contracts")
     prs = pr.add_subparsers(dest="proto_cmd", required=True)

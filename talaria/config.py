@@ -54,11 +54,13 @@ class EngineConfig(_Strict):
     heartbeat_period_s: float = Field(0.5, gt=0)
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     torch_threads: int | None = Field(None, ge=1)
+    host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
 
     @field_validator("id")
     @classmethod
     def _id_token(cls, v: str) -> str:
         return check_token(v, "engine id")
+
 
     @model_validator(mode="after")
     def _hot_pins_one(self) -> "EngineConfig":
@@ -115,13 +117,36 @@ class RouterConfig(_Strict):
         return check_token(v, "router id")
 
 
+class KvStoreConfig(_Strict):
+    """The node's host KV store (services/kvstore): gRPC control API, Mooncake data plane, host slab pool."""
+
+    enabled: bool = Field(True, description="`talaria up` starts a kvstore and engines with host_kv use it")
+    host: str = Field("127.0.0.1", description="gRPC bind address (and the address engines dial)")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one (`talaria up` passes it on)")
+    data_host: str = Field("127.0.0.1", description="address the Mooncake transfer engine advertises")
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    capacity_mb: int = Field(1024, ge=1, description="host memory of the slab pool")
+    slab_kb: int = Field(32, ge=1, description="slab size; a page takes ceil(page_bytes / slab) slabs")
+    eviction: Literal["lru", "value_per_byte"] = "value_per_byte"
+    lease_s: float = Field(30.0, gt=0, description="a transfer pin not released within this is dropped")
+    max_request_pages: int = Field(65536, ge=1, description="hashes per Reserve/Lookup beyond which RESOURCE_EXHAUSTED")
+    max_message_mb: int = Field(4, ge=1, description="gRPC message size limit")
+    rpc_timeout_s: float = Field(2.0, gt=0, description="engine-side deadline of one control call")
+    retry_after_s: float = Field(2.0, gt=0, description="engine waits this long after a failure before using the store again")
+    restore_per_token_s: float = Field(2e-6, ge=0, description="prior restore cost until the engine has measured one")
+    stats_log_s: float = Field(30.0, ge=0, description="log occupancy/hits/bytes every this many seconds; 0 = never")
+
+
 class StackConfig(_Strict):
     namespace: str = "talaria"
+
     models_dir: str = ".talaria/models"
     synthesize_models: bool = Field(True, description="`talaria up` synthesizes missing catalog models")
     synth_seed: int = 0
     nats: NatsConfig = NatsConfig()
     router: RouterConfig = RouterConfig()
+    kvstore: KvStoreConfig = KvStoreConfig()
+
     engines: list[EngineConfig] = Field(
         default_factory=lambda: [
             EngineConfig(id="engine-0", models=["tiny-llama"]),

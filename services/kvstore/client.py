@@ -1,0 +1,106 @@
+"""Client of one kvstore: gRPC control calls with deadlines, and the Mooncake byte moves they describe.
+
+Used by the engine's host tier and by the benchmark. Every control call has a deadline
+(``timeout_s``), so a dead or hung store costs at most that long and surfaces as
+:class:`StoreUnavailable`; the caller decides what to do (the engine recomputes).
+
+Byte moves: a checkpoint gathers pages into a registered local staging buffer and ``write_pages``
+pushes them into the blocks a ``reserve`` returned; a restore ``read_pages`` pulls the blocks of a
+pinned ``lookup`` into staging. Page ``j`` of a call lives at ``local_base + j * page_bytes``; adjacent
+pages and adjacent slabs coalesce into one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.kvstore.registry import Layout
+from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
+from services.kvstore.wire import layout_to_pb
+from talaria.v1 import kvstore_pb2 as pb
+from talaria.v1 import kvstore_pb2_grpc as pbg
+
+
+class StoreUnavailable(RuntimeError):
+    """The store did not answer (down, restarting, deadline passed) or a transfer to it failed."""
+
+
+class KvStoreClient:
+    def __init__(self, address: str, *, timeout_s: float = 2.0, max_message_mb: int = 4) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        limit = max_message_mb * 1024 * 1024
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        )
+        self._stub = pbg.KvStoreStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, fn, req):
+        try:
+            return fn(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise ValueError(f"kvstore refused the request: {code.name}: {e.details()}") from None
+            raise StoreUnavailable(f"kvstore at {self.address}: {code.name if code else e}") from None
+
+    # ---------------------------------------------------------------- control
+    def healthy(self) -> bool:
+        try:
+            r = self._health.Check(health_pb2.HealthCheckRequest(service="talaria.v1.KvStore"), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def reserve(self, layout: Layout, hashes: Sequence[int], lease_s: float = 0.0, owner: str = "") -> pb.ReserveReply:
+        return self._call(self._stub.Reserve, pb.ReserveRequest(layout=layout_to_pb(layout), hashes=list(hashes), lease_s=lease_s, owner=owner))
+
+    def commit(self, lease_id: int, block_ids: Sequence[int], abort: bool = False) -> pb.CommitReply:
+        return self._call(self._stub.Commit, pb.CommitRequest(lease_id=lease_id, block_ids=list(block_ids), abort=abort))
+
+    def lookup(self, layout: Layout, hashes: Sequence[int], pin: bool = False, lease_s: float = 0.0) -> pb.LookupReply:
+        return self._call(self._stub.Lookup, pb.LookupRequest(layout=layout_to_pb(layout), hashes=list(hashes), pin=pin, lease_s=lease_s))
+
+    def pin(self, block_ids: Sequence[int], lease_s: float = 0.0) -> pb.PinReply:
+        return self._call(self._stub.Pin, pb.PinRequest(block_ids=list(block_ids), lease_s=lease_s))
+
+    def unpin(self, lease_id: int, read_complete: bool = False) -> pb.UnpinReply:
+        return self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id, read_complete=read_complete))
+
+    def release(self, model: str, tp_rank: int = 0, hashes: Sequence[int] = (), all_of_model: bool = False) -> pb.ReleaseReply:
+        return self._call(self._stub.Release, pb.ReleaseRequest(model=model, tp_rank=tp_rank, hashes=list(hashes), all_of_model=all_of_model))
+
+    def stats(self) -> pb.StatsReply:
+        return self._call(self._stub.Stats, pb.StatsRequest())
+
+
+def page_copies(blocks: Sequence[pb.Block], dp: pb.DataPlane, local_base: int, page_bytes: int) -> list[Copy]:
+    """Copies between local page ``j`` (``local_base + j*page_bytes``) and the segments of ``blocks[j]``."""
+    out: list[Copy] = []
+    for j, b in enumerate(blocks):
+        local = local_base + j * page_bytes
+        for s in b.segments:
+            out.append(Copy(local, dp.pool_base + s.offset, s.length))
+            local += s.length
+    return out
+
+
+def write_pages(mc: MooncakeEndpoint, dp: pb.DataPlane, blocks: Sequence[pb.Block], local_base: int, page_bytes: int) -> int:
+    try:
+        return mc.write(dp.peer, page_copies(blocks, dp, local_base, page_bytes))
+    except TransferError as e:
+        raise StoreUnavailable(str(e)) from None
+
+
+def read_pages(mc: MooncakeEndpoint, dp: pb.DataPlane, blocks: Sequence[pb.Block], local_base: int, page_bytes: int) -> int:
+    try:
+        return mc.read(dp.peer, page_copies(blocks, dp, local_base, page_bytes))
+    except TransferError as e:
+        raise StoreUnavailable(str(e)) from None

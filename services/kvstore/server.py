@@ -1,0 +1,202 @@
+"""The kvstore process: gRPC control API over the registry, Mooncake-registered host pool, health.
+
+Thin by design (decode, call the registry under one lock, encode): every policy lives in
+``registry.py``. Requests the registry cannot take get gRPC status codes, never a crash:
+
+=========================  =========================================================================
+INVALID_ARGUMENT           a layout descriptor that is inconsistent (dtype, slab shape vs page bytes,
+                           rank outside tp_size, unknown family), or a request without a layout
+RESOURCE_EXHAUSTED         more hashes/block ids than ``max_request_pages``, or a message larger than
+                           ``max_message_mb`` (enforced by gRPC itself)
+INTERNAL                   an undecodable message (gRPC's own deserialization failure)
+=========================  =========================================================================
+
+Telemetry: ``Stats`` answers occupancy, hits, misses, restores, capacity misses, evictions and bytes
+moved; the same numbers are logged every ``stats_log_s``. A background thread expires leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.kvstore.registry import POLICIES, HostKVRegistry, LayoutError
+from services.kvstore.transfer import HostBuffer, MooncakeEndpoint
+from services.kvstore.wire import WireError, block_to_pb, layout_from_pb
+from talaria.config import KvStoreConfig
+from talaria.v1 import kvstore_pb2 as pb
+from talaria.v1 import kvstore_pb2_grpc as pbg
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "talaria.v1.KvStore"
+
+
+class KvStoreServicer(pbg.KvStoreServicer):
+    def __init__(self, registry: HostKVRegistry, data_plane: pb.DataPlane, *, max_pages: int, epoch: int) -> None:
+        self.registry = registry
+        self.data_plane = data_plane
+        self.max_pages = max_pages
+        self.epoch = epoch
+        self.lock = threading.Lock()
+
+    # ---------------------------------------------------------------- helpers
+    def _layout(self, req, ctx):
+        if not req.HasField("layout"):
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "layout is required")
+        try:
+            return layout_from_pb(req.layout)
+        except WireError as e:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _limit(self, n: int, what: str, ctx) -> None:
+        if n > self.max_pages:
+            ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{n} {what} exceed the limit of {self.max_pages} per request")
+
+    def _lease(self, s: float, ctx) -> float:
+        if s < 0 or s != s:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lease_s must be >= 0, got {s}")
+        return s
+
+    # ---------------------------------------------------------------- RPCs
+    def Reserve(self, req: pb.ReserveRequest, ctx) -> pb.ReserveReply:
+        layout = self._layout(req, ctx)
+        self._limit(len(req.hashes), "hashes", ctx)
+        lease_s = self._lease(req.lease_s, ctx)
+        try:
+            with self.lock:
+                res = self.registry.reserve(layout, list(req.hashes), lease_s)
+        except LayoutError as e:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ReserveReply(
+            epoch=self.epoch, lease_id=res.lease_id, blocks=[block_to_pb(b) for b in res.blocks],
+            present_pages=res.present_pages, capacity_miss_pages=res.capacity_miss_pages, data_plane=self.data_plane,
+        )
+
+    def Commit(self, req: pb.CommitRequest, ctx) -> pb.CommitReply:
+        self._limit(len(req.block_ids), "block ids", ctx)
+        with self.lock:
+            committed, aborted = self.registry.commit(req.lease_id, list(req.block_ids), abort=req.abort)
+        return pb.CommitReply(epoch=self.epoch, committed=committed, aborted=aborted)
+
+    def Lookup(self, req: pb.LookupRequest, ctx) -> pb.LookupReply:
+        layout = self._layout(req, ctx)
+        self._limit(len(req.hashes), "hashes", ctx)
+        lease_s = self._lease(req.lease_s, ctx)
+        try:
+            with self.lock:
+                res = self.registry.lookup(layout, list(req.hashes), pin=req.pin, lease_s=lease_s)
+        except LayoutError as e:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.LookupReply(
+            epoch=self.epoch, pages=res.pages, blocks=[block_to_pb(b) for b in res.blocks], lease_id=res.lease_id,
+            data_plane=self.data_plane, note=res.note,
+        )
+
+    def Pin(self, req: pb.PinRequest, ctx) -> pb.PinReply:
+        self._limit(len(req.block_ids), "block ids", ctx)
+        lease_s = self._lease(req.lease_s, ctx)
+        with self.lock:
+            lease_id, n = self.registry.pin(list(req.block_ids), lease_s)
+        return pb.PinReply(epoch=self.epoch, lease_id=lease_id, pinned=n)
+
+    def Unpin(self, req: pb.UnpinRequest, ctx) -> pb.UnpinReply:
+        with self.lock:
+            n = self.registry.unpin(req.lease_id, read_complete=req.read_complete)
+        return pb.UnpinReply(epoch=self.epoch, unpinned=n)
+
+    def Release(self, req: pb.ReleaseRequest, ctx) -> pb.ReleaseReply:
+        self._limit(len(req.hashes), "hashes", ctx)
+        if not req.model:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        if not req.hashes and not req.all_of_model:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "name hashes or set all_of_model")
+        with self.lock:
+            n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
+        return pb.ReleaseReply(epoch=self.epoch, released=n)
+
+    def Stats(self, req: pb.StatsRequest, ctx) -> pb.StatsReply:
+        return self.stats()
+
+    def stats(self) -> pb.StatsReply:
+        r = self.registry
+        with self.lock:
+            c = r.counters
+            return pb.StatsReply(
+                epoch=self.epoch, data_plane=self.data_plane, capacity_bytes=r.capacity_bytes, slab_bytes=r.slab_bytes,
+                slabs_total=r.num_slabs, slabs_free=r.slabs_free, used_bytes=r.used_bytes, entries=r.num_entries,
+                reserved=r.num_reserved, pinned=r.num_pinned, lookups=c.lookups, hit_pages=c.hit_pages,
+                miss_pages=c.miss_pages, restores=c.restores, capacity_miss_pages=c.capacity_miss_pages,
+                evictions=c.evictions, bytes_in=c.bytes_in, bytes_out=c.bytes_out, stale_lookups=c.stale_lookups,
+                expired_leases=c.expired_leases, eviction_policy=getattr(r.policy, "name", type(r.policy).__name__),
+                occupancy=r.used_bytes / r.capacity_bytes,
+            )
+
+
+class KvStoreServer:
+    """Pool + Mooncake endpoint + registry + gRPC server. ``start()`` returns the bound gRPC port."""
+
+    def __init__(self, cfg: KvStoreConfig, *, clock=time.monotonic, workers: int = 8) -> None:
+        self.cfg = cfg
+        self.epoch = time.time_ns()
+        capacity = cfg.capacity_mb * 1024 * 1024
+        self.pool = HostBuffer(capacity)
+        self.mooncake = MooncakeEndpoint(cfg.data_host, cfg.protocol)
+        self.mooncake.register(self.pool.address, capacity)
+        self.registry = HostKVRegistry(
+            capacity, cfg.slab_kb * 1024, clock=clock, policy=POLICIES[cfg.eviction](), default_lease_s=cfg.lease_s,
+        )
+        dp = pb.DataPlane(transport="mooncake", protocol=cfg.protocol, peer=self.mooncake.name, pool_base=self.pool.address, pool_bytes=capacity)
+        self.servicer = KvStoreServicer(self.registry, dp, max_pages=cfg.max_request_pages, epoch=self.epoch)
+        limit = cfg.max_message_mb * 1024 * 1024
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        pbg.add_KvStoreServicer_to_server(self.servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if not self.port:
+            raise RuntimeError(f"kvstore cannot bind {self.cfg.host}:{self.cfg.port}")
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._threads = [threading.Thread(target=self._housekeeping, name="kvstore-expire", daemon=True)]
+        for t in self._threads:
+            t.start()
+        return self.port
+
+    def _housekeeping(self) -> None:
+        last_log = time.monotonic()
+        while not self._stop.wait(1.0):
+            with self.servicer.lock:
+                self.registry.expire()
+            if self.cfg.stats_log_s and time.monotonic() - last_log >= self.cfg.stats_log_s:
+                last_log = time.monotonic()
+                s = self.servicer.stats()
+                log.info(
+                    "occupancy %.1f%% (%d entries), hits %d / misses %d pages, restores %d, capacity misses %d, "
+                    "evictions %d, in %.1f MiB, out %.1f MiB", 100 * s.occupancy, s.entries, s.hit_pages,
+                    s.miss_pages, s.restores, s.capacity_miss_pages, s.evictions, s.bytes_in / 2**20, s.bytes_out / 2**20,
+                )
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self.mooncake.close()

@@ -1,0 +1,129 @@
+"""Data plane: the Mooncake transfer engine (TCP on one machine, RDMA in a cluster) and host buffers.
+
+KV bytes move only here, never through gRPC or NATS. Both ends create a :class:`MooncakeEndpoint`
+(``TransferEngine`` in P2P-handshake mode: no metadata server, a peer is addressed as ``host:rpc_port``)
+and register the memory they expose. The kvstore registers its whole slab pool; an engine registers its
+host staging buffer and *pushes* (``write``) checkpoints into the store's slabs or *pulls* (``read``)
+restores out of them, one batched call per group of byte ranges. A dead peer fails at once (return code
+-1), which the engine turns into "store unavailable".
+
+Facts this relies on (../shared/ENVIRONMENT.md): the package is ``mooncake-transfer-engine-non-cuda``
+on CPU machines (same ``mooncake`` module as the CUDA build; never both), it needs Debian's
+``libibverbs1`` even for TCP, and it logs "Local segment descriptor not found" at every init even on
+success. Its TCP sockets bind every interface whatever ``host`` says.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_BATCH = 1024  # segments per batched Mooncake call
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The Mooncake transfer engine cannot be imported or initialized on this machine."""
+
+
+class TransferError(RuntimeError):
+    """A Mooncake transfer failed (peer gone, memory not registered, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """``length`` bytes between local address ``local`` and the peer's address ``remote``."""
+
+    local: int
+    remote: int
+    length: int
+
+
+def coalesce(copies: Iterable[Copy]) -> list[Copy]:
+    """Merge copies that are adjacent on both sides (consecutive slabs into one large transfer)."""
+    out: list[Copy] = []
+    for c in copies:
+        if c.length <= 0:
+            continue
+        if out:
+            p = out[-1]
+            if p.local + p.length == c.local and p.remote + p.length == c.remote:
+                out[-1] = Copy(p.local, p.remote, p.length + c.length)
+                continue
+        out.append(c)
+    return out
+
+
+class HostBuffer:
+    """Preallocated host memory with a stable address (numpy; page-faulted on first touch).
+
+    On a GPU machine an engine would use pinned memory for its staging buffer instead (see the engine's
+    host tier); the store's pool is plain host memory that Mooncake registers."""
+
+    def __init__(self, nbytes: int, touch: bool = False) -> None:
+        if nbytes <= 0:
+            raise ValueError("buffer size must be positive")
+        self.array = np.empty(nbytes, dtype=np.uint8)
+        if touch:
+            self.array[::4096] = 0
+        self.nbytes = nbytes
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+
+class MooncakeEndpoint:
+    """One Mooncake ``TransferEngine`` (thread-safe: calls are serialized by a lock)."""
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", device: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # missing package, or libibverbs.so.1 absent (apt-get install libibverbs1)
+            raise MooncakeUnavailable(f"Mooncake transfer engine not importable: {e}") from e
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, metadata, protocol, device)
+        if rc != 0:
+            raise MooncakeUnavailable(f"Mooncake initialize({host!r}, {metadata!r}, {protocol!r}) returned {rc}")
+        self.host = host
+        self.protocol = protocol
+        self.name = f"{host}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
+
+    def register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            rc = self._engine.register_memory(address, nbytes)
+            if rc != 0:
+                raise TransferError(f"register_memory({address:#x}, {nbytes}) returned {rc}")
+            self._registered[address] = nbytes
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            if self._registered.pop(address, None) is not None:
+                self._engine.unregister_memory(address)
+
+    def write(self, peer: str, copies: Sequence[Copy]) -> int:
+        """Local -> peer. Returns bytes moved; raises TransferError."""
+        return self._batch(peer, copies, self._engine.batch_transfer_sync_write, "write")
+
+    def read(self, peer: str, copies: Sequence[Copy]) -> int:
+        """Peer -> local. Returns bytes moved; raises TransferError."""
+        return self._batch(peer, copies, self._engine.batch_transfer_sync_read, "read")
+
+    def _batch(self, peer: str, copies: Sequence[Copy], fn, what: str) -> int:
+        merged = coalesce(copies)
+        total = 0
+        for i in range(0, len(merged), MAX_BATCH):
+            part = merged[i : i + MAX_BATCH]
+            rc = fn(peer, [c.local for c in part], [c.remote for c in part], [c.length for c in part])
+            if rc != 0:
+                raise TransferError(f"Mooncake batch {what} of {len(part)} segments to {peer} returned {rc}")
+            total += sum(c.length for c in part)
+        return total
+
+    def close(self) -> None:
+        for addr in list(self._registered):
+            self.unregister(addr)
