@@ -1,0 +1,47 @@
+"""``talaria bench engine`` / ``talaria bench router`` (registered by ``talaria.cli`` when importable)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _common(p: argparse.ArgumentParser, default_model: str, default_repeats: int) -> None:
+    p.add_argument("--models-dir", help="checkpoints directory (default: .talaria/bench-models, synthesized if missing)")
+    p.add_argument("--model", default=default_model, help=f"model name under --models-dir (default {default_model})")
+    p.add_argument("--repeats", type=int, default=default_repeats, help=f"repetitions; medians are reported (default {default_repeats})")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+
+
+def _engine(args) -> int:
+    from bench.engine_bench import main
+
+    return main(args)
+
+
+def _router(args) -> int:
+    from bench.router_bench import main
+
+    return main(args)
+
+
+def add_cli(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="benchmarks: ratios vs baselines measured side by side in one run")
+    bs = b.add_subparsers(dest="bench_cmd", required=True)
+
+    e = bs.add_parser("engine", help="decode throughput: our Engine vs Hugging Face transformers generate()")
+    _common(e, "small-llama", 5)
+    e.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    e.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (default 64)")
+    e.add_argument("--new-tokens", type=int, default=64, help="generated tokens per sequence (default 64)")
+    e.add_argument("--threads", type=int, default=1,
+                   help="torch threads for both sides (default 1: robust on a shared machine; 0 = torch's default)")
+    e.set_defaults(fn=_engine)
+
+    r = bs.add_parser("router", help="per-call latency: in-process Engine vs NATS to an engine process vs router HTTP API")
+    _common(r, "tiny-llama", 3)
+    r.add_argument("--max-tokens", type=int, nargs="+", default=[1, 16], help="max_tokens values (default 1 16)")
+    r.add_argument("--calls", type=int, default=30, help="sequential calls per path per repetition (default 30)")
+    r.add_argument("--warmup", type=int, default=3, help="warm-up calls per path (default 3)")
+    r.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default 12, under one KV page)")
+    r.set_defaults(fn=_router)

@@ -1,0 +1,308 @@
+"""``talaria bench router``: latency a call pays for going through NATS and the router.
+
+What is measured
+    Sequential calls (one at a time, ``calls`` per round after ``warmup`` calls) with the same short prompt
+    (``prompt_len`` random token ids, fewer than a KV page so no prefix-cache reuse plays a part), greedy,
+    EOS ignored, for each ``max_tokens`` (default 1 and 16), along three paths:
+
+    (a) ``in-process``: an ``Engine`` on the same model in this process: ``add_request`` then ``step()``
+        until the request finishes (the loop ``generate()`` runs), collecting token ids and text;
+    (b) ``nats``: a ``GenerateRequest`` (token ids) published on the engine's generate subject with a
+        reply inbox, reading the ``TokenChunk`` stream until ``finished`` (``EngineCall``, as the router
+        does) against an engine *process*: adds NATS + the engine service (protobuf, its asyncio loop,
+        its step thread), no router;
+    (c) ``router``: the OpenAI API of a ``LocalStack`` with one engine (``/v1/completions`` with a
+        token-id prompt via the official ``openai`` client, non-streaming, ``ignore_eos`` extension):
+        adds HTTP, the router's validation, placement and its own NATS hop on top of (b).
+
+    Fairness: the engine process runs with ``torch_threads: 1`` and this process sets
+    ``torch.set_num_threads(1)`` for (a); same model, dtype (float32), page size and KV budget. The
+    stack stays up during (a) so that its idle heartbeats are background noise for all three paths.
+    The three paths run in turn inside every repetition (a, b, c, a, b, c, ...) so that noise on a
+    shared machine hits all of them alike, and the produced tokens/text are checked to agree.
+
+How it is reported
+    Per path and ``max_tokens``: p50 and p95 of the per-call latency (median over ``repeats`` rounds),
+    the added latency ``p50(path) - p50(in-process)`` and the ratio ``p50(path) / p50(in-process)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench import ensure_models, format_table, median, percentile, quiet_loggers
+
+DEFAULT_MODEL = "tiny-llama"
+ENGINE_ID = "bench-engine-0"
+KV_CACHE_MB = 64
+PATHS = ("in-process", "nats", "router")
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _stack_config(models_dir: Path, model: str) -> dict[str, Any]:
+    return {
+        "namespace": f"bench{uuid.uuid4().hex[:8]}",
+        "models_dir": str(models_dir),
+        "synthesize_models": False,
+        "router": {"port": 0},
+        "engines": [
+            {"id": ENGINE_ID, "models": [model], "device": "cpu", "dtype": "float32", "kv_cache_mb": KV_CACHE_MB, "torch_threads": 1}
+        ],
+    }
+
+
+class _InProcess:
+    def __init__(self, path: Path, model: str):
+        import torch
+
+        from services.engine.executor import Engine
+
+        self.engine = Engine(path, device="cpu", dtype=torch.float32, kv_cache_bytes=KV_CACHE_MB * 1024 * 1024, model_id=model)
+        self._ids = itertools.count()
+
+    def call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        from services.engine.types import EngineRequest, SamplingParams
+
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        rid = f"bench-{next(self._ids)}"
+        self.engine.add_request(EngineRequest(rid, list(prompt), sp))
+        ids: list[int] = []
+        text = ""
+        done = False
+        while not done:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    ids += out.new_token_ids
+                    text += out.new_text
+                    done = out.finished
+        return ids, text
+
+
+class _Nats:
+    """Direct NATS calls to the engine process, on a private event loop (sync facade)."""
+
+    def __init__(self, nats_url: str, namespace: str, model: str):
+        from talaria.subjects import Subjects
+
+        self.loop = asyncio.new_event_loop()
+        self.subjects = Subjects(namespace)
+        self.model = model
+        self.nc = self.loop.run_until_complete(self._connect(nats_url))
+
+    async def _connect(self, url: str):
+        from talaria.natsutil import connect
+
+        return await connect(url, "bench-client")
+
+    async def _call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        from services.router.engine_client import SCHEMA_VERSION, EngineCall
+        from talaria.v1 import engine_pb2 as pb
+
+        req = pb.GenerateRequest(
+            schema_version=SCHEMA_VERSION,
+            request_id=uuid.uuid4().hex,
+            model=self.model,
+            sampling=pb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True),
+            token_ids=pb.TokenIds(ids=prompt),
+            deadline_unix=time.time() + 60,
+        )
+        call = EngineCall(self.nc, self.subjects, "bench", ENGINE_ID, req)
+        alive = lambda: True  # noqa: E731 - the timeouts below bound a dead engine
+        try:
+            await call.start()
+            first = await call.wait_accepted(30.0, alive)
+            if not first.accepted:
+                raise RuntimeError(f"engine refused the call: {first.error}")
+            ids: list[int] = []
+            text = ""
+            async for c in call.chunks(30.0, alive):
+                if c.HasField("error"):
+                    raise RuntimeError(f"engine error: {c.error}")
+                ids += c.token_ids
+                text += c.text
+            return ids, text
+        finally:
+            await call.close()
+
+    def call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        return self.loop.run_until_complete(self._call(prompt, max_tokens))
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.nc.close())
+        finally:
+            self.loop.close()
+
+
+class _Router:
+    def __init__(self, api: str, model: str):
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0, timeout=60)
+        self.model = model
+
+    def call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        r = self.client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=False, extra_body={"ignore_eos": True}
+        )
+        if r.usage is not None and r.usage.completion_tokens != max_tokens:
+            raise RuntimeError(f"router returned {r.usage.completion_tokens} tokens, expected {max_tokens}")
+        return [], r.choices[0].text
+
+
+def _wait_healthy(api: str, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            inst = httpx.get(f"{api}/health", timeout=5).json().get("instances", {})
+            if inst.get(ENGINE_ID, {}).get("healthy"):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"engine {ENGINE_ID} did not report healthy to the router within {timeout:.0f}s")
+
+
+def _timed(fn, prompt: list[int], max_tokens: int, n: int) -> tuple[list[float], tuple[list[int], str]]:
+    lat = []
+    out: tuple[list[int], str] = ([], "")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn(prompt, max_tokens)
+        lat.append(time.perf_counter() - t0)
+    return lat, out
+
+
+def run_router_bench(
+    models_dir: str | Path | None = None,
+    model: str = DEFAULT_MODEL,
+    max_tokens: tuple[int, ...] | list[int] = (1, 16),
+    calls: int = 30,
+    warmup: int = 3,
+    repeats: int = 3,
+    prompt_len: int = 12,
+    seed: int = 0,
+    say=print,
+) -> dict[str, Any]:
+    import torch
+
+    from talaria.config import parse_config
+    from talaria.up import LocalStack
+
+    if repeats < 1 or calls < 1:
+        raise ValueError("repeats and calls must be >= 1")
+    mdir = ensure_models(models_dir, [model], say=say)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    stack = LocalStack(parse_config(_stack_config(mdir, model)), say=lambda _m: None, quiet=True)
+    nats_client = None
+    quiet = quiet_loggers("httpx", "httpx2", "openai", "talaria.natsutil")
+    quiet.__enter__()
+    try:
+        say(f"loading {model} in-process (1 torch thread) and starting a stack with one engine (torch_threads: 1) ...")
+        inproc = _InProcess(mdir / model, model)
+        prompt = _prompt(prompt_len, inproc.engine.vocab_size, seed)
+        api = stack.start()
+        _wait_healthy(api)
+        nats_client = _Nats(stack.nats_url, stack.cfg.namespace, model)
+        router = _Router(api, model)
+        fns = {"in-process": inproc.call, "nats": nats_client.call, "router": router.call}
+
+        rows: list[dict[str, Any]] = []
+        for mt in max_tokens:
+            per: dict[str, dict[str, list[float]]] = {p: {"p50": [], "p95": [], "mean": []} for p in PATHS}
+            outs: dict[str, tuple[list[int], str]] = {}
+            for p in PATHS:
+                _timed(fns[p], prompt, mt, warmup)
+            for _rep in range(repeats):
+                for p in PATHS:
+                    lat, outs[p] = _timed(fns[p], prompt, mt, calls)
+                    per[p]["p50"].append(percentile(lat, 50))
+                    per[p]["p95"].append(percentile(lat, 95))
+                    per[p]["mean"].append(sum(lat) / len(lat))
+            ref = outs["in-process"]
+            agree = {"nats": outs["nats"] == ref, "router": outs["router"][1] == ref[1]}
+            base = median(per["in-process"]["p50"])
+            for p in PATHS:
+                p50 = median(per[p]["p50"])
+                rows.append({
+                    "max_tokens": mt,
+                    "path": p,
+                    "p50_ms": p50 * 1e3,
+                    "p95_ms": median(per[p]["p95"]) * 1e3,
+                    "mean_ms": median(per[p]["mean"]) * 1e3,
+                    "added_p50_ms": (p50 - base) * 1e3,
+                    "ratio_p50": p50 / base,
+                    "output_agrees": agree.get(p, True),
+                    "runs_p50_ms": [x * 1e3 for x in per[p]["p50"]],
+                })
+            say(f"  max_tokens {mt}: " + ", ".join(f"{r['path']} p50 {r['p50_ms']:.2f} ms" for r in rows[-3:]))
+    except Exception:
+        time.sleep(0.5)  # let the log pumps catch up with the failure
+        for c in stack.children.values():  # the stack runs quiet: show what its processes said
+            tail = "\n    ".join(c.log[-15:])
+            print(f"[bench] last lines of {c.name}:\n    {tail}", file=sys.stderr)
+        raise
+    finally:
+        if nats_client is not None:
+            nats_client.close()
+        stack.stop()
+        quiet.__exit__(None, None, None)
+        torch.set_num_threads(prev_threads)
+    return {
+        "bench": "router",
+        "model": model,
+        "models_dir": str(mdir),
+        "prompt_len": prompt_len,
+        "calls": calls,
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch_threads": 1,
+        "rows": rows,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    head = (
+        f"router bench: {result['model']} fp32 cpu, 1 torch thread per engine, prompt {result['prompt_len']} tokens, "
+        f"{result['calls']} sequential calls per round after {result['warmup']} warm-up, median of {result['repeats']} rounds"
+    )
+    t = format_table(
+        ["max_tokens", "path", "p50 ms", "p95 ms", "added p50 ms", "p50 / in-process", "output agrees"],
+        [[r["max_tokens"], r["path"], r["p50_ms"], r["p95_ms"], r["added_p50_ms"], r["ratio_p50"], "yes" if r["output_agrees"] else "NO"]
+         for r in result["rows"]],
+    )
+    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API)\n{t}"
+
+
+def main(args) -> int:
+    result = run_router_bench(
+        models_dir=args.models_dir,
+        model=args.model or DEFAULT_MODEL,
+        max_tokens=args.max_tokens,
+        calls=args.calls,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        prompt_len=args.prompt_len,
+        seed=args.seed,
+    )
+    print()
+    print(render(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,59 @@
+"""Smoke tests of ``talaria bench``: each benchmark runs end to end at its smallest settings and returns
+well-formed results. No speed is asserted (timings on a shared CPU say nothing); only structure,
+positive finite rates/ratios and that the outputs of the compared paths agree where they must."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.cli import add_cli
+
+
+def _positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_cli_registers_bench_commands():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_cli(p.add_subparsers(dest="cmd"))
+    e = p.parse_args(["bench", "engine", "--repeats", "1", "--json", "x.json"])
+    assert (e.model, e.repeats, e.batch, e.json) == ("small-llama", 1, [1, 8], "x.json")
+    r = p.parse_args(["bench", "router", "--models-dir", "/tmp/m"])
+    assert (r.model, r.models_dir, r.max_tokens) == ("tiny-llama", "/tmp/m", [1, 16])
+
+
+def test_engine_bench_smoke(synth_models, tmp_path, capsys):
+    from bench.engine_bench import render, run_engine_bench
+
+    models_dir = synth_models["tiny-llama"].parent
+    res = run_engine_bench(models_dir, model="tiny-llama", batches=(1, 2), prompt_len=8, new_tokens=4, repeats=1, say=lambda _m: None)
+    json.loads(json.dumps(res))  # serializable for --json
+    assert res["bench"] == "engine" and [r["batch"] for r in res["rows"]] == [1, 2]
+    for row in res["rows"]:
+        for k in ("ours_tok_s", "hf_tok_s", "ratio", "ours_decode_tok_s", "hf_decode_tok_s", "decode_ratio"):
+            assert _positive(row[k]), (k, row[k])
+        assert 0.0 <= row["identical_seqs"] <= 1.0 and 0.0 <= row["identical_tokens"] <= 1.0
+    text = render(res)
+    assert "ours/HF" in text and "identical seqs" in text
+
+
+@pytest.mark.slow
+def test_router_bench_smoke(synth_models):
+    from bench.router_bench import PATHS, render, run_router_bench
+
+    models_dir = synth_models["tiny-llama"].parent
+    res = run_router_bench(models_dir, model="tiny-llama", max_tokens=(1, 3), calls=2, warmup=1, repeats=1, say=lambda _m: None)
+    json.loads(json.dumps(res))
+    assert res["bench"] == "router"
+    assert [(r["max_tokens"], r["path"]) for r in res["rows"]] == [(m, p) for m in (1, 3) for p in PATHS]
+    for row in res["rows"]:
+        for k in ("p50_ms", "p95_ms", "mean_ms", "ratio_p50"):
+            assert _positive(row[k]), (k, row[k])
+        assert math.isfinite(row["added_p50_ms"])
+        assert row["output_agrees"], row  # greedy: every path must produce the same tokens/text
+    assert "p50 / in-process" in render(res)
