@@ -1,14 +1,18 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI).
 
-Thin layer: parse and validate at the edge, choose an instance (``placement.place``), forward over NATS
-(``engine_client``), encode the token stream as OpenAI JSON or SSE. Every failure is an OpenAI-style error
+Thin layer: parse and validate at the edge, choose an instance (``Gateway.decide``: Algorithm 1 or a
+baseline; a lease it honours is consumed in the shared store first), forward over NATS (``engine_client``),
+encode the token stream as OpenAI JSON or SSE. When no candidate passes the admission checks the configured
+overload policy answers: 429 with ``Retry-After``, or a bounded wait in the gateway queue then 429. Every failure is an OpenAI-style error
 body with a meaningful status (see ``services/router/README.md``); nothing here raises a bare 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -20,7 +24,7 @@ from pydantic import ValidationError
 
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
-from services.router.placement import place
+from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -78,8 +82,19 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             },
             "sessions": len(state.sessions),
             "counters": dict(state.counters),
+            "placement": {k: v for k, v in state.gateway.metrics().items() if k != "counters"},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/router/metrics")
+    async def router_metrics() -> JSONResponse:
+        """Placement accounting as JSON (avoidable cold opens, same-instance returns, lease hits/misses/expiries)."""
+        return JSONResponse({"router": cfg.id, "sessions": len(state.sessions), "placement": state.gateway.metrics()})
+
+    @app.get("/router/decisions")
+    async def router_decisions() -> JSONResponse:
+        """The most recent placement decisions with their cost breakdowns (newest last)."""
+        return JSONResponse({"router": cfg.id, "decisions": list(state.gateway.decisions)})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -120,7 +135,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             raise APIError(422, str(e), code="invalid_value", param="messages") from None
         g = _base_request(request, req, req.effective_max_tokens())
         g.messages.CopyFrom(pb.ChatMessages(messages=messages))
-        return await _serve(g, req, chat=True)
+        est = sum(len(m.content) for m in messages) // 4 + 8 * len(messages)
+        return await _serve(g, req, chat=True, prompt_tokens=est)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -132,9 +148,11 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         g = _base_request(request, req, req.effective_max_tokens())
         if isinstance(req.prompt, str):
             g.text = req.prompt
+            est = len(req.prompt) // 4 + 1
         else:
             g.token_ids.CopyFrom(pb.TokenIds(ids=list(req.prompt)))
-        return await _serve(g, req, chat=False)
+            est = len(req.prompt)
+        return await _serve(g, req, chat=False, prompt_tokens=est)
 
     def _base_request(request: Request, req, max_tokens: int | None) -> pb.GenerateRequest:
         if max_tokens is None:
@@ -162,57 +180,109 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             deadline_unix=time.time() + state.cfg.router.request_timeout_s,
         )
 
-    async def _start_call(g: pb.GenerateRequest) -> tuple[EngineCall, pb.TokenChunk]:
+    pc = cfg.placement
+
+    async def _decide(req, tried: set[str]) -> tuple[Decision, str]:
+        """Algorithm 1 with the lease step made atomic across router replicas: a lease the policy honours
+        is consumed in the shared store first; if another replica got it, placement runs without it.
+        Returns the decision and the id of the lease it consumed ("" if none)."""
+        gw = state.gateway
+        d, rev = gw.decide(req, tried)
+        lease_id = ""
+        if d.lease == "hit":
+            assert rev is not None
+            got = gw.leases.get(req.session_id, req.model)
+            lease_id = got[0].lease_id if got is not None else ""
+            if not await state.lease_store.consume(req.session_id, req.model, rev):
+                gw.lease_raced()
+                d, _ = gw.decide(req, tried, use_lease=False)
+                return d, ""
+        elif d.lease != "none" and rev is not None:
+            await state.lease_store.discard(req.session_id, req.model, rev)
+        gw.lease_judged(d)
+        return d, lease_id
+
+    def _overloaded(d: Decision, message: str) -> APIError:
+        retry = str(max(1, math.ceil(d.retry_after_s)))
+        return APIError(429, message, code="overloaded", headers={"Retry-After": retry})
+
+    async def _start_call(g: pb.GenerateRequest, prompt_tokens: int) -> tuple[EngineCall, pb.TokenChunk, Decision]:
         """Place and forward; retries another instance when one does not accept (nothing was started)."""
+        gw = state.gateway
+        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens)
+        gw.arrival(req)
         tried: set[str] = set()
         last_error: EngineUnavailable | None = None
-        for _attempt in range(3):
-            candidates = [c for c in state.registry.candidates(g.model) if c.instance_id not in tried]
-            if not candidates:
-                break
-            entry = state.sessions.get(g.session_id) if g.session_id else None
-            prev = entry.instance_id if entry is not None and entry.model == g.model else None
-            decision = place(candidates, prev)
-            assert decision.instance_id is not None
-            inst = decision.instance_id
-            tried.add(inst)
-            state.counters[f"placement_{decision.reason}"] += 1
-            if entry is not None and prev is not None:
-                state.counters["same_instance_return" if inst == prev else "moved_return"] += 1
-            if entry is not None:
-                g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
-            call = EngineCall(state.nc, state.subjects, cfg.id, inst, g)
-            view = state.registry.instances[inst]
-            view.inflight += 1
-            try:
-                await call.start()
-                first = await call.wait_accepted(cfg.accept_timeout_s, lambda: state.registry.alive(view))
-            except EngineUnavailable as e:
-                await call.close()
-                state.registry.mark_suspect(inst, cfg.accept_timeout_s)
-                state.counters["engine_unavailable"] += 1
-                log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
-                last_error = e
-                continue
-            except BaseException:
-                await call.close()
-                raise
-            if first.HasField("error"):
-                await call.close()
-                err = first.error
-                headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
-                raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
-            if g.session_id:
-                state.sessions.record(g.session_id, g.model, inst)
-            return call, first
+        loop = asyncio.get_running_loop()
+        queue_deadline: float | None = None
+        attempts = 0
+        try:
+            while attempts < 3:
+                decision, lease_id = await _decide(req, tried)
+                if decision.instance_id is None:
+                    if decision.reason != "overload":
+                        break
+                    # Overload policy (no admissible candidate): 429 now, or a bounded wait in the queue.
+                    if pc.overload == "reject":
+                        gw.stats["overload_rejected"] += 1
+                        gw.log(req, decision)
+                        raise _overloaded(decision, f"all instances serving '{g.model}' are over their admission budget")
+                    if queue_deadline is None:
+                        if gw.queued >= pc.queue_max:
+                            gw.stats["overload_rejected"] += 1
+                            raise _overloaded(decision, f"gateway queue for '{g.model}' is full ({pc.queue_max} waiting)")
+                        gw.queued += 1
+                        gw.stats["overload_queued"] += 1
+                        queue_deadline = loop.time() + pc.queue_timeout_s
+                    if loop.time() >= queue_deadline:
+                        gw.stats["overload_queue_timeouts"] += 1
+                        raise _overloaded(decision, f"no instance for '{g.model}' admitted the call within {pc.queue_timeout_s:.0f}s")
+                    await asyncio.sleep(0.05)
+                    continue
+                if queue_deadline is not None:
+                    gw.queued -= 1
+                    queue_deadline = None
+                attempts += 1
+                inst = decision.instance_id
+                tried.add(inst)
+                entry = state.sessions.get(g.session_id) if g.session_id else None
+                if entry is not None and entry.model == g.model:
+                    g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
+                g.lease_id = lease_id
+                gw.commit(req, decision)
+                call = EngineCall(state.nc, state.subjects, cfg.id, inst, g)
+                view = state.registry.instances[inst]
+                try:
+                    await call.start()
+                    first = await call.wait_accepted(cfg.accept_timeout_s, lambda: state.registry.alive(view))
+                except EngineUnavailable as e:
+                    await call.close()
+                    state.registry.mark_suspect(inst, cfg.accept_timeout_s)
+                    state.counters["engine_unavailable"] += 1
+                    log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
+                    last_error = e
+                    continue
+                except BaseException:
+                    await call.close()
+                    raise
+                if first.HasField("error"):
+                    await call.close()
+                    err = first.error
+                    headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
+                    raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
+                return call, first, decision
+        finally:
+            if queue_deadline is not None:
+                gw.queued -= 1
         if last_error is not None:
             raise APIError(503, f"no engine answered for model '{g.model}': {last_error}", code="engine_unavailable", headers={"Retry-After": "1"})
-        if state.registry.known_model(g.model):
+        if gw.known_model(g.model):
             raise APIError(503, f"no healthy instance serves model '{g.model}'", code="no_healthy_instance", headers={"Retry-After": "1"})
         raise APIError(404, f"model '{g.model}' does not exist", code="model_not_found", param="model")
 
-    async def _serve(g: pb.GenerateRequest, req, chat: bool) -> Response:
-        call, first = await _start_call(g)
+    async def _serve(g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int) -> Response:
+        call, first, decision = await _start_call(g, prompt_tokens)
+        placed = {"X-Talaria-Instance": call.instance_id, "X-Talaria-Placement": decision.reason}
         view = state.registry.instances[call.instance_id]
         view_alive = lambda: state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
         created = int(time.time())
@@ -222,7 +292,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             return StreamingResponse(
                 _sse(call, rid, created, g.model, chat, include_usage, view_alive),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Talaria-Instance": call.instance_id},
+                headers={"Cache-Control": "no-cache", **placed},
             )
         try:
             text, reason, usage = [], None, None
@@ -253,7 +323,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             "choices": [choice],
             "usage": _usage(usage),
         }
-        return JSONResponse(body, headers={"X-Talaria-Instance": call.instance_id})
+        return JSONResponse(body, headers=placed)
 
     async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"

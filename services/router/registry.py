@@ -1,15 +1,21 @@
 """Instance registry: the router's view of engine instances, built from heartbeats (InstanceSnapshot).
 
 Health rule (Talaria §4.1): an instance whose last snapshot is older than ``miss_limit`` heartbeat periods
-is unhealthy and receives no new non-reserved calls until a fresh snapshot arrives. A snapshot from an
-older epoch (an engine that restarted) or with a sequence number not newer than the last one is stale and
-ignored. A draining instance is visible but takes no new calls.
+is unhealthy and receives no new calls until a fresh snapshot arrives. A snapshot from an older epoch (an
+engine that restarted) or with a sequence number not newer than the last one is out of order and ignored.
+A draining instance is visible but takes no new calls. Between the two, an instance whose snapshot is
+*stale* (received more than ``stale_after`` periods ago, or sent long before it arrived) is still healthy,
+so a live lease to it is honoured, but it gets no new non-reserved calls until fresh telemetry arrives.
+
+In-flight overlay (§4.1): calls this router forwarded are stamped with the wall time; a snapshot sent
+after a forward already counts that call, so only forwards newer than the snapshot stay in the overlay.
 
 Pure state plus an injected clock: no NATS here (the service feeds ``observe``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from talaria.clock import Clock
@@ -21,8 +27,14 @@ class InstanceView:
     instance_id: str
     snapshot: pb.InstanceSnapshot
     received_at: float
-    inflight: int = 0  # in-flight overlay: calls this router forwarded since the last snapshot
+    received_wall: float = 0.0
+    overlay: list[float] = field(default_factory=list)  # wall times of calls forwarded since the snapshot
     suspect_until: float = 0.0  # set when a call to it timed out; cleared by a newer snapshot
+
+    @property
+    def inflight(self) -> int:
+        """In-flight overlay: calls this router forwarded that the last snapshot does not count yet."""
+        return len(self.overlay)
 
     def serves(self, model: str) -> bool:
         return any(m.model == model and m.loaded for m in self.snapshot.models)
@@ -44,6 +56,8 @@ class Registry:
     clock: Clock
     miss_limit: float = 3.0
     instances: dict[str, InstanceView] = field(default_factory=dict)
+    stale_after: float = 2.0  # periods after which a snapshot is too old for non-reserved placement
+    wall: Callable[[], float] | None = None  # wall clock (overlay stamps, snapshot age); None: overlay cleared per snapshot
 
     def observe(self, snap: pb.InstanceSnapshot) -> bool:
         """Record a snapshot; returns False (and changes nothing) when it is stale. Mutates ``instances``."""
@@ -55,16 +69,35 @@ class Registry:
                 return False
             cur.snapshot = snap
             cur.received_at = now
+            cur.received_wall = self.wall() if self.wall is not None else 0.0
             cur.suspect_until = 0.0
-            cur.inflight = 0  # forwarded calls are now part of the snapshot's own counters
+            # Forwards older than the snapshot are now part of its own counters.
+            cur.overlay = [t for t in cur.overlay if snap.sent_unix and self.wall is not None and t > snap.sent_unix]
             return True
-        self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now)
+        self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now, self.wall() if self.wall is not None else 0.0)
         return True
 
     def alive(self, view: InstanceView) -> bool:
         """Heartbeats are fresh (in-flight calls keep going, even while the instance drains)."""
         period = view.snapshot.heartbeat_period_s or 1.0
         return self.clock.now() - view.received_at <= self.miss_limit * period
+
+    def fresh(self, view: InstanceView) -> bool:
+        """The snapshot is recent enough to place new non-reserved calls on (§4.1)."""
+        period = view.snapshot.heartbeat_period_s or 1.0
+        if self.clock.now() - view.received_at > self.stale_after * period:
+            return False
+        if self.wall is not None and view.snapshot.sent_unix:
+            # Sent long before it arrived (a frozen or partitioned sender's backlog).
+            if view.received_wall - view.snapshot.sent_unix > self.miss_limit * period:
+                return False
+        return True
+
+    def forwarded(self, instance_id: str) -> None:
+        """Add one call to an instance's in-flight overlay."""
+        v = self.instances.get(instance_id)
+        if v is not None:
+            v.overlay.append(self.wall() if self.wall is not None else 0.0)
 
     def healthy(self, view: InstanceView) -> bool:
         """May receive new calls: alive, not suspect, not draining."""
@@ -91,10 +124,10 @@ class Registry:
             if not self.healthy(v):
                 continue
             for m in v.snapshot.models:
-                if m.loaded:
+                if m.loaded or v.snapshot.pool == pb.POOL_COLD:  # a cold instance opens any catalog model
                     out[m.model] = min(out[m.model], m.max_context) if m.model in out else m.max_context
         return out
 
     def known_model(self, model: str) -> bool:
         """True if any instance (healthy or not) has ever reported the model."""
-        return any(v.serves(model) for v in self.instances.values())
+        return any(m.model == model for v in self.instances.values() for m in v.snapshot.models)

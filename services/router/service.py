@@ -1,5 +1,6 @@
-"""Router process: NATS subscriptions (heartbeats, completion hooks) feeding the registry and the session
-table, and the HTTP server. ``run_router`` returns when ``stop`` is set (SIGTERM/SIGINT in ``__main__``),
+"""Router process: NATS subscriptions (heartbeats, completion hooks) feeding the placement gateway
+(registry, session table, EWMA books), the lease store (JetStream KV bucket shared by router replicas, with
+a watcher mirroring it locally), and the HTTP server. ``run_router`` returns when ``stop`` is set (SIGTERM/SIGINT in ``__main__``),
 after the HTTP server has stopped accepting and in-flight responses have finished (graceful drain).
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -14,6 +16,10 @@ import uvicorn
 from nats.aio.client import Client as NATS
 
 from services.router.app import create_app
+from services.router.gateway import Gateway, PoolSpec
+from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
+from services.router.policy import PolicyParams
+from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
@@ -31,6 +37,8 @@ class RouterState:
     subjects: Subjects
     registry: Registry
     sessions: SessionTable
+    gateway: Gateway
+    lease_store: MemoryLeases | JetStreamLeases
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
 
@@ -41,13 +49,9 @@ class RouterState:
         except Exception:  # noqa: BLE001 - one bad message must not stop the subscription
             self.counters["bad_heartbeat"] += 1
             return
-        prev = self.registry.instances.get(snap.instance_id)
-        if prev is not None and snap.epoch > prev.snapshot.epoch:
-            # The engine restarted: the KV the table points at is gone.
-            self.sessions.forget_instance(snap.instance_id)
-        self.registry.observe(snap)
+        self.gateway.on_snapshot(snap)
 
-    def on_completed(self, data: bytes) -> None:
+    async def on_completed(self, data: bytes) -> None:
         hook = pb.CompletionHook()
         try:
             hook.ParseFromString(data)
@@ -55,17 +59,59 @@ class RouterState:
             self.counters["bad_hook"] += 1
             return
         self.counters["hooks"] += 1
-        if hook.session_id and not hook.HasField("error"):
-            self.sessions.record(hook.session_id, hook.model, hook.instance_id, hook.prefix.committed_tokens)
+        lease = self.gateway.on_hook(hook)
+        if lease is not None:
+            try:
+                await self.lease_store.install(lease, self.gateway.tau_s)
+            except Exception as e:  # noqa: BLE001 - a lost lease costs affinity, never correctness
+                self.counters["lease_install_failed"] += 1
+                log.warning("lease for session %s not installed: %s", hook.session_id, e)
+
+
+def policy_params(cfg: StackConfig) -> PolicyParams:
+    pc = cfg.router.placement
+    return PolicyParams(
+        policy=pc.policy,
+        admission_unit=pc.admission_unit,
+        admission_budget_s=pc.admission_budget_s,
+        hbm_reserve_fraction=pc.hbm_reserve_fraction,
+        running_weight=pc.running_weight,
+        control_window_s=pc.control_window_s,
+        hbm_price_s_per_gib=pc.hbm_price_s_per_gib,
+        replica_penalty_s=pc.replica_penalty_s,
+        model_weights_gib=dict(pc.model_weights_gib),
+        retry_after_s=pc.retry_after_s,
+    )
 
 
 def make_state(cfg: StackConfig) -> RouterState:
     clock = MonotonicClock()
+    pc = cfg.router.placement
+    registry = Registry(clock, miss_limit=cfg.router.heartbeat_miss_limit, stale_after=pc.stale_after_periods, wall=time.time)
+    sessions = SessionTable(clock)
+    table = LeaseTable()
+    defaults = Defaults(pc.default_prefill_per_token_s, pc.default_decode_step_s, pc.default_restore_per_token_s, pc.default_switch_s, pc.default_open_s)
+    gateway = Gateway(
+        policy_params(cfg),
+        registry,
+        sessions,
+        table,
+        time.time,
+        profiles=ProfileBook(defaults, pc.ewma_alpha),
+        shapes=ShapeBook(pc.ewma_alpha),
+        demand=DemandMeter(pc.ewma_alpha),
+        tau_s=pc.lease_ttl_s,
+        pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size) for e in cfg.engines},
+        router_id=cfg.router.id,
+        decisions_kept=pc.decisions_kept,
+    )
     return RouterState(
         cfg=cfg,
         subjects=Subjects(cfg.namespace),
-        registry=Registry(clock, miss_limit=cfg.router.heartbeat_miss_limit),
-        sessions=SessionTable(clock),
+        registry=registry,
+        sessions=sessions,
+        gateway=gateway,
+        lease_store=MemoryLeases(table),
     )
 
 
@@ -79,7 +125,16 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         state.on_heartbeat(msg.data)
 
     async def on_completed(msg) -> None:
-        state.on_completed(msg.data)
+        await state.on_completed(msg.data)
+
+    if cfg.router.placement.lease_store == "jetstream" and state.gateway.leases_enabled:
+        store = JetStreamLeases(state.nc, state.subjects.lease_bucket(), state.gateway.leases, cfg.router.placement.lease_ttl_s)
+        try:
+            await store.start()
+            state.lease_store = store
+            log.info("leases in JetStream bucket %s (tau %.2fs)", state.subjects.lease_bucket(), store.ttl_s)
+        except Exception as e:  # noqa: BLE001 - no JetStream: leases stay local to this replica
+            log.warning("JetStream lease bucket unavailable (%s); leases are local to this router", e)
 
     subs = [
         await state.nc.subscribe(state.subjects.all_heartbeats(), cb=on_heartbeat),
@@ -109,5 +164,6 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         await serve
         for s in subs:
             await s.unsubscribe()
+        await state.lease_store.stop()
         await state.nc.drain()
 

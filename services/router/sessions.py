@@ -19,6 +19,8 @@ class SessionEntry:
     instance_id: str
     committed_tokens: int
     last_use: float
+    first_instance: str = ""  # where the session first landed (session-sticky baseline)
+    done_unix: float = 0.0  # wall time the last call completed (from its completion hook)
 
 
 class SessionTable:
@@ -41,16 +43,26 @@ class SessionTable:
             return None
         return e
 
-    def record(self, session_id: str, model: str, instance_id: str, committed_tokens: int | None = None) -> SessionEntry:
-        """Insert or refresh a session's entry; evicts the least recently used beyond capacity."""
+    def record(
+        self, session_id: str, model: str, instance_id: str, committed_tokens: int | None = None, done_unix: float | None = None
+    ) -> SessionEntry:
+        """Insert or refresh a session's entry; evicts the least recently used beyond capacity.
+
+        ``committed_tokens``/``done_unix`` come from a completion hook; a placement passes neither."""
         now = self.clock.now()
         e = self._entries.pop(session_id, None)
         if e is None:
-            e = SessionEntry(session_id, model, instance_id, committed_tokens or 0, now)
+            e = SessionEntry(session_id, model, instance_id, committed_tokens or 0, now, instance_id, done_unix or 0.0)
         else:
+            if e.model != model or e.instance_id != instance_id:
+                e.done_unix = 0.0
+                if e.model != model:
+                    e.committed_tokens = 0
             e.model, e.instance_id, e.last_use = model, instance_id, now
             if committed_tokens is not None:
                 e.committed_tokens = committed_tokens
+            if done_unix is not None:
+                e.done_unix = done_unix
         self._entries[session_id] = e
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)

@@ -1,12 +1,19 @@
-"""Router state and placement under a manual clock (no NATS, no HTTP)."""
+"""Router state (registry, health, overlay, session table) under a manual clock (no NATS, no HTTP).
+Placement itself (Algorithm 1 and the baselines) is tested in test_router_placement.py."""
 
 from __future__ import annotations
 
-from services.router.placement import place
+from services.router.policy import PlacementState, PolicyParams, decide
 from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
 from talaria.v1 import engine_pb2 as pb
+
+
+def _req():
+    from services.router.policy import CallRequest
+
+    return CallRequest("s", "m", 10, 4, 4.0)
 
 
 def snap(iid, model="m", running=0, waiting=0, epoch=1, seq=1, period=0.5, draining=False):
@@ -22,28 +29,18 @@ def snap(iid, model="m", running=0, waiting=0, epoch=1, seq=1, period=0.5, drain
     )
 
 
-def test_least_loaded_with_deterministic_ties():
-    reg = Registry(ManualClock())
-    reg.observe(snap("b", running=1))
-    reg.observe(snap("a", running=1))
-    reg.observe(snap("c", running=3))
-    d = place(reg.candidates("m"), None)
-    assert (d.instance_id, d.reason) == ("a", "least-loaded")
-    assert d.loads == {"a": 1, "b": 1, "c": 3}
-
-
-def test_session_affinity_wins_only_when_healthy():
+def test_health_follows_heartbeats():
     clock = ManualClock()
-    reg = Registry(clock, miss_limit=3)
+    reg = Registry(clock, miss_limit=3, stale_after=2)
     reg.observe(snap("a", running=0))
     reg.observe(snap("b", running=5))
-    assert place(reg.candidates("m"), "b").instance_id == "b"
-    clock.advance(1.0)
+    clock.advance(1.1)
     reg.observe(snap("a", running=0, seq=2))
-    clock.advance(0.6)  # b last seen 1.6 s ago > 3 x 0.5 s
-    assert not reg.healthy(reg.instances["b"])
-    d = place(reg.candidates("m"), "b")
-    assert (d.instance_id, d.reason) == ("a", "least-loaded")
+    b = reg.instances["b"]
+    assert reg.healthy(b) and not reg.fresh(b)  # 2 periods < 1.1 s <= 3 periods: stale, still healthy
+    clock.advance(0.5)  # b last seen 1.6 s ago > 3 x 0.5 s
+    assert not reg.healthy(b)
+    assert [v.instance_id for v in reg.candidates("m")] == ["a"]
 
 
 def test_stale_snapshot_is_ignored_and_restart_epoch_accepted():
@@ -59,9 +56,10 @@ def test_inflight_overlay_counts_until_next_snapshot():
     reg = Registry(ManualClock())
     reg.observe(snap("a"))
     reg.observe(snap("b"))
-    reg.instances["a"].inflight += 2
-    assert place(reg.candidates("m"), None).instance_id == "b"
-    reg.observe(snap("a", seq=2))
+    reg.forwarded("a")
+    reg.forwarded("a")
+    assert reg.instances["a"].inflight == 2 and reg.instances["a"].load == 2
+    reg.observe(snap("a", seq=2))  # no wall clock: a newer snapshot clears the overlay
     assert reg.instances["a"].inflight == 0
 
 
@@ -74,7 +72,7 @@ def test_draining_and_suspect_instances_take_no_new_calls():
     assert reg.alive(reg.instances["a"])  # in-flight calls continue
     reg.mark_suspect("b", 2.0)
     assert reg.candidates("m") == []
-    assert place([], None).reason == "no-candidate"
+    assert decide(PlacementState(_req(), [], PolicyParams()), 0).reason == "no-instance"
     reg.observe(snap("b", seq=2))  # fresh telemetry clears suspicion
     assert [v.instance_id for v in reg.candidates("m")] == ["b"]
 

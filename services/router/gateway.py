@@ -1,0 +1,305 @@
+"""The router's placement mechanism: owns the state the pure policy reads and the accounting of what it
+decided. Builds a ``PlacementState`` per call from the registry (snapshots + in-flight overlay), the
+session table, the lease table and the EWMA books; runs ``policy.decide``; commits the outcome (overlay,
+session table, counters, the recent-decision log). Synchronous and clock-injected: the service drives it
+from NATS callbacks and HTTP handlers, the simulator from its event loop.
+
+Accounting (``stats``; §5.3-5.4): ``decisions``, ``placement_<reason>``, ``returns`` (calls of a known
+session for the same model), ``same_instance_returns``, ``moved_returns``, ``leases_installed``,
+``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
+``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
+(the chosen instance had to open the model while another healthy instance had it resident).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from services.router.leases import LeaseTable
+from services.router.policy import (
+    CallRequest,
+    Decision,
+    InstanceState,
+    LeaseView,
+    ModelRes,
+    PlacementState,
+    PolicyParams,
+    SessionView,
+    decide,
+)
+from services.router.profiles import DemandMeter, ProfileBook, ShapeBook
+from services.router.registry import InstanceView, Registry
+from services.router.sessions import SessionTable
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+from talaria.v1 import router_pb2 as rpb
+
+LEASE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """An instance as configured: pool and catalog (a hot instance pins its one model)."""
+
+    pool: str  # "hot" | "cold"
+    models: tuple[str, ...]
+    page_size: int = 16
+
+
+class Gateway:
+    def __init__(
+        self,
+        params: PolicyParams,
+        registry: Registry,
+        sessions: SessionTable,
+        leases: LeaseTable,
+        wall: Callable[[], float],
+        profiles: ProfileBook | None = None,
+        shapes: ShapeBook | None = None,
+        demand: DemandMeter | None = None,
+        tau_s: float = 1.0,
+        pools: Mapping[str, PoolSpec] | None = None,
+        router_id: str = "router-0",
+        decisions_kept: int = 256,
+    ):
+        self.params = params
+        self.registry = registry
+        self.sessions = sessions
+        self.leases = leases
+        self.wall = wall
+        self.profiles = profiles or ProfileBook()
+        self.shapes = shapes or ShapeBook()
+        self.demand = demand or DemandMeter()
+        self.tau_s = tau_s
+        self.pools = dict(pools or {})
+        self.router_id = router_id
+        self.stats: Counter = Counter()
+        self.decisions: deque = deque(maxlen=decisions_kept)
+        self.queued = 0  # calls waiting in the gateway queue (overload policy "queue")
+        self._seq = 0
+        self._static: dict[str, tuple[int, int, dict, dict]] = {}  # id -> (epoch, seq, models, kv)
+        self._decide_ns = 0
+
+    @property
+    def leases_enabled(self) -> bool:
+        return self.params.policy == "full" and self.tau_s > 0
+
+    # ------------------------------------------------------------------------------ telemetry input
+    def on_snapshot(self, snap: pb.InstanceSnapshot) -> bool:
+        prev = self.registry.instances.get(snap.instance_id)
+        if prev is not None and snap.epoch > prev.snapshot.epoch:
+            # The engine restarted: the KV the table and the leases point at is gone.
+            self.sessions.forget_instance(snap.instance_id)
+            self.leases.drop_instance(snap.instance_id)
+            self.profiles.forget(snap.instance_id)
+        if not self.registry.observe(snap):
+            return False
+        p = snap.profile
+        self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, dict(p.switch_by_path))
+        return True
+
+    def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
+        """Update the session table from a completion hook; returns the lease to install (or None)."""
+        self.stats["hooks"] += 1
+        if hook.HasField("usage"):
+            u = hook.usage
+            self.shapes.observe(hook.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        if not hook.session_id or hook.HasField("error"):
+            return None
+        now = self.wall()
+        done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
+        committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
+        self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
+        if not self.leases_enabled or committed == 0:
+            return None
+        view = self.registry.instances.get(hook.instance_id)
+        lease = rpb.Lease(
+            schema_version=LEASE_SCHEMA_VERSION,
+            lease_id=hook.request_id,
+            session_id=hook.session_id,
+            model=hook.model,
+            instance_id=hook.instance_id,
+            prefix=hook.prefix if hook.HasField("prefix") else cpb.PrefixHandle(model=hook.model),
+            t_done_unix=done,
+            t_exp_unix=done + self.tau_s,
+            router_id=self.router_id,
+            instance_epoch=view.snapshot.epoch if view is not None else 0,
+        )
+        self.stats["leases_installed"] += 1
+        return lease
+
+    # ---------------------------------------------------------------------------------- placement
+    def _static_of(self, v: InstanceView) -> tuple[dict, dict]:
+        snap = v.snapshot
+        cached = self._static.get(v.instance_id)
+        if cached is not None and cached[0] == snap.epoch and cached[1] == snap.seq:
+            return cached[2], cached[3]
+        spec = self.pools.get(v.instance_id)
+        cold = snap.pool == pb.POOL_COLD or (spec is not None and spec.pool == "cold")
+        models: dict[str, ModelRes] = {}
+        for m in snap.models:
+            if cold or m.loaded:  # a hot instance serves only what it pinned
+                models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged)
+        if cold and spec is not None:
+            for name in spec.models:
+                models.setdefault(name, ModelRes())
+        kv = {(s.session_id, s.model): (int(s.state), s.committed_tokens) for s in snap.sessions}
+        self._static[v.instance_id] = (snap.epoch, snap.seq, models, kv)
+        return models, kv
+
+    def instance_states(self, exclude: Iterable[str] = ()) -> list[InstanceState]:
+        now = self.wall()
+        leases = self.leases.live_by_instance(now)
+        skip = set(exclude)
+        out = []
+        for iid, v in self.registry.instances.items():
+            if iid in skip:
+                continue
+            models, kv = self._static_of(v)
+            snap = v.snapshot
+            spec = self.pools.get(iid)
+            out.append(
+                InstanceState(
+                    instance_id=iid,
+                    healthy=self.registry.healthy(v),
+                    fresh=self.registry.fresh(v),
+                    models=models,
+                    profile=self.profiles.profile(iid),
+                    pool="cold" if snap.pool == pb.POOL_COLD else "hot",
+                    kv=kv,
+                    running=snap.num_running,
+                    waiting=snap.num_waiting,
+                    overlay_calls=v.inflight,
+                    overlay_leases=leases.get(iid, 0),
+                    kv_pages_total=snap.kv_pages_total,
+                    page_size=spec.page_size if spec is not None else 16,
+                    kv_usage=snap.kv_usage,
+                    snapshot_unix=snap.sent_unix,
+                    epoch=snap.epoch,
+                )
+            )
+        return out
+
+    def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int) -> CallRequest:
+        shape = self.shapes.shape(model)
+        return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), shape.decode_tokens))
+
+    def arrival(self, req: CallRequest) -> None:
+        self.demand.arrival(req.model, self.wall())
+
+    def state_for(self, req: CallRequest, exclude: Iterable[str] = (), use_lease: bool = True) -> tuple[PlacementState, int | None]:
+        now = self.wall()
+        entry = self.sessions.get(req.session_id) if req.session_id else None
+        session = (
+            SessionView(entry.model, entry.instance_id, entry.first_instance or entry.instance_id, entry.committed_tokens, entry.done_unix)
+            if entry is not None
+            else None
+        )
+        lease: LeaseView | None = None
+        rev = None
+        if use_lease and self.leases_enabled and req.session_id:
+            got = self.leases.get(req.session_id, req.model)
+            if got is not None:
+                lease, rev = got
+        window = self.params.control_window_s
+        live = self.leases.live_by_model(now)
+        demand = {req.model: self.demand.rate(req.model, now) * window + live.get(req.model, 0)}
+        self._seq += 1
+        st = PlacementState(
+            request=req,
+            instances=self.instance_states(exclude),
+            params=self.params,
+            session=session,
+            lease=lease,
+            shape=self.shapes.shape(req.model),
+            demand=demand,
+            seq=self._seq,
+        )
+        return st, rev
+
+    def decide(self, req: CallRequest, exclude: Iterable[str] = (), use_lease: bool = True) -> tuple[Decision, int | None]:
+        """Run the policy; nothing is committed (see ``commit``). Returns the lease revision it judged."""
+        st, rev = self.state_for(req, exclude, use_lease)
+        t0 = time.perf_counter_ns()
+        d = decide(st, self.wall())
+        self._decide_ns += time.perf_counter_ns() - t0
+        return d, rev
+
+    def lease_judged(self, d: Decision) -> None:
+        """Count a lease the decision consumed or discarded (call once per lease seen)."""
+        if d.lease == "hit":
+            self.stats["lease_hits"] += 1
+        elif d.lease == "expired":
+            self.stats["lease_expiries"] += 1
+        elif d.lease in ("unhealthy", "prefix-invalid"):
+            self.stats["lease_misses"] += 1
+            self.stats[f"lease_miss_{d.lease.replace('-', '_')}"] += 1
+
+    def lease_raced(self) -> None:
+        self.stats["lease_misses"] += 1
+        self.stats["lease_miss_raced"] += 1
+
+    def commit(self, req: CallRequest, d: Decision) -> None:
+        """Record a forwarded call: overlay, session table, accounting, decision log."""
+        assert d.instance_id is not None
+        inst = d.instance_id
+        self.stats["decisions"] += 1
+        self.stats[f"placement_{d.reason}"] += 1
+        entry = self.sessions.get(req.session_id) if req.session_id else None
+        if entry is not None and entry.model == req.model:
+            self.stats["returns"] += 1
+            self.stats["same_instance_returns" if entry.instance_id == inst else "moved_returns"] += 1
+        if d.opens_model:
+            self.stats["model_opens"] += 1
+        if d.switches_model:
+            self.stats["model_switches"] += 1
+        if d.avoidable_open:
+            self.stats["avoidable_cold_opens"] += 1
+        self.registry.forwarded(inst)
+        if req.session_id:
+            self.sessions.record(req.session_id, req.model, inst)
+        self.log(req, d)
+
+    def log(self, req: CallRequest, d: Decision) -> None:
+        if self.decisions.maxlen:
+            self.decisions.append({"at_unix": self.wall(), "session_id": req.session_id, "model": req.model, **d.as_dict()})
+
+    # ------------------------------------------------------------------------------------- views
+    def known_model(self, model: str) -> bool:
+        return self.registry.known_model(model) or any(model in s.models for s in self.pools.values())
+
+    def metrics(self) -> dict:
+        now = self.wall()
+        s = dict(self.stats)
+        returns = s.get("returns", 0)
+        return {
+            "policy": self.params.policy,
+            "lease_ttl_s": self.tau_s,
+            "leases_live": sum(self.leases.live_by_instance(now).values()),
+            "gateway_queued": self.queued,
+            "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
+            "mean_decide_us": (self._decide_ns / 1e3 / s["decisions"]) if s.get("decisions") else None,
+            **{k: s.get(k, 0) for k in ACCOUNTING},
+            "counters": s,
+        }
+
+
+ACCOUNTING = (
+    "decisions",
+    "returns",
+    "same_instance_returns",
+    "moved_returns",
+    "leases_installed",
+    "lease_hits",
+    "lease_misses",
+    "lease_expiries",
+    "model_opens",
+    "model_switches",
+    "avoidable_cold_opens",
+    "overload_rejected",
+    "overload_queued",
+    "overload_queue_timeouts",
+)

@@ -1,0 +1,245 @@
+"""Soft-reservation leases (Talaria §3.3, §4.1): ``(session, model, instance, prefix handle, t_exp)``.
+
+A completion hook installs a lease with ``t_exp = t_done + tau``; a matching return consumes it; an expired
+lease is dropped. A lease is an admission charge, never a pin on device KV: the engine knows nothing of it.
+
+| class | what |
+|---|---|
+| ``LeaseTable`` | pure local view: key -> (lease, revision); live counts per instance/model for the overlay |
+| ``MemoryLeases`` | a store private to one router (tests, simulator, ``lease_store: memory``) |
+| ``JetStreamLeases`` | the shared store: a JetStream key-value bucket ``<ns>_leases`` with per-key TTL tau; a watcher mirrors it into the table; consumption deletes with a revision check so exactly one replica wins |
+
+Expiry is decided by ``t_exp_unix`` in the value (wall clock); the bucket TTL only garbage-collects (NATS
+rounds message TTLs to whole seconds, so the stored copy may outlive ``t_exp`` by up to a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from dataclasses import dataclass
+
+from services.router.policy import LeaseView
+from talaria.v1 import router_pb2 as rpb
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 30.0  # expired leases stay in the local table this long, so a late return is counted as an expiry
+
+
+def lease_key(session_id: str, model: str) -> str:
+    """NATS KV keys allow ``[-/_=.a-zA-Z0-9]``: base64url (no padding) of each part, joined by a dot."""
+
+    def enc(s: str) -> str:
+        return base64.urlsafe_b64encode(s.encode()).decode().rstrip("=") or "_"
+
+    return f"{enc(session_id)}.{enc(model)}"
+
+
+def view_of(lease: rpb.Lease) -> LeaseView:
+    return LeaseView(
+        lease_id=lease.lease_id,
+        instance_id=lease.instance_id,
+        model=lease.model,
+        committed_tokens=lease.prefix.committed_tokens,
+        t_done_unix=lease.t_done_unix,
+        t_exp_unix=lease.t_exp_unix,
+        epoch=lease.instance_epoch,
+    )
+
+
+@dataclass(slots=True)
+class _Entry:
+    lease: rpb.Lease
+    view: LeaseView
+    revision: int
+
+
+class LeaseTable:
+    """What this router knows of the leases (its own or mirrored from the shared bucket). No I/O."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def upsert(self, lease: rpb.Lease, revision: int = 0) -> None:
+        key = lease_key(lease.session_id, lease.model)
+        cur = self._by_key.get(key)
+        if cur is not None and cur.revision > revision > 0:
+            return  # an older revision arriving late
+        self._by_key[key] = _Entry(lease, view_of(lease), revision)
+
+    def remove(self, key: str, revision: int = 0) -> None:
+        cur = self._by_key.get(key)
+        if cur is not None and (revision == 0 or cur.revision <= revision):
+            del self._by_key[key]
+
+    def get(self, session_id: str, model: str) -> tuple[LeaseView, int] | None:
+        """The lease of (session, model), live or recently expired, and its revision."""
+        e = self._by_key.get(lease_key(session_id, model))
+        return None if e is None else (e.view, e.revision)
+
+    def prune(self, now: float) -> int:
+        old = [k for k, e in self._by_key.items() if now > e.view.t_exp_unix + GRACE_S]
+        for k in old:
+            del self._by_key[k]
+        return len(old)
+
+    def live_by_instance(self, now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._by_key.values():
+            if now < e.view.t_exp_unix:
+                out[e.view.instance_id] = out.get(e.view.instance_id, 0) + 1
+        return out
+
+    def live_by_model(self, now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._by_key.values():
+            if now < e.view.t_exp_unix:
+                out[e.view.model] = out.get(e.view.model, 0) + 1
+        return out
+
+    def drop_instance(self, instance_id: str) -> int:
+        gone = [k for k, e in self._by_key.items() if e.view.instance_id == instance_id]
+        for k in gone:
+            del self._by_key[k]
+        return len(gone)
+
+
+class MemoryLeases:
+    """Leases private to one router process (same interface as ``JetStreamLeases``)."""
+
+    shared = False
+
+    def __init__(self, table: LeaseTable):
+        self.table = table
+        self._rev = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def install_now(self, lease: rpb.Lease) -> None:
+        self._rev += 1
+        self.table.upsert(lease, self._rev)
+
+    async def install(self, lease: rpb.Lease, ttl_s: float) -> None:
+        self.install_now(lease)
+
+    def consume_now(self, session_id: str, model: str, revision: int) -> bool:
+        got = self.table.get(session_id, model)
+        if got is None or got[1] != revision:
+            return False
+        self.table.remove(lease_key(session_id, model))
+        return True
+
+    async def consume(self, session_id: str, model: str, revision: int) -> bool:
+        return self.consume_now(session_id, model, revision)
+
+    async def discard(self, session_id: str, model: str, revision: int) -> None:
+        self.consume_now(session_id, model, revision)
+
+
+class JetStreamLeases:
+    """Leases in the JetStream KV bucket shared by all router replicas of a namespace."""
+
+    shared = True
+
+    def __init__(self, nc, bucket: str, table: LeaseTable, ttl_s: float):
+        self.nc = nc
+        self.bucket = bucket
+        self.table = table
+        self.ttl_s = ttl_s
+        self.kv = None
+        self._watcher = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        js = self.nc.jetstream()
+        try:
+            self.kv = await js.key_value(self.bucket)
+        except Exception:  # noqa: BLE001 - not there yet (or raced with another replica creating it)
+            try:
+                # max_age only sweeps old delete markers; leases expire by their own per-key TTL.
+                self.kv = await js.create_key_value(bucket=self.bucket, history=1, ttl=3600, description="Talaria soft reservations")
+            except Exception:  # noqa: BLE001
+                self.kv = await js.key_value(self.bucket)
+        self._watcher = await self.kv.watchall()
+        self._task = asyncio.create_task(self._mirror(), name=f"lease-mirror-{self.bucket}")
+
+    async def _mirror(self) -> None:
+        assert self._watcher is not None
+        try:
+            async for entry in self._watcher:
+                if entry is None:  # end of the initial values
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    self.table.remove(entry.key, entry.revision or 0)
+                    continue
+                try:
+                    lease = rpb.Lease.FromString(entry.value)
+                except Exception:  # noqa: BLE001 - a foreign or corrupt value must not stop the mirror
+                    log.warning("undecodable lease under %s", entry.key)
+                    continue
+                self.table.upsert(lease, entry.revision or 0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.warning("lease mirror stopped: %s", e)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def install(self, lease: rpb.Lease, ttl_s: float) -> None:
+        """Create the key with a per-key TTL; if a lease is there already, the newer one wins."""
+        assert self.kv is not None
+        key = lease_key(lease.session_id, lease.model)
+        ttl = max(1.0, float(int(ttl_s + 0.999)))  # NATS message TTLs are whole seconds (>= 1 s)
+        data = lease.SerializeToString()
+        try:
+            rev = await self.kv.create(key, data, msg_ttl=ttl)
+        except Exception:  # noqa: BLE001 - key exists: another replica installed this lease, or an older one is live
+            try:
+                cur = await self.kv.get(key)
+                old = rpb.Lease.FromString(cur.value) if cur.value else None
+            except Exception:  # noqa: BLE001 - it vanished meanwhile
+                old = None
+            if old is not None and (old.lease_id == lease.lease_id or old.t_done_unix >= lease.t_done_unix):
+                return
+            try:
+                await self.kv.purge(key)
+                rev = await self.kv.create(key, data, msg_ttl=ttl)
+            except Exception as e:  # noqa: BLE001
+                log.info("lease for %s not installed (raced): %s", key, e)
+                return
+        self.table.upsert(lease, rev)
+
+    async def consume(self, session_id: str, model: str, revision: int) -> bool:
+        """Delete the key iff it is still at ``revision``; True for exactly one consumer."""
+        assert self.kv is not None
+        key = lease_key(session_id, model)
+        try:
+            await self.kv.delete(key, last=revision)
+        except Exception:  # noqa: BLE001 - wrong last sequence: consumed by another replica or replaced
+            self.table.remove(key, revision)
+            return False
+        self.table.remove(key, revision)
+        return True
+
+    async def discard(self, session_id: str, model: str, revision: int) -> None:
+        await self.consume(session_id, model, revision)

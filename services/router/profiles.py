@@ -1,0 +1,113 @@
+"""EWMA-refreshed estimates the placement cost model reads (Talaria §3.3: "refreshes its per-model latency
+profiles ... using an exponentially weighted moving average"). Pure state, injected clock, no I/O.
+
+| class | fed by | gives |
+|---|---|---|
+| ``ProfileBook`` | instance snapshots (``CostProfile``) | per-instance ``policy.Profile``, config defaults where unmeasured |
+| ``ShapeBook`` | completion hooks (usage) | per-model ``policy.CallShape``: uncached suffix, prompt and decode tokens of a typical call |
+| ``DemandMeter`` | call arrivals | per-model arrival rate (EWMA of inter-arrival) -> calls expected in the control window |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.policy import CallShape, Profile
+
+
+def ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else (1.0 - alpha) * old + alpha * sample
+
+
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    prefill_per_token: float = 2e-4
+    decode_step: float = 0.02
+    restore_per_token: float = 2e-5
+    switch_s: float = 0.5
+    open_s: float = 5.0
+
+
+# Keys of CostProfile.switch_by_path the cold pool reports (issue 3); first one present wins.
+SWITCH_KEYS = ("resident", "switch", "d2d")
+STAGED_KEYS = ("staged", "partial", "d2d")
+OPEN_KEYS = ("open", "h2d", "full")
+
+
+class ProfileBook:
+    def __init__(self, defaults: Defaults = Defaults(), alpha: float = 0.2):
+        self.defaults = defaults
+        self.alpha = alpha
+        self._v: dict[str, dict[str, float]] = {}
+
+    def observe(self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float, switch_by_path: dict[str, float]) -> None:
+        """Fold one snapshot's measured profile in; zero means "not measured" and is skipped."""
+        cur = self._v.setdefault(instance_id, {})
+        samples = {"prefill_per_token": prefill_per_token, "decode_step": decode_step, "restore_per_token": restore_per_token}
+        for name, keys in (("switch_s", SWITCH_KEYS), ("staged_switch_s", STAGED_KEYS), ("open_s", OPEN_KEYS)):
+            for k in keys:
+                if switch_by_path.get(k, 0.0) > 0:
+                    samples[name] = switch_by_path[k]
+                    break
+        for k, v in samples.items():
+            if v > 0:
+                cur[k] = ewma(cur.get(k), v, self.alpha)
+
+    def forget(self, instance_id: str) -> None:
+        self._v.pop(instance_id, None)
+
+    def profile(self, instance_id: str) -> Profile:
+        v, d = self._v.get(instance_id, {}), self.defaults
+        switch = v.get("switch_s", d.switch_s)
+        return Profile(
+            prefill_per_token=v.get("prefill_per_token", d.prefill_per_token),
+            decode_step=v.get("decode_step", d.decode_step),
+            restore_per_token=v.get("restore_per_token", d.restore_per_token),
+            switch_s=switch,
+            staged_switch_s=v.get("staged_switch_s", switch),
+            open_s=v.get("open_s", d.open_s),
+        )
+
+
+class ShapeBook:
+    def __init__(self, alpha: float = 0.2, default: CallShape = CallShape()):
+        self.alpha = alpha
+        self.default = default
+        self._v: dict[str, CallShape] = {}
+
+    def observe(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
+        cur = self._v.get(model)
+        a = self.alpha
+        suffix = max(0, prompt_tokens - cached_tokens)
+        if cur is None:
+            self._v[model] = CallShape(float(suffix), float(prompt_tokens), float(completion_tokens))
+        else:
+            self._v[model] = CallShape(
+                ewma(cur.suffix_tokens, suffix, a), ewma(cur.prompt_tokens, prompt_tokens, a), ewma(cur.decode_tokens, completion_tokens, a)
+            )
+
+    def shape(self, model: str) -> CallShape:
+        return self._v.get(model, self.default)
+
+
+class DemandMeter:
+    """Per-model arrival rate from an EWMA of inter-arrival times (clock-injected through ``now``)."""
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self._last: dict[str, float] = {}
+        self._gap: dict[str, float] = {}
+
+    def arrival(self, model: str, now: float) -> None:
+        last = self._last.get(model)
+        self._last[model] = now
+        if last is not None:
+            self._gap[model] = ewma(self._gap.get(model), max(1e-3, now - last), self.alpha)
+
+    def rate(self, model: str, now: float) -> float:
+        """Calls per second; decays when arrivals stop (the open gap counts once it exceeds the mean)."""
+        gap = self._gap.get(model)
+        last = self._last.get(model)
+        if gap is None or last is None:
+            return 0.0
+        return 1.0 / max(gap, now - last)

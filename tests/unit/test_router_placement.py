@@ -1,0 +1,414 @@
+"""Algorithm 1 / Eq. 1-2 of Talaria (§3.3, §4.1) under a manual clock: the pure policy and the gateway
+that feeds it (no NATS, no HTTP)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.router.gateway import Gateway, PoolSpec
+from services.router.leases import LeaseTable, MemoryLeases
+from services.router.policy import (
+    KV_DEVICE,
+    KV_HOST,
+    CallRequest,
+    InstanceState,
+    LeaseView,
+    ModelRes,
+    PlacementState,
+    PolicyParams,
+    Profile,
+    SessionView,
+    decide,
+)
+from services.router.profiles import ShapeBook
+from services.router.registry import Registry
+from services.router.sessions import SessionTable
+from talaria.clock import ManualClock
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+PROF = Profile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-4, switch_s=0.5, staged_switch_s=0.2, open_s=4.0)
+ACTIVE = {"m": ModelRes(loaded=True, active=True)}
+
+
+def inst(iid, models=ACTIVE, **kw) -> InstanceState:
+    kw.setdefault("healthy", True)
+    kw.setdefault("fresh", True)
+    return InstanceState(instance_id=iid, models=models, profile=kw.pop("profile", PROF), **kw)
+
+
+def req(session="s", model="m", prompt=1000, max_tokens=100, decode=50.0) -> CallRequest:
+    return CallRequest(session, model, prompt, max_tokens, decode)
+
+
+# ------------------------------------------------------------------------------ pure policy: Eq. 1
+
+
+def test_eq1_terms_are_each_charged_once():
+    """Prompt 1000 of which 800 are the session's prefix: the suffix is queue/prefill work, the prefix is
+    KV recovery (zero / restore / recompute), activation is separate; total is their plain sum."""
+    dev = inst("dev", kv={("s", "m"): (KV_DEVICE, 800)})
+    host = inst("host", kv={("s", "m"): (KV_HOST, 800)})
+    none = inst("none", models={"m": ModelRes(loaded=True)})  # resident, not active: a switch
+    cold = inst("cold", models={"m": ModelRes()}, pool="cold")  # not resident: a full open
+    session = SessionView("m", "dev", "dev", 800, 0.0)
+    st = PlacementState(req(), [dev, host, none, cold], PolicyParams(replica_penalty_s=0, hbm_price_s_per_gib=0), session=session)
+    d = decide(st, now=0.0)
+    by = {c.instance_id: c for c in d.costs}
+    suffix_work = 200 * 1e-3 + 50 * 0.01
+    for c in d.costs:
+        assert c.delta_r == pytest.approx(c.queue_s + suffix_work)  # never the prefix, never activation
+        assert c.total == pytest.approx(c.delta_r + c.c_kv + c.c_act)
+    assert (by["dev"].kv_source, by["dev"].c_kv, by["dev"].c_act) == ("device", 0.0, 0.0)
+    assert (by["host"].kv_source, by["host"].c_kv) == ("host", pytest.approx(800 * 1e-4))
+    assert (by["none"].kv_source, by["none"].c_kv) == ("recompute", pytest.approx(800 * 1e-3))
+    assert (by["none"].act, by["none"].c_act, by["none"].fresh_replica) == ("switch", 0.5, False)
+    assert (by["cold"].act, by["cold"].c_act, by["cold"].fresh_replica) == ("open", 4.0, True)
+    assert (d.instance_id, d.reason) == ("dev", "cost")
+    # A new session has no prefix anywhere: the whole prompt is dR_req, C_KV is zero everywhere.
+    d2 = decide(PlacementState(req(session="new"), [dev, host], PolicyParams()), now=0.0)
+    for c in d2.costs:
+        assert (c.kv_source, c.c_kv) == ("none", 0.0)
+        assert c.delta_r == pytest.approx(1000 * 1e-3 + 50 * 0.01)
+
+
+def test_completion_newer_than_snapshot_counts_as_device_kv():
+    """The snapshot cannot know a call that finished after it was sent: the hook's prefix is trusted."""
+    a = inst("a", snapshot_unix=10.0)
+    session = SessionView("m", "a", "a", 500, done_unix=11.0)
+    c = decide(PlacementState(req(), [a], session=session), now=11.5).costs[0]
+    assert (c.kv_source, c.c_kv) == ("device", 0.0)
+    old = SessionView("m", "a", "a", 500, done_unix=9.0)  # the snapshot says it is gone
+    assert decide(PlacementState(req(), [a], session=old), now=11.5).costs[0].kv_source == "recompute"
+
+
+def test_staged_model_changes_activation_not_a_second_open_penalty():
+    staged = inst("st", models={"m": ModelRes(staged=True)}, pool="cold")
+    c = decide(PlacementState(req(), [staged], PolicyParams(replica_penalty_s=0)), now=0).costs[0]
+    assert (c.act, c.c_act) == ("switch", 0.2)
+    assert c.total == pytest.approx(c.delta_r + c.c_kv + 0.2)
+
+
+# --------------------------------------------------------------------------- pure policy: leases
+
+
+def test_lease_hit_routes_to_reserved_instance_even_if_busier():
+    a = inst("a", waiting=5, overlay_leases=1, snapshot_unix=0.0)
+    b = inst("b")
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=2.0)
+    d = decide(PlacementState(req(), [a, b], lease=lease), now=1.5)
+    assert (d.instance_id, d.reason, d.lease) == ("a", "lease", "hit")
+    # The call's own lease is not queue ahead of it.
+    assert d.costs[0].queue_s == pytest.approx((1e-3 * 256 + 0.01 * 64) * 5)
+
+
+def test_expired_lease_falls_back_to_cost_placement():
+    a = inst("a", waiting=5)
+    b = inst("b")
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=2.0)
+    d = decide(PlacementState(req(), [a, b], lease=lease), now=2.0)
+    assert (d.lease, d.reason, d.instance_id) == ("expired", "cost", "b")
+
+
+def test_lease_to_unhealthy_instance_is_not_honoured_and_instance_skipped():
+    a = inst("a", healthy=False)
+    b = inst("b", waiting=3)
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=2.0)
+    d = decide(PlacementState(req(), [a, b], lease=lease), now=1.2)
+    assert (d.lease, d.instance_id) == ("unhealthy", "b")
+    assert {c.instance_id: c.reject for c in d.costs}["a"] == "unhealthy"
+
+
+def test_lease_needs_a_valid_prefix_and_same_epoch():
+    a = inst("a", snapshot_unix=5.0, epoch=2)  # snapshot newer than the lease and no session listed
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=9.0)
+    assert decide(PlacementState(req(), [a], lease=lease), now=6).lease == "prefix-invalid"
+    a2 = inst("a", snapshot_unix=5.0, epoch=2, kv={("s", "m"): (KV_HOST, 800)})
+    assert decide(PlacementState(req(), [a2], lease=lease), now=6).lease == "hit"  # host-restorable is valid
+    restarted = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=9.0, epoch=1)
+    assert decide(PlacementState(req(), [a2], lease=restarted), now=6).lease == "prefix-invalid"
+
+
+def test_stale_snapshot_excluded_from_new_calls_but_lease_honoured():
+    a = inst("a", fresh=False, snapshot_unix=0.0)
+    b = inst("b", waiting=4)
+    assert decide(PlacementState(req(session="new"), [a, b]), now=1).instance_id == "b"
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=2.0)
+    assert decide(PlacementState(req(), [a, b], lease=lease), now=1.5).instance_id == "a"
+
+
+# ------------------------------------------------------------------------- pure policy: Eq. 2, overload
+
+
+def test_eq2_gate_blocks_a_fresh_replica_unless_the_gain_pays_for_it():
+    hot = inst("y", waiting=2)
+    cold = inst("x", models={"m": ModelRes()}, pool="cold")
+    p = PolicyParams(replica_penalty_s=1.0, hbm_price_s_per_gib=0.1)
+    d = decide(PlacementState(req(session="new"), [hot, cold], p, demand={"m": 1.0}), now=0)
+    x = {c.instance_id: c for c in d.costs}["x"]
+    assert d.instance_id == "y"
+    assert x.reject == "eq2" and x.eq2_gain < x.eq2_threshold
+    assert x.eq2_threshold == pytest.approx(4.0 + 0.1 * 1.0 + 1.0)
+    # Heavy predicted demand behind a long queue: the replica's gain exceeds switch + HBM + penalty.
+    busy = inst("y", waiting=40)
+    d2 = decide(PlacementState(req(session="new"), [busy, cold], p, demand={"m": 20.0}), now=0)
+    x2 = {c.instance_id: c for c in d2.costs}["x"]
+    assert x2.reject == "" and x2.eq2_gain > x2.eq2_threshold
+    assert d2.instance_id == "x" and d2.opens_model and not d2.avoidable_open is False  # y has it resident
+    assert d2.avoidable_open
+    # No replica anywhere: the gain is unbounded, the model must be opened.
+    d3 = decide(PlacementState(req(session="new"), [cold], p), now=0)
+    assert d3.instance_id == "x" and math.isinf(d3.costs[0].eq2_gain) and not d3.avoidable_open
+
+
+def test_memory_pressure_raises_the_hbm_price():
+    cold_free = inst("x", models={"m": ModelRes()}, pool="cold", kv_usage=0.0)
+    cold_full = inst("z", models={"m": ModelRes()}, pool="cold", kv_usage=0.9)
+    hot = inst("y", waiting=10)
+    p = PolicyParams(hbm_price_s_per_gib=1.0, replica_penalty_s=0.0, model_weights_gib={"m": 10.0})
+    d = decide(PlacementState(req(session="new"), [hot, cold_free, cold_full], p, demand={"m": 3}), now=0)
+    by = {c.instance_id: c for c in d.costs}
+    assert by["z"].eq2_threshold - by["x"].eq2_threshold == pytest.approx(10.0 * (1 / 0.1 - 1.0))
+
+
+def test_overload_when_no_candidate_passes_round_admission():
+    a = inst("a", waiting=100)
+    b = inst("b", waiting=120)
+    p = PolicyParams(admission_budget_s=5.0, retry_after_s=1.0)
+    d = decide(PlacementState(req(session="new"), [a, b], p), now=0)
+    assert (d.instance_id, d.reason) == (None, "overload")
+    assert {c.reject for c in d.costs} == {"round-admission"}
+    assert d.retry_after_s >= 1.0
+    # Unhealthy-only is not overload: nothing can serve.
+    d2 = decide(PlacementState(req(session="new"), [inst("a", healthy=False)], p), now=0)
+    assert d2.reason == "no-instance"
+
+
+def test_memory_check_rejects_a_call_that_cannot_fit():
+    small = inst("a", kv_pages_total=10, page_size=16)
+    big = inst("b", kv_pages_total=1000, page_size=16, waiting=3)
+    d = decide(PlacementState(req(session="new", prompt=400, max_tokens=100), [small, big]), now=0)
+    assert d.instance_id == "b"
+    assert {c.instance_id: c.reject for c in d.costs}["a"] == "memory"
+
+
+def test_overlay_of_forwarded_calls_and_leases_moves_placement():
+    a, b = inst("a"), inst("b")
+    assert decide(PlacementState(req(session="new"), [a, b]), now=0).instance_id == "a"
+    a2 = inst("a", overlay_calls=1)
+    assert decide(PlacementState(req(session="new"), [a2, b]), now=0).instance_id == "b"
+    a3 = inst("a", overlay_leases=1)  # a lease reserved for another session charges one admission unit
+    assert decide(PlacementState(req(session="new"), [a3, b]), now=0).instance_id == "b"
+    zero = PolicyParams(admission_unit=0.0)
+    assert decide(PlacementState(req(session="new"), [a3, b], zero), now=0).instance_id == "a"
+
+
+# ------------------------------------------------------------------------------------- baselines
+
+
+def test_baselines_least_pressure_sticky_round_robin():
+    cold_a = inst("a", models={"m": ModelRes()}, pool="cold")  # empty: would have to open
+    b = inst("b", waiting=2)
+    lp = decide(PlacementState(req(session="new"), [cold_a, b], PolicyParams(policy="least-pressure")), now=0)
+    assert lp.instance_id == "a" and lp.opens_model and lp.avoidable_open
+    full = decide(PlacementState(req(session="new"), [cold_a, b], PolicyParams()), now=0)
+    assert full.instance_id == "b" and not full.avoidable_open
+    s = SessionView("m", last_instance="a", first_instance="b", committed_tokens=100, done_unix=0)
+    st = decide(PlacementState(req(), [inst("a"), inst("b", waiting=9)], PolicyParams(policy="session-sticky"), session=s), now=0)
+    assert (st.instance_id, st.reason) == ("b", "sticky")
+    rr = [decide(PlacementState(req(), [inst("a"), inst("b")], PolicyParams(policy="round-robin"), seq=k), now=0).instance_id for k in range(4)]
+    assert rr == ["a", "b", "a", "b"]
+    with pytest.raises(ValueError):
+        decide(PlacementState(req(), [b], PolicyParams(policy="nope")), now=0)
+
+
+# ----------------------------------------------------------------------------- gateway + manual clock
+
+
+def snapshot(iid, seq, clock, waiting=0, epoch=1, sessions=(), period=0.5, pool=pb.POOL_HOT, models=None):
+    snap = pb.InstanceSnapshot(
+        instance_id=iid, epoch=epoch, seq=seq, heartbeat_period_s=period, num_waiting=waiting, sent_unix=clock.now(), pool=pool
+    )
+    for m in models or [pb.ModelState(model="m", loaded=True, active=True, max_context=4096)]:
+        snap.models.append(m)
+    for sid, tokens in sessions:
+        snap.sessions.append(pb.SessionState(session_id=sid, model="m", committed_tokens=tokens, state=pb.KV_DEVICE))
+    snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=1e-3, decode_step=0.01))
+    return snap
+
+
+def hook(iid, session, clock, tokens=600, rid="r1"):
+    return pb.CompletionHook(
+        request_id=rid, session_id=session, model="m", instance_id=iid, finish_unix=clock.now(),
+        prefix=cpb.PrefixHandle(model="m", committed_tokens=tokens),
+        usage=cpb.Usage(prompt_tokens=tokens, cached_tokens=max(0, tokens - 100), completion_tokens=20),
+    )
+
+
+def make_gateway(clock, tau=1.0, policy="full", pools=None):
+    reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
+    table = LeaseTable()
+    gw = Gateway(PolicyParams(policy=policy), reg, SessionTable(clock), table, clock.now, tau_s=tau, pools=pools, shapes=ShapeBook())
+    return gw, MemoryLeases(table)
+
+
+def place(gw, store, session, prompt=800):
+    """What the app does: decide, consume/discard the judged lease, commit."""
+    r = gw.request(session, "m", prompt, 64)
+    d, rev = gw.decide(r)
+    if d.lease == "hit":
+        assert store.consume_now(session, "m", rev)
+    elif d.lease != "none":
+        store.consume_now(session, "m", rev)
+    gw.lease_judged(d)
+    if d.instance_id is not None:
+        gw.commit(r, d)
+    return d
+
+
+def test_gateway_lease_consumed_on_return_then_successor_installed():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock)
+    gw.on_snapshot(snapshot("a", 1, clock, waiting=3))
+    gw.on_snapshot(snapshot("b", 1, clock))
+    assert place(gw, store, "s").instance_id == "b"
+    clock.advance(0.3)
+    lease = gw.on_hook(hook("b", "s", clock))
+    store.install_now(lease)
+    assert lease.t_exp_unix == pytest.approx(101.3) and len(gw.leases) == 1
+    # Another session sees b charged by the lease (and the first call's overlay).
+    gw.on_snapshot(snapshot("a", 2, clock, waiting=0))
+    assert place(gw, store, "other").instance_id == "a"
+    clock.advance(0.4)  # tool gap shorter than tau
+    d = place(gw, store, "s", prompt=900)
+    assert (d.instance_id, d.reason, d.lease) == ("b", "lease", "hit")
+    assert len(gw.leases) == 0  # consumed; no refresh until the next completion
+    m = gw.metrics()
+    assert (m["lease_hits"], m["returns"], m["same_instance_returns"]) == (1, 1, 1)
+    store.install_now(gw.on_hook(hook("b", "s", clock, tokens=950, rid="r2")))
+    assert gw.leases.get("s", "m")[0].lease_id == "r2"
+
+
+def test_gateway_expired_lease_is_counted_and_placement_uses_kv_cost():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    gw.on_snapshot(snapshot("b", 1, clock))
+    store.install_now(gw.on_hook(hook("b", "s", clock, tokens=2000)))
+    clock.advance(0.4)
+    gw.on_snapshot(snapshot("a", 2, clock))
+    gw.on_snapshot(snapshot("b", 2, clock, waiting=1, sessions=[("s", 2000)]))
+    clock.advance(1.0)  # past tau; heartbeats still fresh enough (< 2 periods)
+    gw.on_snapshot(snapshot("a", 3, clock))
+    gw.on_snapshot(snapshot("b", 3, clock, waiting=1, sessions=[("s", 2000)]))
+    d = place(gw, store, "s", prompt=2100)
+    assert (d.lease, d.reason, d.instance_id) == ("expired", "cost", "b")  # device KV outweighs one queued call
+    assert gw.metrics()["lease_expiries"] == 1
+
+
+def test_gateway_missed_heartbeats_exclude_instance_and_void_its_lease():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=5.0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    gw.on_snapshot(snapshot("b", 1, clock))
+    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    clock.advance(1.6)  # a silent for > 3 periods of 0.5 s
+    gw.on_snapshot(snapshot("b", 2, clock))
+    d = place(gw, store, "s")
+    assert (d.lease, d.instance_id) == ("unhealthy", "b")
+    m = gw.metrics()
+    assert (m["lease_misses"], m["counters"]["lease_miss_unhealthy"], m["moved_returns"]) == (1, 1, 1)
+
+
+def test_gateway_stale_snapshot_between_stale_and_miss_limits():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=5.0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    gw.on_snapshot(snapshot("b", 1, clock, waiting=5))
+    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    clock.advance(1.2)  # a: 2.4 periods old -> stale but still healthy
+    gw.on_snapshot(snapshot("b", 2, clock, waiting=5))
+    assert place(gw, store, "new").instance_id == "b"
+    assert place(gw, store, "s").instance_id == "a"  # the live lease is honoured
+
+
+def test_gateway_overlay_cleared_only_by_a_snapshot_sent_after_the_forward():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    early = snapshot("a", 2, clock)  # taken before the forward, delivered after it
+    clock.advance(0.01)
+    assert place(gw, store, "x").instance_id == "a"
+    assert gw.registry.instances["a"].inflight == 1
+    gw.on_snapshot(early)
+    assert gw.registry.instances["a"].inflight == 1
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 3, clock, waiting=1))
+    assert gw.registry.instances["a"].inflight == 0
+
+
+def test_gateway_engine_restart_drops_sessions_and_leases():
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    gw.on_snapshot(snapshot("a", 1, clock, epoch=2))
+    assert len(gw.leases) == 0 and gw.sessions.get("s") is None
+
+
+def test_gateway_cold_catalog_from_config_and_avoidable_open_accounting():
+    clock = ManualClock(100.0)
+    pools = {"c1": PoolSpec("cold", ("m", "n")), "c2": PoolSpec("cold", ("m", "n"))}
+    gw, store = make_gateway(clock, policy="least-pressure", pools=pools)
+    gw.on_snapshot(snapshot("c1", 1, clock, waiting=1, pool=pb.POOL_COLD))
+    gw.on_snapshot(snapshot("c2", 1, clock, pool=pb.POOL_COLD, models=[pb.ModelState(model="n", loaded=True, active=True)]))
+    d = place(gw, store, "new")
+    assert d.instance_id == "c2" and d.opens_model and d.avoidable_open
+    assert gw.metrics()["avoidable_cold_opens"] == 1 and gw.known_model("n")
+
+
+# ------------------------------------------------------------------------ app: overload policy
+
+
+class _FakeNC:
+    is_connected = True
+
+
+def _app(policy_overrides: dict):
+    from services.router.app import create_app
+    from services.router.service import make_state
+    from talaria.config import parse_config
+
+    cfg = parse_config({"router": {"placement": {"admission_budget_s": 1.0, **policy_overrides}}, "engines": [{"id": "e0", "models": ["m"]}]})
+    state = make_state(cfg)
+    state.nc = _FakeNC()
+    snap = pb.InstanceSnapshot(instance_id="e0", epoch=1, seq=1, heartbeat_period_s=30, num_waiting=500)
+    snap.models.append(pb.ModelState(model="m", loaded=True, active=True, max_context=4096))
+    state.gateway.on_snapshot(snap)
+    return state, TestClient(create_app(state))
+
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_overload_reject_answers_429_with_retry_after():
+    state, client = _app({"overload": "reject"})
+    r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+    assert int(r.headers["retry-after"]) >= 1
+    assert client.get("/router/metrics").json()["placement"]["overload_rejected"] == 1
+    assert client.get("/router/decisions").json()["decisions"][-1]["reason"] == "overload"
+
+
+def test_overload_queue_is_bounded_in_size_and_time():
+    state, client = _app({"overload": "queue", "queue_timeout_s": 0.2, "queue_max": 1})
+    r = client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 429 and r.headers["retry-after"]
+    m = client.get("/router/metrics").json()["placement"]
+    assert (m["overload_queued"], m["overload_queue_timeouts"], m["gateway_queued"]) == (1, 1, 0)
+    state.gateway.queued = 1  # the queue is full: answered at once
+    r2 = client.post("/v1/chat/completions", json=BODY)
+    assert r2.status_code == 429 and "full" in r2.json()["error"]["message"]
