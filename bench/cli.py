@@ -25,6 +25,12 @@ def _router(args) -> int:
     return main(args)
 
 
+def _placement(args) -> int:
+    from bench.router_policy_bench import main
+
+    return main(args)
+
+
 def add_cli(subparsers) -> None:
     b = subparsers.add_parser("bench", help="benchmarks: ratios vs baselines measured side by side in one run")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
@@ -45,3 +51,17 @@ def add_cli(subparsers) -> None:
     r.add_argument("--warmup", type=int, default=3, help="warm-up calls per path (default 3)")
     r.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default 12, under one KV page)")
     r.set_defaults(fn=_router)
+
+    sw = bs.add_parser("switch", help="cold-pool switch latency by load path (full staged / partial / host only) vs a full engine reload")
+    _common(sw, "small-llama", 3)
+    sw.add_argument("--from", dest="src", default="tiny-llama", help="model active before each measured switch (default tiny-llama)")
+    sw.add_argument("--switches", type=int, default=10, help="measured switches per path per repetition (default 10)")
+    sw.add_argument("--chunk-kb", type=int, default=4096, help="weight chunk size in KiB (default 4096)")
+    sw.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
+    sw.set_defaults(fn=lambda a: __import__("bench.switch_bench", fromlist=["main"]).main(a))
+
+    from bench.router_policy_bench import add_args as _placement_args
+
+    pl = bs.add_parser("placement", help="router policies side by side (SIMULATION: real policy code, virtual clock), tau sweep, decision cost")
+    _placement_args(pl)
+    pl.set_defaults(fn=_placement)

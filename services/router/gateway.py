@@ -81,6 +81,7 @@ class Gateway:
         self.queued = 0  # calls waiting in the gateway queue (overload policy "queue")
         self._seq = 0
         self._static: dict[str, tuple[int, int, dict, dict]] = {}  # id -> (epoch, seq, models, kv)
+        self._states: dict[str, tuple[tuple, InstanceState]] = {}  # id -> (what it depends on, state)
         self._decide_ns = 0
 
     @property
@@ -158,14 +159,20 @@ class Gateway:
         for iid, v in self.registry.instances.items():
             if iid in skip:
                 continue
-            models, kv = self._static_of(v)
             snap = v.snapshot
+            healthy, fresh, n_leases = self.registry.healthy(v), self.registry.fresh(v), leases.get(iid, 0)
+            key = (snap.epoch, snap.seq, v.inflight, n_leases, healthy, fresh)
+            cached = self._states.get(iid)
+            if cached is not None and cached[0] == key:
+                out.append(cached[1])  # nothing this instance's view depends on changed
+                continue
+            models, kv = self._static_of(v)
             spec = self.pools.get(iid)
             out.append(
                 InstanceState(
                     instance_id=iid,
-                    healthy=self.registry.healthy(v),
-                    fresh=self.registry.fresh(v),
+                    healthy=healthy,
+                    fresh=fresh,
                     models=models,
                     profile=self.profiles.profile(iid),
                     pool="cold" if snap.pool == pb.POOL_COLD else "hot",
@@ -173,7 +180,7 @@ class Gateway:
                     running=snap.num_running,
                     waiting=snap.num_waiting,
                     overlay_calls=v.inflight,
-                    overlay_leases=leases.get(iid, 0),
+                    overlay_leases=n_leases,
                     kv_pages_total=snap.kv_pages_total,
                     page_size=spec.page_size if spec is not None else 16,
                     kv_usage=snap.kv_usage,
@@ -181,6 +188,7 @@ class Gateway:
                     epoch=snap.epoch,
                 )
             )
+            self._states[iid] = (key, out[-1])
         return out
 
     def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int) -> CallRequest:

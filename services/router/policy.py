@@ -227,8 +227,9 @@ def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     return "open", inst.profile.open_s
 
 
-def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
-    """Eq. 1 for one instance plus the round-admission and memory checks (Eq. 2 is applied later)."""
+def _terms(inst: InstanceState, state: PlacementState) -> list:
+    """Eq. 1 for one instance plus the round-admission and memory checks, as a list in the field order of
+    ``CostBreakdown`` (built once, after Eq. 2, so a decision over many instances stays cheap)."""
     req, p, prof, shape = state.request, state.params, inst.profile, state.shape
     kv_source, prefix = kv_state_on(inst, req, state.session, state.lease)
     suffix = max(1, req.prompt_tokens - prefix)
@@ -262,42 +263,36 @@ def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
         in_use = (inst.running + inst.waiting + inst.overlay_calls) * per_call
         if pages_needed > inst.kv_pages_total * (1.0 - p.hbm_reserve_fraction) - in_use:
             reject = "memory"
-    return CostBreakdown(
-        instance_id=inst.instance_id,
-        delta_r=delta_r,
-        c_kv=c_kv,
-        c_act=c_act,
-        total=delta_r + c_kv + c_act,
-        queue_s=queue_s,
-        kv_source=kv_source,
-        act=act,
-        fresh_replica=act == "open",
-        predicted_ttft_s=ttft,
-        pages_needed=pages_needed,
-        reject=reject,
-    )
+    total = delta_r + c_kv + c_act
+    return [inst.instance_id, delta_r, c_kv, c_act, total, queue_s, kv_source, act, act == "open", ttft, pages_needed, None, None, reject]
 
 
-def apply_eq2(costs: list[CostBreakdown], by_id: Mapping[str, InstanceState], state: PlacementState) -> list[CostBreakdown]:
-    """Gate fresh replicas by Eq. 2; returns the breakdowns with ``eq2_*`` filled and ``reject`` set."""
+_DR, _CKV, _CACT, _FRESH, _GAIN, _THR, _REJECT = 1, 2, 3, 8, 11, 12, 13
+
+
+def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
+    """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2)."""
+    return CostBreakdown(*_terms(inst, state))
+
+
+def apply_eq2(terms: list[list], by_id: Mapping[str, InstanceState], state: PlacementState) -> None:
+    """Gate fresh replicas by Eq. 2: fills the gain/threshold of each fresh replica, rejects it ("eq2")
+    unless the gain exceeds T_swap + mu * dW + nu. Mutates ``terms`` (lists from ``_terms``)."""
     p, m = state.params, state.request.model
-    existing = [c.delta_r + c.c_kv for c in costs if not c.fresh_replica and not c.reject]
+    existing = [t[_DR] + t[_CKV] for t in terms if not t[_FRESH] and not t[_REJECT]]
     w_existing = min(existing) if existing else math.inf
     demand = max(1.0, state.demand.get(m, 0.0))
     d_w = p.model_weights_gib.get(m, p.default_weights_gib)
-    out = []
-    for c in costs:
-        if not c.fresh_replica or c.reject:
-            out.append(c)
+    for t in terms:
+        if not t[_FRESH] or t[_REJECT]:
             continue
-        inst = by_id[c.instance_id]
-        w_new = c.delta_r + c.c_kv
+        w_new = t[_DR] + t[_CKV]
         gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - w_new)
-        mu = p.hbm_price_s_per_gib / max(0.05, 1.0 - inst.kv_usage)
-        threshold = c.c_act + mu * d_w + p.replica_penalty_s
-        reject = "" if gain > threshold else "eq2"
-        out.append(replace(c, eq2_gain=gain, eq2_threshold=threshold, reject=reject))
-    return out
+        mu = p.hbm_price_s_per_gib / max(0.05, 1.0 - by_id[t[0]].kv_usage)
+        threshold = t[_CACT] + mu * d_w + p.replica_penalty_s
+        t[_GAIN], t[_THR] = gain, threshold
+        if not gain > threshold:
+            t[_REJECT] = "eq2"
 
 
 # ------------------------------------------------------------------------------------------ decisions
@@ -354,8 +349,9 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     # A lease that failed its check is discarded; placement continues as if there were none.
     if lease != "none":
         state = replace(state, lease=None)
-    costs = [breakdown(i, state) for i in serving]
-    costs = apply_eq2(costs, {i.instance_id: i for i in serving}, state)
+    terms = [_terms(i, state) for i in serving]
+    apply_eq2(terms, {i.instance_id: i for i in serving}, state)
+    costs = [CostBreakdown(*t) for t in terms]
     admissible = [c for c in costs if not c.reject]
     if not admissible:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)
