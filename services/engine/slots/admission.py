@@ -1,0 +1,102 @@
+"""Which queued calls a slot admits: queued prefill at slot open (P) and session-prefill (SP) at decode
+boundaries (Talaria §3.4).
+
+P admits, first come first served, the calls of the slot's model that were waiting when the slot opened,
+while their predicted cost fits the slot's prefill share (always at least one, so an instance under
+overload still makes progress; the rest is *deferred* and counted as shortfall).
+
+A call is SP-eligible when it targets the active model, is a continuation (its session had an earlier call
+here), arrived after P, and its prefix is device-resident or host-restorable on this instance (host only
+with ``host_kv``). At each opportunity the bounded subset whose prefill + restore time fits the budget left
+after protected decode, whose KV fits free device memory, and which respects the batch bounds is admitted,
+first-fit in arrival order; the rest waits for a later opportunity or the next slot. New sessions never
+bypass P.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .costs import CostModel
+from .types import CallView, SpVerdict
+
+
+@dataclass(frozen=True, slots=True)
+class SpLimits:
+    max_batch: int = 8  # calls per SP batch
+    max_tokens: int = 4096  # prefill + restore tokens per SP batch
+
+
+def sp_ineligible_reason(c: CallView, *, active: str | None, p_opened: float, sp: bool, host_kv: bool) -> str | None:
+    """None when ``c`` is SP-eligible, else the reason it is not (checked in this order)."""
+    if not sp:
+        return "sp_off"
+    if c.model != active:
+        return "wrong_model"
+    if not c.continuation or not c.session_id:
+        return "new_session"
+    if c.arrival <= p_opened:
+        return "arrived_before_p"
+    if c.prefix_state == "missing" or c.prefix_tokens <= 0:
+        return "prefix_missing"
+    if c.prefix_state == "host" and not host_kv:
+        return "host_kv_off"
+    return None
+
+
+def select_sp(
+    eligible: Sequence[CallView],
+    *,
+    budget_s: float,
+    free_kv_tokens: int | None,
+    costs: CostModel,
+    host_kv: bool,
+    limits: SpLimits,
+    drain_iters: int | None = None,
+    t_decode: float = 0.0,
+) -> list[SpVerdict]:
+    """First-fit in arrival order under the time budget, device memory and batch bounds.
+
+    ``drain_iters``: for an executor that cannot park calls at a switch, the decode iterations the slot
+    already has to run; a call needing more (``max_tokens``) also costs the extra iterations it adds to
+    the drain (the longest call of the batch sets it). None: calls can be parked, no extension."""
+    out: list[SpVerdict] = []
+    used_s, used_tokens, used_kv, n = 0.0, 0, 0, 0
+    horizon = drain_iters or 0
+    for c in sorted(eligible, key=lambda c: (c.arrival, c.request_id)):
+        cc = costs.call(c, host_kv)
+        work = cc.prefill_tokens + cc.restore_tokens
+        ext = max(0, c.max_tokens - horizon) if drain_iters is not None else 0
+        cost = cc.seconds + ext * t_decode
+        if n >= limits.max_batch or used_tokens + work > limits.max_tokens:
+            out.append(SpVerdict(c.request_id, False, "batch_limit", cost))
+        elif used_s + cost > budget_s:
+            out.append(SpVerdict(c.request_id, False, "budget", cost))
+        elif free_kv_tokens is not None and used_kv + cc.kv_tokens > free_kv_tokens:
+            out.append(SpVerdict(c.request_id, False, "memory", cost))
+        else:
+            out.append(SpVerdict(c.request_id, True, "admitted", cost))
+            used_s += cost
+            used_tokens += work
+            used_kv += cc.kv_tokens
+            horizon += ext
+            n += 1
+    return out
+
+
+def select_p(queued: Sequence[CallView], *, budget_s: float, costs: CostModel, host_kv: bool) -> tuple[list[CallView], list[CallView], float, float]:
+    """P admission: FCFS while the predicted cost fits ``budget_s`` (at least one call).
+    Returns (admitted, deferred, admitted seconds, deferred seconds)."""
+    admitted: list[CallView] = []
+    deferred: list[CallView] = []
+    used = over = 0.0
+    for c in queued:
+        s = costs.call(c, host_kv).seconds
+        if not deferred and (not admitted or used + s <= budget_s):
+            admitted.append(c)
+            used += s
+        else:
+            deferred.append(c)
+            over += s
+    return admitted, deferred, used, over

@@ -1,0 +1,113 @@
+"""Measured, EWMA-refreshed cost profile the slot scheduler predicts with (Talaria §3.4: "costs come from
+profiles, not constants"; the switch estimate follows staging coverage, §3.5).
+
+Four quantities, per model where they depend on the model: prefill seconds per token, decode-step
+seconds, restore seconds per token (host KV → device), switch seconds by load path
+(``full_staged`` / ``partial`` / ``host_only``). An injected :class:`CostProfile` seeds them; every
+executed step and switch refreshes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .types import CallView
+
+PATHS = ("full_staged", "partial", "host_only")
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    prefill_per_token: float = 2e-4
+    decode_step: float = 0.02
+    restore_per_token: float = 2e-5
+    switch_by_path: dict[str, float] = field(default_factory=lambda: {"full_staged": 0.1, "partial": 0.5, "host_only": 1.0})
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    prefill_tokens: int  # tokens to compute
+    restore_tokens: int  # tokens whose KV is copied back from host
+    kv_tokens: int  # new device KV tokens the call needs (prompt not on device + its output)
+    seconds: float
+
+
+class CostModel:
+    def __init__(self, default: CostProfile | None = None, per_model: dict[str, CostProfile] | None = None, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.default = default or CostProfile()
+        self._models: dict[str, CostProfile] = dict(per_model or {})
+        self._switch: dict[str, float] = dict(self.default.switch_by_path)
+
+    def _p(self, model: str) -> CostProfile:
+        return self._models.get(model, self.default)
+
+    # ---------------------------------------------------------------- predictions
+    def prefill_per_token(self, model: str) -> float:
+        return self._p(model).prefill_per_token
+
+    def decode_step(self, model: str) -> float:
+        return self._p(model).decode_step
+
+    def restore_per_token(self, model: str) -> float:
+        return self._p(model).restore_per_token
+
+    def switch(self, path: str) -> float:
+        if path in self._switch:
+            return self._switch[path]
+        return self._switch.get("host_only", max(self._switch.values(), default=0.0))
+
+    def call(self, c: CallView, host_kv: bool = True) -> CallCost:
+        """Predicted prefill + restore of a queued call (its prefix reused from device, or restored from
+        host when ``host_kv``, else recomputed)."""
+        reuse = min(c.prefix_tokens, max(c.prompt_tokens - 1, 0))
+        device = reuse if c.prefix_state == "device" else 0
+        restore = reuse if c.prefix_state == "host" and host_kv else 0
+        prefill = c.prompt_tokens - device - restore
+        s = prefill * self.prefill_per_token(c.model) + restore * self.restore_per_token(c.model)
+        return CallCost(prefill, restore, c.prompt_tokens - device + c.max_tokens, s)
+
+    # ---------------------------------------------------------------- measurements
+    def _ewma(self, old: float, new: float) -> float:
+        return (1 - self.alpha) * old + self.alpha * new
+
+    def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """One executed step. Decode-only steps refresh t_D; steps that prefill without restoring refresh the
+        prefill cost per token (after the decode share); steps that restore refresh the restore cost per
+        token (after the decode and predicted prefill shares) — each quantity from the steps that identify it."""
+        p = self._p(model)
+        rest = seconds - (p.decode_step if decode_seqs else 0.0)
+        if prefill_tokens == 0 and restore_tokens == 0:
+            if decode_seqs > 0:
+                p = replace(p, decode_step=self._ewma(p.decode_step, seconds))
+        elif restore_tokens == 0:
+            p = replace(p, prefill_per_token=self._ewma(p.prefill_per_token, max(rest, 0.0) / prefill_tokens))
+        else:
+            rest -= prefill_tokens * p.prefill_per_token
+            p = replace(p, restore_per_token=self._ewma(p.restore_per_token, max(rest, 0.0) / restore_tokens))
+        self._models[model] = p
+
+    def observe_switch(self, path: str, seconds: float) -> None:
+        old = self._switch.get(path)
+        self._switch[path] = seconds if old is None else self._ewma(old, seconds)
+
+    def snapshot(self, model: str | None = None) -> dict:
+        p = self._p(model) if model else self.default
+        return {
+            "prefill_per_token": p.prefill_per_token, "decode_step": p.decode_step,
+            "restore_per_token": p.restore_per_token, "switch_by_path": dict(self._switch),
+        }
+
+
+def expected_path(staged_fraction: float | None, d2d_staging: bool) -> str:
+    """The load path a switch to a model is expected to take (Talaria §3.5): without D2D staging always
+    host-only; with it, by how much of the target is staged (unknown: assume staged, the engine stages the
+    predicted next model while the active one serves)."""
+    if not d2d_staging:
+        return "host_only"
+    f = 1.0 if staged_fraction is None else staged_fraction
+    if f >= 1.0:
+        return "full_staged"
+    return "host_only" if f <= 0.0 else "partial"
