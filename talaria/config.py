@@ -54,6 +54,13 @@ class EngineConfig(_Strict):
     heartbeat_period_s: float = Field(0.5, gt=0)
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     torch_threads: int | None = Field(None, ge=1)
+    # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
+    arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")
+    arena_fraction: float = Field(0.9, gt=0, le=1, description="cold on CUDA with arena_mb unset: fraction of free device memory")
+    runtime_mb: float = Field(1.0, ge=0, description="cold: runtime region anchored at the arena's high end")
+    weight_chunk_kb: int = Field(4096, ge=1, description="cold: weight bank / staging chunk size")
+    d2d_staging: bool = Field(True, description="cold: stage the predicted next model into the KV tail (off = H2D-only switches)")
+    staging_chunks_per_step: int = Field(8, ge=0, description="cold: staging copies started per executor step")
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
 
     @field_validator("id")

@@ -172,6 +172,8 @@ class ColdEngine:
     def close_model(self, model: str) -> None:
         """Unload a model with no unfinished calls (raises ModelBusyError otherwise)."""
         with self._step_lock:
+            if model not in self.catalog:
+                raise UnknownModelError(f"model {model!r} is not in this instance's catalog {sorted(self.catalog)}")
             if model not in self.loaded:
                 return
             with self._intake_lock:
@@ -239,11 +241,11 @@ class ColdEngine:
                 self._pending_aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
-        """Calls queued or in flight — or background staging work (so a step loop keeps staging)."""
+        """Calls queued or in flight — or a requested switch or staging work (so a step loop runs them)."""
         with self._intake_lock:
             if self._live:
                 return True
-        return self._staging_busy
+        return self._staging_busy or (self.requested is not None and self.requested != self.active)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:

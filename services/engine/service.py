@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
+# cold-engine control failures (by class name: the service does not import the executor)
+_CONTROL_ERRORS = {"UnknownModelError": ("model_not_found", 404), "ModelBusyError": ("model_busy", 409), "ArenaBudgetError": ("insufficient_memory", 507)}
+
 
 class CallError(Exception):
     """A call the engine refuses; becomes an error chunk with ``status``."""
@@ -82,6 +85,14 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
+        self.multi = hasattr(engine, "info")  # a cold engine serves several catalog models
+
+    def _serves(self, model: str) -> bool:
+        return self.engine.serves(model) if self.multi else model == self.model
+
+    def _runtime(self, model: str):
+        """What accepting a call for ``model`` needs: tokenizer, vocab_size, max_context, encode_chat."""
+        return self.engine.info(model) if self.multi else self.engine
 
     # ---------------------------------------------------------------- executor thread
     def _run_executor(self) -> None:
@@ -99,6 +110,10 @@ class EngineService:
                 continue
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
+            if self.multi:
+                recs = self.engine.take_switch_records()
+                if recs:
+                    self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
 
     def _fail_all(self, message: str) -> None:
         self.counters["step_failures"] += 1
@@ -110,6 +125,25 @@ class EngineService:
             self._finish_with_error(rid, CallError(500, "engine_error", message))
 
     # ---------------------------------------------------------------- publishing
+    def _switch_proto(self, r) -> pb.SwitchRecord:
+        ph = r.phase_seconds
+        return pb.SwitchRecord(
+            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, seq=r.seq, from_model=r.from_model, to_model=r.to_model,
+            reason=r.reason, path=r.path, started_unix=r.started_unix, total_seconds=r.total_seconds,
+            save_teardown_seconds=ph[0], open_weights_seconds=ph[1], restore_kv_shell_seconds=ph[2],
+            restore_runtime_seconds=ph[3], publish_seconds=ph[4], weight_bytes=r.weight_bytes, staged_bytes=r.staged_bytes,
+            host_bytes=r.host_bytes, dirty_bytes=r.dirty_bytes, d2d_seconds=r.d2d_seconds, h2d_seconds=r.h2d_seconds,
+            kv_shell_reused=r.kv_shell_reused, runtime_reused=r.runtime_reused,
+        )
+
+    async def _publish_switches(self, recs) -> None:
+        assert self.nc is not None
+        for r in recs:
+            try:
+                await self.nc.publish(self.subjects.switch(self.cfg.id), self._switch_proto(r).SerializeToString())
+            except Exception as e:  # noqa: BLE001
+                log.warning("switch record %s not published: %s", r.seq, e)
+
     async def _publisher(self) -> None:
         while True:
             outs: list[RequestOutput] = await self._out.get()
@@ -169,16 +203,16 @@ class EngineService:
         if call.session_id:
             info = self.engine.session_info(call.session_id)
             if info is not None:
-                hook.prefix.CopyFrom(self._prefix_handle(info))
+                hook.prefix.CopyFrom(self._prefix_handle(info, call.model))
         assert self.nc is not None
         try:
             await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
 
-    def _prefix_handle(self, info: dict) -> cpb.PrefixHandle:
+    def _prefix_handle(self, info: dict, model: str = "") -> cpb.PrefixHandle:
         return cpb.PrefixHandle(
-            model=self.model,
+            model=model or self.model,
             committed_tokens=int(info.get("committed_tokens", 0)),
             page_size=self.cfg.page_size,
             last_page_hash=int(info.get("last_page_hash", 0)),
@@ -216,11 +250,12 @@ class EngineService:
 
     def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
         which = req.WhichOneof("prompt")
+        rt = self._runtime(req.model)
         if which == "text":
-            return self.engine.tokenizer.encode(req.text)
+            return rt.tokenizer.encode(req.text)
         if which == "token_ids":
             ids = list(req.token_ids.ids)
-            vocab = self.engine.vocab_size
+            vocab = rt.vocab_size
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
@@ -228,7 +263,7 @@ class EngineService:
         if which == "messages":
             msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
             try:
-                return self.engine.encode_chat(msgs)
+                return rt.encode_chat(msgs)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
         raise CallError(422, "missing_field", "request has no prompt", "prompt")
@@ -245,7 +280,7 @@ class EngineService:
             return await self._reject(msg.reply, req.request_id, CallError(400, "unsupported_schema", f"schema_version {req.schema_version} is newer than this engine's {SCHEMA_VERSION}"))
         if self.draining:
             return await self._reject(msg.reply, req.request_id, CallError(503, "draining", f"instance {self.cfg.id} is draining"))
-        if req.model != self.model:
+        if not self._serves(req.model):
             return await self._reject(msg.reply, req.request_id, CallError(404, "model_not_found", f"instance {self.cfg.id} does not serve model '{req.model}'", "model"))
         if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
             return await self._reject(msg.reply, req.request_id, CallError(429, "overloaded", f"instance {self.cfg.id} has {len(self._calls)} calls in flight"))
@@ -257,12 +292,12 @@ class EngineService:
             prompt = await asyncio.to_thread(self._tokenize, req)
             if not prompt:
                 raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
-            limit = self.engine.max_context
+            limit = self._runtime(req.model).max_context
             if len(prompt) + sampling.max_tokens > limit:
                 raise CallError(
                     413,
                     "context_length_exceeded",
-                    f"prompt of {len(prompt)} tokens plus max_tokens {sampling.max_tokens} exceeds the context limit of {limit} tokens of model '{self.model}'",
+                    f"prompt of {len(prompt)} tokens plus max_tokens {sampling.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'",
                     "messages" if req.WhichOneof("prompt") == "messages" else "prompt",
                 )
         except CallError as e:
@@ -271,7 +306,7 @@ class EngineService:
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival))
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model))
         except ValueError as e:
             self._calls.pop(rid, None)
             status = 413 if "context" in type(e).__name__.lower() else 422
@@ -316,12 +351,18 @@ class EngineService:
                 self.draining = False
             elif req.op == pb.CONTROL_FLUSH_CACHE:
                 self.engine.flush_cache()
+            elif self.multi and req.op == pb.CONTROL_OPEN_MODEL:
+                await asyncio.to_thread(self.engine.open_model, req.model)  # loads the bank copy if closed
+                self._wake.set()
+            elif self.multi and req.op == pb.CONTROL_CLOSE_MODEL:
+                await asyncio.to_thread(self.engine.close_model, req.model)
             else:
                 reply.ok = False
                 reply.error.CopyFrom(cpb.Error(code="unsupported", message=f"control op {pb.ControlOp.Name(req.op)} is not supported by a hot instance", http_status=422))
         except Exception as e:  # noqa: BLE001
             reply.ok = False
-            reply.error.CopyFrom(cpb.Error(code="bad_message", message=str(e), http_status=400))
+            code, status = _CONTROL_ERRORS.get(type(e).__name__, ("bad_message", 400))
+            reply.error.CopyFrom(cpb.Error(code=code, message=str(e), http_status=status))
         reply.snapshot.CopyFrom(self.snapshot())
         if msg.reply:
             await msg.respond(reply.SerializeToString())
@@ -348,13 +389,21 @@ class EngineService:
             tokens_generated=st.get("tokens_generated", 0),
             prefix_hit_rate=st.get("prefix_hit_rate", 0.0),
         )
-        snap.models.append(
-            pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
-        )
+        if self.multi:  # every loaded catalog model is served; `active` marks the resident one
+            for m in st.get("models", []):
+                snap.models.append(pb.ModelState(**m))
+            snap.staging_slack_bytes = st.get("staging_slack_bytes", 0)
+            snap.num_switches = st.get("num_switches", 0)
+            for r in list(self.engine.switch_records)[-8:]:
+                snap.switches.append(self._switch_proto(r))
+        else:
+            snap.models.append(
+                pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
+            )
         for s in st.get("sessions", []):
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
+            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
         prof = st.get("profile") or {}
-        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0)))
+        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0), switch_by_path=prof.get("switch_by_path", {})))
         return snap
 
     async def _heartbeats(self) -> None:
@@ -386,7 +435,7 @@ class EngineService:
             await self.nc.subscribe(self.subjects.control(self.cfg.id), cb=self._on_control),
         ]
         tasks = [asyncio.create_task(t) for t in (self._publisher(), self._heartbeats(), self._deadlines())]
-        print(f"engine {self.cfg.id} serving {self.model} on {self.cfg.device}", flush=True)
+        print(f"engine {self.cfg.id} serving {', '.join(self.cfg.models) if self.multi else self.model} on {self.cfg.device}", flush=True)
         try:
             await stop.wait()
         finally:

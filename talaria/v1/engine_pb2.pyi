@@ -242,7 +242,7 @@ class CostProfile(_message.Message):
     def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_by_path: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate")
+    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,8 @@ class InstanceSnapshot(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     pool: Pool
@@ -283,7 +285,57 @@ class InstanceSnapshot(_message.Message):
     device: str
     tokens_generated: int
     prefix_hit_rate: float
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ...) -> None: ...
+    switches: _containers.RepeatedCompositeFieldContainer[SwitchRecord]
+    num_switches: int
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ...) -> None: ...
+
+class SwitchRecord(_message.Message):
+    __slots__ = ("schema_version", "instance_id", "seq", "from_model", "to_model", "reason", "path", "started_unix", "total_seconds", "save_teardown_seconds", "open_weights_seconds", "restore_kv_shell_seconds", "restore_runtime_seconds", "publish_seconds", "weight_bytes", "staged_bytes", "host_bytes", "dirty_bytes", "d2d_seconds", "h2d_seconds", "kv_shell_reused", "runtime_reused")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FROM_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TO_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_TEARDOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_WEIGHTS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_KV_SHELL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    D2D_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    H2D_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SHELL_REUSED_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_REUSED_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    instance_id: str
+    seq: int
+    from_model: str
+    to_model: str
+    reason: str
+    path: str
+    started_unix: float
+    total_seconds: float
+    save_teardown_seconds: float
+    open_weights_seconds: float
+    restore_kv_shell_seconds: float
+    restore_runtime_seconds: float
+    publish_seconds: float
+    weight_bytes: int
+    staged_bytes: int
+    host_bytes: int
+    dirty_bytes: int
+    d2d_seconds: float
+    h2d_seconds: float
+    kv_shell_reused: bool
+    runtime_reused: bool
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., from_model: _Optional[str] = ..., to_model: _Optional[str] = ..., reason: _Optional[str] = ..., path: _Optional[str] = ..., started_unix: _Optional[float] = ..., total_seconds: _Optional[float] = ..., save_teardown_seconds: _Optional[float] = ..., open_weights_seconds: _Optional[float] = ..., restore_kv_shell_seconds: _Optional[float] = ..., restore_runtime_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., d2d_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kv_shell_reused: _Optional[bool] = ..., runtime_reused: _Optional[bool] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
     __slots__ = ("schema_version", "op", "model")
