@@ -145,11 +145,12 @@ job "talaria-engines" {
       }
 
       env {
-        NATS_URL          = var.nats_url
-        KVSTORE_ADDR      = "${attr.unique.network.ip-address}:${var.kvstore_grpc_port}"
-        MOONCAKE_PROTOCOL = "rdma"
-        MOONCAKE_HOSTNAME = "${attr.unique.network.ip-address}"
-        OTEL_SERVICE_NAME = "talaria-engine"
+        NATS_URL                    = var.nats_url
+        TALARIA__KVSTORE__HOST      = "${attr.unique.network.ip-address}"
+        TALARIA__KVSTORE__PORT      = var.kvstore_grpc_port
+        TALARIA__KVSTORE__PROTOCOL  = "rdma"
+        TALARIA__KVSTORE__DATA_HOST = "${attr.unique.network.ip-address}"
+        OTEL_SERVICE_NAME           = "talaria-engine"
       }
 
       template {
@@ -279,11 +280,12 @@ job "talaria-engines" {
       }
 
       env {
-        NATS_URL          = var.nats_url
-        KVSTORE_ADDR      = "${attr.unique.network.ip-address}:${var.kvstore_grpc_port}"
-        MOONCAKE_PROTOCOL = "rdma"
-        MOONCAKE_HOSTNAME = "${attr.unique.network.ip-address}"
-        OTEL_SERVICE_NAME = "talaria-engine"
+        NATS_URL                    = var.nats_url
+        TALARIA__KVSTORE__HOST      = "${attr.unique.network.ip-address}"
+        TALARIA__KVSTORE__PORT      = var.kvstore_grpc_port
+        TALARIA__KVSTORE__PROTOCOL  = "rdma"
+        TALARIA__KVSTORE__DATA_HOST = "${attr.unique.network.ip-address}"
+        OTEL_SERVICE_NAME           = "talaria-engine"
       }
 
       template {

@@ -24,10 +24,6 @@ variable "mooncake_protocol" {
   type    = string
   default = "rdma"
 }
-variable "mooncake_device" {
-  type    = string
-  default = "mlx5_0"
-}
 variable "memory_mb" {
   type    = number
   default = 270336
@@ -53,7 +49,6 @@ job "talaria-kvstore" {
     network {
       mode = "host"
       port "grpc" { static = var.grpc_port }
-      port "mooncake" { static = 17000 }
     }
 
     restart {
@@ -84,7 +79,7 @@ job "talaria-kvstore" {
       config {
         image        = var.image
         network_mode = "host"
-        args         = ["kvstore", "--config", "/local/cluster.yaml", "--node", "${node.unique.name}", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_grpc}"]
+        args         = ["kvstore", "--config", "/local/cluster.yaml", "--host", "0.0.0.0", "--port", "${NOMAD_PORT_grpc}", "--capacity-mb", "${var.capacity_mb}"]
         cap_add      = ["ipc_lock"]
         ulimit {
           memlock = "-1"
@@ -99,13 +94,10 @@ job "talaria-kvstore" {
       }
 
       env {
-        NATS_URL            = var.nats_url
-        KVSTORE_CAPACITY_MB = var.capacity_mb
-        MOONCAKE_PROTOCOL   = var.mooncake_protocol
-        MOONCAKE_DEVICE     = var.mooncake_device
-        MOONCAKE_HOSTNAME   = "${attr.unique.network.ip-address}"
-        MOONCAKE_RPC_PORT   = "${NOMAD_PORT_mooncake}"
-        OTEL_SERVICE_NAME   = "talaria-kvstore"
+        NATS_URL                    = var.nats_url
+        TALARIA__KVSTORE__PROTOCOL  = var.mooncake_protocol
+        TALARIA__KVSTORE__DATA_HOST = "${attr.unique.network.ip-address}"
+        OTEL_SERVICE_NAME           = "talaria-kvstore"
       }
 
       template {

@@ -72,14 +72,12 @@ job "talaria-telemetry" {
       config {
         image = var.image
         ports = ["metrics"]
-        args  = ["telemetry", "--config", "/local/cluster.yaml"]
+        args  = ["telemetry", "--config", "/local/cluster.yaml", "--host", "0.0.0.0", "--port", "9464"]
       }
 
       env {
-        NATS_URL                 = var.nats_url
-        TALARIA__TELEMETRY__HOST = "0.0.0.0"
-        TALARIA__TELEMETRY__PORT = "9464"
-        OTEL_SERVICE_NAME        = "talaria-telemetry"
+        NATS_URL          = var.nats_url
+        OTEL_SERVICE_NAME = "talaria-telemetry"
       }
 
       template {

