@@ -31,7 +31,14 @@ def _placement(args) -> int:
     return main(args)
 
 
+def _kvstore(args) -> int:
+    from bench.kvstore_bench import main
+
+    return main(args)
+
+
 def add_cli(subparsers) -> None:
+
     b = subparsers.add_parser("bench", help="benchmarks: ratios vs baselines measured side by side in one run")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
 
@@ -51,6 +58,13 @@ def add_cli(subparsers) -> None:
     r.add_argument("--warmup", type=int, default=3, help="warm-up calls per path (default 3)")
     r.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default 12, under one KV page)")
     r.set_defaults(fn=_router)
+
+    k = bs.add_parser("kvstore", help="restore a prefix from the host KV store vs recompute it; restore vs Mooncake TCP vs memcpy bandwidth")
+    _common(k, "tiny-llama", 3)
+    k.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="prefix lengths in tokens (default 1024 4096 16384)")
+    k.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    k.set_defaults(fn=_kvstore)
+
 
     sw = bs.add_parser("switch", help="cold-pool switch latency by load path (full staged / partial / host only) vs a full engine reload")
     _common(sw, "small-llama", 3)

@@ -127,7 +127,9 @@ class LocalStack:
         self.nats_url = url
         self.cfg = self.cfg.model_copy(update={"nats": NatsConfig(**{**self.cfg.nats.model_dump(), "url": url})})
         dump_config(self.cfg, self.cfg_path)
+        self.start_kvstore(ready_timeout)
         for e in self.cfg.engines:
+
             self.start_engine(e.id, wait=False)
         _wait_ready([self.children[e.id] for e in self.cfg.engines], ready_timeout)
         self.say(f"starting router {self.cfg.router.id}")
@@ -136,7 +138,30 @@ class LocalStack:
         self.api = router.ready_line.rsplit(" ", 1)[-1]
         return self.api
 
+    KVSTORE = "kvstore"
+
+    def start_kvstore(self, ready_timeout: float = 60.0) -> Child | None:
+        """(Re)start the node's kvstore when configured (``kvstore.enabled`` and an engine with ``host_kv``).
+
+        On the first start a port of 0 becomes the one it bound, written into the config engines read, so
+        a restart (tests: store killed) comes back on the same address."""
+        kvs = self.cfg.kvstore
+        if not kvs.enabled or not any(e.host_kv for e in self.cfg.engines):
+            return None
+        old = self.children.get(self.KVSTORE)
+        if old is not None and old.alive():
+            raise RuntimeError("kvstore is already running")
+        self.say(f"starting kvstore ({kvs.capacity_mb} MiB host pool, mooncake/{kvs.protocol})")
+        c = self._spawn(self.KVSTORE, ["-m", "services.kvstore", "--config", str(self.cfg_path)], "kvstore listening on")
+        _wait_ready([c], ready_timeout)
+        port = int(c.ready_line.rsplit(":", 1)[-1])
+        if port != kvs.port:
+            self.cfg = self.cfg.model_copy(update={"kvstore": kvs.model_copy(update={"port": port})})
+            dump_config(self.cfg, self.cfg_path)
+        return c
+
     def _spawn(self, name: str, args: list[str], marker: str) -> Child:
+
         c = Child(name, [sys.executable, *args], self._env(), marker, echo=not self.quiet)
         self.children[name] = c
         return c

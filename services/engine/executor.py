@@ -206,7 +206,9 @@ class Engine:
         self._prefill_per_token = 0.0
         self._decode_step = 0.0
         self._snapshot: dict[str, Any] = {}
+        self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
         self._refresh_snapshot()
+
 
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
@@ -231,7 +233,10 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         with self._step_lock:
+            if self.host_kv is not None:
+                self.host_kv.poll()  # transfer pins of finished device->host checkpoint copies
             outputs = self._drain_intake()
+
             sched = self.scheduler.schedule()
             if not sched.is_empty:
                 t0 = time.perf_counter()
@@ -272,7 +277,10 @@ class Engine:
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling)
+            if self.host_kv is not None:
+                self.host_kv.before_admit(seq)  # restore the host-stored prefix into the radix cache
             self.scheduler.add(seq)
+
         outputs = []
         for rid in aborts:
             st = self._requests.get(rid)
@@ -348,7 +356,10 @@ class Engine:
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
         st.finished = True
+        if self.host_kv is not None and seq.session_id:
+            self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
         self.scheduler.finish(seq, cache=True)
+
         if seq.session_id:
             self._record_session(seq.session_id)
         self.sampler.remove(seq.request_id)
@@ -406,7 +417,10 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "max_context": self.max_context,
-            "profile": {"prefill_per_token": self._prefill_per_token, "decode_step": self._decode_step},
+            "profile": {"prefill_per_token": self._prefill_per_token, "decode_step": self._decode_step,
+                        **({"restore_per_token": self.host_kv.restore_per_token.value} if self.host_kv is not None else {})},
+            "host_kv": self.host_kv.snapshot() if self.host_kv is not None else None,
+
         }
 
     def stats(self) -> dict[str, Any]:
@@ -423,7 +437,22 @@ class Engine:
                 return dict(s)
         return None
 
+    def attach_host_kv(self, host_kv) -> None:
+        """Use a host KV tier (``services.engine.host_kv.HostKV``): checkpoint session pages when calls end,
+        restore prefixes from it when calls arrive."""
+        with self._step_lock:
+            self.host_kv = host_kv
+            self._refresh_snapshot()
+
+    def drain_checkpoints(self, timeout: float | None = None) -> bool:
+        """Switch barrier (Talaria Appendix B): wait until every outstanding device->host checkpoint copy
+        has completed (or been abandoned) and its pages are unpinned. Call before releasing the KV region.
+        Returns False if ``timeout`` passed first."""
+        with self._step_lock:
+            return self.host_kv.drain(timeout) if self.host_kv is not None else True
+
     def flush_cache(self) -> int:
+
         """Drop all cached prefixes and session entries not in use. Returns pages freed."""
         with self._step_lock:
             freed = self.kv.flush()

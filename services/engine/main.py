@@ -72,8 +72,37 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     )
 
 
+def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
+    """Give the engine a host KV tier on the node's kvstore when configured (``host_kv`` and
+    ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without."""
+    kvs = stack.kvstore
+    if not (cfg.host_kv and kvs.enabled) or not hasattr(engine, "attach_host_kv"):
+        return False
+    if not kvs.port:
+        log.warning("engine %s: host_kv is on but kvstore.port is 0 (only `talaria up` fills it in); serving without", cfg.id)
+        return False
+    try:
+        from services.engine.host_kv import HostKV
+        from services.kvstore.client import KvStoreClient
+        from services.kvstore.transfer import MooncakeEndpoint
+
+        client = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=kvs.rpc_timeout_s, max_message_mb=kvs.max_message_mb)
+        tier = HostKV(
+            engine, client, mooncake=MooncakeEndpoint(kvs.data_host, kvs.protocol), retry_after_s=kvs.retry_after_s,
+            restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id,
+        )
+    except Exception as e:  # noqa: BLE001 - e.g. Mooncake not installable here
+        log.warning("engine %s: host KV tier disabled: %s", cfg.id, e)
+        return False
+    engine.attach_host_kv(tier)
+    log.info("engine %s: host KV tier on kvstore %s:%d (model key %s)", cfg.id, kvs.host, kvs.port, tier.layout.model)
+    return True
+
+
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
     from services.engine.service import EngineService
 
     engine = await asyncio.to_thread(build_engine, stack, cfg)
+    await asyncio.to_thread(attach_host_kv, stack, cfg, engine)
+
     await EngineService(stack, cfg, engine).run(stop, url)

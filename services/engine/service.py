@@ -404,9 +404,25 @@ class EngineService:
             snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
         prof = st.get("profile") or {}
         snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0), switch_by_path=prof.get("switch_by_path", {})))
+        self._add_host_kv_state(snap, st)
         return snap
 
+    def _add_host_kv_state(self, snap: pb.InstanceSnapshot, st: dict) -> None:
+        """Sessions whose KV left the device: ``host`` (restorable from the kvstore) or ``missing`` (the
+        store restarted, or is unreachable); plus the measured restore cost per token."""
+        hk = st.get("host_kv")
+        if not hk:
+            return
+        snap.profile.restore_per_token = hk.get("restore_per_token", 0.0)
+        on_device = {s.session_id for s in snap.sessions}
+        for s in hk.get("sessions", []):
+            if s["session_id"] in on_device:
+                continue
+            state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
+            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
+
     async def _heartbeats(self) -> None:
+
         assert self.nc is not None
         while True:
             try:

@@ -34,7 +34,13 @@ class KvStoreClient:
         self.timeout_s = timeout_s
         limit = max_message_mb * 1024 * 1024
         self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+            address,
+            options=[
+                ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                # a restarted store is found again within about a second (gRPC's default backoff grows to 2 min)
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
         )
         self._stub = pbg.KvStoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -182,12 +182,13 @@ class KvStoreServer:
         return self.port
 
     def _housekeeping(self) -> None:
-        last_log = time.monotonic()
+        last_log, last_counters = time.monotonic(), None
         while not self._stop.wait(1.0):
             with self.servicer.lock:
                 self.registry.expire()
-            if self.cfg.stats_log_s and time.monotonic() - last_log >= self.cfg.stats_log_s:
-                last_log = time.monotonic()
+                counters = repr(self.registry.counters)
+            if self.cfg.stats_log_s and time.monotonic() - last_log >= self.cfg.stats_log_s and counters != last_counters:
+                last_log, last_counters = time.monotonic(), counters
                 s = self.servicer.stats()
                 log.info(
                     "occupancy %.1f%% (%d entries), hits %d / misses %d pages, restores %d, capacity misses %d, "

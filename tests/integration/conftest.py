@@ -13,11 +13,14 @@ from talaria.config import parse_config
 from talaria.up import LocalStack
 
 
-def stack_config(models_dir, engines, **router) -> dict:
+def stack_config(models_dir, engines, kvstore: dict | None = None, **router) -> dict:
     return {
         "namespace": f"t{uuid.uuid4().hex[:8]}",
         "models_dir": str(models_dir),
         "synthesize_models": False,
+        # the kvstore (host KV tier) only where a test asks for it: tests/integration/test_kvstore.py
+        "kvstore": kvstore if kvstore is not None else {"enabled": False},
+
         "router": {"port": 0, "accept_timeout_s": 5, "idle_chunk_timeout_s": 20, "heartbeat_miss_limit": 3, **router},
         "engines": engines,
     }

@@ -91,6 +91,11 @@ class KVManager:
         self.radix = RadixCache(self.allocator, clock)
         self.sessions = SessionCache(self.allocator, clock, session_entries, session_max_pages)
         self._pending_copy_src: list[int] = []
+        # transfer pins (device -> host checkpoint copies in flight): page -> pin count. Counted apart from
+        # cache/sequence references (Talaria Appendix B, lifetime separation): a pinned page is never
+        # recycled, whoever else lets go of it.
+        self._transfer_pins: dict[int, int] = {}
+
         # prefix statistics (prompt tokens seen at admission / served from a cache)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -237,7 +242,28 @@ class KVManager:
             self.allocator.decref(pages)
         self.radix.unlock(locked_hashes)
 
+    def pin_pages(self, pages: Sequence[int]) -> None:
+        """Take a transfer pin (one allocator reference) on each page until ``unpin_pages``."""
+        self.allocator.incref(pages)
+        for p in pages:
+            self._transfer_pins[p] = self._transfer_pins.get(p, 0) + 1
+
+    def unpin_pages(self, pages: Sequence[int]) -> int:
+        """Drop transfer pins taken by ``pin_pages``. Returns pages freed."""
+        for p in pages:
+            n = self._transfer_pins[p] - 1
+            if n:
+                self._transfer_pins[p] = n
+            else:
+                del self._transfer_pins[p]
+        return self.allocator.decref(pages)
+
+    @property
+    def num_transfer_pins(self) -> int:
+        return sum(self._transfer_pins.values())
+
     def flush(self) -> int:
+
         """Drop every unlocked radix node and every session entry. Returns pages freed."""
         return self.sessions.clear() + self.radix.clear()
 
@@ -259,7 +285,10 @@ class KVManager:
         holders: dict[int, int] = {}
         for p in [*self.radix.pages(), *(p for e in self.sessions.entries() for p in e.pages), *self._pending_copy_src]:
             holders[p] = holders.get(p, 0) + 1
+        for p, n in self._transfer_pins.items():
+            holders[p] = holders.get(p, 0) + n
         for table in seq_pages:
+
             for p in table:
                 holders[p] = holders.get(p, 0) + 1
         self.allocator.check_integrity(holders)

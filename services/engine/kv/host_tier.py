@@ -1,0 +1,88 @@
+"""Host KV tier policy and bookkeeping (pure Python, no torch, no I/O).
+
+The mechanism (staging buffers, Mooncake, gRPC) is ``services/engine/host_kv.py``; this module holds
+what it decides with, so the decision can be tested and reused by the router's simulator:
+
+* :func:`decide_restore` — restore-or-recompute from *measured* costs (Talaria §4.3, JointServe §3.2 /
+  §4.4: "reload versus recompute is decided online by the cost model"). Restoring ``n`` tokens costs a
+  fixed control overhead (lookup + unpin round trips) plus ``n · restore_per_token``; recomputing costs
+  ``n · prefill_per_token``. Both are EWMA-refreshed measurements of this engine; priors stand in until
+  the first sample. The decision carries its cost breakdown so it can be logged and asserted.
+* :class:`Ewma` — the refresh rule.
+* :class:`HostSessions` — which sessions this engine has checkpointed, how far, into which store epoch,
+  so the instance snapshot can say *host* (restorable from the store) or *missing* (the store restarted
+  or is unreachable) for sessions whose device entry is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreDecision:
+    restore: bool
+    tokens: int
+    restore_s: float  # predicted: overhead + tokens * restore_per_token
+    recompute_s: float  # predicted: tokens * prefill_per_token
+    reason: str
+
+
+def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: float, overhead_s: float = 0.0) -> RestoreDecision:
+    """Restore ``tokens`` from the host store when that is predicted faster than recomputing them."""
+    if tokens <= 0:
+        return RestoreDecision(False, 0, 0.0, 0.0, "nothing to restore")
+    restore_s = overhead_s + tokens * restore_per_token
+    recompute_s = tokens * prefill_per_token
+    if restore_s < recompute_s:
+        return RestoreDecision(True, tokens, restore_s, recompute_s, "restore is cheaper")
+    return RestoreDecision(False, tokens, restore_s, recompute_s, "recompute is cheaper")
+
+
+class Ewma:
+    """Exponentially weighted moving average; ``value`` is the prior until the first sample."""
+
+    __slots__ = ("alpha", "value", "samples")
+
+    def __init__(self, prior: float, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.value = prior
+        self.samples = 0
+
+    def add(self, x: float) -> float:
+        self.value = x if self.samples == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.samples += 1
+        return self.value
+
+
+@dataclass(slots=True)
+class HostSession:
+    session_id: str
+    tokens: int  # page-aligned tokens committed to the store
+    epoch: int  # store epoch they were committed in
+    last_use_unix: float
+
+
+class HostSessions:
+    """Sessions checkpointed by this engine (bounded, oldest dropped first)."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._s: dict[str, HostSession] = {}
+
+    def committed(self, session_id: str, tokens: int, epoch: int, now_unix: float) -> None:
+        self._s.pop(session_id, None)
+        self._s[session_id] = HostSession(session_id, tokens, epoch, now_unix)
+        while len(self._s) > self.max_entries:
+            del self._s[next(iter(self._s))]
+
+    def get(self, session_id: str) -> HostSession | None:
+        return self._s.get(session_id)
+
+    def state(self, session_id: str, epoch: int, available: bool) -> str:
+        """``host`` when the store we committed to is the one up now, else ``missing``."""
+        s = self._s.get(session_id)
+        return "host" if s is not None and available and s.epoch == epoch else "missing"
+
+    def entries(self) -> list[HostSession]:
+        return list(self._s.values())
