@@ -1,4 +1,4 @@
-"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``models``, ``health``, ``proto``, ``bench``."""
+"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``telemetry``, ``models``, ``health``, ``proto``, ``bench``."""
 
 from __future__ import annotations
 
@@ -77,6 +77,21 @@ def cmd_kvstore(args) -> int:
     return run_kvstore(cfg)
 
 
+def cmd_telemetry(args) -> int:
+    from talaria.config import TelemetryConfig
+
+    cfg = _load(args)
+    over = {k: v for k, v in (("host", args.host), ("port", args.port), ("records_file", args.records)) if v is not None}
+    if over:
+        cfg = cfg.model_copy(update={"telemetry": TelemetryConfig(**{**cfg.telemetry.model_dump(), **over})})
+    if not cfg.nats_url():
+        print("talaria: telemetry needs a NATS server: set nats.url in the config or NATS_URL", file=sys.stderr)
+        return 2
+    from services.telemetry.service import run_telemetry
+
+    return _run_until_signal(lambda stop: run_telemetry(cfg, stop))
+
+
 def cmd_up(args) -> int:
 
     from talaria.up import up
@@ -120,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--capacity-mb", type=int)
     kv.set_defaults(fn=cmd_kvstore)
 
+
+    t = sub.add_parser("telemetry", help="run the telemetry service (/metrics, /summary, SCT, records file)")
+    t.add_argument("--config")
+    t.add_argument("--host")
+    t.add_argument("--port", type=int)
+    t.add_argument("--records", help="append every record to this JSONL file (bench/report input)")
+    t.set_defaults(fn=cmd_telemetry)
 
     pr = sub.add_parser("proto", help="wire contracts")
     prs = pr.add_subparsers(dest="proto_cmd", required=True)

@@ -124,6 +124,28 @@ class RouterConfig(_Strict):
         return check_token(v, "router id")
 
 
+class TelemetryConfig(_Strict):
+    """OpenTelemetry export of every service, and the telemetry service (issue 7; ``talaria/otel.py``,
+    ``services/telemetry``). The standard ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``
+    environment variables override ``otlp_endpoint`` / ``otlp_protocol``."""
+
+    enabled: bool = Field(True, description="False: no spans or OTel metrics are recorded (no-op providers)")
+    otlp_endpoint: str | None = Field(None, description="OTLP collector, e.g. http://127.0.0.1:4317; None => file export")
+    otlp_protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    traces_dir: str | None = Field(".talaria/traces", description="JSONL span files (one per process) when no OTLP endpoint; None = off")
+    max_file_mb: float = Field(64.0, gt=0, description="a span file past this size is rotated to <name>.1")
+    max_queue_spans: int = Field(2048, ge=16, description="bounded export queue; spans beyond it are dropped, never waited for")
+    export_timeout_s: float = Field(2.0, gt=0, description="one export attempt (and the shutdown flush) gives up after this")
+    metrics_export_interval_s: float = Field(15.0, gt=0, description="OTLP metric push period (only with an endpoint)")
+    start: bool = Field(True, description="`talaria up` starts the telemetry service")
+    host: str = "127.0.0.1"
+    port: int = Field(9464, ge=0, le=65535, description="telemetry service HTTP port (/metrics, /summary); 0 picks a free one")
+    session_idle_s: float = Field(5.0, gt=0, description="a session ends (its SCT is recorded) after this long with no call")
+    records_file: str | None = Field(None, description="JSONL file the telemetry service appends every record to (bench/report input)")
+    record_heartbeats: bool = Field(False, description="also write heartbeats to records_file (many lines)")
+    observe_calls: bool = Field(True, description="watch GenerateRequests to see call starts (SCT from the first call's dispatch)")
+
+
 class KvStoreConfig(_Strict):
     """The node's host KV store (services/kvstore): gRPC control API, Mooncake data plane, host slab pool."""
 
@@ -154,6 +176,7 @@ class StackConfig(_Strict):
     router: RouterConfig = RouterConfig()
     kvstore: KvStoreConfig = KvStoreConfig()
 
+    telemetry: TelemetryConfig = TelemetryConfig()
     engines: list[EngineConfig] = Field(
         default_factory=lambda: [
             EngineConfig(id="engine-0", models=["tiny-llama"]),

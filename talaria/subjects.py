@@ -9,6 +9,7 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.engine.<instance>.round       round summaries   (cold pool)
     <ns>.engine.<instance>.switch      switch records    (cold pool)
     <ns>.hook.completed                CompletionHook
+    <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
     <ns>.inbox.<router>.<id>           reply inboxes of one router process
 
 Instance ids and namespaces are NATS tokens: no dots, spaces or wildcards.
@@ -64,6 +65,18 @@ class Subjects:
 
     def completed(self) -> str:
         return f"{self.namespace}.hook.completed"
+
+    def all_rounds(self) -> str:
+        return f"{self.namespace}.engine.*.round"
+
+    def all_switches(self) -> str:
+        return f"{self.namespace}.engine.*.switch"
+
+    def router_calls(self, router: str) -> str:
+        return f"{self.namespace}.router.{check_token(router, 'router id')}.calls"
+
+    def all_router_calls(self) -> str:
+        return f"{self.namespace}.router.*.calls"
 
     def inbox_prefix(self, router: str) -> str:
         return f"{self.namespace}.inbox.{check_token(router, 'router id')}"

@@ -26,6 +26,7 @@ from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnav
 from services.router.errors import APIError
 from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
@@ -178,6 +179,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             sampling=sp,
             stream=req.stream,
             deadline_unix=time.time() + state.cfg.router.request_timeout_s,
+            trace_context=incoming_context(request.headers),
         )
 
     pc = cfg.placement
@@ -281,7 +283,14 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         raise APIError(404, f"model '{g.model}' does not exist", code="model_not_found", param="model")
 
     async def _serve(g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int) -> Response:
-        call, first, decision = await _start_call(g, prompt_tokens)
+        ct = CallTrace(state.tracer(), g, chat, cfg.id, state.publish_call)  # one trace per call (issue 7); ended by call.close()
+        try:
+            call, first, decision = await _start_call(g, prompt_tokens)
+        except BaseException as e:
+            ct.end(e)
+            raise
+        ct.placed(decision, call)
+        call.trace = ct
         placed = {"X-Talaria-Instance": call.instance_id, "X-Talaria-Placement": decision.reason}
         view = state.registry.instances[call.instance_id]
         view_alive = lambda: state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining

@@ -43,6 +43,7 @@ class EngineCall:
         self._sub = None
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
+        self.trace = None  # services.router.tracing.CallTrace: sees every chunk, ended by close()
 
     async def start(self) -> None:
         async def on_msg(msg) -> None:
@@ -55,7 +56,8 @@ class EngineCall:
             self._queue.put_nowait(chunk)
 
         self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
-        await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox)
+        headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
+        await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
         await self.nc.flush()
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
@@ -92,6 +94,8 @@ class EngineCall:
                 expected += 1
                 if c.finished or c.HasField("error"):
                     self.finished = True
+                if self.trace is not None:
+                    self.trace.chunk(c)
                 yield c
                 if self.finished:
                     break
@@ -107,6 +111,8 @@ class EngineCall:
             log.warning("cancel of %s failed: %s", self.req.request_id, e)
 
     async def close(self) -> None:
+        if self.trace is not None:
+            self.trace.end()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

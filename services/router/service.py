@@ -24,6 +24,7 @@ from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
 from talaria.config import StackConfig
+from talaria import otel
 from talaria.natsutil import connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
@@ -41,6 +42,28 @@ class RouterState:
     lease_store: MemoryLeases | JetStreamLeases
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
+    telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call (issue 7)
+    _bg: set = field(default_factory=set)  # fire-and-forget publish tasks
+
+    def tracer(self):
+        return self.telemetry.tracer
+
+    def publish_call(self, rec) -> None:
+        """Send a CallRecord to the telemetry service without waiting for it (issue 7)."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return
+        subject, data = self.subjects.router_calls(self.cfg.router.id), rec.SerializeToString()
+
+        async def send() -> None:
+            try:
+                await nc.publish(subject, data)
+            except Exception:  # noqa: BLE001 - telemetry is best effort
+                self.counters["call_record_failed"] += 1
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def on_heartbeat(self, data: bytes) -> None:
         snap = pb.InstanceSnapshot()
@@ -120,6 +143,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     if not url:
         raise RuntimeError("router needs a NATS server: set nats.url in the config or NATS_URL")
     state = make_state(cfg)
+    state.telemetry = otel.setup("talaria-router", cfg.router.id, cfg.telemetry, cfg.namespace)
     state.nc = await connect(url, f"router-{cfg.router.id}", cfg.nats)
     async def on_heartbeat(msg) -> None:
         state.on_heartbeat(msg.data)
@@ -166,4 +190,5 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
             await s.unsubscribe()
         await state.lease_store.stop()
         await state.nc.drain()
+        await asyncio.to_thread(state.telemetry.shutdown)  # bounded by telemetry.export_timeout_s
 

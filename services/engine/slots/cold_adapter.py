@@ -1,0 +1,130 @@
+"""The slot scheduler driving the real cold engine (``services/engine/cold.py``).
+
+:class:`SlottedColdEngine` is a :class:`~services.engine.cold.ColdEngine` whose ``step()`` asks
+:class:`~services.engine.slots.scheduler.SlotScheduler` what to do instead of the idle-switch rule: it
+builds an :class:`InstanceView` from the per-model queues and the active shell (running / prefilling
+calls, device-resident session prefixes, host-restorable ones when a host KV tier is attached, free KV),
+then carries out the decision — switch at a slot boundary (the five-phase switch of the substrate), hand
+exactly the admitted calls to the active shell, run one shell step — and reports measured step and switch
+times back into the scheduler's EWMA profile.
+
+This is the one module of ``slots/`` that touches the executor (and so torch); the policy modules do not.
+The cold engine cannot park in-flight calls across a switch, so ``can_park`` is False (Dfin drains).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engine.cold import ColdEngine
+from services.engine.kv.session_cache import common_prefix_len
+from services.engine.types import EngineRequest, RequestOutput
+
+from .scheduler import SlotPolicy, SlotScheduler
+from .costs import CostModel, CostProfile
+from .types import CallView, Decision, InstanceView, ModelView
+
+
+class SlottedColdEngine(ColdEngine):
+    def __init__(self, catalog, *, policy: SlotPolicy | None = None, costs: CostModel | None = None, **kw: Any) -> None:
+        pol = policy or SlotPolicy()
+        kw.setdefault("staging", pol.d2d_staging)
+        self.slots = SlotScheduler(pol, costs or CostModel(CostProfile()))
+        self.last_decision: Decision | None = None
+        self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
+        self._req_session: dict[str, tuple[str, str]] = {}
+        super().__init__(catalog, **kw)
+
+    # ------------------------------------------------------------------ the view
+    def _call_view(self, req: EngineRequest, active_engine) -> CallView:
+        m, sid = req.model, req.session_id
+        prefix, state = 0, "missing"
+        if sid and active_engine is not None and m == self.active:
+            e = active_engine.kv.sessions.peek(sid)
+            if e is not None:
+                prefix, state = common_prefix_len(e.token_ids, req.prompt_token_ids), "device"
+        if state == "missing" and sid:
+            sh = self.shell(m)
+            hk = getattr(sh, "host_kv", None) if sh is not None else None
+            hs = getattr(hk, "sessions", None)
+            if hs is not None and hasattr(hs, "get"):
+                h = hs.get(sid)
+                if h is not None and getattr(hk, "available", lambda: False)():
+                    prefix, state = min(h.tokens, len(req.prompt_token_ids)), "host"
+        return CallView(
+            req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
+            (m, sid) in self._served_sessions,
+        )
+
+    def slot_view(self) -> InstanceView:
+        eng = self.shell(self.active) if self.active is not None else None
+        models = []
+        free_tokens = None
+        for m in self.loaded:
+            queued = tuple(self._call_view(r, eng) for r in self._queues.get(m, ()))
+            if m == self.active and eng is not None:
+                sch = eng.scheduler
+                seqs = list(sch.running) + list(sch.waiting)
+                with eng._intake_lock:
+                    pending = list(eng._pending)
+                prefilling = sum(1 for s in seqs if s.num_completion_tokens == 0) + len(pending)
+                remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
+                models.append(ModelView(m, len(seqs) + len(pending), prefilling, max(remaining, default=0), queued))
+                held = sum(len(s.pages) for s in sch.running)
+                free_tokens = max(0, eng.kv.num_pages - held) * self.page_size
+            else:
+                models.append(ModelView(m, 0, 0, 0, queued))
+        frac = {m: self.substrate.staged_fraction(m) for m in self.loaded if m != self.active}
+        return InstanceView(self.active, tuple(models), free_tokens, frac, can_park=False)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            outputs = self._drain_intake()
+            d = self.slots.decide(self.slot_view(), self.clock())
+            if d.switch_to is not None:
+                t0 = self.clock()
+                rec = self._switch(d.switch_to, "slot")
+                self.slots.observe_switch(rec.path, self.clock() - t0)
+                d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
+            self.last_decision = d
+            if d.run_step and self.active is not None:
+                eng = self.shell(self.active)
+                q = self._queues[self.active]
+                if d.admit:
+                    want = set(d.admit)
+                    for r in [r for r in q if r.request_id in want]:
+                        q.remove(r)
+                        if r.session_id:
+                            self._req_session[r.request_id] = (r.model, r.session_id)
+                        eng.add_request(r)
+                before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
+                t0 = self.clock()  # durations on the policy's time base (the injected clock)
+                outs = eng.step()
+                dt = self.clock() - t0
+                prefill, decodes = 0, 0
+                for s in eng.scheduler.running:
+                    delta = s.num_computed_tokens - before.get(s.request_id, 0)
+                    if s.request_id in before and delta == 1:
+                        decodes += 1
+                    else:
+                        prefill += max(delta, 0)
+                decodes += sum(1 for o in outs if o.finished and o.request_id in before)
+                self.slots.observe_step(self.active, prefill, 0, decodes, dt)
+                outputs += outs
+            for o in outputs:
+                if o.finished:
+                    with self._intake_lock:
+                        self._live.pop(o.request_id, None)
+                    ms = self._req_session.pop(o.request_id, None)
+                    if ms is not None:
+                        self._served_sessions.add(ms)
+            self._stage()
+            self._refresh_snapshot()
+            self._snapshot["slots"] = self.slots.status(self.clock())
+            return outputs
+
+    def take_round_summaries(self):
+        """Round summaries not yet handed out (the service publishes them on ``.round``)."""
+        with self._step_lock:
+            return self.slots.take_summaries()

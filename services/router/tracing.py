@@ -1,0 +1,189 @@
+"""The router's part of a call's trace (issue 7): one SERVER span per HTTP call, a placement span, the W3C
+trace context handed to the engine in ``GenerateRequest.trace_context`` (and NATS headers, see
+``engine_client``), and the call's outcome as ``gen_ai.*`` attributes.
+
+Span tree of one call (engine spans come from the engine process, joined by the propagated context)::
+
+    chat <model>                     router, SERVER: session, model, instance, usage, finish reason, TTFT seen here
+    ├── talaria.placement            router: decision (reason, candidates, loads / cost breakdown, lease), covers
+    │                                 decide + forward + the engine's accept (retries on other instances included)
+    └── talaria.engine.call          engine, SERVER: queue / prefill / decode children (services/engine/service.py)
+
+Recording never raises into serving: every method swallows its own errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from talaria import otel
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import telemetry_pb2 as tpb
+
+log = logging.getLogger(__name__)
+
+
+def incoming_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """A client's own ``traceparent``/``tracestate`` headers (the call's trace then continues the client's)."""
+    return {k: v for k in ("traceparent", "tracestate") if (v := headers.get(k))}
+
+
+class CallTrace:
+    """Spans of one router call. ``end`` is idempotent (``EngineCall.close`` calls it)."""
+
+    def __init__(self, tracer: trace.Tracer, g, chat: bool, router_id: str, publish: Callable[[tpb.CallRecord], None] | None = None):
+        self.t0 = time.time_ns()
+        self.publish = publish  # CallRecords for the telemetry service (fire and forget)
+        self.record = tpb.CallRecord(schema_version=1, request_id=g.request_id, session_id=g.session_id, model=g.model, router_id=router_id, arrival_unix=self.t0 / 1e9)
+        self.usage = None
+        self.finish_reason = ""
+        self.finished = False
+        self.ended = False
+        self.error: str | None = None
+        self.first_token_ns = 0
+        self.output_tokens = 0
+        self.model = g.model
+        try:
+            op = "chat" if chat else "text_completion"
+            parent = otel.extract(g.trace_context)
+            attrs = {
+                otel.GEN_AI_OPERATION: op,
+                otel.GEN_AI_PROVIDER: "talaria",
+                otel.GEN_AI_REQUEST_MODEL: g.model,
+                otel.GEN_AI_REQUEST_MAX_TOKENS: int(g.sampling.max_tokens),
+                otel.GEN_AI_REQUEST_TEMPERATURE: float(g.sampling.temperature),
+                otel.GEN_AI_REQUEST_STREAM: bool(g.stream),
+                otel.REQUEST_ID: g.request_id,
+                otel.ROUTER_ID: router_id,
+            }
+            if g.sampling.top_p:
+                attrs[otel.GEN_AI_REQUEST_TOP_P] = float(g.sampling.top_p)
+            if g.sampling.has_seed:
+                attrs[otel.GEN_AI_REQUEST_SEED] = int(g.sampling.seed)
+            if g.session_id:
+                attrs[otel.SESSION_ID] = g.session_id
+                attrs[otel.GEN_AI_CONVERSATION_ID] = g.session_id
+            self.tracer = tracer
+            self.span = tracer.start_span(f"{op} {g.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs, start_time=self.t0)
+            self.ctx = trace.set_span_in_context(self.span)
+            g.trace_context.clear()
+            if self.span.get_span_context().is_valid:
+                g.trace_context.update(otel.inject({}, self.ctx))
+        except Exception:  # noqa: BLE001 - tracing never breaks a call
+            log.debug("trace start failed", exc_info=True)
+            self.tracer = trace.NoOpTracer()
+            self.span = trace.INVALID_SPAN
+            self.ctx = None
+
+    def placed(self, decision, call) -> None:
+        """The decision that placed the call (a placement span from the call's start until the engine
+        accepted) and the chosen instance."""
+        try:
+            now = time.time_ns()
+            attrs = otel.placement_attributes(decision)
+            inst = getattr(call, "instance_id", None) or getattr(decision, "instance_id", "")
+            ps = self.tracer.start_span("talaria.placement", context=self.ctx, start_time=self.t0, attributes=attrs)
+            if call is not None and call.accepted is not None and call.accepted.HasField("usage"):
+                ps.set_attribute(otel.GEN_AI_USAGE_INPUT_TOKENS, int(call.accepted.usage.prompt_tokens))
+            ps.end(end_time=now)
+            self.span.set_attribute(otel.INSTANCE_ID, inst)
+            r = self.record
+            r.instance_id = inst or ""
+            r.placement_reason = str(getattr(decision, "reason", ""))
+            r.lease = str(getattr(decision, "lease", "") or "none")
+            r.avoidable_open = bool(getattr(decision, "avoidable_open", False))
+            r.opens_model = bool(getattr(decision, "opens_model", False))
+            r.switches_model = bool(getattr(decision, "switches_model", False))
+            chosen = decision.chosen() if hasattr(decision, "chosen") else None
+            r.kv_source = str(getattr(chosen, "kv_source", "") or "")
+            ctx = self.span.get_span_context()
+            if ctx.is_valid:
+                r.trace_id = f"{ctx.trace_id:032x}"
+            self._publish("start")
+            self.span.set_attribute("talaria.placement.reason", attrs.get("talaria.placement.reason", ""))
+            if "talaria.placement.lease" in attrs:
+                self.span.set_attribute("talaria.placement.lease", attrs["talaria.placement.lease"])
+        except Exception:  # noqa: BLE001
+            log.debug("placement span failed", exc_info=True)
+
+    def chunk(self, c) -> None:
+        """Observe one token chunk of the stream (first token time, usage, finish, errors)."""
+        try:
+            if not self.first_token_ns and (c.token_ids or c.text):
+                self.first_token_ns = time.time_ns()
+                self.span.add_event("first_token", timestamp=self.first_token_ns)
+            self.output_tokens += len(c.token_ids)
+            if c.HasField("error"):
+                self.error = c.error.code or "engine_error"
+            if c.finished:
+                self.finished = True
+                attrs = {otel.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "stop"], otel.GEN_AI_RESPONSE_MODEL: self.model}
+                self.finish_reason = c.finish_reason
+                if c.HasField("usage"):
+                    self.usage = c.usage
+                    attrs[otel.GEN_AI_USAGE_INPUT_TOKENS] = int(c.usage.prompt_tokens)
+                    attrs[otel.GEN_AI_USAGE_OUTPUT_TOKENS] = int(c.usage.completion_tokens)
+                    attrs[otel.GEN_AI_USAGE_CACHE_READ] = int(c.usage.cached_tokens)
+                if c.ttft_seconds:
+                    attrs["talaria.engine.ttft_seconds"] = float(c.ttft_seconds)
+                self.span.set_attributes(attrs)
+        except Exception:  # noqa: BLE001
+            log.debug("chunk observation failed", exc_info=True)
+
+    def _publish(self, phase: str) -> None:
+        if self.publish is None:
+            return
+        try:
+            rec = tpb.CallRecord()
+            rec.CopyFrom(self.record)
+            rec.phase = phase
+            self.publish(rec)
+        except Exception:  # noqa: BLE001
+            log.debug("call record not published", exc_info=True)
+
+    def end(self, error: BaseException | str | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        r = self.record
+        r.end_unix = time.time()
+        r.first_token_unix = self.first_token_ns / 1e9
+        r.finish_reason = self.finish_reason
+        if self.usage is not None:
+            r.usage.CopyFrom(cpb.Usage(prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens, cached_tokens=self.usage.cached_tokens))
+        if error is not None:
+            r.error = error if isinstance(error, str) else str(getattr(error, "code", None) or type(error).__name__)
+            r.http_status = int(getattr(error, "status", 0) or 0)
+        elif self.error is not None:
+            r.error = self.error
+        elif not self.finished:
+            r.error = "incomplete"
+        self._publish("end")
+        try:
+            now = time.time_ns()
+            if self.first_token_ns:
+                ttft = (self.first_token_ns - self.t0) / 1e9
+                self.span.set_attribute(otel.GEN_AI_SERVER_TTFT, ttft)
+                if self.output_tokens > 1:
+                    self.span.set_attribute(otel.GEN_AI_SERVER_TPOT, (now - self.first_token_ns) / 1e9 / (self.output_tokens - 1))
+            if error is not None:
+                kind = error if isinstance(error, str) else (getattr(error, "code", None) or type(error).__name__)
+                self.span.set_attribute(otel.ERROR_TYPE, str(kind))
+                status = getattr(error, "status", None)
+                if status is not None:
+                    self.span.set_attribute("http.response.status_code", int(status))
+                self.span.set_status(Status(StatusCode.ERROR, str(error)[:200]))
+            elif self.error is not None:
+                self.span.set_attribute(otel.ERROR_TYPE, self.error)
+                self.span.set_status(Status(StatusCode.ERROR, self.error))
+            elif not self.finished:
+                self.span.set_attribute(otel.ERROR_TYPE, "incomplete")
+                self.span.set_status(Status(StatusCode.ERROR, "call ended before its last chunk (client gone or engine lost)"))
+            self.span.end(end_time=now)
+        except Exception:  # noqa: BLE001
+            log.debug("trace end failed", exc_info=True)

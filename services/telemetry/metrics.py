@@ -1,0 +1,132 @@
+"""Every metric the telemetry service exposes on ``/metrics``, with the record that feeds it.
+
+One :class:`Metrics` owns its own ``prometheus_client.CollectorRegistry`` (no global registry, so two services
+or tests can live in one process). Names follow the OpenTelemetry GenAI semantic conventions where one
+exists (``gen_ai.server.time_to_first_token`` → ``gen_ai_server_time_to_first_token_seconds`` in Prometheus
+form), ``talaria_*`` otherwise. Session ids are never labels (unbounded cardinality); per-session figures
+are in the JSON summary and the records file.
+
+Metrics whose source is not published yet are still defined (they read 0 / stay empty) so that dashboards
+and alerts can be written against them now; ``CATALOG`` says which record feeds each one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets (seconds): sub-ms switches on GPU up to multi-minute sessions.
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SCT = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDoc:
+    name: str  # Prometheus name (without _total/_bucket suffixes)
+    kind: str
+    labels: tuple[str, ...]
+    fed_by: str
+    help: str
+
+
+CATALOG: tuple[MetricDoc, ...] = (
+    # histograms
+    MetricDoc("gen_ai_server_time_to_first_token_seconds", "histogram", ("model", "instance"), "CompletionHook.ttft_seconds", "engine arrival to first token"),
+    MetricDoc("talaria_ttft_schedule_aware_seconds", "histogram", ("model",), "CallRecord (router)", "router arrival of the call (its intended enqueue time in a closed loop) to the first token seen by the router"),
+    MetricDoc("gen_ai_server_time_per_output_token_seconds", "histogram", ("model", "instance"), "CompletionHook", "(finish - arrival - ttft) / (output tokens - 1)"),
+    MetricDoc("gen_ai_server_request_duration_seconds", "histogram", ("model", "instance"), "CompletionHook", "engine arrival to finish"),
+    MetricDoc("talaria_session_completion_seconds", "histogram", (), "CallRecord (+ CompletionHook)", "SCT: a session's first call arrival to its last response; recorded once the session was idle for session_idle_s"),
+    MetricDoc("talaria_switch_seconds", "histogram", ("path",), "SwitchRecord (engine .switch subject / snapshot)", "model switch latency by load path (full_staged | partial | host_only)"),
+    MetricDoc("talaria_switch_phase_seconds", "histogram", ("phase",), "SwitchRecord", "time of each of the five switch phases"),
+    MetricDoc("talaria_kv_load_seconds", "histogram", ("how",), "round record restore_seconds / recompute_seconds (issues 4/5; not published yet)", "time to bring a session prefix back: restore from host vs recompute"),
+    MetricDoc("talaria_round_wall_seconds", "histogram", ("instance",), "round record (issue 5; not published yet)", "wall time of a cold-pool round (active + switch)"),
+    # counters
+    MetricDoc("talaria_calls", "counter", ("model", "instance", "finish_reason"), "CompletionHook", "calls finished by an engine"),
+    MetricDoc("talaria_tokens", "counter", ("model", "type"), "CompletionHook", "input / output / cached (served from KV, not recomputed) tokens"),
+    MetricDoc("talaria_sp_admitted", "counter", ("instance",), "round record sp_admitted (issue 5; not published yet)", "session-prefill admissions"),
+    MetricDoc("talaria_sp_deferred", "counter", ("instance",), "round record sp_deferred (issue 5; not published yet)", "session-prefill deferrals"),
+    MetricDoc("talaria_kv_hits", "counter", ("source",), "CompletionHook (device: cached_tokens > 0) / round records (host)", "calls whose prefix came from device KV, host KV, or was recomputed"),
+    MetricDoc("talaria_kv_hit_tokens", "counter", ("source",), "CompletionHook", "prompt tokens not recomputed, by source"),
+    MetricDoc("talaria_avoidable_cold_opens", "counter", (), "CallRecord.avoidable_open (router)", "placements that open a model although another healthy instance had it resident"),
+    MetricDoc("talaria_lease_hits", "counter", (), "CallRecord.lease == hit", "calls placed by a live soft-reservation lease"),
+    MetricDoc("talaria_lease_expiries", "counter", (), "CallRecord.lease == expired", "returning calls that found their lease expired"),
+    MetricDoc("talaria_placements", "counter", ("reason",), "CallRecord (start)", "placement decisions by reason"),
+    MetricDoc("talaria_deadline_risk_events", "counter", ("instance",), "round record deadline_risk (issue 5; not published yet)", "rounds that reported deadline risk"),
+    MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records", "errors by kind"),
+    MetricDoc("talaria_switches", "counter", ("instance", "path"), "SwitchRecord", "model switches"),
+    MetricDoc("talaria_telemetry_records", "counter", ("kind",), "every record received", "records observed by this service"),
+    # gauges
+    MetricDoc("talaria_kv_occupancy_ratio", "gauge", ("instance",), "InstanceSnapshot.kv_usage", "fraction of device KV pages in use"),
+    MetricDoc("talaria_staging_slack_bytes", "gauge", ("instance",), "InstanceSnapshot.staging_slack_bytes", "free weight-staging bytes (cold pool)"),
+    MetricDoc("talaria_host_store_occupancy_ratio", "gauge", ("store",), "kvstore stats record (issue 4; not published yet)", "fraction of the host KV pool in use"),
+    MetricDoc("talaria_instance_up", "gauge", ("instance",), "InstanceSnapshot (fresh within 3 periods)", "1 while the instance heartbeats"),
+    MetricDoc("talaria_instance_running_calls", "gauge", ("instance",), "InstanceSnapshot.num_running", "calls running"),
+    MetricDoc("talaria_instance_waiting_calls", "gauge", ("instance",), "InstanceSnapshot.num_waiting", "calls waiting"),
+    MetricDoc("talaria_prefix_hit_ratio", "gauge", ("instance",), "InstanceSnapshot.prefix_hit_rate", "prefix cache hit rate reported by the engine"),
+    MetricDoc("talaria_sessions_open", "gauge", (), "CallRecord / CompletionHook", "sessions seen and not yet idle"),
+    MetricDoc("talaria_calls_in_flight", "gauge", (), "CallRecord start/end", "calls placed and not finished"),
+)
+
+
+class Metrics:
+    """The Prometheus instruments (attributes named after ``CATALOG`` without prefixes)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        d = {m.name: m for m in CATALOG}
+
+        def hist(name: str, buckets) -> Histogram:
+            m = d[name]
+            return Histogram(name, m.help + f" [fed by {m.fed_by}]", m.labels, buckets=buckets, registry=r)
+
+        def counter(name: str) -> Counter:
+            m = d[name]
+            return Counter(name, m.help + f" [fed by {m.fed_by}]", m.labels, registry=r)
+
+        def gauge(name: str) -> Gauge:
+            m = d[name]
+            return Gauge(name, m.help + f" [fed by {m.fed_by}]", m.labels, registry=r)
+
+        self.ttft = hist("gen_ai_server_time_to_first_token_seconds", _LAT)
+        self.ttft_sched = hist("talaria_ttft_schedule_aware_seconds", _LAT)
+        self.tpot = hist("gen_ai_server_time_per_output_token_seconds", _TPOT)
+        self.duration = hist("gen_ai_server_request_duration_seconds", _SCT)
+        self.sct = hist("talaria_session_completion_seconds", _SCT)
+        self.switch = hist("talaria_switch_seconds", _LAT)
+        self.switch_phase = hist("talaria_switch_phase_seconds", _LAT)
+        self.kv_load = hist("talaria_kv_load_seconds", _LAT)
+        self.round_wall = hist("talaria_round_wall_seconds", _LAT)
+        self.calls = counter("talaria_calls")
+        self.tokens = counter("talaria_tokens")
+        self.sp_admitted = counter("talaria_sp_admitted")
+        self.sp_deferred = counter("talaria_sp_deferred")
+        self.kv_hits = counter("talaria_kv_hits")
+        self.kv_hit_tokens = counter("talaria_kv_hit_tokens")
+        self.avoidable_opens = counter("talaria_avoidable_cold_opens")
+        self.lease_hits = counter("talaria_lease_hits")
+        self.lease_expiries = counter("talaria_lease_expiries")
+        self.placements = counter("talaria_placements")
+        self.deadline_risk = counter("talaria_deadline_risk_events")
+        self.errors = counter("talaria_errors")
+        self.switches = counter("talaria_switches")
+        self.records = counter("talaria_telemetry_records")
+        self.kv_occupancy = gauge("talaria_kv_occupancy_ratio")
+        self.staging_slack = gauge("talaria_staging_slack_bytes")
+        self.host_occupancy = gauge("talaria_host_store_occupancy_ratio")
+        self.up = gauge("talaria_instance_up")
+        self.running = gauge("talaria_instance_running_calls")
+        self.waiting = gauge("talaria_instance_waiting_calls")
+        self.prefix_hit = gauge("talaria_prefix_hit_ratio")
+        self.sessions_open = gauge("talaria_sessions_open")
+        self.in_flight = gauge("talaria_calls_in_flight")
+        # Unlabelled counters appear at 0 from the start; labelled ones with their known label values.
+        for source in ("device", "host", "recompute"):
+            self.kv_hits.labels(source)
+            self.kv_hit_tokens.labels(source)
+
+    def exposition(self) -> bytes:
+        """Prometheus text format 0.0.4."""
+        return generate_latest(self.registry)

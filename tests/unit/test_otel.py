@@ -1,0 +1,150 @@
+"""talaria/otel.py and the router's CallTrace, in process with an in-memory span exporter."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from services.router.tracing import CallTrace
+from talaria import otel
+from talaria.config import TelemetryConfig
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+
+def _tel(exporter=None, **cfg) -> otel.Telemetry:
+    return otel.setup("talaria-test", "t-0", TelemetryConfig(**cfg), "ns1", span_exporter=exporter)
+
+
+def test_propagation_round_trip_through_a_carrier_map():
+    exp = InMemorySpanExporter()
+    tel = _tel(exp)
+    parent = tel.tracer.start_span("router")
+    carrier = otel.inject({}, otel.trace.set_span_in_context(parent))
+    assert carrier["traceparent"].startswith("00-")
+    g = pb.GenerateRequest(trace_context=carrier)  # the protobuf map carries it as well as NATS headers do
+    ctx = otel.extract_first(None, {}, dict(g.trace_context))
+    child = tel.tracer.start_span("engine", context=ctx, kind=SpanKind.SERVER)
+    child.end()
+    parent.end()
+    tel.flush()
+    spans = {s.name: s for s in exp.get_finished_spans()}
+    assert spans["engine"].parent.span_id == spans["router"].context.span_id
+    assert spans["engine"].context.trace_id == spans["router"].context.trace_id
+    assert spans["engine"].resource.attributes["service.name"] == "talaria-test"
+    assert spans["engine"].resource.attributes["service.instance.id"] == "t-0"
+    assert otel.extract({}) is None and otel.extract({"traceparent": "garbage"}) is None
+    assert dict(otel.grpc_metadata(otel.trace.set_span_in_context(parent)))["traceparent"] == carrier["traceparent"]
+    tel.shutdown()
+
+
+class _Exploding(SpanExporter):
+    def export(self, spans):
+        raise ConnectionError("collector on fire")
+
+    def shutdown(self):
+        raise RuntimeError("also on fire")
+
+
+def test_exporter_errors_are_swallowed_and_counted():
+    tel = _tel(_Exploding())
+    for i in range(5):
+        tel.tracer.start_span(f"s{i}").end()
+    tel.flush()
+    assert tel.stats.ended == 5 and tel.stats.failed == 5 and tel.stats.errors == {"ConnectionError": 1}
+    tel.shutdown()  # does not raise
+
+
+def test_jsonl_file_export_and_read_back(tmp_path):
+    tel = _tel(None, traces_dir=str(tmp_path))
+    assert tel.destination.startswith("file:")
+    with tel.tracer.start_as_current_span("outer", attributes={"gen_ai.response.finish_reasons": ["stop"]}):
+        tel.tracer.start_span("inner").end()
+    tel.shutdown()
+    spans = otel.read_spans(tmp_path)
+    assert {s["name"] for s in spans} == {"outer", "inner"}
+    (tid,) = otel.traces_by_id(spans)
+    outer = next(s for s in spans if s["name"] == "outer")
+    assert next(s for s in spans if s["name"] == "inner")["parent_span_id"] == outer["span_id"]
+    assert outer["attributes"]["gen_ai.response.finish_reasons"] == ["stop"] and outer["resource"]["service.name"] == "talaria-test"
+
+
+def test_dead_otlp_endpoint_costs_callers_nothing():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    tel = _tel(None, otlp_endpoint=f"http://127.0.0.1:{port}", export_timeout_s=0.5, max_queue_spans=256)
+    assert tel.destination.startswith("otlp:")
+    t = time.monotonic()
+    for i in range(3000):  # more than the queue holds: the excess is dropped, never waited for
+        tel.tracer.start_span("call", attributes={"i": i}).end()
+    assert time.monotonic() - t < 2.0
+    t = time.monotonic()
+    tel.shutdown()
+    assert time.monotonic() - t < 2.5
+    assert tel.stats.exported == 0 and tel.stats.ended == 3000
+
+
+def test_disabled_is_a_no_op():
+    tel = otel.setup("x", "y", TelemetryConfig(enabled=False))
+    assert not tel.enabled and tel.destination == "off"
+    tel.tracer.start_span("nothing").end()
+    tel.shutdown()
+
+
+def test_placement_attributes_of_both_decision_shapes():
+    simple = SimpleNamespace(instance_id="a", reason="least-loaded", loads={"b": 2, "a": 0})
+    at = otel.placement_attributes(simple)
+    assert at["talaria.placement.reason"] == "least-loaded" and at["talaria.placement.candidates"] == ["a", "b"]
+    assert at["talaria.placement.loads"] == '{"a":0,"b":2}'
+    cost = SimpleNamespace(instance_id="a", total=0.5, delta_r=0.3, c_kv=0.1, c_act=0.1, queue_s=0.2, kv_source="device", act="active", reject="")
+    other = SimpleNamespace(instance_id="b", total=2.0, delta_r=1.0, c_kv=0.5, c_act=0.5, queue_s=0.0, kv_source="recompute", act="open", reject="eq2")
+    full = SimpleNamespace(instance_id="a", reason="cost", policy="full", lease="expired", costs=(cost, other), avoidable_open=False, opens_model=False, switches_model=False)
+    at = otel.placement_attributes(full)
+    assert at["talaria.placement.lease"] == "expired" and at["talaria.placement.cost.total"] == 0.5
+    assert at["talaria.placement.cost.kv_source"] == "device" and at["talaria.placement.candidates"] == ["a", "b"]
+    assert '"reject":"eq2"' in at["talaria.placement.costs"]
+
+
+def test_call_trace_spans_and_call_records():
+    exp = InMemorySpanExporter()
+    tel = _tel(exp)
+    records = []
+    g = pb.GenerateRequest(request_id="r1", session_id="s1", model="m", sampling=pb.SamplingParams(max_tokens=4, temperature=0.5), trace_context={})
+    ct = CallTrace(tel.tracer, g, True, "router-0", records.append)
+    assert "traceparent" in g.trace_context  # handed to the engine
+    call = SimpleNamespace(instance_id="e0", accepted=pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=9)))
+    ct.placed(SimpleNamespace(instance_id="e0", reason="lease", lease="hit", avoidable_open=False), call)
+    ct.chunk(pb.TokenChunk(seq=1, token_ids=[1, 2], text="ab"))
+    ct.chunk(pb.TokenChunk(seq=2, token_ids=[3], finished=True, finish_reason="length", usage=cpb.Usage(prompt_tokens=9, completion_tokens=3, cached_tokens=4)))
+    ct.end()
+    ct.end()  # idempotent
+    tel.flush()
+    spans = {s.name: s for s in exp.get_finished_spans()}
+    root = spans["chat m"]
+    assert root.kind == SpanKind.SERVER and root.attributes["talaria.session.id"] == "s1" and root.attributes["talaria.instance.id"] == "e0"
+    assert root.attributes["gen_ai.usage.output_tokens"] == 3 and root.attributes["gen_ai.usage.cache_read.input_tokens"] == 4
+    assert root.attributes["gen_ai.response.finish_reasons"] == ("length",) and "gen_ai.server.time_to_first_token" in root.attributes
+    assert spans["talaria.placement"].parent.span_id == root.context.span_id and spans["talaria.placement"].attributes["talaria.placement.lease"] == "hit"
+    assert [r.phase for r in records] == ["start", "end"]
+    assert records[0].lease == "hit" and records[0].instance_id == "e0" and records[0].trace_id == f"{root.context.trace_id:032x}"
+    end = records[1]
+    assert end.error == "" and end.usage.completion_tokens == 3 and end.end_unix >= end.first_token_unix >= end.arrival_unix > 0
+
+
+def test_call_trace_of_a_refused_call_is_an_error():
+    exp = InMemorySpanExporter()
+    tel = _tel(exp)
+    records = []
+    ct = CallTrace(tel.tracer, pb.GenerateRequest(request_id="r2", model="m"), False, "router-0", records.append)
+    ct.end(SimpleNamespace(code="overloaded", status=429))
+    tel.flush()
+    (span,) = exp.get_finished_spans()
+    assert span.name == "text_completion m" and span.status.is_ok is False and span.attributes["error.type"] == "overloaded"
+    assert [(r.phase, r.error, r.http_status) for r in records] == [("end", "overloaded", 429)]
