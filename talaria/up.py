@@ -1,7 +1,8 @@
 """``talaria up``: the whole local stack in one command.
 
 Starts an embedded NATS server (unless ``NATS_URL``/``nats.url`` names one), synthesizes missing catalog
-models, starts every configured engine and the router as child processes, prints the API URL, and on
+models, starts every configured engine, the router and the telemetry service (``telemetry.start``) as child
+processes, prints the API URL, and on
 Ctrl-C / SIGTERM stops every process it started (SIGTERM, then SIGKILL after a grace period; each child
 runs in its own process group so nothing is left behind). A child that exits unexpectedly is reported;
 if the router dies the stack stops.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,6 +94,7 @@ class LocalStack:
         self.nats: EmbeddedNats | None = None
         self.children: dict[str, Child] = {}
         self.api: str | None = None
+        self.telemetry_url: str | None = None  # /metrics, /summary of the telemetry service (None: not started)
         self.nats_url: str | None = None
         self._workdir = tempfile.mkdtemp(prefix="talaria-up-")
         self.cfg_path = Path(self._workdir) / "stack.json"
@@ -126,6 +129,7 @@ class LocalStack:
             self.say(f"using NATS at {url}")
         self.nats_url = url
         self.cfg = self.cfg.model_copy(update={"nats": NatsConfig(**{**self.cfg.nats.model_dump(), "url": url})})
+        telemetry = self._start_telemetry()
         dump_config(self.cfg, self.cfg_path)
         self.start_kvstore(ready_timeout)
         for e in self.cfg.engines:
@@ -136,7 +140,25 @@ class LocalStack:
         router = self._spawn(self.cfg.router.id, ["-m", "services.router", "--config", str(self.cfg_path)], "listening on")
         _wait_ready([router], ready_timeout)
         self.api = router.ready_line.rsplit(" ", 1)[-1]
+        if telemetry is not None:
+            try:  # observability is not on the serving path: a telemetry that fails to start is reported, not fatal
+                _wait_ready([telemetry], 30.0)
+                self.telemetry_url = telemetry.ready_line.rsplit(" ", 1)[-1]
+            except RuntimeError as e:
+                self.say(f"telemetry not available: {e}")
         return self.api
+
+    def _start_telemetry(self) -> Child | None:
+        """Spawn the telemetry service (``telemetry.start``); a busy port falls back to a free one."""
+        tc = self.cfg.telemetry
+        if not tc.start:
+            return None
+        if tc.port and not _port_free(tc.host, tc.port):
+            self.say(f"telemetry port {tc.port} is busy; using a free one")
+            self.cfg = self.cfg.model_copy(update={"telemetry": tc.model_copy(update={"port": 0})})
+        dump_config(self.cfg, self.cfg_path)
+        self.say("starting telemetry")
+        return self._spawn("telemetry", ["-m", "services.telemetry", "--config", str(self.cfg_path)], "telemetry listening on")
 
     KVSTORE = "kvstore"
 
@@ -218,6 +240,16 @@ class LocalStack:
         self.stop()
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None, ready_timeout: float = 300.0) -> int:
     updates: dict = {}
     if models_dir:
@@ -233,6 +265,8 @@ def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None,
         api = stack.start(ready_timeout)
         models = sorted({m for e in stack.cfg.engines for m in e.models})
         _say(f"ready: OpenAI API at {api}/v1  (models: {', '.join(models)}; Ctrl-C to stop)")
+        if stack.telemetry_url:
+            _say(f"telemetry: {stack.telemetry_url}/metrics (Prometheus), {stack.telemetry_url}/summary (JSON)")
         reported: set[str] = set()
         while not stop.wait(0.5):
             for c in stack.children.values():
