@@ -62,6 +62,13 @@ class EngineConfig(_Strict):
     d2d_staging: bool = Field(True, description="cold: stage the predicted next model into the KV tail (off = H2D-only switches)")
     staging_chunks_per_step: int = Field(8, ge=0, description="cold: staging copies started per executor step")
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
+    # cold-pool slot scheduler (services/engine/slots, Talaria §3.4 / Appendix E); sp, host_kv and d2d_staging all
+    # off = the Round-only baseline
+    slot_scheduler: bool = Field(False, description="cold: rounds/slots with SP (services/engine/slots) instead of switch-when-idle")
+    sp: bool = Field(True, description="cold: session-prefill admission of returning sessions mid-slot")
+    slot_ttft_s: float = Field(2.0, gt=0, description="cold: T_TTFT target; rounds are bounded by slot_gamma * slot_ttft_s (Eq. 5)")
+    slot_tpot_s: float = Field(0.1, gt=0, description="cold: T_TPOT target for protected decode (Eq. 4)")
+    slot_gamma: float = Field(0.8, gt=0, lt=1, description="cold: round-bound admission margin gamma < 1")
 
     @field_validator("id")
     @classmethod

@@ -141,3 +141,14 @@ def test_round_only_matches_too_and_never_sp(synth_models, specs, ref):
     assert got == ref
     assert not any(d is not None and d.phase is Phase.SP for d in decisions)
     assert all(r.path == "host_only" for r in list(ce.switch_records)[1:])
+
+
+def test_ablation_switches_from_engine_config():
+    from talaria.config import EngineConfig
+    from services.engine.slots.cold_adapter import policy_from_config
+
+    off = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], sp=False, host_kv=False, d2d_staging=False))
+    assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}
+    on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], slot_ttft_s=3.0, slot_gamma=0.5))
+    assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True} and on.ttft_s == 3.0 and on.gamma == 0.5
+    assert policy_from_config(EngineConfig(id="h", models=["a"])).endless  # a hot instance: one endless slot

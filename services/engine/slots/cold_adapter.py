@@ -128,3 +128,11 @@ class SlottedColdEngine(ColdEngine):
         """Round summaries not yet handed out (the service publishes them on ``.round``)."""
         with self._step_lock:
             return self.slots.take_summaries()
+
+
+def policy_from_config(cfg) -> SlotPolicy:
+    """The slot policy of an ``EngineConfig`` (talaria/config.py): targets, margin and ablation switches."""
+    return SlotPolicy(
+        ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
+        d2d_staging=cfg.d2d_staging, endless=cfg.pool == "hot",
+    )
