@@ -92,3 +92,14 @@ def add_cli(subparsers) -> None:
     sp.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     sp.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     sp.set_defaults(fn=lambda a: __import__("bench.sp_bench", fromlist=["main"]).main(a))
+
+    # issue 8: fixed replay and the configuration matrix
+    from bench.matrix import add_args as _matrix_args
+    from bench.replay import add_args as _replay_args
+
+    rp = bs.add_parser("replay", help="closed-loop fixed replay of a workload against a running stack: SCT, schedule-aware TTFT, report")
+    _replay_args(rp)
+    rp.set_defaults(fn=lambda a: __import__("bench.replay", fromlist=["main"]).main(a))
+    mx = bs.add_parser("matrix", help="the paper's ablations and router policies side by side: one local stack per configuration, same workload")
+    _matrix_args(mx)
+    mx.set_defaults(fn=lambda a: __import__("bench.matrix", fromlist=["main"]).main(a))

@@ -1,0 +1,373 @@
+"""``talaria bench matrix``: the paper's configurations side by side on one workload (Talaria §5.1-5.3).
+
+For every configuration of ``CONFIGS`` the local stack (``talaria.up.LocalStack``: embedded NATS, kvstore,
+two cold-pool engines serving the same three models, router, telemetry service) is brought up, warmed up
+the same way (one short call per model), the same workload file is replayed closed-loop through the HTTP
+API (``bench/replay.py``), the telemetry sources are read, and the stack is stopped. Then one report
+(``bench/report.py``) compares them: ratios are measured side by side in one run, as absolute times on a
+shared 2-core machine are noise.
+
+The configurations are config overrides in one table (``CONFIGS``): a dotted path into ``StackConfig``
+(``engines[]`` = every engine) and the value. Each row states only what it turns *off* (or changes)
+relative to the base stack, whose mechanisms are on by default. A row whose knob is not a field of the
+config model in this build is reported as ``not available (knob X missing)`` and not run; it runs as
+soon as the field exists (``talaria/config.py`` is read at run time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from bench import ensure_models
+from bench.workloads import Workload, describe, read_jsonl, write_jsonl
+
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    name: str
+    overrides: dict[str, Any]
+    description: str
+    kind: str = "ablation"  # "ablation" (instance-local mechanisms) | "router" (placement policy)
+
+
+# The matrix (Talaria §5.1): reverse ablations of the instance-local mechanisms, then router policies.
+OFF = {"engines[].sp": False, "engines[].host_kv": False, "engines[].d2d_staging": False}
+CONFIGS: tuple[MatrixConfig, ...] = (
+    MatrixConfig("Talaria", {}, "every mechanism on (SP, HKVR, D2D staging), full router (leases + residency cost)"),
+    MatrixConfig("no-SP", {"engines[].sp": False}, "session-prefill admission off; HKVR and D2D staging on"),
+    MatrixConfig("no-HKVR", {"engines[].host_kv": False}, "host-restorable KV off; SP and D2D staging on"),
+    MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
+    MatrixConfig("Round-only", dict(OFF), "SP, HKVR and D2D staging all off: the controlled all-off baseline"),
+    MatrixConfig("least-pressure", {"router.placement.policy": "least-pressure"}, "engines as Talaria; each call to the least-loaded instance", "router"),
+    MatrixConfig("session-sticky", {"router.placement.policy": "session-sticky"}, "engines as Talaria; a session pinned to its first instance", "router"),
+)
+# router policy "full" is the Talaria row (same engines, policy "full").
+QUICK_CONFIGS = ("Talaria", "Round-only")
+
+
+# ----------------------------------------------------------------------------- knobs / overrides
+def knob_missing(path: str, value: Any) -> str | None:
+    """None if ``path`` names a field of ``StackConfig`` that accepts ``value``; else the reason."""
+    from talaria.config import StackConfig
+
+    model: Any = StackConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        name = part.removesuffix("[]")
+        fields = getattr(model, "model_fields", {})
+        if name not in fields:
+            return f"knob {path} missing"
+        ann = fields[name].annotation
+        if part.endswith("[]"):
+            ann = get_args(ann)[0]
+        if i < len(parts) - 1:
+            model = ann
+        elif get_origin(ann) is Literal and value not in get_args(ann):
+            return f"knob {path} has no value {value!r} (allowed: {', '.join(map(str, get_args(ann)))})"
+    return None
+
+
+def availability(cfg: MatrixConfig) -> str | None:
+    reasons = [r for p, v in cfg.overrides.items() if (r := knob_missing(p, v))]
+    return "; ".join(reasons) or None
+
+
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for path, value in overrides.items():
+        parts = path.split(".")
+        nodes = [out]
+        for part in parts[:-1]:
+            nxt = []
+            for n in nodes:
+                if part.endswith("[]"):
+                    nxt += n.setdefault(part[:-2], [])
+                else:
+                    nxt.append(n.setdefault(part, {}))
+            nodes = nxt
+        last = parts[-1]
+        for n in nodes:
+            if last.endswith("[]"):
+                raise ValueError(f"override path {path} cannot end in []")
+            n[last] = value
+    return out
+
+
+def mechanisms() -> dict[str, str]:
+    """Which mechanism knobs this build's config has (reported with the Talaria row)."""
+    return {p.split(".")[-1]: ("knob present" if knob_missing(p, False) is None else "knob missing") for p in OFF}
+
+
+def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int = 64) -> dict[str, Any]:
+    """Two cold-pool engines, each serving all of ``MODELS`` (real placement choices, real switches)."""
+    from talaria.config import TelemetryConfig
+
+    eng = lambda i: {  # noqa: E731
+        "id": f"engine-{i}", "pool": "cold", "models": list(MODELS), "device": "cpu", "kv_cache_mb": kv_cache_mb,
+        "torch_threads": 1, "heartbeat_period_s": 0.25,
+    }
+    cfg: dict[str, Any] = {
+        "namespace": f"bm{uuid.uuid4().hex[:8]}",
+        "models_dir": str(models_dir),
+        "synthesize_models": False,
+        "router": {"port": 0},
+        "engines": [eng(0), eng(1)],
+    }
+    tf = TelemetryConfig.model_fields
+    tel: dict[str, Any] = {}
+    if "port" in tf:
+        tel["port"] = 0
+    if "traces_dir" in tf:
+        tel["traces_dir"] = None  # no span files (same for every configuration)
+    if records_file is not None and "records_file" in tf:
+        tel["records_file"] = str(records_file)
+    if tel:
+        cfg["telemetry"] = tel
+    return cfg
+
+
+# ------------------------------------------------------------------------------ engine snapshots
+class HeartbeatListener:
+    """Engine heartbeats straight from NATS: the switch records embedded in ``InstanceSnapshot``s."""
+
+    def __init__(self) -> None:
+        self.nc = None
+        self.switches: dict[tuple, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+
+    async def start(self, url: str, namespace: str) -> "HeartbeatListener":
+        import nats
+        from google.protobuf.json_format import MessageToDict
+
+        from talaria.subjects import Subjects
+        from talaria.v1 import engine_pb2 as pb
+
+        async def on_msg(msg) -> None:
+            snap = pb.InstanceSnapshot()
+            try:
+                snap.ParseFromString(msg.data)
+            except Exception:  # noqa: BLE001
+                return
+            self.instances[snap.instance_id] = {"pool": snap.pool, "num_switches": getattr(snap, "num_switches", 0)}
+            for rec in getattr(snap, "switches", ()):
+                d = MessageToDict(rec, preserving_proto_field_name=True)
+                d.setdefault("instance_id", snap.instance_id)
+                self.switches[(snap.instance_id, snap.epoch, int(d.get("seq", 0)), float(d.get("started_unix", 0)))] = d
+
+        self.nc = await nats.connect(url, name="bench-matrix")
+        await self.nc.subscribe(Subjects(namespace).all_heartbeats(), cb=on_msg)
+        return self
+
+    def window(self, t0: float, t1: float) -> list[dict[str, Any]]:
+        return [d for d in self.switches.values() if t0 <= float(d.get("started_unix", 0)) <= t1]
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            await self.nc.drain()
+
+
+def _kvstore_stats(stack) -> dict[str, Any] | None:
+    kvs = stack.cfg.kvstore
+    if not kvs.enabled or not kvs.port or "kvstore" not in stack.children:
+        return None
+    try:
+        from google.protobuf.json_format import MessageToDict
+
+        from services.kvstore.client import KvStoreClient
+
+        c = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=2.0)
+        try:
+            return {k: float(v) for k, v in MessageToDict(c.stats(), preserving_proto_field_name=True).items() if isinstance(v, (int, float, str)) and str(v).replace(".", "", 1).isdigit()}
+        finally:
+            c.close()
+    except Exception:  # noqa: BLE001 - a missing source is reported as n/a
+        return None
+
+
+def _read_records(path: Path, t0: float, t1: float) -> list[dict[str, Any]] | None:
+    if not path.exists():
+        return None
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if t0 <= float(r.get("recv_unix", 0) or 0) <= t1:
+            out.append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------- one config
+async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say) -> dict[str, Any]:
+    import httpx
+
+    from bench.replay import replay_http, warmup
+    from bench.report import summarize_run
+    from talaria.config import parse_config
+    from talaria.up import LocalStack
+
+    cdir = out / mc.name.replace(": ", "-").replace(" ", "_")
+    cdir.mkdir(parents=True, exist_ok=True)
+    records = cdir / "records.jsonl"
+    records.unlink(missing_ok=True)
+    cfg_dict = apply_overrides(base_stack(models_dir, records), mc.overrides)
+    (cdir / "stack.json").write_text(json.dumps(cfg_dict, indent=1))
+    stack = LocalStack(parse_config(cfg_dict), say=lambda _m: None, quiet=True)
+    t_up = time.monotonic()
+    try:
+        await asyncio.to_thread(stack.start)
+    except Exception as e:  # noqa: BLE001
+        await asyncio.to_thread(stack.stop)
+        tails = {n: c.log[-15:] for n, c in stack.children.items()}
+        return {"status": f"failed to start: {e}", "logs": tails}
+    listener = HeartbeatListener()
+    try:
+        api = stack.api
+        n_eng = len(cfg_dict["engines"])
+        async with httpx.AsyncClient(timeout=10) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                h = (await client.get(f"{api}/health")).json()
+                if sum(1 for v in h["instances"].values() if v["healthy"]) >= n_eng:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("engines did not report healthy within 120 s")
+                await asyncio.sleep(0.1)
+            up_s = time.monotonic() - t_up
+            await listener.start(stack.nats_url, stack.cfg.namespace)
+            await warmup(api, workload.models())
+            await asyncio.sleep(0.6)  # let the warmup's hooks and heartbeats land before "before"
+            before = (await client.get(f"{api}/health")).json()
+            kv_before = _kvstore_stats(stack)
+            w0 = time.time()
+            res = await replay_http(workload, api, desc=mc.name, progress=progress)
+            w1 = time.time()
+            await asyncio.sleep(1.0)  # the last heartbeats, hooks and records
+            after = (await client.get(f"{api}/health")).json()
+        kv_after = _kvstore_stats(stack)
+        switches = listener.window(w0, w1)
+        recs = _read_records(records, w0, w1 + 1.0)
+        note = "" if recs is not None else ("telemetry service not running" if stack.telemetry_url is None else "no records file (telemetry.records_file missing in this build)")
+        telemetry = {
+            "router_before": before, "router_after": after, "switches": switches,
+            "instances": sum(1 for e in cfg_dict["engines"] if e.get("pool") == "cold"),
+            "kvstore_before": kv_before, "kvstore_after": kv_after, "records": recs, "records_note": note,
+        }
+        (cdir / "replay.json").write_text(json.dumps(res.to_json()))
+        (cdir / "telemetry.json").write_text(json.dumps({k: v for k, v in telemetry.items() if k != "records"}, indent=1, default=str))
+        summary = summarize_run(res, telemetry)
+        summary["stack_up_s"] = up_s
+        say(f"{mc.name}: SCT p50 {summary['sct_p50_s']:.2f}s p95 {summary['sct_p95_s']:.2f}s, TTFT p50 {summary['ttft_p50_s']:.2f}s, "
+            f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s")
+        return {"status": "ok", "summary": summary}
+    except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+        tails = {n: c.log[-15:] for n, c in stack.children.items()}
+        return {"status": f"failed: {type(e).__name__}: {e}", "logs": tails}
+    finally:
+        await listener.stop()
+        await asyncio.to_thread(stack.stop)
+
+
+# ------------------------------------------------------------------------------------------ run
+def default_workload(quick: bool, seed: int = 0) -> Workload:
+    from bench.workloads.synthetic import SynthParams, generate
+
+    if quick:
+        return generate(SynthParams(sessions=3, seed=seed, length_scale=1 / 128, max_depth=3, mean_interarrival_s=0.5, max_output=8))
+    return generate(SynthParams(sessions=10, seed=seed, length_scale=1 / 32, max_depth=20))
+
+
+def run_matrix(
+    out: Path,
+    *,
+    quick: bool = False,
+    names: list[str] | None = None,
+    workload: Workload | None = None,
+    models_dir: Path | None = None,
+    progress: bool = True,
+    command: str = "",
+    say=print,
+) -> list[dict[str, Any]]:
+    from bench.report import matrix_table, write_matrix_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    models_dir = ensure_models(models_dir, list(MODELS), say=say)
+    w = workload if workload is not None else default_workload(quick)
+    wpath = write_jsonl(w, out / "workload.jsonl")
+    w = read_jsonl(wpath)  # every configuration replays exactly this file
+    desc = describe(w)
+    say(f"workload: {desc['sessions']} sessions, {desc['calls']} calls, models {desc['models']}, "
+        f"meta {json.dumps(w.meta)} -> {wpath}")
+    wanted = names or (list(QUICK_CONFIGS) if quick else [c.name for c in CONFIGS])
+    unknown = set(wanted) - {c.name for c in CONFIGS}
+    if unknown:
+        raise ValueError(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    for mc in CONFIGS:
+        if mc.name not in wanted:
+            continue
+        row: dict[str, Any] = {"name": mc.name, "kind": mc.kind, "overrides": mc.overrides, "description": mc.description}
+        why = availability(mc)
+        if why:
+            row["status"] = f"not available ({why})"
+            say(f"{mc.name}: {row['status']}")
+        else:
+            if mc.name == "Talaria":
+                row["description"] += f" — mechanism knobs in this build: {mechanisms()}"
+            say(f"{mc.name}: starting the stack ...")
+            row.update(asyncio.run(run_config(mc, w, models_dir, out, progress=progress, say=say)))
+            if row.get("status") != "ok":
+                say(f"{mc.name}: {row['status']}")
+        rows.append(row)
+    meta = {
+        "command": command,
+        "workload_file": str(wpath),
+        "workload_desc": json.dumps({k: v for k, v in desc.items()}, default=str) + " meta " + json.dumps(w.meta),
+        "matrix_wall_s": time.monotonic() - t0,
+        "quick": quick,
+    }
+    report = write_matrix_report(out, rows, meta)
+    say("")
+    say(matrix_table(rows))
+    say(f"\nreport: {report} (matrix took {meta['matrix_wall_s']:.0f}s)")
+    return rows
+
+
+def main(args) -> int:
+    from bench.replay import load_workload
+
+    out = Path(args.out or f".talaria/bench/matrix-{time.strftime('%Y%m%d-%H%M%S')}")
+    workload = None
+    if args.workload or args.mooncake or args.sessions is not None:
+        if args.sessions is None:
+            args.sessions = 10
+        workload = load_workload(args)
+    rows = run_matrix(
+        out, quick=args.quick, names=args.configs, workload=workload, models_dir=Path(args.models_dir) if args.models_dir else None,
+        progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv),
+    )
+    ran = [r for r in rows if r.get("status") == "ok"]
+    return 0 if ran and all(r["summary"]["calls_failed"] == 0 for r in ran) else 1
+
+
+def add_args(p) -> None:
+    from bench.replay import add_workload_args
+
+    p.add_argument("--quick", action="store_true", help=f"smoke check: 3 tiny sessions, configurations {', '.join(QUICK_CONFIGS)}")
+    p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of: {', '.join(repr(c.name) for c in CONFIGS)}")
+    p.add_argument("--out", help="output folder (default .talaria/bench/matrix-<time>)")
+    p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_workload_args(p)

@@ -1,0 +1,385 @@
+"""Report of a replay / a matrix of replays: numbers, ratios, plots, Markdown.
+
+Every number names its source (the ``SOURCES`` table is printed in the report):
+
+* **client** — the replay client's own timestamps and the responses it received (``bench/replay.py``):
+  SCT, schedule-aware and request-local TTFT, errors, usage (cached tokens), the instance each call was
+  answered from (``X-Talaria-Instance``);
+* **router** — the router's ``/health`` placement counters, read before and after the replay (the
+  difference is reported, so warmup calls are excluded): avoidable cold opens, returns, same-instance
+  returns, model switches, lease hits;
+* **engine** — engine heartbeats (``InstanceSnapshot``, read straight from NATS by the matrix): switch
+  records (path, seconds), switch counts;
+* **kvstore** — the kvstore's ``Stats`` RPC before/after: host restores and restored pages;
+* **telemetry** — the telemetry service's records file (issue 7) filtered to the replay window: round
+  summaries (wall = active + switch, SP admitted/deferred) when engines publish them (issue 5), call
+  records (predicted KV source, avoidable opens).
+
+A number whose source did not produce it is ``n/a`` with the reason, never a guess. Percentiles are
+nearest-rank (Talaria §5.1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from bench import format_table
+from bench.workloads import nearest_rank
+
+SOURCES = {
+    "client": "replay client timestamps and responses (bench/replay.py)",
+    "router": "router /health placement counters, after - before the replay",
+    "engine": "engine heartbeats (InstanceSnapshot) on NATS: switch records",
+    "kvstore": "kvstore Stats RPC, after - before the replay",
+    "telemetry": "telemetry service records file (round/call records) in the replay window",
+}
+
+NA = float("nan")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def session_scts(res) -> dict[str, float]:
+    """SCT per session (client): end of the last response - intended enqueue of the first call.
+    A session with a failed call is left out (its SCT would not be comparable)."""
+    by: dict[str, list] = {}
+    for c in res.calls:
+        by.setdefault(c.session_id, []).append(c)
+    out = {}
+    for sid, cs in by.items():
+        cs.sort(key=lambda c: c.call_index)
+        if all(c.ok for c in cs):
+            out[sid] = cs[-1].end - cs[0].intended
+    return out
+
+
+def summarize_run(res, telemetry: dict[str, Any]) -> dict[str, Any]:
+    """Every metric of one replay (one configuration)."""
+    calls = res.calls
+    ok = [c for c in calls if c.ok]
+    scts = session_scts(res)
+    ttft = [c.ttft for c in ok]
+    ttft_req = [c.ttft_request for c in ok]
+    s: dict[str, Any] = {
+        "calls": len(calls),
+        "calls_failed": len(calls) - len(ok),
+        "errors": sorted({c.error for c in calls if c.error})[:5],
+        "retries": sum(c.retries for c in calls),
+        "sessions": len({c.session_id for c in calls}),
+        "sessions_complete": len(scts),
+        "wall_s": res.wall_s,
+        "sct_p50_s": nearest_rank(list(scts.values()), 50),
+        "sct_p95_s": nearest_rank(list(scts.values()), 95),
+        "ttft_p50_s": nearest_rank(ttft, 50),
+        "ttft_p95_s": nearest_rank(ttft, 95),
+        "ttft_req_p50_s": nearest_rank(ttft_req, 50),
+        "ttft_req_p95_s": nearest_rank(ttft_req, 95),
+        "scts": scts,
+        "ttfts": ttft,
+        "tokens_out": sum(c.completion_tokens for c in ok),
+        "tokens_out_expected": sum(c.recorded_output_tokens for c in calls),
+        "prompt_tokens": sum(c.prompt_tokens for c in ok),
+        "cached_tokens": sum(c.cached_tokens for c in ok),
+        "kv_hit_calls": sum(1 for c in ok if c.cached_tokens > 0),
+        "reusable_prefix_tokens": sum(c.recorded_prefix_tokens for c in ok),
+    }
+    s["cached_share"] = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else NA
+    s["reuse_captured"] = s["cached_tokens"] / s["reusable_prefix_tokens"] if s["reusable_prefix_tokens"] else NA
+    # client-side same-instance return rate (continuations answered by the previous call's instance)
+    by: dict[str, list] = {}
+    for c in calls:
+        by.setdefault(c.session_id, []).append(c)
+    same = total = 0
+    for cs in by.values():
+        cs.sort(key=lambda c: c.call_index)
+        for a, b in zip(cs, cs[1:]):
+            if a.instance and b.instance:
+                total += 1
+                same += a.instance == b.instance
+    s["same_instance_client"] = same / total if total else NA
+    s.update(_router_metrics(telemetry.get("router_before"), telemetry.get("router_after")))
+    s.update(_engine_metrics(telemetry.get("switches"), telemetry.get("instances", 0), res.wall_s))
+    s.update(_kvstore_metrics(telemetry.get("kvstore_before"), telemetry.get("kvstore_after")))
+    s.update(_records_metrics(telemetry.get("records"), telemetry.get("records_note", "")))
+    return s
+
+
+def _router_metrics(before: dict | None, after: dict | None) -> dict[str, Any]:
+    if not after:
+        return {"avoidable_cold_opens": NA, "same_instance_router": NA, "model_switches_router": NA, "lease_hits": NA}
+    b = (before or {}).get("placement", {})
+    a = after.get("placement", {})
+
+    def d(k: str) -> float:
+        return float(a.get(k, 0) or 0) - float(b.get(k, 0) or 0)
+
+    returns = d("returns")
+    return {
+        "avoidable_cold_opens": d("avoidable_cold_opens"),
+        "model_opens_router": d("model_opens"),
+        "model_switches_router": d("model_switches"),
+        "same_instance_router": d("same_instance_returns") / returns if returns else NA,
+        "lease_hits": d("lease_hits"),
+        "lease_misses": d("lease_misses"),
+    }
+
+
+def _engine_metrics(switches: list[dict] | None, instances: int, wall_s: float) -> dict[str, Any]:
+    if switches is None:
+        return {"switches": NA, "switch_s": NA, "switch_share_proxy": NA, "switch_paths": {}}
+    total = sum(float(r.get("total_seconds", 0) or 0) for r in switches)
+    paths: dict[str, int] = {}
+    for r in switches:
+        paths[str(r.get("path", "?"))] = paths.get(str(r.get("path", "?")), 0) + 1
+    return {
+        "switches": len(switches),
+        "switch_s": total,
+        "switch_p50_ms": nearest_rank([float(r.get("total_seconds", 0)) * 1e3 for r in switches], 50),
+        "switch_share_proxy": total / (max(1, instances) * wall_s) if wall_s > 0 else NA,
+        "switch_paths": paths,
+    }
+
+
+def _kvstore_metrics(before: dict | None, after: dict | None) -> dict[str, Any]:
+    if not after:
+        return {"host_restores": NA, "host_restore_pages": NA, "host_checkpoint_bytes": NA}
+    b = before or {}
+
+    def d(k: str) -> float:
+        return float(after.get(k, 0) or 0) - float(b.get(k, 0) or 0)
+
+    return {"host_restores": d("restores"), "host_restore_pages": d("hit_pages"), "host_checkpoint_bytes": d("bytes_in")}
+
+
+def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"records_note": note}
+    if records is None:
+        out.update({"rounds": NA, "sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "kv_source_pred": {}})
+        return out
+    rounds = [r for r in records if r.get("kind") == "round"]
+    out["rounds"] = len(rounds)
+    if rounds:
+        def num(r: dict, *ks: str) -> float:
+            for k in ks:
+                v = r.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    return float(v)
+                if isinstance(v, str):
+                    try:
+                        return float(v)
+                    except ValueError:
+                        pass
+            return 0.0
+
+        wall = sum(num(r, "wall_seconds", "wall_s", "wall_ms") / (1e3 if "wall_ms" in r and "wall_seconds" not in r else 1) for r in rounds)
+        sw = sum(num(r, "switch_seconds", "switch_s", "switch_ms") / (1e3 if "switch_ms" in r and "switch_seconds" not in r else 1) for r in rounds)
+        out["switch_share_rounds"] = sw / wall if wall else NA
+        out["sp_admitted"] = sum(num(r, "sp_admitted") for r in rounds)
+        out["sp_deferred"] = sum(num(r, "sp_deferred") for r in rounds)
+    else:
+        out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA})
+    src: dict[str, int] = {}
+    for r in records:
+        if r.get("kind") == "call" and r.get("phase") == "start":
+            k = str(r.get("kv_source") or "none")
+            src[k] = src.get(k, 0) + 1
+    out["kv_source_pred"] = src
+    out["avoidable_opens_records"] = sum(1 for r in records if r.get("kind") == "call" and r.get("phase") == "start" and r.get("avoidable_open"))
+    return out
+
+
+# ------------------------------------------------------------------------------------ rendering
+COLUMNS = [
+    # header, key, source
+    ("SCT p50 s", "sct_p50_s", "client"),
+    ("SCT p95 s", "sct_p95_s", "client"),
+    ("p50/Round-only", "sct_p50_vs_base", "client"),
+    ("p95/Round-only", "sct_p95_vs_base", "client"),
+    ("p50/Talaria", "sct_p50_vs_talaria", "client"),
+    ("TTFT p50 s", "ttft_p50_s", "client"),
+    ("TTFT p95 s", "ttft_p95_s", "client"),
+    ("avoid. opens", "avoidable_cold_opens", "router"),
+    ("same-inst", "same_instance_router", "router"),
+    ("switch share", "switch_share", "telemetry/engine"),
+    ("SP adm/def", "sp", "telemetry"),
+    ("KV hits dev/host", "kv_hits", "client/kvstore"),
+    ("failed", "calls_failed", "client"),
+]
+
+
+def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", reference: str = "Talaria") -> None:
+    by = {r["name"]: r for r in rows if r.get("summary")}
+    base = by.get(baseline, {}).get("summary")
+    ref = by.get(reference, {}).get("summary")
+    for r in rows:
+        s = r.get("summary")
+        if not s:
+            continue
+        for q in ("p50", "p95"):
+            v = s[f"sct_{q}_s"]
+            s[f"sct_{q}_vs_base"] = v / base[f"sct_{q}_s"] if base and _finite(base[f"sct_{q}_s"]) and base[f"sct_{q}_s"] > 0 else NA
+            s[f"sct_{q}_vs_talaria"] = v / ref[f"sct_{q}_s"] if ref and _finite(ref[f"sct_{q}_s"]) and ref[f"sct_{q}_s"] > 0 else NA
+
+
+def _cell(s: dict[str, Any], key: str) -> object:
+    if key == "switch_share":
+        v = s.get("switch_share_rounds", NA)
+        if _finite(v):
+            return f"{v:.1%}"
+        v = s.get("switch_share_proxy", NA)
+        return f"{v:.1%}*" if _finite(v) else "n/a"
+    if key == "sp":
+        a, d = s.get("sp_admitted", NA), s.get("sp_deferred", NA)
+        return f"{int(a)}/{int(d)}" if _finite(a) and _finite(d) else "n/a"
+    if key == "kv_hits":
+        dev = s.get("kv_hit_calls", NA)
+        host = s.get("host_restores", NA)
+        return f"{dev}/{int(host) if _finite(host) else 'n/a'}"
+    if key == "same_instance_router":
+        v = s.get(key, NA)
+        return f"{v:.1%}" if _finite(v) else "n/a"
+    v = s.get(key, NA)
+    if isinstance(v, float) and _finite(v) and key == "avoidable_cold_opens":
+        return int(v)
+    return v
+
+
+def matrix_table(rows: list[dict[str, Any]]) -> str:
+    headers = ["configuration"] + [h for h, _k, _s in COLUMNS]
+    body, notes = [], []
+    for r in rows:
+        s = r.get("summary")
+        if not s:
+            body.append([r["name"]] + ["-"] * len(COLUMNS))
+            notes.append(f"{r['name']}: {r.get('status', 'n/a')}")
+            continue
+        body.append([r["name"]] + [_cell(s, k) for _h, k, _s in COLUMNS])
+    return format_table(headers, body) + "".join("\n" + n for n in notes)
+
+
+def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    add_ratios(rows)
+    plots = _plots(out, rows)
+    table = matrix_table(rows)
+    lines = [
+        "# Talaria fixed-replay matrix",
+        "",
+        f"Command: `{meta.get('command', '')}`",
+        "",
+        f"Workload: {meta.get('workload_desc', '')}",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        "Columns and where each number comes from:",
+        "",
+        "| column | source |",
+        "|---|---|",
+    ]
+    for h, _k, src in COLUMNS:
+        lines.append(f"| {h} | {src} |")
+    lines += [
+        "",
+        "Sources: " + "; ".join(f"**{k}** = {v}" for k, v in SOURCES.items()) + ".",
+        "",
+        "SCT = end of a session's last response - intended enqueue of its first call; TTFT is schedule-aware "
+        "(from the intended enqueue time, so admission delay counts); percentiles are nearest-rank. "
+        "`switch share` is the share of round wall time spent switching from round records (telemetry) when "
+        "engines publish them; a value marked `*` is a proxy: switch seconds from engine switch records / "
+        "(cold instances x replay wall). `KV hits dev/host`: calls with cached prompt tokens in their usage "
+        "(client; the server counts device and host-restored tokens alike) / host restores (kvstore Stats).",
+        "",
+    ]
+    for r in rows:
+        lines.append(f"## {r['name']}")
+        lines.append("")
+        lines.append(f"{r.get('description', '')}")
+        lines.append("")
+        if not r.get("summary"):
+            lines.append(f"Status: {r.get('status', 'n/a')}")
+            lines.append("")
+            continue
+        s = r["summary"]
+        keys = [k for k in s if k not in ("scts", "ttfts")]
+        lines.append("```")
+        lines.append(json.dumps({k: s[k] for k in keys}, indent=1, default=str))
+        lines.append("```")
+        lines.append("")
+    for name, path in plots.items():
+        lines.append(f"![{name}]({path.name})")
+        lines.append("")
+    if not plots:
+        lines.append("(plots skipped: matplotlib is not installed)")
+    p = out / "README.md"
+    p.write_text("\n".join(lines) + "\n")
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=_json_default))
+    return p
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def write_single_report(out: Path, summary: dict[str, Any], res) -> Path:
+    """``talaria bench replay``: the summary of one replay (no configuration matrix)."""
+    rows = [{"name": "replay", "summary": summary, "description": "one replay against a running stack"}]
+    return write_matrix_report(out, rows, {"command": "talaria bench replay", "workload_desc": json.dumps(res.meta.get("workload", {}))})
+
+
+def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    ran = [r for r in rows if r.get("summary")]
+    if not ran:
+        return {}
+    paths: dict[str, Path] = {}
+    for key, label, fname in (("scts", "session completion time (s)", "sct_cdf.png"), ("ttfts", "schedule-aware TTFT (s)", "ttft_cdf.png")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for r in ran:
+            vals = r["summary"][key]
+            xs = sorted(vals.values() if isinstance(vals, dict) else vals)
+            if not xs:
+                continue
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=r["name"])
+        ax.set_xlabel(label)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        paths[f"CDF of {label}"] = out / fname
+    # per-session scatter: one column per configuration, one point per session, sessions linked by colour
+    sessions = sorted({sid for r in ran for sid in r["summary"]["scts"]})
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(ran) + 2), 4.2))
+    cmap = plt.get_cmap("tab20")
+    for si, sid in enumerate(sessions):
+        xs, ys = [], []
+        for ci, r in enumerate(ran):
+            v = r["summary"]["scts"].get(sid)
+            if v is not None:
+                xs.append(ci + (si - len(sessions) / 2) * 0.3 / max(1, len(sessions)))
+                ys.append(v)
+        ax.plot(xs, ys, "o-", color=cmap(si % 20), alpha=0.6, lw=0.6, ms=4)
+    ax.set_xticks(range(len(ran)), [r["name"] for r in ran], rotation=20, fontsize=8)
+    ax.set_ylabel("SCT per session (s)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "sct_per_session.png", dpi=110)
+    plt.close(fig)
+    paths["SCT per session"] = out / "sct_per_session.png"
+    return paths

@@ -1,0 +1,269 @@
+"""Fixed-replay benchmark (issue 8): workloads (format, generator distributions, Mooncake import), the
+closed-loop replay schedule, the report's metrics and the configuration matrix's knob handling. No server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.workloads import (
+    Call,
+    Session,
+    TraceError,
+    Workload,
+    common_prefix,
+    describe,
+    nearest_rank,
+    read_jsonl,
+    resolve_prompts,
+    write_jsonl,
+)
+from bench.workloads.synthetic import SynthParams, generate
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+# ------------------------------------------------------------------------------------ generator
+def test_generator_matches_published_swe_bench_distributions():
+    """Talaria §2.1: depth p50 11 / p95 49; gap p50 0.39 s / p95 1.32 s; prompt p50 25K / p95 105K tokens
+    (x length_scale); 96.8 % of continuations reuse more than half of the prior prompt."""
+    scale = 1 / 32
+    w = generate(SynthParams(sessions=600, seed=0, length_scale=scale, max_prompt=10**9, max_output=10**9))
+    d = describe(w)
+    assert 10 <= d["depth_p50"] <= 12
+    assert 40 <= d["depth_p95"] <= 58
+    assert d["depth_max"] <= 187
+    assert d["gap_p50_s"] == pytest.approx(0.39, rel=0.05)
+    assert d["gap_p95_s"] == pytest.approx(1.32, rel=0.08)
+    assert d["prompt_p50"] == pytest.approx(25_000 * scale, rel=0.06)
+    assert d["prompt_p95"] == pytest.approx(105_000 * scale, rel=0.08)
+    assert 0.955 <= d["reuse_over_half_share"] <= 0.98
+
+
+def test_generator_is_seeded_and_continuations_are_true_prefix_extensions():
+    a = generate(SynthParams(sessions=8, seed=3))
+    b = generate(SynthParams(sessions=8, seed=3))
+    c = generate(SynthParams(sessions=8, seed=4))
+    assert [resolve_prompts(s) for s in a.sessions] == [resolve_prompts(s) for s in b.sessions]
+    assert [resolve_prompts(s) for s in a.sessions] != [resolve_prompts(s) for s in c.sessions]
+    for s in a.sessions:
+        ps = resolve_prompts(s)
+        assert s.calls[0].prefix_tokens == 0 and s.calls[0].gap_s == 0
+        for i in range(1, len(ps)):
+            assert common_prefix(ps[i - 1], ps[i]) == s.calls[i].prefix_tokens  # the recorded reuse is exact
+            assert len(ps[i]) > s.calls[i].prefix_tokens  # every call has new tokens to prefill
+            assert len(ps[i]) <= 3584 and all(3 <= t < 4096 for t in ps[i])
+    assert {s.model for s in a.sessions} == {"tiny-llama", "tiny-qwen2", "tiny-qwen3"}
+    offsets = [s.start_offset_s for s in a.sessions]
+    assert offsets == sorted(offsets) and offsets[0] == 0.0
+
+
+# ----------------------------------------------------------------------------------- format I/O
+def test_trace_round_trip_and_validation(tmp_path):
+    w = generate(SynthParams(sessions=4, seed=1, max_depth=5))
+    p = write_jsonl(w, tmp_path / "w.jsonl")
+    first = json.loads(p.read_text().splitlines()[0])
+    assert first["meta"]["format"] == "talaria-replay/1" and first["meta"]["seed"] == 1
+    r = read_jsonl(p)
+    assert [s.session_id for s in r.sessions] == [s.session_id for s in w.sessions]
+    assert [resolve_prompts(s) for s in r.sessions] == [resolve_prompts(s) for s in w.sessions]
+    assert [s.start_offset_s for s in r.sessions] == pytest.approx([s.start_offset_s for s in w.sessions])
+
+    # text and chat prompts are accepted too
+    q = tmp_path / "text.jsonl"
+    q.write_text(
+        '{"session_id":"a","call_index":1,"model":"m","output_tokens":3,"gap_s":0.5,"prefix_tokens":2,"messages":[{"role":"user","content":"hi there"}]}\n'
+        '{"session_id":"a","call_index":0,"model":"m","output_tokens":3,"prompt_text":"hello","start_offset_s":1.5}\n'
+    )
+    t = read_jsonl(q)
+    assert [c.call_index for c in t.sessions[0].calls] == [0, 1] and t.sessions[0].start_offset_s == 1.5
+    assert resolve_prompts(t.sessions[0])[1] == [{"role": "user", "content": "hi there"}]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session_id":"a","call_index":0,"model":"m","output_tokens":3,"prompt_text":"x","prompt_tokens":[5]}\n')
+    with pytest.raises(TraceError, match="exactly one"):
+        read_jsonl(bad)
+    bad.write_text('{"session_id":"a","call_index":1,"model":"m","output_tokens":3,"prompt_text":"x"}\n')
+    with pytest.raises(TraceError, match="call_index"):
+        read_jsonl(bad)
+
+
+def test_nearest_rank():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert nearest_rank(xs, 50) == 3.0  # rank ceil(2.5) = 3
+    assert nearest_rank(xs, 95) == 5.0
+    assert nearest_rank(xs, 20) == 1.0  # rank 1
+    assert nearest_rank(list(range(1, 101)), 95) == 95
+    assert math.isnan(nearest_rank([], 50))
+
+
+# ------------------------------------------------------------------------------------- Mooncake
+def test_mooncake_sessions_from_hash_chains():
+    from bench.workloads.mooncake import derive_sessions
+
+    recs = [
+        {"timestamp": 0, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "hash_ids": [9, 10]},
+        {"timestamp": 10, "hash_ids": [1, 2, 3, 4, 5]},  # extends #0
+        {"timestamp": 20, "hash_ids": [1, 2, 3, 4, 5, 6]},  # extends #2
+        {"timestamp": 30, "hash_ids": [1, 2, 7]},  # branches off an older turn: a new session
+        {"timestamp": 40, "hash_ids": [1, 8]},  # one shared block only: a new session
+        {"timestamp": 50, "hash_ids": [9, 10, 11]},  # extends #1
+    ]
+    assert derive_sessions(recs, 2) == [[0, 2, 3], [1, 6], [4], [5]]
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake trace not present")
+def test_mooncake_import_scales_and_keeps_prefix_reuse():
+    from bench.workloads.mooncake import MooncakeParams, import_mooncake
+
+    w = import_mooncake(MooncakeParams(path=str(MOONCAKE), sessions=6, length_scale=1 / 16, time_scale=1 / 100))
+    assert len(w.sessions) == 6 and all(len(s.calls) >= 2 for s in w.sessions)
+    assert w.meta["length_scale"] == 1 / 16 and w.meta["block_tokens"] == 32
+    for s in w.sessions:
+        ps = resolve_prompts(s)
+        for i in range(1, len(ps)):
+            assert common_prefix(ps[i - 1], ps[i]) >= s.calls[i].prefix_tokens > 0
+    assert describe(w)["reuse_over_half_share"] > 0.9
+
+
+# ------------------------------------------------------------------------------- replay schedule
+def _workload(gap_s: float) -> Workload:
+    def sess(sid: str, offset: float, n: int) -> Session:
+        calls = [Call(sid, 0, "m", 2, 0.0, 0, prompt_tokens=[5, 6, 7])]
+        for i in range(1, n):
+            calls.append(Call(sid, i, "m", 2, gap_s, 3 + (i - 1), append_tokens=[8 + i]))
+        return Session(sid, offset, calls)
+
+    return Workload([sess("a", 0.0, 3), sess("b", 0.15, 2)])
+
+
+def test_replay_is_closed_loop_with_capped_gaps_and_offsets():
+    from bench.replay import Outcome, replay
+
+    seen: list[tuple[str, int, list[int]]] = []
+    busy = {"a": 0, "b": 0}
+
+    async def send(s, c, prompt, sent_at):
+        busy[s.session_id] += 1
+        assert busy[s.session_id] == 1  # never two calls of one session in flight
+        seen.append((s.session_id, c.call_index, prompt))
+        await asyncio.sleep(0.03)
+        now = time.monotonic()
+        busy[s.session_id] -= 1
+        return Outcome(status=200, first_token=now - 0.01, last_token=now, end=now, instance="e0",
+                       usage={"prompt_tokens": len(prompt), "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}})
+
+    res = asyncio.run(replay(_workload(gap_s=5.0), send, gap_cap_s=0.1))
+    by = {(c.session_id, c.call_index): c for c in res.calls}
+    assert len(res.calls) == 5 and all(c.ok for c in res.calls)
+    assert by[("a", 0)].intended == 0.0 and by[("b", 0)].intended == pytest.approx(0.15)
+    for sid, n in (("a", 3), ("b", 2)):
+        for i in range(1, n):
+            prev, cur = by[(sid, i - 1)], by[(sid, i)]
+            assert cur.gap_applied_s == 0.1  # 5 s recorded, capped
+            assert cur.intended == pytest.approx(prev.end + 0.1)  # released after the previous ended + gap
+            assert cur.sent >= cur.intended - 1e-3
+    # prompts are the recorded prefix extensions, in call order per session
+    assert [p for sid, _i, p in seen if sid == "a"] == [[5, 6, 7], [5, 6, 7, 9], [5, 6, 7, 9, 10]]
+    assert by[("a", 2)].cached_tokens == 1 and by[("a", 2)].recorded_prefix_tokens == 4
+    assert res.wall_s < 2.0
+
+
+def test_replay_retries_overload_answers_without_moving_the_intended_time():
+    from bench.replay import Outcome, replay
+
+    attempts = {"n": 0}
+
+    async def send(s, c, prompt, sent_at):
+        attempts["n"] += 1
+        now = time.monotonic()
+        if attempts["n"] <= 2:
+            return Outcome(status=429, error="http_429: busy", retry_after_s=0.02, end=now)
+        return Outcome(status=200, first_token=now, last_token=now, end=now)
+
+    w = Workload([Session("x", 0.0, [Call("x", 0, "m", 1, prompt_tokens=[4])])])
+    res = asyncio.run(replay(w, send))
+    c = res.calls[0]
+    assert c.ok and c.retries == 2 and c.intended == 0.0 and c.ttft >= 0.04
+
+
+# -------------------------------------------------------------------------------------- report
+def test_summary_sct_ttft_and_ratios(tmp_path):
+    from bench.replay import CallResult, ReplayResult
+    from bench.report import add_ratios, matrix_table, summarize_run, write_matrix_report
+
+    def run(scale: float) -> ReplayResult:
+        calls = []
+        for si in range(4):
+            t = si * 1.0
+            for k in range(2):
+                c = CallResult(f"s{si}", k, "m", t, sent=t, first_token=t + 0.5 * scale, last_token=t + scale, end=t + scale,
+                               status=200, instance="e0" if k == 0 or si % 2 else "e1", prompt_tokens=10, completion_tokens=2,
+                               cached_tokens=5 * k, recorded_prefix_tokens=6 * k, recorded_output_tokens=2)
+                calls.append(c)
+                t += scale + 0.25
+        return ReplayResult(calls, time.time(), 10.0)
+
+    router_before = {"placement": {"avoidable_cold_opens": 1, "returns": 2, "same_instance_returns": 2}}
+    router_after = {"placement": {"avoidable_cold_opens": 3, "returns": 6, "same_instance_returns": 5}}
+    tel = {"router_before": router_before, "router_after": router_after, "switches": [{"total_seconds": 0.5, "path": "full_staged"}],
+           "instances": 2, "records": [{"kind": "round", "wall_seconds": 2.0, "switch_seconds": 0.5, "sp_admitted": 3, "sp_deferred": 1}]}
+    fast, slow = summarize_run(run(1.0), tel), summarize_run(run(2.0), {})
+    # SCT of each session: 2 calls of `scale` plus one 0.25 s gap
+    assert fast["sct_p50_s"] == pytest.approx(2.25) and slow["sct_p50_s"] == pytest.approx(4.25)
+    assert fast["ttft_p50_s"] == pytest.approx(0.5)
+    assert fast["avoidable_cold_opens"] == 2 and fast["same_instance_router"] == pytest.approx(0.75)
+    assert fast["same_instance_client"] == pytest.approx(0.5)
+    assert fast["switch_share_rounds"] == pytest.approx(0.25) and fast["sp_admitted"] == 3 and fast["sp_deferred"] == 1
+    assert fast["kv_hit_calls"] == 4 and fast["reuse_captured"] == pytest.approx(5 / 6)
+    assert math.isnan(slow["avoidable_cold_opens"]) and math.isnan(slow["sp_admitted"])  # no source: n/a, not 0
+    rows = [{"name": "Talaria", "summary": fast}, {"name": "no-SP", "status": "not available (knob engines[].sp missing)"},
+            {"name": "Round-only", "summary": slow}]
+    add_ratios(rows)
+    assert fast["sct_p50_vs_base"] == pytest.approx(2.25 / 4.25) and slow["sct_p50_vs_talaria"] == pytest.approx(4.25 / 2.25)
+    table = matrix_table(rows)
+    assert "no-SP: not available (knob engines[].sp missing)" in table and "3/1" in table
+    md = write_matrix_report(tmp_path, rows, {"command": "x", "workload_desc": "y"})
+    text = md.read_text()
+    assert "nearest-rank" in text and "| SCT p50 s | client |" in text
+    json.loads((tmp_path / "summary.json").read_text())
+
+
+# -------------------------------------------------------------------------------------- matrix
+def test_matrix_knobs_are_read_from_the_config_model():
+    from bench.matrix import CONFIGS, apply_overrides, availability, knob_missing
+
+    assert knob_missing("router.placement.policy", "least-pressure") is None
+    assert "no value 'nonsense'" in knob_missing("router.placement.policy", "nonsense")
+    assert knob_missing("engines[].no_such_knob", False) == "knob engines[].no_such_knob missing"
+    assert knob_missing("engines[].kv_cache_mb", 8) is None
+    by = {c.name: c for c in CONFIGS}
+    assert set(by) >= {"Talaria", "no-SP", "no-HKVR", "H2D-only", "Round-only", "least-pressure", "session-sticky"}
+    assert availability(by["Talaria"]) is None
+    from talaria.config import EngineConfig
+
+    for name, knob in (("no-SP", "sp"), ("no-HKVR", "host_kv"), ("H2D-only", "d2d_staging")):
+        expect = None if knob in EngineConfig.model_fields else f"knob engines[].{knob} missing"
+        assert availability(by[name]) == expect
+    base = {"engines": [{"id": "a"}, {"id": "b"}], "router": {"port": 0}}
+    out = apply_overrides(base, {"engines[].host_kv": False, "router.placement.policy": "session-sticky"})
+    assert [e["host_kv"] for e in out["engines"]] == [False, False]
+    assert out["router"] == {"port": 0, "placement": {"policy": "session-sticky"}} and "host_kv" not in base["engines"][0]
+
+
+def test_cli_registers_replay_and_matrix():
+    from bench.cli import add_cli
+
+    p = argparse.ArgumentParser()
+    add_cli(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(["bench", "matrix", "--quick", "--configs", "Talaria", "no-HKVR", "--out", "o"])
+    assert a.quick and a.configs == ["Talaria", "no-HKVR"] and a.out == "o"
+    r = p.parse_args(["bench", "replay", "--api", "http://h:1", "--mooncake", "t.jsonl", "--sessions", "3"])
+    assert (r.api, r.mooncake, r.sessions) == ("http://h:1", "t.jsonl", 3)
