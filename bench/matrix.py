@@ -103,18 +103,27 @@ def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return out
 
 
+# Set on every engine of every configuration when the build's EngineConfig has the field: the round/slot
+# scheduler is the common substrate of Talaria and its ablations ("the otherwise identical round scheduler").
+BASE_ENGINE_KNOBS = ("slot_scheduler",)
+
+
 def mechanisms() -> dict[str, str]:
     """Which mechanism knobs this build's config has (reported with the Talaria row)."""
-    return {p.split(".")[-1]: ("knob present" if knob_missing(p, False) is None else "knob missing") for p in OFF}
+    paths = [f"engines[].{k}" for k in BASE_ENGINE_KNOBS] + list(OFF)
+    return {p.split(".")[-1]: ("knob present" if knob_missing(p, False) is None else "knob missing") for p in paths}
 
 
 def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int = 64) -> dict[str, Any]:
     """Two cold-pool engines, each serving all of ``MODELS`` (real placement choices, real switches)."""
     from talaria.config import TelemetryConfig
 
+    from talaria.config import EngineConfig
+
+    extra = {k: True for k in BASE_ENGINE_KNOBS if k in EngineConfig.model_fields}
     eng = lambda i: {  # noqa: E731
         "id": f"engine-{i}", "pool": "cold", "models": list(MODELS), "device": "cpu", "kv_cache_mb": kv_cache_mb,
-        "torch_threads": 1, "heartbeat_period_s": 0.25,
+        "torch_threads": 1, "heartbeat_period_s": 0.25, **extra,
     }
     cfg: dict[str, Any] = {
         "namespace": f"bm{uuid.uuid4().hex[:8]}",

@@ -209,6 +209,7 @@ COLUMNS = [
     ("SP adm/def", "sp", "telemetry"),
     ("KV hits dev/host", "kv_hits", "client/kvstore"),
     ("failed", "calls_failed", "client"),
+    ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
 ]
 
 
@@ -240,6 +241,11 @@ def _cell(s: dict[str, Any], key: str) -> object:
         dev = s.get("kv_hit_calls", NA)
         host = s.get("host_restores", NA)
         return f"{dev}/{int(host) if _finite(host) else 'n/a'}"
+    if key == "evidence":  # did each mechanism actually run? (a knob that exists may not be wired yet)
+        r, hb, paths = s.get("rounds", NA), s.get("host_checkpoint_bytes", NA), s.get("switch_paths") or {}
+        staged = sum(v for k, v in paths.items() if k in ("full_staged", "partial"))
+        return (f"{int(r) if _finite(r) else 'n/a'}/{_mib(hb)}/"
+                f"{staged}of{sum(paths.values())}" if paths or _finite(hb) or _finite(r) else "n/a")
     if key == "same_instance_router":
         v = s.get(key, NA)
         return f"{v:.1%}" if _finite(v) else "n/a"
@@ -247,6 +253,10 @@ def _cell(s: dict[str, Any], key: str) -> object:
     if isinstance(v, float) and _finite(v) and key == "avoidable_cold_opens":
         return int(v)
     return v
+
+
+def _mib(b: Any) -> str:
+    return f"{b / 2**20:.1f}MiB" if _finite(b) else "n/a"
 
 
 def matrix_table(rows: list[dict[str, Any]]) -> str:
@@ -293,7 +303,9 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         "`switch share` is the share of round wall time spent switching from round records (telemetry) when "
         "engines publish them; a value marked `*` is a proxy: switch seconds from engine switch records / "
         "(cold instances x replay wall). `KV hits dev/host`: calls with cached prompt tokens in their usage "
-        "(client; the server counts device and host-restored tokens alike) / host restores (kvstore Stats).",
+        "(client; the server counts device and host-restored tokens alike) / host restores (kvstore Stats). "
+        "`engaged` shows whether each mechanism actually ran: round records received (slot scheduler / SP), bytes "
+        "checkpointed into the kvstore (HKVR), switches that used staged weights of all switches (D2D).",
         "",
     ]
     for r in rows:
