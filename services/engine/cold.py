@@ -24,6 +24,7 @@ any thread; ``step`` (and therefore every switch) runs on the executor thread on
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -42,6 +43,8 @@ from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
 from services.engine.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+
+log = logging.getLogger(__name__)
 
 
 class UnknownModelError(InvalidRequestError):
@@ -124,6 +127,8 @@ class ColdEngine:
         self.protocol.before_kv_release = self.before_kv_release  # the same list: callers may append later
         self._shells: dict[str, _Shell] = {}
         self._fresh_shell: str | None = None
+        self._host_kv_factory: Callable[[Engine], Any] | None = None
+        self._host_kv: dict[str, Any] = {}  # model -> its HostKV tier (outlives shell rebuilds)
         self.loaded: list[str] = []
         for m in self.catalog:
             self._open(m)
@@ -190,9 +195,44 @@ class ColdEngine:
                 self.arena.clear_weights()
                 self.active = None
             self._shells.pop(model, None)
+            hk = self._host_kv.pop(model, None)
+            if hk is not None:
+                hk.close()
             self._info.pop(model, None)
             self.bank.drop(model)
             self._refresh_snapshot()
+
+    # ------------------------------------------------------------------ host KV tier (Talaria §4.3)
+    def attach_host_kv_factory(self, factory: Callable[[Engine], Any]) -> None:
+        """Give every model's shell a host KV tier built by ``factory(shell_engine)``.
+
+        Sessions are checkpointed to the kvstore when their calls end; a switch's phase 1 first drains the
+        outgoing model's outstanding device->host copies (the switch barrier, Appendix B) before its KV
+        region is released; a returning session's prefix is restored from the store instead of recomputed.
+        Mutates: the shells' ``host_kv`` and ``before_kv_release``.
+        """
+        with self._step_lock:
+            self._host_kv_factory = factory
+            for model, sh in self._shells.items():
+                self._bind_host_kv(model, sh.engine)
+            if self._drain_host_kv not in self.before_kv_release:
+                self.before_kv_release.insert(0, self._drain_host_kv)
+            self._refresh_snapshot()
+
+    def _bind_host_kv(self, model: str, eng: Engine) -> None:
+        if self._host_kv_factory is None:
+            return
+        hk = self._host_kv.get(model)
+        if hk is None:
+            hk = self._host_kv[model] = self._host_kv_factory(eng)
+        else:
+            hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
+        eng.attach_host_kv(hk)
+
+    def _drain_host_kv(self, model: str) -> None:
+        sh = self._shells.get(model)
+        if sh is not None and not sh.engine.drain_checkpoints(timeout=60.0):
+            log.warning("switch barrier: checkpoints of %s did not drain within 60 s; they are abandoned", model)
 
     def info(self, model: str) -> ModelInfo:
         try:
@@ -371,6 +411,7 @@ class ColdEngine:
             page_allocator=StagingAwareAllocator(now.num_pages), model_id=model, **self._engine_kw,
         )
         self._shells[model] = _Shell(eng, now)
+        self._bind_host_kv(model, eng)
         self._fresh_shell = model  # its runtime state was built with it (phase 4 reports a rebuild)
         return False
 
@@ -429,6 +470,12 @@ class ColdEngine:
             "num_switches": self.protocol.seq,
             "arena_bytes": self.arena.capacity,
         })
+        if self._host_kv:
+            # host KV of every model (the active shell's stats only cover the active model)
+            tiers = {m: hk.snapshot() for m, hk in self._host_kv.items()}
+            agg = dict(tiers.get(self.active) or next(iter(tiers.values())))
+            agg["sessions"] = [dict(x, model=m) for m, t in tiers.items() for x in t.get("sessions", [])]
+            snap["host_kv"] = agg
         prof = dict(st.get("profile") or {})
         prof["switch_by_path"] = dict(self.costs.by_path)
         snap["profile"] = prof

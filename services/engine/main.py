@@ -45,6 +45,11 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
 
     from services.engine.cold import ColdEngine
 
+    cls, extra = ColdEngine, {}
+    if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
+        from services.engine.slots.cold_adapter import SlottedColdEngine, policy_from_config
+
+        cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
     catalog = {}
     for m in cfg.models:
         path = stack.model_path(m)
@@ -55,8 +60,9 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     if arena is None and cfg.device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(cfg.device))
         arena = int(free * cfg.arena_fraction)
-    return ColdEngine(
+    return cls(
         catalog,
+        **extra,
         device=cfg.device,
         dtype=getattr(torch, _DTYPES[cfg.dtype]),
         page_size=cfg.page_size,
@@ -76,7 +82,8 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
     """Give the engine a host KV tier on the node's kvstore when configured (``host_kv`` and
     ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without."""
     kvs = stack.kvstore
-    if not (cfg.host_kv and kvs.enabled) or not hasattr(engine, "attach_host_kv"):
+    cold = hasattr(engine, "attach_host_kv_factory")
+    if not (cfg.host_kv and kvs.enabled) or not (cold or hasattr(engine, "attach_host_kv")):
         return False
     if not kvs.port:
         log.warning("engine %s: host_kv is on but kvstore.port is 0 (only `talaria up` fills it in); serving without", cfg.id)
@@ -87,10 +94,19 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
         from services.kvstore.transfer import MooncakeEndpoint
 
         client = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=kvs.rpc_timeout_s, max_message_mb=kvs.max_message_mb)
-        tier = HostKV(
-            engine, client, mooncake=MooncakeEndpoint(kvs.data_host, kvs.protocol), retry_after_s=kvs.retry_after_s,
-            restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id,
-        )
+        mooncake = MooncakeEndpoint(kvs.data_host, kvs.protocol)  # one transfer engine per process
+
+        def make_tier(eng) -> HostKV:
+            return HostKV(
+                eng, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
+                restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id,
+            )
+
+        if cold:  # one tier per catalog model; the switch barrier drains the outgoing model's copies
+            engine.attach_host_kv_factory(make_tier)
+            log.info("engine %s: host KV tier for %d catalog models on kvstore %s:%d", cfg.id, len(cfg.models), kvs.host, kvs.port)
+            return True
+        tier = make_tier(engine)
     except Exception as e:  # noqa: BLE001 - e.g. Mooncake not installable here
         log.warning("engine %s: host KV tier disabled: %s", cfg.id, e)
         return False

@@ -94,6 +94,7 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
+        self.rounds_closed = 0  # slot scheduler rounds published on .round
         self.multi = hasattr(engine, "info")  # a cold engine serves several catalog models
         # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
         # queueing (until the first step after intake) from prefill (until the first token).
@@ -130,6 +131,9 @@ class EngineService:
                 recs = self.engine.take_switch_records()
                 if recs:
                     self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
+                rounds = self.engine.take_round_summaries() if hasattr(self.engine, "take_round_summaries") else None
+                if rounds:
+                    self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
 
     def _fail_all(self, message: str) -> None:
         self.counters["step_failures"] += 1
@@ -159,6 +163,26 @@ class EngineService:
                 await self.nc.publish(self.subjects.switch(self.cfg.id), self._switch_proto(r).SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("switch record %s not published: %s", r.seq, e)
+
+    def _round_proto(self, r) -> pb.RoundSummary:
+        """A slot-scheduler ``RoundSummary`` (services/engine/slots/types.py) as its wire message."""
+        return pb.RoundSummary(
+            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, index=r.index, sent_unix=time.time(),
+            wall_s=r.wall_s, active_s=r.active_s, switch_s=r.switch_s, bound_s=r.bound_s, predicted_s=r.predicted_s,
+            shortfall_s=r.shortfall_s, deadline_risk=r.deadline_risk, infeasible=list(r.infeasible),
+            phase_s=dict(r.phase_s), phase_count=dict(r.phase_count), sp_admitted=r.sp_admitted, sp_deferred=r.sp_deferred,
+            sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
+            switch_paths=list(r.switch_paths), flags=dict(r.flags), num_slots=len(r.slots),
+        )
+
+    async def _publish_rounds(self, rounds) -> None:
+        assert self.nc is not None
+        for r in rounds:
+            self.rounds_closed += 1
+            try:
+                await self.nc.publish(self.subjects.round(self.cfg.id), self._round_proto(r).SerializeToString())
+            except Exception as e:  # noqa: BLE001
+                log.warning("round summary %s not published: %s", r.index, e)
 
     async def _publisher(self) -> None:
         while True:
@@ -494,6 +518,13 @@ class EngineService:
             snap.num_switches = st.get("num_switches", 0)
             for r in list(self.engine.switch_records)[-8:]:
                 snap.switches.append(self._switch_proto(r))
+            slots = st.get("slots")
+            if slots:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
+                snap.deadline_risk = bool(slots.get("deadline_risk"))
+                snap.shortfall_s = float(slots.get("shortfall_s", 0.0))
+                snap.round_remaining_s = float(slots.get("round_remaining_s", 0.0))
+                snap.infeasible.extend(slots.get("infeasible", []))
+                snap.rounds = self.rounds_closed
         else:
             snap.models.append(
                 pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
@@ -517,7 +548,7 @@ class EngineService:
             if s["session_id"] in on_device:
                 continue
             state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
+            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
 
     async def _heartbeats(self) -> None:
 

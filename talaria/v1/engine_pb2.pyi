@@ -242,7 +242,7 @@ class CostProfile(_message.Message):
     def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_by_path: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches")
+    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,11 @@ class InstanceSnapshot(_message.Message):
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SWITCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_RISK_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    INFEASIBLE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     pool: Pool
@@ -287,7 +292,12 @@ class InstanceSnapshot(_message.Message):
     prefix_hit_rate: float
     switches: _containers.RepeatedCompositeFieldContainer[SwitchRecord]
     num_switches: int
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ...) -> None: ...
+    deadline_risk: bool
+    shortfall_s: float
+    round_remaining_s: float
+    rounds: int
+    infeasible: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ..., deadline_risk: _Optional[bool] = ..., shortfall_s: _Optional[float] = ..., round_remaining_s: _Optional[float] = ..., rounds: _Optional[int] = ..., infeasible: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SwitchRecord(_message.Message):
     __slots__ = ("schema_version", "instance_id", "seq", "from_model", "to_model", "reason", "path", "started_unix", "total_seconds", "save_teardown_seconds", "open_weights_seconds", "restore_kv_shell_seconds", "restore_runtime_seconds", "publish_seconds", "weight_bytes", "staged_bytes", "host_bytes", "dirty_bytes", "d2d_seconds", "h2d_seconds", "kv_shell_reused", "runtime_reused")
@@ -358,3 +368,79 @@ class ControlReply(_message.Message):
     error: _common_pb2.Error
     snapshot: InstanceSnapshot
     def __init__(self, schema_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., snapshot: _Optional[_Union[InstanceSnapshot, _Mapping]] = ...) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots")
+    class PhaseSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PhaseCountEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SpIneligibleEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FlagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bool
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    BOUND_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_S_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_RISK_FIELD_NUMBER: _ClassVar[int]
+    INFEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SP_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    SP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    SP_INELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    P_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    P_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_PATHS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    instance_id: str
+    index: int
+    sent_unix: float
+    wall_s: float
+    active_s: float
+    switch_s: float
+    bound_s: float
+    predicted_s: float
+    shortfall_s: float
+    deadline_risk: bool
+    infeasible: _containers.RepeatedScalarFieldContainer[str]
+    phase_s: _containers.ScalarMap[str, float]
+    phase_count: _containers.ScalarMap[str, int]
+    sp_admitted: int
+    sp_deferred: int
+    sp_ineligible: _containers.ScalarMap[str, int]
+    p_admitted: int
+    p_deferred: int
+    switch_paths: _containers.RepeatedScalarFieldContainer[str]
+    flags: _containers.ScalarMap[str, bool]
+    num_slots: int
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ...) -> None: ...
