@@ -64,7 +64,7 @@ class EngineConfig(_Strict):
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
     # cold-pool slot scheduler (services/engine/slots, Talaria §3.4 / Appendix E); sp, host_kv and d2d_staging all
     # off = the Round-only baseline
-    slot_scheduler: bool = Field(False, description="cold: rounds/slots with SP (services/engine/slots) instead of switch-when-idle")
+    slot_scheduler: bool = Field(True, description="cold: rounds/slots with SP (services/engine/slots); false = the simple switch-when-idle rule")
     sp: bool = Field(True, description="cold: session-prefill admission of returning sessions mid-slot")
     slot_ttft_s: float = Field(2.0, gt=0, description="cold: T_TTFT target; rounds are bounded by slot_gamma * slot_ttft_s (Eq. 5)")
     slot_tpot_s: float = Field(0.1, gt=0, description="cold: T_TPOT target for protected decode (Eq. 4)")
@@ -186,8 +186,9 @@ class StackConfig(_Strict):
     telemetry: TelemetryConfig = TelemetryConfig()
     engines: list[EngineConfig] = Field(
         default_factory=lambda: [
+            # a hot instance pinning one model, and a cold one time-sharing two models in rounds (Talaria §3.2)
             EngineConfig(id="engine-0", models=["tiny-llama"]),
-            EngineConfig(id="engine-1", models=["tiny-qwen2"]),
+            EngineConfig(id="engine-1", pool="cold", models=["tiny-qwen2", "tiny-qwen3"]),
         ]
     )
 

@@ -8,7 +8,8 @@ from talaria.config import ConfigError, StackConfig, load_config, parse_config
 def test_defaults_are_a_two_engine_stack():
     cfg = StackConfig()
     assert [e.id for e in cfg.engines] == ["engine-0", "engine-1"]
-    assert len({m for e in cfg.engines for m in e.models}) == 2
+    assert [e.pool for e in cfg.engines] == ["hot", "cold"]
+    assert len({m for e in cfg.engines for m in e.models}) == 3
     assert cfg.router.port == 8000 and cfg.router.host == "127.0.0.1"
 
 

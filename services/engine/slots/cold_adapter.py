@@ -22,7 +22,7 @@ from services.engine.types import EngineRequest, RequestOutput
 
 from .scheduler import SlotPolicy, SlotScheduler
 from .costs import CostModel, CostProfile
-from .types import CallView, Decision, InstanceView, ModelView
+from .types import CallView, Decision, InstanceView, ModelView, Phase
 
 
 class SlottedColdEngine(ColdEngine):
@@ -87,6 +87,12 @@ class SlottedColdEngine(ColdEngine):
                 rec = self._switch(d.switch_to, "slot")
                 self.slots.observe_switch(rec.path, self.clock() - t0)
                 d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
+            elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
+                # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
+                # costs no slot anything; the next call of the requested model starts its slot.
+                t0 = self.clock()
+                rec = self._switch(self.requested, "requested")
+                self.slots.observe_switch(rec.path, self.clock() - t0)
             self.last_decision = d
             if d.run_step and self.active is not None:
                 eng = self.shell(self.active)
