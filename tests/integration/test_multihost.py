@@ -4,15 +4,28 @@ Topology (every address is a namespace's own, 10.77.0.0/24; the root namespace g
 
     <p>-sw      bridge br0 (no address) + one veth end per host
     <p>-nats    10.77.0.1  nats-server -js (client port 4222)
-    <p>-eng-a   10.77.0.2  talaria engine eng-a  (tiny-llama)
-    <p>-eng-b   10.77.0.3  talaria engine eng-b  (tiny-llama)
+    <p>-eng-a   10.77.0.2  talaria engine eng-a  (tiny-llama, host_kv on; its Mooncake endpoint on 10.77.0.2)
+    <p>-eng-b   10.77.0.3  talaria engine eng-b  (tiny-llama, host_kv on; its Mooncake endpoint on 10.77.0.3)
     <p>-router  10.77.0.4  talaria router on 0.0.0.0:8000
-    <p>-client  10.77.0.5  the HTTP client (a helper process driven over stdin/stdout)
+    <p>-client  10.77.0.5  the HTTP client (a helper process driven over stdin/stdout), NATS/gRPC probes
+    <p>-kvstore 10.77.0.6  talaria kvstore: gRPC on 10.77.0.6:50061, Mooncake data plane advertised as 10.77.0.6
 
-Sessions run through the router from the client namespace; then one engine's link goes down: the router
-must mark it unhealthy (``/health`` -> ``instances.<id>.healthy``) and send that engine's sessions to the
-other one; the link comes back and the instance returns. The same run checks ``talaria health --engine``
-(the container/Nomad check) from inside a namespace, both ways.
+Every process reads the same config file; what differs per host comes from the environment, as in the
+compose/Nomad deployment: ``NATS_URL`` and, per engine, ``TALARIA__KVSTORE__DATA_HOST=<its own address>``
+(``kvstore.data_host`` is the address a process's *own* Mooncake endpoint advertises; ``kvstore.host`` /
+``port`` is the store every engine dials).
+
+Sessions run through the router from the client namespace. One session, S, proves that KV bytes cross
+namespaces: S's first call on its home engine H; H's device caches are flushed (``CONTROL_FLUSH_CACHE`` over
+NATS) until H reports S as ``KV_HOST`` (checkpoint committed in the store); S's second call on H reports
+cached tokens that can only come from the store (restored over Mooncake from the kvstore namespace). Then
+H's link goes down: the router must mark it unhealthy (``/health`` -> ``instances.<id>.healthy``) and send
+H's sessions to the other engine; S's third call there restores S's prefix from the store (the other engine
+never computed it: it learns nothing from H; its host tier asks the store by the prompt's page hashes,
+which do not depend on the engine), and the store's counters (restores, bytes out) grow at each restore.
+S's three outputs equal those of an uninterrupted reference session run at the end. The link comes back
+and the instance returns. The same run checks ``talaria health --engine`` (the container/Nomad check) and
+``talaria health --grpc`` (the kvstore check) from inside a namespace.
 
 Needs root and ``ip netns``; skipped otherwise. Namespaces carry this process's pid, are deleted by a
 finalizer even on failure, and leftovers of dead earlier runs are swept first.
@@ -40,9 +53,11 @@ pytestmark = pytest.mark.slow
 
 NS_PREFIX = "tlrmh"
 SUBNET = "10.77.0"
-HOSTS = {"nats": 1, "eng-a": 2, "eng-b": 3, "router": 4, "client": 5}
+HOSTS = {"nats": 1, "eng-a": 2, "eng-b": 3, "router": 4, "client": 5, "kvstore": 6}
 ROUTER_PORT = 8000
 NATS_PORT = 4222
+KVSTORE_PORT = 50061
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 
 
@@ -228,6 +243,53 @@ class NsClient:
             headers={"X-Session-ID": session},
         )
 
+    def turn(self, session: str, messages: list[dict]) -> tuple[str, str, int]:
+        """A greedy call with the whole conversation; returns (instance, reply text, cached prompt tokens)."""
+        r = self.request(
+            "POST", "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
+            headers={"X-Session-ID": session},
+        )
+        assert r["status"] == 200, (session, r)
+        usage = r["body"]["usage"]
+        return r["headers"]["x-talaria-instance"], r["body"]["choices"][0]["message"]["content"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+# One-shot probes run inside the client namespace: flush an engine's device KV over NATS until a session
+# is reported in the host tier, and read the kvstore's counters over gRPC.
+_FLUSH = r"""
+import asyncio, json, sys, time
+from talaria.natsutil import connect
+from talaria.subjects import Subjects
+from talaria.v1 import engine_pb2 as pb
+
+async def main(url, ns, eid, sid, min_tokens):
+    nc = await connect(url, "mh-probe")
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            req = pb.ControlRequest(schema_version=1, op=pb.CONTROL_FLUSH_CACHE)
+            rep = pb.ControlReply.FromString((await nc.request(Subjects(ns).control(eid), req.SerializeToString(), timeout=5)).data)
+            st = {s.session_id: [pb.KvState.Name(s.state), s.committed_tokens] for s in rep.snapshot.sessions}
+            cur = st.get(sid) or ["", 0]
+            if not rep.ok or (cur[0] == "KV_HOST" and cur[1] >= int(min_tokens)) or time.monotonic() > deadline:
+                print(json.dumps({"ok": rep.ok, "state": st.get(sid)}))
+                return
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+_KV_STATS = r"""
+import json, sys
+from services.kvstore.client import KvStoreClient
+s = KvStoreClient(sys.argv[1], timeout_s=5).stats()
+print(json.dumps({"epoch": s.epoch, "entries": s.entries, "restores": s.restores, "bytes_in": s.bytes_in,
+                  "bytes_out": s.bytes_out, "hit_pages": s.hit_pages, "data_plane": str(s.data_plane).replace("\n", " ")}))
+"""
+
 
 def _wait(pred, timeout: float, what: str, every: float = 0.1):
     deadline = time.monotonic() + timeout
@@ -264,8 +326,15 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
         "synthesize_models": False,
         "nats": {"url": nats_url, "connect_timeout_s": 2},
         "router": {"host": "0.0.0.0", "port": ROUTER_PORT, "accept_timeout_s": 3, "heartbeat_miss_limit": 3},
+        # the store every engine dials, on its own host; data_host is the store's own Mooncake address here,
+        # and each engine overrides it with its own (TALARIA__KVSTORE__DATA_HOST below)
+        "kvstore": {
+            "enabled": True, "host": net.addr("kvstore"), "port": KVSTORE_PORT, "data_host": net.addr("kvstore"),
+            "protocol": "tcp", "capacity_mb": 64, "slab_kb": 32, "retry_after_s": 0.5, "rpc_timeout_s": 1.0,
+        },
         "engines": [
-            {"id": e, "models": [MODEL], "heartbeat_period_s": 0.2, "kv_cache_mb": 32, "torch_threads": 1}
+            {"id": e, "models": [MODEL], "heartbeat_period_s": 0.2, "kv_cache_mb": 32, "torch_threads": 1,
+             "page_size": 16, "host_kv": True}
             for e in ("eng-a", "eng-b")
         ],
     }
@@ -273,7 +342,8 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
     cfg_path.write_text(json.dumps(cfg))
     py = sys.executable
     # NATS_URL names the server by its namespace address, as a cluster deployment does.
-    env = {"NATS_URL": nats_url}
+    env = {"NATS_URL": nats_url, "PYTHONPATH": str(REPO)}
+    kv_addr = f"{net.addr('kvstore')}:{KVSTORE_PORT}"
 
     # The client reaches the router over its own namespace link (never through the root namespace).
     r = net.run_in("client", ["ip", "route", "get", net.addr("router")])
@@ -281,12 +351,19 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
 
     net.spawn("nats", "nats", [find_nats_server(), "-a", "0.0.0.0", "-p", str(NATS_PORT), "-js", "-sd", str(net.tmp / "js")])
     net.wait_log("nats", "Server is ready", 20)
+    net.spawn("kvstore", "kvstore", [py, "-m", "talaria.cli", "kvstore", "--config", str(cfg_path)], env)
+    kv_log = net.wait_log("kvstore", "kvstore listening on", 30)
+    assert f"kvstore listening on {kv_addr}" in kv_log and f"mooncake/tcp at {net.addr('kvstore')}:" in kv_log, kv_log
     for e in ("eng-a", "eng-b"):
-        net.spawn(e, e, [py, "-m", "talaria.cli", "engine", "--config", str(cfg_path), "--id", e], env)
+        # per-host part of the config from the environment: this engine's own Mooncake address
+        net.spawn(e, e, [py, "-m", "talaria.cli", "engine", "--config", str(cfg_path), "--id", e],
+                  {**env, "TALARIA__KVSTORE__DATA_HOST": net.addr(e)})
     net.spawn("router", "router", [py, "-m", "talaria.cli", "router", "--config", str(cfg_path)], env)
     for e in ("eng-a", "eng-b"):
         net.wait_log(e, f"engine {e} serving", 60)
     net.wait_log("router", "listening on", 30)
+    for e in ("eng-a", "eng-b"):  # the engine's host KV tier is up (else it would serve without the store)
+        assert f"host KV tier on kvstore {kv_addr}" in net.logs[e].read_text(errors="replace"), net.tail(e)
 
     client = NsClient(net, f"http://{net.addr('router')}:{ROUTER_PORT}")
     inst = lambda: client.health().get("instances", {})  # noqa: E731
@@ -296,9 +373,39 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
     probe = [py, "-m", "talaria.cli", "health", "--config", str(cfg_path), "--engine", "eng-a", "--timeout", "3"]
     r = net.run_in("client", probe, env)
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["healthy"], r.stdout + r.stderr
+    r = net.run_in("client", [py, "-m", "talaria.cli", "health", "--grpc", kv_addr, "--timeout", "3"], env)
+    assert r.returncode == 0, r.stdout + r.stderr  # the kvstore's gRPC health check, from another host
+
+    def flush(eid: str, session: str, min_tokens: int = 1) -> dict:
+        """Flush ``eid``'s device caches until it reports ``session`` as KV_HOST with >= ``min_tokens`` committed."""
+        r = net.run_in("client", [py, "-c", _FLUSH, nats_url, cfg["namespace"], eid, session, str(min_tokens)], env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout.splitlines()[-1])
+
+    def kv_stats() -> dict:
+        r = net.run_in("client", [py, "-c", _KV_STATS, kv_addr], env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout.splitlines()[-1])
+
+    # Session S: its KV leaves the device of its home engine and comes back from the kvstore's namespace.
+    S = "mh-kv"
+    text = "The agent ran the test suite, read the failing assertion and opened the file again. " * 6
+    conv = [{"role": "user", "content": text}]
+    victim, s1, c1 = client.turn(S, conv)
+    kv0 = kv_stats()
+    st = flush(victim, S)  # device caches of the home engine emptied; S's pages committed in the store
+    assert st["state"] and st["state"][0] == "KV_HOST" and st["state"][1] >= 16, st
+    conv += [{"role": "assistant", "content": s1}, {"role": "user", "content": "Now fix it."}]
+    h, s2, c2 = client.turn(S, conv)
+    kv1 = kv_stats()
+    assert h == victim
+    assert c2 >= 16 and kv1["restores"] > kv0["restores"] and kv1["bytes_out"] > kv0["bytes_out"], (c2, kv0, kv1)
+    committed1 = st["state"][1]
+    st = flush(victim, S, committed1 + 1)  # the second call's checkpoint committed before the link goes
+    assert st["state"] and st["state"][0] == "KV_HOST" and st["state"][1] > committed1, st
 
     # Sessions spread over both engines (least-loaded placement), each sticky to its home.
-    home: dict[str, str] = {}
+    home: dict[str, str] = {S: victim}
     for i in range(6):
         s = f"mh-s{i}"
         r = client.chat(s, f"hello {i}")
@@ -306,9 +413,10 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
         home[s] = r["headers"]["x-talaria-instance"]
         assert r["body"]["usage"]["completion_tokens"] >= 1
     for s, h in home.items():
+        if s == S:
+            continue
         r = client.chat(s, "again")
         assert r["status"] == 200 and r["headers"]["x-talaria-instance"] == h, (s, h, r)
-    victim = home["mh-s0"]
     other = "eng-b" if victim == "eng-a" else "eng-a"
     moved = [s for s, h in home.items() if h == victim]
 
@@ -319,7 +427,16 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
         _wait(lambda: inst().get(victim, {}).get("healthy") is False, 10, f"{victim} excluded after its link went down")
         excluded_after = time.monotonic() - t_cut
         assert inst()[other]["healthy"]
+        # S moves: the other engine never computed S's conversation; its prefix comes from the store.
+        conv += [{"role": "assistant", "content": s2}, {"role": "user", "content": "Run the tests again."}]
+        h, s3, c3 = client.turn(S, conv)
+        kv2 = kv_stats()
+        assert h == other, h
+        # more than the first call's pages: the second call's KV, computed on the victim, came back too
+        assert c3 > c2 and kv2["restores"] > kv1["restores"] and kv2["bytes_out"] > kv1["bytes_out"], (c3, kv1, kv2)
         for s in home:
+            if s == S:
+                continue
             r = client.chat(s, "after the cut")
             assert r["status"] == 200, (s, r)
             assert r["headers"]["x-talaria-instance"] == other, (s, r["headers"])
@@ -339,7 +456,19 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
         used.add(r["headers"]["x-talaria-instance"])
     assert victim in used, f"returned instance {victim} got none of the new sessions ({used})"
     assert moved, "the victim had sessions"
-    for name in ("eng-a", "eng-b", "router", "nats"):
+
+    # The same conversation uninterrupted (fresh session, no flush, no move) gives the same replies.
+    ref = [{"role": "user", "content": text}]
+    _, r1, _ = client.turn("mh-ref", ref)
+    ref += [{"role": "assistant", "content": r1}, {"role": "user", "content": "Now fix it."}]
+    _, r2, _ = client.turn("mh-ref", ref)
+    ref += [{"role": "assistant", "content": r2}, {"role": "user", "content": "Run the tests again."}]
+    _, r3, _ = client.turn("mh-ref", ref)
+    assert (s1, s2, s3) == (r1, r2, r3)
+    print(f"\nmultihost: restored {c2} tokens on {victim} after a flush, {c3} on {other} after the move; "
+          f"kvstore bytes out {kv2['bytes_out']}, restores {kv2['restores']}; excluded after {excluded_after:.2f}s; "
+          f"total {time.monotonic() - t_start:.1f}s")
+    for name in ("eng-a", "eng-b", "router", "nats", "kvstore"):
         assert net.procs[name].poll() is None, f"{name} exited:\n{net.tail(name)}"
     assert excluded_after < 5
     assert time.monotonic() - t_start < 90

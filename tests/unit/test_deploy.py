@@ -251,6 +251,25 @@ def test_cluster_configs_load():
         assert len({e.id.split("-")[0] for e in cfg.engines}) >= 2
 
 
+
+def test_one_dashboard_folder_and_one_collector_config():
+    """Grafana provisions dashboards from the folder compose mounts; every dashboard JSON is in it. One
+    collector config exists, and compose, the control host and Nomad all mount that one."""
+    prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "talaria.yaml").read_text())
+    target = prov["providers"][0]["options"]["path"]
+    dashboards = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.json"))
+    assert dashboards and all(d.startswith("grafana/dashboards/") for d in dashboards), dashboards
+    assert {"grafana/dashboards/talaria-dashboard.json", "grafana/dashboards/talaria-cluster.json"} <= set(dashboards)
+    uids = [json.loads((DEPLOY / d).read_text())["uid"] for d in dashboards]
+    assert len(uids) == len(set(uids))
+    for f in ("docker-compose.yml", "control.yml"):
+        text = (COMPOSE_DIR / f).read_text()
+        assert f"../grafana/dashboards:{target}:ro" in text, f
+        assert "../otel/collector.yaml:/etc/otelcol/config.yaml:ro" in text, f
+        assert "opentelemetry-collector-contrib" in text, f  # spanmetrics needs the contrib image
+    assert 'file("../otel/collector.yaml")' in (DEPLOY / "nomad" / "telemetry.nomad.hcl").read_text()
+    collectors = [p for p in DEPLOY.rglob("*.yaml") if "receivers" in (yaml.safe_load(p.read_text()) or {})]
+    assert [p.relative_to(DEPLOY).as_posix() for p in collectors] == ["otel/collector.yaml"]
 def test_env_overrides_nested_list_and_errors(tmp_path, monkeypatch):
     p = tmp_path / "c.yaml"
     p.write_text("engines: [{id: e0, models: [m]}]\nrouter: {port: 1}\n")

@@ -133,15 +133,17 @@ def test_dashboard_and_collector_config_refer_to_real_things():
     import yaml
 
     root = Path(__file__).resolve().parents[2] / "deploy"
-    dash = json.loads((root / "grafana" / "talaria-dashboard.json").read_text())
+    dash = json.loads((root / "grafana" / "dashboards" / "talaria-dashboard.json").read_text())  # the folder Grafana provisions
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     known = {m.name for m in CATALOG}
     used = {re.sub(r"_(bucket|total|count|sum)$", "", n) for e in exprs for n in re.findall(r"\b(?:talaria|gen_ai)_[a-z_]+", e)}
     assert used and used <= known, used - known
     assert {"talaria_session_completion_seconds", "gen_ai_server_time_to_first_token_seconds", "talaria_switch_seconds", "talaria_kv_occupancy_ratio"} <= used
-    col = yaml.safe_load((root / "otel-collector.yaml").read_text())
+    col = yaml.safe_load((root / "otel" / "collector.yaml").read_text())  # the one collector config compose and Nomad mount
     defined = {k: set(col.get(k) or {}) for k in ("receivers", "processors", "exporters", "connectors")}
     for name, p in col["service"]["pipelines"].items():
         assert set(p["receivers"]) <= defined["receivers"] | defined["connectors"], name
         assert set(p.get("processors", [])) <= defined["processors"], name
         assert set(p["exporters"]) <= defined["exporters"] | defined["connectors"], name
+    pipes = col["service"]["pipelines"]
+    assert "spanmetrics" in pipes["traces"]["exporters"] and "spanmetrics" in pipes["metrics"]["receivers"]
