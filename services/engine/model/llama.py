@@ -112,7 +112,18 @@ class Attention(nn.Module):
         layer_k.index_copy_(0, plan.slot_mapping, k.to(layer_k.dtype))
         layer_v.index_copy_(0, plan.slot_mapping, v.to(layer_v.dtype))
 
-        rep = self.num_heads // self.num_kv_heads
+        gqa = self.num_heads != self.num_kv_heads
+        if plan.decode_slots is not None:
+            # Pure decode step of several sequences: one padded gather and one attention call for the
+            # whole batch (padding masked out) instead of a Python loop over sequences.
+            B, L = plan.decode_slots.shape
+            kc = layer_k.index_select(0, plan.decode_slots.view(-1)).view(B, L, self.num_kv_heads, self.head_dim).to(q.dtype)
+            vc = layer_v.index_select(0, plan.decode_slots.view(-1)).view(B, L, self.num_kv_heads, self.head_dim).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q.view(B, self.num_heads, 1, self.head_dim), kc.transpose(1, 2), vc.transpose(1, 2),
+                attn_mask=plan.decode_mask, scale=self.scale, enable_gqa=gqa,
+            )
+            return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for i, (start, end) in enumerate(plan.q_ranges):
             if end == start:
@@ -121,9 +132,6 @@ class Attention(nn.Module):
             ctx_len = idx.shape[0]
             kc = layer_k.index_select(0, idx).to(q.dtype)  # [C, KVH, D]
             vc = layer_v.index_select(0, idx).to(q.dtype)
-            if rep > 1:
-                kc = kc.repeat_interleave(rep, dim=1)
-                vc = vc.repeat_interleave(rep, dim=1)
             qi = q[start:end].transpose(0, 1)  # [H, Q, D]
             o = F.scaled_dot_product_attention(
                 qi,
@@ -132,6 +140,7 @@ class Attention(nn.Module):
                 attn_mask=plan.masks[i],
                 is_causal=plan.masks[i] is None and (end - start) == ctx_len and ctx_len > 1,
                 scale=self.scale,
+                enable_gqa=gqa,
             )
             out[start:end] = o.transpose(0, 1)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
@@ -172,7 +181,7 @@ class _Backbone(nn.Module):
 class _AttnPlan:
     """Per-forward precomputation shared by all layers: slot indices and masks per sequence."""
 
-    __slots__ = ("slot_mapping", "q_ranges", "ctx_slots", "masks")
+    __slots__ = ("slot_mapping", "q_ranges", "ctx_slots", "masks", "decode_slots", "decode_mask")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device) -> None:
         cu = batch.cu_q
@@ -200,6 +209,14 @@ class _AttnPlan:
             else:
                 qpos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
                 self.masks.append(torch.arange(ctx, device=device)[None, :] <= qpos)
+        # A step where every sequence decodes one token: padded [B, Lmax] slot table + key mask.
+        self.decode_slots: torch.Tensor | None = None
+        self.decode_mask: torch.Tensor | None = None
+        if batch.num_seqs > 1 and num_tokens == batch.num_seqs:
+            lens = [t.shape[0] for t in self.ctx_slots]
+            L = max(lens)
+            self.decode_slots = torch.nn.utils.rnn.pad_sequence(self.ctx_slots, batch_first=True, padding_value=0)
+            self.decode_mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
 
 
 class LlamaForCausalLM(nn.Module):
