@@ -367,6 +367,8 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             ax.step(xs, ys, where="post", label=r["name"])
+        if all(v > 0 for r in ran for v in (r["summary"][key].values() if isinstance(r["summary"][key], dict) else r["summary"][key])):
+            ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
