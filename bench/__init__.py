@@ -24,6 +24,18 @@ def ensure_models(models_dir: str | Path | None, names: list[str], seed: int = 0
     return out
 
 
+def emit(result: dict, text: str, json_path: str | None) -> int:
+    """Print a benchmark's rendered table and, with ``json_path``, write its raw result there."""
+    import json
+
+    print()
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
+        print(f"\nwrote {json_path}")
+    return 0
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

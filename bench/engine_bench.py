@@ -33,13 +33,12 @@ How it is reported
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import ensure_models, format_table, median
+from bench import emit, ensure_models, format_table, median
 
 DEFAULT_MODEL = "small-llama"
 
@@ -233,9 +232,4 @@ def main(args) -> int:
         threads=args.threads,
         seed=args.seed,
     )
-    print()
-    print(render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
+    return emit(result, render(result), args.json)

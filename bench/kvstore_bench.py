@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import ensure_models, format_table, median
+from bench import emit, ensure_models, format_table, median
 
 DEFAULT_MODEL = "tiny-llama"
 LONG_CONTEXT = 32768
@@ -174,9 +174,4 @@ def render(result: dict[str, Any]) -> str:
 
 def main(args) -> int:
     result = run_kvstore_bench(args.models_dir, args.model or DEFAULT_MODEL, args.lengths, args.repeats, args.seed, args.threads)
-    print()
-    print(render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
+    return emit(result, render(result), args.json)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.workloads import GAP_CAP_S, Call, Session, Workload, nearest_rank, prompt_len, resolve_prompts
+from bench.workloads import GAP_CAP_S, Call, Session, Workload, prompt_len, resolve_prompts
 
 MAX_RETRIES = 200  # 429/503 answers retried per call (each after its Retry-After)
 

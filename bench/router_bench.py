@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import sys
 import time
@@ -38,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench import ensure_models, format_table, median, percentile, quiet_loggers
+from bench import emit, ensure_models, format_table, median, percentile, quiet_loggers
 
 DEFAULT_MODEL = "tiny-llama"
 ENGINE_ID = "bench-engine-0"
@@ -300,9 +299,4 @@ def main(args) -> int:
         prompt_len=args.prompt_len,
         seed=args.seed,
     )
-    print()
-    print(render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
+    return emit(result, render(result), args.json)
