@@ -68,13 +68,14 @@ def cmd_engine(args) -> int:
 
 
 def cmd_kvstore(args) -> int:
-    cfg = _load(args).kvstore
+    stack = _load(args)
+    cfg = stack.kvstore
     over = {k: v for k, v in (("host", args.host), ("port", args.port), ("capacity_mb", args.capacity_mb)) if v is not None}
     if over:
         cfg = cfg.model_copy(update=over)
     from services.kvstore.main import run_kvstore
 
-    return run_kvstore(cfg)
+    return run_kvstore(cfg, stack=stack)
 
 
 def cmd_telemetry(args) -> int:

@@ -10,6 +10,7 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.engine.<instance>.switch      switch records    (cold pool)
     <ns>.hook.completed                CompletionHook
     <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
+    <ns>.kvstore.<store>.stats         KvStoreStatsRecord (periodic; read by the telemetry service)
     <ns>.inbox.<router>.<id>           reply inboxes of one router process
 
 Instance ids and namespaces are NATS tokens: no dots, spaces or wildcards.
@@ -77,6 +78,12 @@ class Subjects:
 
     def all_router_calls(self) -> str:
         return f"{self.namespace}.router.*.calls"
+
+    def kvstore_stats(self, store: str) -> str:
+        return f"{self.namespace}.kvstore.{check_token(store, 'store id')}.stats"
+
+    def all_kvstore_stats(self) -> str:
+        return f"{self.namespace}.kvstore.*.stats"
 
     def inbox_prefix(self, router: str) -> str:
         return f"{self.namespace}.inbox.{check_token(router, 'router id')}"

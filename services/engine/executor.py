@@ -274,11 +274,12 @@ class Engine:
             aborts, self._pending_aborts = self._pending_aborts, []
         for req in new:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
+            seq.trace_context = req.trace_context
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling)
             if self.host_kv is not None:
-                self.host_kv.before_admit(seq)  # restore the host-stored prefix into the radix cache
+                seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
             self.scheduler.add(seq)
 
         outputs = []
@@ -366,7 +367,7 @@ class Engine:
         del self._requests[seq.request_id]
         with self._intake_lock:
             self._live_ids.discard(seq.request_id)
-        usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens)
+        usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
 
     def _record_session(self, session_id: str) -> None:

@@ -28,6 +28,12 @@ dropped and restores skipped, so calls recompute and produce the same tokens, an
 dead store. A store restart is noticed by its epoch changing: everything known about the old one is
 forgotten.
 
+Tracing (issue 7): a restore is a span ``talaria.engine.kv_restore`` (tokens, pages, bytes, seconds, decision
+restore | recompute) and a checkpoint a span ``talaria.engine.kv_checkpoint``, both children of the call's
+engine span (``seq.trace_context``). The checkpoint runs on the worker after the call may have ended, so the
+call's context is captured when the job is queued. Store RPCs run inside these spans, and the client sends
+the current context as gRPC metadata, so the store's ``talaria.kvstore.*`` spans join the same trace.
+
 Bytes: one page is ``[2, layers, page_size, kv_heads, head_dim]`` of the pool dtype (the layout
 descriptor's ``slab_shape``). On CPU the staging buffer is plain host memory; on CUDA it is pinned.
 """
@@ -45,12 +51,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 
 from services.engine.kv.host_tier import Ewma, HostSessions, RestoreDecision, decide_restore
 from services.engine.kv.session_cache import common_prefix_len
 from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages
 from services.kvstore.registry import Family, Layout
 from services.kvstore.transfer import MooncakeEndpoint
+from talaria import otel
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +91,8 @@ class _Job:
     session_id: str
     pages: list[int]  # pinned device pages, pages[i] holds page i of the chain
     hashes: list[int]
+    trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
+    queued_ns: int = 0
 
 
 class HostKV:
@@ -101,10 +112,12 @@ class HostKV:
         tp_rank: int = 0,
         tp_size: int = 1,
         mode: str = "auto",
+        tracer: Tracer | None = None,
     ) -> None:
         if mode not in ("auto", "always", "never"):
             raise ValueError(f"mode must be auto, always or never, got {mode!r}")
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)
+        self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.engine = engine
         self.client = client
         self.owner = owner or engine.model_id
@@ -189,7 +202,7 @@ class HostKV:
         kv.pin_pages(pages)
         with self._idle:
             self._inflight += 1
-        self._jobs.put(_Job(seq.session_id, pages, list(hashes)))
+        self._jobs.put(_Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns()))
         return True
 
     def poll(self) -> int:
@@ -224,7 +237,11 @@ class HostKV:
             if job is None:
                 return
             try:
-                self._checkpoint(job)
+                attrs = {"talaria.kv.pages": len(job.hashes), "talaria.kv.queued_seconds": (time.time_ns() - job.queued_ns) / 1e9}
+                if job.session_id:
+                    attrs[otel.SESSION_ID] = job.session_id
+                with self.tracer.start_as_current_span("talaria.engine.kv_checkpoint", context=job.trace_context, attributes=attrs):
+                    self._checkpoint(job)
             except Exception as e:  # noqa: BLE001 - a failing checkpoint must never stop the worker
                 log.exception("checkpoint of session %s failed", job.session_id)
                 self._failed("checkpoint", e)
@@ -246,6 +263,8 @@ class HostKV:
             return
         self._saw_epoch(r.epoch)
         blocks = list(r.blocks)
+        span = trace.get_current_span()
+        span.set_attributes({"talaria.kv.new_pages": len(blocks), "talaria.kv.present_pages": r.present_pages, "talaria.kv.capacity_miss_pages": r.capacity_miss_pages})
         written: list[int] = []
         try:
             for i in range(0, len(blocks), self.staging_pages):
@@ -258,7 +277,9 @@ class HostKV:
                 written += [b.block_id for b in part]
             if written:
                 self.client.commit(r.lease_id, written)
+            span.set_attribute("talaria.kv.bytes", len(written) * self.page_bytes)
         except StoreUnavailable as e:
+            span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("checkpoint transfer", e)
             try:
                 self.client.commit(r.lease_id, [b.block_id for b in blocks], abort=True)
@@ -331,17 +352,38 @@ class HostKV:
             known = hashes[base] in self._stored
         if not (seq.session_id or known):
             return 0  # a call outside any session whose next page we never stored: skip the round trip
+        attrs: dict[str, Any] = {"talaria.kv.device_pages": base, "talaria.kv.prompt_pages": n_full}
+        if seq.session_id:
+            attrs[otel.SESSION_ID] = seq.session_id
+        ctx = getattr(seq, "trace_context", None)
+        t = time.perf_counter()
+        with self.tracer.start_as_current_span("talaria.engine.kv_restore", context=ctx, attributes=attrs) as span:
+            k, outcome = self._restore(seq, hashes, base, radix_pages, entry, r)
+            # decision: restore | recompute (the cost model declined) | miss (the store has no more) | unavailable
+            span.set_attributes({
+                "talaria.kv.restored_pages": k, "talaria.kv.tokens": k * P, "talaria.kv.bytes": k * self.page_bytes,
+                "talaria.kv.seconds": time.perf_counter() - t, "talaria.kv.decision": outcome,
+            })
+        return k
+
+    def _restore(self, seq, hashes: list[int], base: int, radix_pages, entry, r: int) -> tuple[int, str]:
+        """Lookup, decide, read and scatter (inside the ``kv_restore`` span). Returns (pages restored, outcome)."""
+        kv = self.engine.kv
+        P = kv.page_size
+        span = trace.get_current_span()
         t0 = time.perf_counter()
         try:
             reply = self.client.lookup(self.layout, hashes, pin=True)
         except (StoreUnavailable, ValueError) as e:
+            span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("lookup", e)
-            return 0
+            return 0, "unavailable"
         self._saw_epoch(reply.epoch)
         avail = reply.pages
+        span.set_attribute("talaria.kv.store_pages", avail)
         if avail <= base:
             self._unpin(reply.lease_id, False)
-            return 0
+            return 0, "miss"
         k = avail - base
         prefill = (self.engine.stats().get("profile") or {}).get("prefill_per_token") or self.prefill_prior
         decision = decide_restore(
@@ -351,14 +393,18 @@ class HostKV:
         if self.mode != "auto":
             decision = RestoreDecision(self.mode == "always", decision.tokens, decision.restore_s, decision.recompute_s, f"mode={self.mode}")
         self.last_decision = decision
+        span.set_attributes({
+            "talaria.kv.estimate.restore_seconds": decision.restore_s, "talaria.kv.estimate.recompute_seconds": decision.recompute_s,
+            "talaria.kv.decision_reason": decision.reason,
+        })
         if not decision.restore:
             self.counters["restores_declined"] += 1
             self._unpin(reply.lease_id, False)
-            return 0
+            return 0, "recompute"
         pages = self._allocate(k, hashes[:r], seq.session_id)
         if not pages:
             self._unpin(reply.lease_id, False)
-            return 0
+            return 0, "recompute"
         k = len(pages)
         blocks = list(reply.blocks[base : base + k])
         t1 = time.perf_counter()
@@ -369,21 +415,23 @@ class HostKV:
                 self._scatter(pages[i : i + len(part)])
         except StoreUnavailable as e:
             kv.allocator.decref(pages)
+            span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("restore transfer", e)
-            return 0
+            return 0, "unavailable"
         t2 = time.perf_counter()
         chain = list(radix_pages) + (list(entry.pages[r:base]) if entry is not None and base > r else []) + pages
         kv.radix.insert(hashes[: base + k], chain)
         kv.allocator.decref(pages)  # the radix cache holds them now
         self._unpin(reply.lease_id, True)
         t3 = time.perf_counter()
+        span.set_attribute("talaria.kv.transfer_seconds", t2 - t1)
         self.restore_per_token.add((t2 - t1) / (k * P))
         self.restore_overhead.add((t1 - t0) + (t3 - t2))
         c = self.counters
         c["restores"] += 1
         c["restore_pages"] += k
         c["restore_bytes"] += k * self.page_bytes
-        return k
+        return k, "restore"
 
     def _allocate(self, k: int, locked: list[int], session_id: str) -> list[int]:
         kv = self.engine.kv

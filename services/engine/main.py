@@ -78,9 +78,10 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     )
 
 
-def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
+def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -> bool:
     """Give the engine a host KV tier on the node's kvstore when configured (``host_kv`` and
-    ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without."""
+    ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without.
+    ``tracer`` (the engine process's) records the tier's restore / checkpoint spans."""
     kvs = stack.kvstore
     cold = hasattr(engine, "attach_host_kv_factory")
     if not (cfg.host_kv and kvs.enabled) or not (cold or hasattr(engine, "attach_host_kv")):
@@ -99,7 +100,7 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
         def make_tier(eng) -> HostKV:
             return HostKV(
                 eng, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
-                restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id,
+                restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id, tracer=tracer,
             )
 
         if cold:  # one tier per catalog model; the switch barrier drains the outgoing model's copies
@@ -117,8 +118,14 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine) -> bool:
 
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
     from services.engine.service import EngineService
+    from talaria import otel
 
-    engine = await asyncio.to_thread(build_engine, stack, cfg)
-    await asyncio.to_thread(attach_host_kv, stack, cfg, engine)
+    # one Telemetry for the process: the service's call spans and the host KV tier's spans share it
+    tel = otel.setup("talaria-engine", cfg.id, stack.telemetry, stack.namespace)
+    try:
+        engine = await asyncio.to_thread(build_engine, stack, cfg)
+        await asyncio.to_thread(attach_host_kv, stack, cfg, engine, tel.tracer)
 
-    await EngineService(stack, cfg, engine).run(stop, url)
+        await EngineService(stack, cfg, engine, telemetry=tel).run(stop, url)
+    finally:
+        await asyncio.to_thread(tel.shutdown)  # bounded by telemetry.export_timeout_s

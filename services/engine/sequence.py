@@ -27,7 +27,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "session_id", "arrival_order",
         "num_computed_tokens", "num_cached_tokens", "pages", "locked_hashes", "hashes", "status",
-        "num_preemptions",
+        "num_preemptions", "trace_context", "num_restored_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None, session_id: str = "") -> None:
@@ -44,6 +44,8 @@ class Sequence:
         self.hashes: list[int] = []  # cumulative hashes of full pages of token_ids (grown lazily)
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        self.trace_context = None  # OpenTelemetry context of the call (host-KV spans are its children)
+        self.num_restored_tokens = 0  # prompt tokens restored from the host KV store at admission
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,7 @@ class _Call:
     arrival_ns: int = 0  # wall clock, for spans
     accepted_ns: int = 0
     first_token_ns: int = 0
+    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
 
 
 class EngineService:
@@ -307,7 +308,11 @@ class EngineService:
             if tpot is not None:
                 attrs[otel.GEN_AI_SERVER_TPOT] = tpot
             tracer = self.telemetry.tracer
-            span = tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=call.arrival_ns, attributes=attrs)
+            span = call.span
+            if span is None:
+                span = tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=call.arrival_ns, attributes=attrs)
+            else:
+                span.set_attributes(attrs)
             if error:
                 span.set_attribute(otel.ERROR_TYPE, error)
                 span.set_status(Status(StatusCode.ERROR, message or error))
@@ -423,12 +428,21 @@ class EngineService:
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
         call.arrival_ns = arrival_ns
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
+        trace_ctx = call.trace_parent
+        if self.telemetry.enabled:
+            # opened now (attributes and phases are added when it ends) so that work done for the call on other
+            # threads — host KV restore and checkpoint, the kvstore's RPCs — can be its children
+            call.span = self.telemetry.tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=arrival_ns)
+            trace_ctx = trace.set_span_in_context(call.span, call.trace_parent)
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model))
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx))
         except ValueError as e:
             self._calls.pop(rid, None)
+            if call.span is not None:
+                call.span.set_status(Status(StatusCode.ERROR, str(e)))
+                call.span.end()
             status = 413 if "context" in type(e).__name__.lower() else 422
             return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
         call.accepted_ns = time.time_ns()

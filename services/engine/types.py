@@ -41,6 +41,7 @@ class EngineRequest:
     session_id: str = ""  # empty => no session cache entry is kept after the call
     arrival_time: float = 0.0
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
+    trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix/session cache (not recomputed)
+    restored_tokens: int = 0  # of the cached tokens, those restored from the host KV store at admission
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,9 @@ Byte moves: a checkpoint gathers pages into a registered local staging buffer an
 pushes them into the blocks a ``reserve`` returned; a restore ``read_pages`` pulls the blocks of a
 pinned ``lookup`` into staging. Page ``j`` of a call lives at ``local_base + j * page_bytes``; adjacent
 pages and adjacent slabs coalesce into one transfer.
+
+Tracing: every control call carries the caller's current OpenTelemetry context as W3C ``traceparent``
+gRPC metadata (``otel.grpc_metadata()``), so the store's spans join the call's trace.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.kvstore.registry import Layout
 from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
 from services.kvstore.wire import layout_to_pb
+from talaria import otel
 from talaria.v1 import kvstore_pb2 as pb
 from talaria.v1 import kvstore_pb2_grpc as pbg
 
@@ -50,7 +54,7 @@ class KvStoreClient:
 
     def _call(self, fn, req):
         try:
-            return fn(req, timeout=self.timeout_s)
+            return fn(req, timeout=self.timeout_s, metadata=otel.grpc_metadata() or None)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):

@@ -12,7 +12,14 @@ INTERNAL                   an undecodable message (gRPC's own deserialization fa
 =========================  =========================================================================
 
 Telemetry: ``Stats`` answers occupancy, hits, misses, restores, capacity misses, evictions and bytes
-moved; the same numbers are logged every ``stats_log_s``. A background thread expires leases.
+moved; the same numbers are logged every ``stats_log_s`` and, when the process has a NATS connection
+(``NATS_URL`` / ``nats.url``), published every ``STATS_PUBLISH_S`` as a ``KvStoreStatsRecord`` on
+``<ns>.kvstore.<store>.stats`` for the telemetry service. A background thread expires leases.
+
+Traces: every control RPC but ``Stats`` is a span ``talaria.kvstore.<rpc>`` (kind SERVER) whose parent is the
+W3C trace context the engine sent as gRPC metadata (``otel.grpc_metadata()`` in ``client.py``), so a call's
+trace holds the store's reserve / commit / lookup / unpin work; attributes name the model key, pages, bytes
+and hits / misses.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
 
 from services.kvstore.registry import POLICIES, HostKVRegistry, LayoutError
 from services.kvstore.transfer import HostBuffer, MooncakeEndpoint
 from services.kvstore.wire import WireError, block_to_pb, layout_from_pb
+from talaria import otel
 from talaria.config import KvStoreConfig
 from talaria.v1 import kvstore_pb2 as pb
 from talaria.v1 import kvstore_pb2_grpc as pbg
@@ -35,15 +44,42 @@ from talaria.v1 import kvstore_pb2_grpc as pbg
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "talaria.v1.KvStore"
+STATS_PUBLISH_S = 1.0  # period of the KvStoreStatsRecord on NATS
+
+# span attributes (``talaria.kvstore.*``)
+KV_MODEL = "talaria.kvstore.model"  # model key: <model>@<weights revision>
+KV_TP_RANK = "talaria.kvstore.tp_rank"
+KV_PAGES = "talaria.kvstore.pages"  # pages named by the request
+KV_BYTES = "talaria.kvstore.bytes"  # bytes the RPC reserved / committed / made restorable / read
+KV_HIT_PAGES = "talaria.kvstore.hit_pages"
+KV_MISS_PAGES = "talaria.kvstore.miss_pages"
+KV_HIT = "talaria.kvstore.hit"
+KV_LEASE = "talaria.kvstore.lease_id"
+KV_STORE = "talaria.kvstore.store_id"
 
 
 class KvStoreServicer(pbg.KvStoreServicer):
-    def __init__(self, registry: HostKVRegistry, data_plane: pb.DataPlane, *, max_pages: int, epoch: int) -> None:
+    def __init__(
+        self, registry: HostKVRegistry, data_plane: pb.DataPlane, *, max_pages: int, epoch: int,
+        telemetry: otel.Telemetry | None = None, store_id: str = "",
+    ) -> None:
         self.registry = registry
         self.data_plane = data_plane
         self.max_pages = max_pages
         self.epoch = epoch
         self.lock = threading.Lock()
+        self.telemetry = telemetry if telemetry is not None else otel.disabled("talaria-kvstore")
+        self.store_id = store_id
+
+    def _span(self, rpc: str, ctx, **attrs):
+        """The span of one RPC, child of the caller's trace context (gRPC metadata) when it sent one."""
+        try:
+            parent = otel.extract(dict(ctx.invocation_metadata() or ()))
+        except Exception:  # noqa: BLE001 - a malformed header never fails the RPC
+            parent = None
+        if self.store_id:
+            attrs[KV_STORE] = self.store_id
+        return self.telemetry.tracer.start_as_current_span(f"talaria.kvstore.{rpc}", context=parent, kind=SpanKind.SERVER, attributes=attrs)
 
     # ---------------------------------------------------------------- helpers
     def _layout(self, req, ctx):
@@ -65,59 +101,86 @@ class KvStoreServicer(pbg.KvStoreServicer):
 
     # ---------------------------------------------------------------- RPCs
     def Reserve(self, req: pb.ReserveRequest, ctx) -> pb.ReserveReply:
-        layout = self._layout(req, ctx)
-        self._limit(len(req.hashes), "hashes", ctx)
-        lease_s = self._lease(req.lease_s, ctx)
-        try:
-            with self.lock:
-                res = self.registry.reserve(layout, list(req.hashes), lease_s)
-        except LayoutError as e:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        with self._span("reserve", ctx, **{KV_PAGES: len(req.hashes)}) as span:
+            layout = self._layout(req, ctx)
+            span.set_attribute(KV_MODEL, layout.model)
+            span.set_attribute(KV_TP_RANK, layout.tp_rank)
+            self._limit(len(req.hashes), "hashes", ctx)
+            lease_s = self._lease(req.lease_s, ctx)
+            try:
+                with self.lock:
+                    res = self.registry.reserve(layout, list(req.hashes), lease_s)
+            except LayoutError as e:
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_attributes({
+                "talaria.kvstore.reserved_pages": len(res.blocks), KV_BYTES: len(res.blocks) * layout.page_bytes,
+                "talaria.kvstore.present_pages": res.present_pages, "talaria.kvstore.capacity_miss_pages": res.capacity_miss_pages,
+                KV_LEASE: res.lease_id,
+            })
         return pb.ReserveReply(
             epoch=self.epoch, lease_id=res.lease_id, blocks=[block_to_pb(b) for b in res.blocks],
             present_pages=res.present_pages, capacity_miss_pages=res.capacity_miss_pages, data_plane=self.data_plane,
         )
 
     def Commit(self, req: pb.CommitRequest, ctx) -> pb.CommitReply:
-        self._limit(len(req.block_ids), "block ids", ctx)
-        with self.lock:
-            committed, aborted = self.registry.commit(req.lease_id, list(req.block_ids), abort=req.abort)
+        with self._span("commit", ctx, **{KV_PAGES: len(req.block_ids), KV_LEASE: req.lease_id, "talaria.kvstore.abort": req.abort}) as span:
+            self._limit(len(req.block_ids), "block ids", ctx)
+            with self.lock:
+                before = self.registry.counters.bytes_in
+                committed, aborted = self.registry.commit(req.lease_id, list(req.block_ids), abort=req.abort)
+                moved = self.registry.counters.bytes_in - before
+            span.set_attributes({"talaria.kvstore.committed_pages": committed, "talaria.kvstore.aborted_pages": aborted, KV_BYTES: moved})
         return pb.CommitReply(epoch=self.epoch, committed=committed, aborted=aborted)
 
     def Lookup(self, req: pb.LookupRequest, ctx) -> pb.LookupReply:
-        layout = self._layout(req, ctx)
-        self._limit(len(req.hashes), "hashes", ctx)
-        lease_s = self._lease(req.lease_s, ctx)
-        try:
-            with self.lock:
-                res = self.registry.lookup(layout, list(req.hashes), pin=req.pin, lease_s=lease_s)
-        except LayoutError as e:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        with self._span("lookup", ctx, **{KV_PAGES: len(req.hashes), "talaria.kvstore.pin": req.pin}) as span:
+            layout = self._layout(req, ctx)
+            span.set_attribute(KV_MODEL, layout.model)
+            span.set_attribute(KV_TP_RANK, layout.tp_rank)
+            self._limit(len(req.hashes), "hashes", ctx)
+            lease_s = self._lease(req.lease_s, ctx)
+            try:
+                with self.lock:
+                    res = self.registry.lookup(layout, list(req.hashes), pin=req.pin, lease_s=lease_s)
+            except LayoutError as e:
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_attributes({
+                KV_HIT_PAGES: res.pages, KV_MISS_PAGES: len(req.hashes) - res.pages, KV_HIT: res.pages > 0,
+                KV_BYTES: res.pages * layout.page_bytes, KV_LEASE: res.lease_id, **({"talaria.kvstore.note": res.note} if res.note else {}),
+            })
         return pb.LookupReply(
             epoch=self.epoch, pages=res.pages, blocks=[block_to_pb(b) for b in res.blocks], lease_id=res.lease_id,
             data_plane=self.data_plane, note=res.note,
         )
 
     def Pin(self, req: pb.PinRequest, ctx) -> pb.PinReply:
-        self._limit(len(req.block_ids), "block ids", ctx)
-        lease_s = self._lease(req.lease_s, ctx)
-        with self.lock:
-            lease_id, n = self.registry.pin(list(req.block_ids), lease_s)
+        with self._span("pin", ctx, **{KV_PAGES: len(req.block_ids)}) as span:
+            self._limit(len(req.block_ids), "block ids", ctx)
+            lease_s = self._lease(req.lease_s, ctx)
+            with self.lock:
+                lease_id, n = self.registry.pin(list(req.block_ids), lease_s)
+            span.set_attributes({KV_LEASE: lease_id, "talaria.kvstore.pinned_pages": n})
         return pb.PinReply(epoch=self.epoch, lease_id=lease_id, pinned=n)
 
     def Unpin(self, req: pb.UnpinRequest, ctx) -> pb.UnpinReply:
-        with self.lock:
-            n = self.registry.unpin(req.lease_id, read_complete=req.read_complete)
+        with self._span("unpin", ctx, **{KV_LEASE: req.lease_id, "talaria.kvstore.read_complete": req.read_complete}) as span:
+            with self.lock:
+                before = self.registry.counters.bytes_out
+                n = self.registry.unpin(req.lease_id, read_complete=req.read_complete)
+                moved = self.registry.counters.bytes_out - before
+            span.set_attributes({"talaria.kvstore.unpinned_pages": n, KV_BYTES: moved})
         return pb.UnpinReply(epoch=self.epoch, unpinned=n)
 
     def Release(self, req: pb.ReleaseRequest, ctx) -> pb.ReleaseReply:
-        self._limit(len(req.hashes), "hashes", ctx)
-        if not req.model:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
-        if not req.hashes and not req.all_of_model:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "name hashes or set all_of_model")
-        with self.lock:
-            n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
+        with self._span("release", ctx, **{KV_MODEL: req.model, KV_TP_RANK: req.tp_rank, KV_PAGES: len(req.hashes)}) as span:
+            self._limit(len(req.hashes), "hashes", ctx)
+            if not req.model:
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+            if not req.hashes and not req.all_of_model:
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "name hashes or set all_of_model")
+            with self.lock:
+                n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
+            span.set_attribute("talaria.kvstore.released_pages", n)
         return pb.ReleaseReply(epoch=self.epoch, released=n)
 
     def Stats(self, req: pb.StatsRequest, ctx) -> pb.StatsReply:
@@ -141,8 +204,12 @@ class KvStoreServicer(pbg.KvStoreServicer):
 class KvStoreServer:
     """Pool + Mooncake endpoint + registry + gRPC server. ``start()`` returns the bound gRPC port."""
 
-    def __init__(self, cfg: KvStoreConfig, *, clock=time.monotonic, workers: int = 8) -> None:
+    def __init__(
+        self, cfg: KvStoreConfig, *, clock=time.monotonic, workers: int = 8, telemetry: otel.Telemetry | None = None,
+        store_id: str = "",
+    ) -> None:
         self.cfg = cfg
+        self.store_id = store_id
         self.epoch = time.time_ns()
         capacity = cfg.capacity_mb * 1024 * 1024
         self.pool = HostBuffer(capacity)
@@ -152,7 +219,9 @@ class KvStoreServer:
             capacity, cfg.slab_kb * 1024, clock=clock, policy=POLICIES[cfg.eviction](), default_lease_s=cfg.lease_s,
         )
         dp = pb.DataPlane(transport="mooncake", protocol=cfg.protocol, peer=self.mooncake.name, pool_base=self.pool.address, pool_bytes=capacity)
-        self.servicer = KvStoreServicer(self.registry, dp, max_pages=cfg.max_request_pages, epoch=self.epoch)
+        self.servicer = KvStoreServicer(
+            self.registry, dp, max_pages=cfg.max_request_pages, epoch=self.epoch, telemetry=telemetry, store_id=store_id,
+        )
         limit = cfg.max_message_mb * 1024 * 1024
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
@@ -180,6 +249,12 @@ class KvStoreServer:
         for t in self._threads:
             t.start()
         return self.port
+
+    def stats_record(self) -> pb.KvStoreStatsRecord:
+        """The periodic telemetry record (published on ``<ns>.kvstore.<store>.stats`` by ``main.py``)."""
+        return pb.KvStoreStatsRecord(
+            schema_version=1, store_id=self.store_id, address=self.address, unix=time.time(), stats=self.servicer.stats(),
+        )
 
     def _housekeeping(self) -> None:
         last_log, last_counters = time.monotonic(), None

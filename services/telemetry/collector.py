@@ -10,6 +10,7 @@ Record kinds and where they come from (subjects in ``talaria/subjects.py``):
 | call | ``<ns>.router.*.calls`` | ``CallRecord`` (SCT, schedule-aware TTFT, placement, leases, avoidable opens) |
 | switch | ``<ns>.engine.*.switch`` | ``SwitchRecord`` protobuf (issue 3) or its JSON ``to_dict()`` |
 | round | ``<ns>.engine.*.round`` | round summary: protobuf ``RoundSummary`` if the contract has it, else JSON (issue 5) |
+| kvstore | ``<ns>.kvstore.*.stats`` | ``KvStoreStatsRecord`` (host-store gauges; its cumulative counters become Prometheus counters by delta) |
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from google.protobuf.json_format import MessageToDict
 from services.telemetry.metrics import Metrics
 from services.telemetry.sessions import SessionResult, SessionTracker
 from talaria.v1 import engine_pb2 as pb
+from talaria.v1 import kvstore_pb2 as kpb
 from talaria.v1 import telemetry_pb2 as tpb
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,8 @@ class Collector:
         self.counts: dict[str, int] = {}
         self.instances: dict[str, dict[str, Any]] = {}
         self._switch_seen: OrderedDict[tuple[str, int, float], None] = OrderedDict()
+        self.stores: dict[str, dict[str, Any]] = {}  # store id -> latest stats (summary)
+        self._store_last: dict[str, tuple[int, dict[str, int]]] = {}  # store id -> (epoch, cumulative counters)
         self._lock = threading.Lock()
         self.started_unix = time.time()
 
@@ -191,6 +195,10 @@ class Collector:
                 self.on_switch_record(decode_switch(data), now)
             elif kind == "round":
                 self.on_round(decode_round(data), now)
+            elif kind == "kvstore":
+                m = kpb.KvStoreStatsRecord()
+                m.ParseFromString(data)
+                self.on_kvstore_stats(m, now)
             else:
                 raise ValueError(f"unknown record kind {kind!r}")
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the service
@@ -345,6 +353,46 @@ class Collector:
     def on_host_store(self, store: str, occupancy: float) -> None:
         self.metrics.host_occupancy.labels(store).set(occupancy)
 
+    # the store's cumulative counters -> (metric attribute, extra label values)
+    _STORE_COUNTERS = {
+        "lookups": ("host_lookups", ()),
+        "hit_pages": ("host_pages", ("hit",)),
+        "miss_pages": ("host_pages", ("miss",)),
+        "capacity_miss_pages": ("host_pages", ("capacity_miss",)),
+        "restores": ("host_restores", ()),
+        "evictions": ("host_evictions", ()),
+        "bytes_in": ("host_bytes", ("in",)),
+        "bytes_out": ("host_bytes", ("out",)),
+    }
+
+    def on_kvstore_stats(self, rec: kpb.KvStoreStatsRecord, now: float) -> None:
+        """A store's periodic stats: gauges set, counters advanced by the growth since its previous record
+        (a new epoch — a restarted, empty store — counts from zero again)."""
+        with self._lock:
+            self._count("kvstore")
+            st, store = rec.stats, rec.store_id or "unknown"
+            m = self.metrics
+            self.on_host_store(store, st.occupancy)
+            m.host_capacity.labels(store).set(st.capacity_bytes)
+            m.host_used.labels(store).set(st.used_bytes)
+            m.host_entries.labels(store).set(st.entries)
+            cur = {k: int(getattr(st, k)) for k in self._STORE_COUNTERS}
+            epoch, prev = self._store_last.get(store, (None, None))
+            if prev is None or epoch != st.epoch:
+                prev = dict.fromkeys(cur, 0)
+            for k, v in cur.items():
+                delta = v - prev[k]
+                if delta > 0:
+                    attr, extra = self._STORE_COUNTERS[k]
+                    getattr(m, attr).labels(store, *extra).inc(delta)
+            self._store_last[store] = (st.epoch, cur)
+            self.stores[store] = {
+                "address": rec.address, "last_stats_unix": now, "epoch": st.epoch, "occupancy": st.occupancy,
+                "capacity_bytes": st.capacity_bytes, "used_bytes": st.used_bytes, "entries": st.entries, **cur,
+            }
+            if self.record_heartbeats:
+                self._write("kvstore", now, _msg_dict(rec))
+
     # ---------------------------------------------------------------- periodic + views
     def tick(self, now: float | None = None) -> list[SessionResult]:
         """End idle sessions (recording their SCT), refresh liveness gauges. Call periodically."""
@@ -379,6 +427,7 @@ class Collector:
                 "since_unix": self.started_unix,
                 "records": dict(self.counts),
                 "instances": dict(self.instances),
+                "stores": dict(self.stores),
                 "sessions": {
                     "open": len(self.sessions.open),
                     "calls_in_flight": self.sessions.calls_in_flight,

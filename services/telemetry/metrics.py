@@ -57,10 +57,18 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records", "errors by kind"),
     MetricDoc("talaria_switches", "counter", ("instance", "path"), "SwitchRecord", "model switches"),
     MetricDoc("talaria_telemetry_records", "counter", ("kind",), "every record received", "records observed by this service"),
+    MetricDoc("talaria_host_store_lookups", "counter", ("store",), "KvStoreStatsRecord.stats.lookups", "prefix lookups answered by the host KV store"),
+    MetricDoc("talaria_host_store_pages", "counter", ("store", "outcome"), "KvStoreStatsRecord.stats hit_pages / miss_pages / capacity_miss_pages", "pages looked up (hit | miss) or refused for lack of space (capacity_miss)"),
+    MetricDoc("talaria_host_store_restores", "counter", ("store",), "KvStoreStatsRecord.stats.restores", "restores (read leases completed) served by the host KV store"),
+    MetricDoc("talaria_host_store_evictions", "counter", ("store",), "KvStoreStatsRecord.stats.evictions", "pages evicted from the host KV store"),
+    MetricDoc("talaria_host_store_bytes", "counter", ("store", "direction"), "KvStoreStatsRecord.stats bytes_in / bytes_out", "bytes checkpointed into (in) and restored out of (out) the host KV store"),
     # gauges
     MetricDoc("talaria_kv_occupancy_ratio", "gauge", ("instance",), "InstanceSnapshot.kv_usage", "fraction of device KV pages in use"),
     MetricDoc("talaria_staging_slack_bytes", "gauge", ("instance",), "InstanceSnapshot.staging_slack_bytes", "free weight-staging bytes (cold pool)"),
-    MetricDoc("talaria_host_store_occupancy_ratio", "gauge", ("store",), "kvstore stats record (issue 4; not published yet)", "fraction of the host KV pool in use"),
+    MetricDoc("talaria_host_store_occupancy_ratio", "gauge", ("store",), "KvStoreStatsRecord.stats.occupancy (<ns>.kvstore.<store>.stats)", "fraction of the host KV pool in use"),
+    MetricDoc("talaria_host_store_capacity_bytes", "gauge", ("store",), "KvStoreStatsRecord.stats.capacity_bytes", "size of the host KV pool"),
+    MetricDoc("talaria_host_store_used_bytes", "gauge", ("store",), "KvStoreStatsRecord.stats.used_bytes", "host KV pool bytes holding pages (committed, reserved or pinned)"),
+    MetricDoc("talaria_host_store_entries", "gauge", ("store",), "KvStoreStatsRecord.stats.entries", "committed pages in the host KV store"),
     MetricDoc("talaria_instance_up", "gauge", ("instance",), "InstanceSnapshot (fresh within 3 periods)", "1 while the instance heartbeats"),
     MetricDoc("talaria_instance_running_calls", "gauge", ("instance",), "InstanceSnapshot.num_running", "calls running"),
     MetricDoc("talaria_instance_waiting_calls", "gauge", ("instance",), "InstanceSnapshot.num_waiting", "calls waiting"),
@@ -116,6 +124,14 @@ class Metrics:
         self.kv_occupancy = gauge("talaria_kv_occupancy_ratio")
         self.staging_slack = gauge("talaria_staging_slack_bytes")
         self.host_occupancy = gauge("talaria_host_store_occupancy_ratio")
+        self.host_capacity = gauge("talaria_host_store_capacity_bytes")
+        self.host_used = gauge("talaria_host_store_used_bytes")
+        self.host_entries = gauge("talaria_host_store_entries")
+        self.host_lookups = counter("talaria_host_store_lookups")
+        self.host_pages = counter("talaria_host_store_pages")
+        self.host_restores = counter("talaria_host_store_restores")
+        self.host_evictions = counter("talaria_host_store_evictions")
+        self.host_bytes = counter("talaria_host_store_bytes")
         self.up = gauge("talaria_instance_up")
         self.running = gauge("talaria_instance_running_calls")
         self.waiting = gauge("talaria_instance_waiting_calls")

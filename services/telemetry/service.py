@@ -103,6 +103,7 @@ async def run_telemetry(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Fu
         await nc.subscribe(subjects.all_router_calls(), cb=handler("call")),
         await nc.subscribe(subjects.all_switches(), cb=handler("switch")),
         await nc.subscribe(subjects.all_rounds(), cb=handler("round")),
+        await nc.subscribe(subjects.all_kvstore_stats(), cb=handler("kvstore")),
     ]
 
     async def ticker() -> None:

@@ -253,3 +253,17 @@ class StatsReply(_message.Message):
     eviction_policy: str
     occupancy: float
     def __init__(self, epoch: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., slab_bytes: _Optional[int] = ..., slabs_total: _Optional[int] = ..., slabs_free: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., reserved: _Optional[int] = ..., pinned: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., restores: _Optional[int] = ..., capacity_miss_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., stale_lookups: _Optional[int] = ..., expired_leases: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., occupancy: _Optional[float] = ...) -> None: ...
+
+class KvStoreStatsRecord(_message.Message):
+    __slots__ = ("schema_version", "store_id", "address", "unix", "stats")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    store_id: str
+    address: str
+    unix: float
+    stats: StatsReply
+    def __init__(self, schema_version: _Optional[int] = ..., store_id: _Optional[str] = ..., address: _Optional[str] = ..., unix: _Optional[float] = ..., stats: _Optional[_Union[StatsReply, _Mapping]] = ...) -> None: ...
