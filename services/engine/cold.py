@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from services.engine.executor import DEFAULT_KV_CACHE_BYTES, DuplicateRequestError, Engine, InvalidRequestError, validate_request
+from services.engine.executor import DEFAULT_KV_CACHE_BYTES, DuplicateRequestError, Engine, InvalidRequestError, run_to_completion, validate_request
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
@@ -310,19 +310,8 @@ class ColdEngine:
             return outputs
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts_token_ids)
         ids = [f"cold-generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
-        for rid, prompt, sp in zip(ids, prompts_token_ids, params):
-            self.add_request(EngineRequest(rid, list(prompt), sp, model=model or self.model_id))
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id] += out.new_token_ids
-                    if out.finished:
-                        pending.discard(out.request_id)
-        return [results[rid] for rid in ids]
+        return run_to_completion(self, ids, prompts_token_ids, sampling, model=model or self.model_id)
 
     def _drain_intake(self) -> list[RequestOutput]:
         with self._intake_lock:

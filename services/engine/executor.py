@@ -137,6 +137,28 @@ class _RequestState:
     finished: bool = False
 
 
+def run_to_completion(
+    engine: Any, ids: list[str], prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None,
+    model: str = "",
+) -> list[list[int]]:
+    """Queue one request per prompt on ``engine`` (an Engine or a ColdEngine), step it until they all
+    finish, and return their tokens in order. Other work in flight is stepped along with them."""
+    params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts_token_ids)
+    if len(params) != len(prompts_token_ids):
+        raise ValueError("one SamplingParams per prompt")
+    for rid, prompt, sp in zip(ids, prompts_token_ids, params):
+        engine.add_request(EngineRequest(rid, list(prompt), sp, model=model))
+    results: dict[str, list[int]] = {rid: [] for rid in ids}
+    pending = set(ids)
+    while pending:
+        for out in engine.step():
+            if out.request_id in results:
+                results[out.request_id] += out.new_token_ids
+                if out.finished:
+                    pending.discard(out.request_id)
+    return [results[rid] for rid in ids]
+
+
 class Engine:
     def __init__(
         self,
@@ -251,21 +273,8 @@ class Engine:
         self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None
     ) -> list[list[int]]:
         """Run the given prompts to completion (with anything else in flight) and return their tokens."""
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts_token_ids)
-        if len(params) != len(prompts_token_ids):
-            raise ValueError("one SamplingParams per prompt")
         ids = [f"generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
-        for rid, prompt, sp in zip(ids, prompts_token_ids, params):
-            self.add_request(EngineRequest(rid, list(prompt), sp))
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id] += out.new_token_ids
-                    if out.finished:
-                        pending.discard(out.request_id)
-        return [results[rid] for rid in ids]
+        return run_to_completion(self, ids, prompts_token_ids, sampling)
 
     # ------------------------------------------------------------------ intake drain
     def _drain_intake(self) -> list[RequestOutput]:
