@@ -4,6 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+# The Mooncake transfer engine (kvstore data plane) needs Debian's libibverbs.so.1 even for TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+  else
+    echo "setup.sh: libibverbs1 is missing; run 'sudo apt-get install -y libibverbs1' (the kvstore needs it)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
