@@ -57,6 +57,7 @@ class CallResult:
     prompt_tokens: int = 0  # usage reported by the server
     completion_tokens: int = 0
     cached_tokens: int = 0
+    restored_tokens: int | None = None  # of the cached tokens, restored from host KV (None: server did not say)
     recorded_prompt_tokens: int = 0  # from the trace
     recorded_prefix_tokens: int = 0
     recorded_output_tokens: int = 0
@@ -161,7 +162,10 @@ async def replay(
             u = out.usage or {}
             r.prompt_tokens = int(u.get("prompt_tokens", 0) or 0)
             r.completion_tokens = int(u.get("completion_tokens", 0) or 0)
-            r.cached_tokens = int(((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)) or 0)
+            details = u.get("prompt_tokens_details") or {}
+            r.cached_tokens = int(details.get("cached_tokens", 0) or 0)
+            if "restored_tokens" in details:  # Talaria extension: exact host-KV share of the cached tokens
+                r.restored_tokens = int(details["restored_tokens"] or 0)
             results_by_session[s.session_id].append(r)
             results.append(r)
             if on_call_done is not None:

@@ -3,7 +3,7 @@
 Every number names its source (the ``SOURCES`` table is printed in the report):
 
 * **client** — the replay client's own timestamps and the responses it received (``bench/replay.py``):
-  SCT, schedule-aware and request-local TTFT, errors, usage (cached tokens), the instance each call was
+  SCT, schedule-aware and request-local TTFT, errors, usage (cached and host-restored tokens), the instance each call was
   answered from (``X-Talaria-Instance``);
 * **router** — the router's ``/health`` placement counters, read before and after the replay (the
   difference is reported, so warmup calls are excluded): avoidable cold opens, returns, same-instance
@@ -105,6 +105,7 @@ def summarize_run(res, telemetry: dict[str, Any]) -> dict[str, Any]:
     s.update(_router_metrics(telemetry.get("router_before"), telemetry.get("router_after")))
     s.update(_engine_metrics(telemetry.get("switches"), telemetry.get("instances", 0), res.wall_s))
     s.update(_kvstore_metrics(telemetry.get("kvstore_before"), telemetry.get("kvstore_after")))
+    s.update(kv_hits_by_source(ok))
     s.update(_records_metrics(telemetry.get("records"), telemetry.get("records_note", "")))
     return s
 
@@ -154,6 +155,28 @@ def _kvstore_metrics(before: dict | None, after: dict | None) -> dict[str, Any]:
         return float(after.get(k, 0) or 0) - float(b.get(k, 0) or 0)
 
     return {"host_restores": d("restores"), "host_restore_pages": d("hit_pages"), "host_checkpoint_bytes": d("bytes_in")}
+
+
+def kv_hits_by_source(ok: list) -> dict[str, Any]:
+    """KV hits by source, exact per call, from the usage the client received (``restored_tokens``, the
+    router's ``prompt_tokens_details`` extension): tokens device = cached - restored, host = restored,
+    recompute = prompt - cached; a call counts as ``host`` when it restored any token, else ``device`` when
+    any was cached, else ``recompute`` (the telemetry service's rule). ``kv_hits_source`` says what the
+    report's KV-hit cell uses: ``usage`` (exact) when every successful call carried ``restored_tokens``, else
+    ``estimate`` (calls with cached tokens / kvstore restores; the per-source numbers are then n/a)."""
+    if not ok or any(getattr(c, "restored_tokens", None) is None for c in ok):
+        return {"kv_hits_source": "estimate", "kv_hit_calls_by_source": {}, "kv_hit_tokens_by_source": {}}
+    calls = {"device": 0, "host": 0, "recompute": 0}
+    tokens = {"device": 0, "host": 0, "recompute": 0}
+    for c in ok:
+        prompt = max(0, c.prompt_tokens)
+        cached = min(max(0, c.cached_tokens), prompt)
+        restored = min(max(0, c.restored_tokens), cached)
+        split = {"device": cached - restored, "host": restored, "recompute": prompt - cached}
+        for k, v in split.items():
+            tokens[k] += v
+        calls["host" if split["host"] else "device" if split["device"] else "recompute"] += 1
+    return {"kv_hits_source": "usage", "kv_hit_calls_by_source": calls, "kv_hit_tokens_by_source": tokens}
 
 
 def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
@@ -207,7 +230,7 @@ COLUMNS = [
     ("same-inst", "same_instance_router", "router"),
     ("switch share", "switch_share", "telemetry/engine"),
     ("SP adm/def", "sp", "telemetry"),
-    ("KV hits dev/host", "kv_hits", "client/kvstore"),
+    ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
 ]
@@ -238,9 +261,12 @@ def _cell(s: dict[str, Any], key: str) -> object:
         a, d = s.get("sp_admitted", NA), s.get("sp_deferred", NA)
         return f"{int(a)}/{int(d)}" if _finite(a) and _finite(d) else "n/a"
     if key == "kv_hits":
+        if s.get("kv_hits_source") == "usage":  # exact, per call (kv_hits_by_source)
+            by = s["kv_hit_calls_by_source"]
+            return f"{by['device']}/{by['host']}"
         dev = s.get("kv_hit_calls", NA)
         host = s.get("host_restores", NA)
-        return f"{dev}/{int(host) if _finite(host) else 'n/a'}"
+        return f"~{dev}/{int(host) if _finite(host) else 'n/a'}"
     if key == "evidence":  # did each mechanism actually run? (a knob that exists may not be wired yet)
         r, hb, paths = s.get("rounds", NA), s.get("host_checkpoint_bytes", NA), s.get("switch_paths") or {}
         staged = sum(v for k, v in paths.items() if k in ("full_staged", "partial"))
@@ -302,8 +328,12 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         "(from the intended enqueue time, so admission delay counts); percentiles are nearest-rank. "
         "`switch share` is the share of round wall time spent switching from round records (telemetry) when "
         "engines publish them; a value marked `*` is a proxy: switch seconds from engine switch records / "
-        "(cold instances x replay wall). `KV hits dev/host`: calls with cached prompt tokens in their usage "
-        "(client; the server counts device and host-restored tokens alike) / host restores (kvstore Stats). "
+        "(cold instances x replay wall). `KV hits dev/host`: calls whose prefix came from device KV / calls that "
+        "restored prompt tokens from the host KV store, exact per call from the usage the client received "
+        "(`prompt_tokens_details.restored_tokens`; token counts by source in `kv_hit_tokens_by_source`, and "
+        "`kv_hits_source` = `usage`). When the responses lack `restored_tokens` the cell is an estimate marked `~` "
+        "(`kv_hits_source` = `estimate`): calls with cached prompt tokens (client; device and host-restored alike) "
+        "/ host restores (kvstore Stats). "
         "`engaged` shows whether each mechanism actually ran: round records received (slot scheduler / SP), bytes "
         "checkpointed into the kvstore (HKVR), switches that used staged weights of all switches (D2D).",
         "",

@@ -220,7 +220,10 @@ class EngineService:
             if o.error:
                 chunk.error.CopyFrom(cpb.Error(code="engine_error", message=o.error, http_status=500))
             if o.usage is not None:
-                chunk.usage.CopyFrom(cpb.Usage(prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens, cached_tokens=o.usage.cached_tokens))
+                chunk.usage.CopyFrom(cpb.Usage(
+                    prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens,
+                    cached_tokens=o.usage.cached_tokens, restored_tokens=getattr(o.usage, "restored_tokens", 0),
+                ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
         await self._send(call, chunk)
         if o.finished:

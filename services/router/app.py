@@ -385,12 +385,14 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
 
 def _usage(u) -> dict:
     if u is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0, "restored_tokens": 0}}
+    # cached_tokens (OpenAI): prompt tokens not recomputed. restored_tokens (Talaria extension): of those, the
+    # ones restored from the host KV store for this call; cached - restored were already on the device.
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "restored_tokens": u.restored_tokens},
     }
 
 

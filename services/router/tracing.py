@@ -155,7 +155,10 @@ class CallTrace:
         r.first_token_unix = self.first_token_ns / 1e9
         r.finish_reason = self.finish_reason
         if self.usage is not None:
-            r.usage.CopyFrom(cpb.Usage(prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens, cached_tokens=self.usage.cached_tokens))
+            r.usage.CopyFrom(cpb.Usage(
+                prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
+                cached_tokens=self.usage.cached_tokens, restored_tokens=self.usage.restored_tokens,
+            ))
         if error is not None:
             r.error = error if isinstance(error, str) else str(getattr(error, "code", None) or type(error).__name__)
             r.http_status = int(getattr(error, "status", 0) or 0)

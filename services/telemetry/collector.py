@@ -145,6 +145,23 @@ def _num(d: dict, *keys: str) -> float:
     return 0.0
 
 
+def kv_source_split(prompt: int, cached: int, restored: int) -> dict[str, int]:
+    """Where one call's prompt tokens came from, exactly, from its usage: ``device`` = cached - restored
+    (already in device KV), ``host`` = restored (from the host KV store for this call), ``recompute`` =
+    prompt - cached. The three add up to the prompt tokens (out-of-range inputs are clamped)."""
+    prompt = max(0, int(prompt))
+    cached = min(max(0, int(cached)), prompt)
+    restored = min(max(0, int(restored)), cached)
+    return {"device": cached - restored, "host": restored, "recompute": prompt - cached}
+
+
+def kv_call_source(split: dict[str, int]) -> str:
+    """One call's KV source for ``kv_hits`` (one count per call): ``host`` when any prompt token was restored
+    from the host store, else ``device`` when any was cached, else ``recompute`` (the engine span's
+    ``talaria.kv.source`` uses the same rule)."""
+    return "host" if split["host"] else ("device" if split["device"] else "recompute")
+
+
 class Collector:
     """State of the telemetry service: metrics, sessions, recent records, counts."""
 
@@ -255,10 +272,11 @@ class Collector:
                 m.tokens.labels(model, "input").inc(u.prompt_tokens)
                 m.tokens.labels(model, "output").inc(u.completion_tokens)
                 m.tokens.labels(model, "cached").inc(u.cached_tokens)
-                source = "device" if u.cached_tokens > 0 else "recompute"
-                m.kv_hits.labels(source).inc()
-                if u.cached_tokens:
-                    m.kv_hit_tokens.labels(source).inc(u.cached_tokens)
+                split = kv_source_split(u.prompt_tokens, u.cached_tokens, u.restored_tokens)
+                m.kv_hits.labels(kv_call_source(split)).inc()
+                for source, n in split.items():
+                    if n:
+                        m.kv_hit_tokens.labels(source).inc(n)
             self.sessions.call_ended(
                 h.session_id,
                 h.request_id,
@@ -345,9 +363,8 @@ class Collector:
                 v = _num(d, *keys)
                 if v:
                     m.kv_load.labels(how).observe(v)
-            host_hits = _num(d, "host_hits", "kv_host_hits")
-            if host_hits:
-                m.kv_hits.labels("host").inc(host_hits)
+            # A round's host hits are not counted into kv_hits: every call's hook already reports its own
+            # restored tokens (counting both would count a host hit twice). They stay in the records file.
             self._write("round", now, d)
 
     def on_host_store(self, store: str, occupancy: float) -> None:

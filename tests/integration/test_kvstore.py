@@ -1,5 +1,6 @@
 """End to end with a kvstore process: engine process checkpoints to it over Mooncake, restores after its
-device KV is flushed, reports host/missing states, survives the store being killed and restarted."""
+device KV is flushed, reports host/missing states, survives the store being killed and restarted. Each call's
+usage (finished chunk and completion hook) says exactly how many prompt tokens came from the host store."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from talaria.natsutil import connect
 from talaria.subjects import Subjects
+from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 from tests.integration.conftest import engine, stack_config, start_stack
 
@@ -38,7 +40,7 @@ def request(text: str, session: str) -> pb.GenerateRequest:
     )
 
 
-async def call(nc, subj, text, session) -> tuple[list[int], int]:
+async def call(nc, subj, text, session) -> tuple[list[int], cpb.Usage]:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subj.generate("e0"), request(text, session).SerializeToString(), reply=inbox)
@@ -49,7 +51,7 @@ async def call(nc, subj, text, session) -> tuple[list[int], int]:
         toks += c.token_ids
         if c.finished:
             await sub.unsubscribe()
-            return toks, c.usage.cached_tokens
+            return toks, c.usage
 
 
 async def flush_until_host(nc, subj, session, want=pb.KV_HOST, timeout=10.0) -> pb.InstanceSnapshot:
@@ -70,23 +72,36 @@ async def test_restore_after_flush_equals_uninterrupted_and_store_failures(stack
     subj = Subjects(stack.cfg.namespace)
     try:
         # uninterrupted: the session's KV stays on the device between the two calls
+        hooks = await nc.subscribe(subj.completed())
+        await nc.flush()
         a1, _ = await call(nc, subj, TEXT, "A")
-        a2, _ = await call(nc, subj, TEXT + " next turn", "A")
+        a2, u = await call(nc, subj, TEXT + " next turn", "A")
+        assert u.cached_tokens > 0 and u.restored_tokens == 0, u  # a device hit restores nothing
 
         # forced out of the device, restored from the kvstore
         b1, _ = await call(nc, subj, TEXT, "B")
         snap = await flush_until_host(nc, subj, "B")
         assert snap.profile.restore_per_token >= 0
-        b2, cached = await call(nc, subj, TEXT + " next turn", "B")
-        assert (b1, b2) == (a1, a2) and cached > 0
+        b2, u = await call(nc, subj, TEXT + " next turn", "B")
+        assert (b1, b2) == (a1, a2) and u.cached_tokens > 0
+        # the part of the cached prefix restored from the store (not on the device after the flush)
+        assert 0 < u.restored_tokens <= u.cached_tokens, u
+        # the completion hook carries the same usage (telemetry's per-call KV hits by source)
+        by_rid = {}
+        while len(by_rid) < 4:
+            h = pb.CompletionHook.FromString((await hooks.next_msg(10)).data)
+            by_rid[h.request_id] = h
+        assert [(h.session_id, h.usage.restored_tokens) for h in by_rid.values()] == [("A", 0), ("A", 0), ("B", 0), ("B", u.restored_tokens)]
+        assert list(by_rid.values())[-1].usage == u
+        await hooks.unsubscribe()
 
         # the store killed: the engine notices, recomputes, outputs identical, nothing hangs
         c1, _ = await call(nc, subj, TEXT, "C")
         await flush_until_host(nc, subj, "C")
         stack.kill("kvstore", signal.SIGKILL)
         t0 = time.monotonic()
-        c2, _ = await call(nc, subj, TEXT + " next turn", "C")
-        assert (c1, c2) == (a1, a2) and time.monotonic() - t0 < 10
+        c2, u = await call(nc, subj, TEXT + " next turn", "C")
+        assert (c1, c2) == (a1, a2) and time.monotonic() - t0 < 10 and u.restored_tokens == 0
         await flush_until_host(nc, subj, "C", want=pb.KV_MISSING)
 
         # restarted (empty, same address): checkpoints and restores resume
@@ -101,7 +116,7 @@ async def test_restore_after_flush_equals_uninterrupted_and_store_failures(stack
                 break
             except AssertionError:
                 assert time.monotonic() < deadline, "the engine never used the restarted store"
-        d2, cached = await call(nc, subj, TEXT + " next turn", sid)
-        assert (d1, d2) == (a1, a2) and cached > 0
+        d2, u = await call(nc, subj, TEXT + " next turn", sid)
+        assert (d1, d2) == (a1, a2) and 0 < u.restored_tokens <= u.cached_tokens
     finally:
         await nc.close()

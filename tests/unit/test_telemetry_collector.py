@@ -6,7 +6,12 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.telemetry.collector import Collector, RecordWriter, read_records
+from services.telemetry.collector import (
+    Collector,
+    RecordWriter,
+    kv_source_split,
+    read_records,
+)
 from services.telemetry.metrics import CATALOG
 from services.telemetry.sessions import SessionTracker
 from talaria.v1 import common_pb2 as cpb
@@ -49,10 +54,10 @@ def test_abandoned_in_flight_call_expires():
     assert r.calls == 1
 
 
-def _hook(rid, session, arrival, finish, ttft, prompt, out, cached, error=None) -> bytes:
+def _hook(rid, session, arrival, finish, ttft, prompt, out, cached, error=None, restored=0, reason="stop") -> bytes:
     h = pb.CompletionHook(
-        request_id=rid, session_id=session, model="m", instance_id="e0", finish_reason="stop", arrival_unix=arrival, finish_unix=finish, ttft_seconds=ttft,
-        usage=cpb.Usage(prompt_tokens=prompt, completion_tokens=out, cached_tokens=cached),
+        request_id=rid, session_id=session, model="m", instance_id="e0", finish_reason=reason, arrival_unix=arrival, finish_unix=finish, ttft_seconds=ttft,
+        usage=cpb.Usage(prompt_tokens=prompt, completion_tokens=out, cached_tokens=cached, restored_tokens=restored),
     )
     if error:
         h.error.CopyFrom(cpb.Error(code=error, message="x", http_status=500))
@@ -113,6 +118,30 @@ def test_scripted_run_feeds_metrics_sessions_and_records(tmp_path):
     assert kinds.count("call") == 5 and kinds.count("hook") == 3 and kinds.count("switch") == 1 and kinds.count("session") == 1 and "heartbeat" not in kinds
     (sess,) = read_records(tmp_path / "run.jsonl", "session")
     assert sess["session_id"] == "s" and sess["calls"] == 2
+
+
+def test_kv_hits_by_source_are_exact_per_call_from_hook_usage():
+    assert kv_source_split(200, 180, 128) == {"device": 52, "host": 128, "recompute": 20}
+    assert kv_source_split(10, 12, 20) == {"device": 0, "host": 10, "recompute": 0}  # clamped: restored <= cached <= prompt
+    c = Collector(idle_s=0.5)
+    calls = [  # (prompt, cached, restored)
+        (100, 96, 0),  # device hit
+        (200, 180, 128),  # partly restored from host, the rest on the device: a host call
+        (64, 63, 63),  # all of the cached prefix restored
+        (50, 0, 0),  # recomputed
+    ]
+    for i, (p, cached, restored) in enumerate(calls):
+        c.feed("hook", _hook(f"r{i}", "s", 1.0, 2.0, 0.1, p, 4, cached, restored=restored), now=2.0)
+    c.feed("hook", _hook("ab", "s", 1.0, 2.0, 0.1, 70, 1, 64, restored=64, reason="abort"), now=2.0)  # aborted: not counted
+    c.feed("hook", _hook("er", "s", 1.0, 2.0, 0.0, 70, 0, 64, restored=64, error="engine_error"), now=2.0)  # failed: not counted
+    # a round's host hits are the same restores the hooks already reported: not counted a second time
+    c.feed("round", json.dumps({"instance_id": "e0", "host_hits": 2}).encode(), now=2.5)
+    f = _fams(c)
+    hits = {src: _v(f, "talaria_kv_hits", "talaria_kv_hits_total", source=src) for src in ("device", "host", "recompute")}
+    toks = {src: _v(f, "talaria_kv_hit_tokens", "talaria_kv_hit_tokens_total", source=src) for src in ("device", "host", "recompute")}
+    assert hits == {"device": 1, "host": 2, "recompute": 1}
+    assert toks == {"device": 96 + 52, "host": 128 + 63, "recompute": 4 + 20 + 1 + 50}
+    assert sum(toks.values()) == sum(p for p, _c, _r in calls)  # every prompt token has exactly one source
 
 
 def test_protobuf_switch_records_when_the_contract_has_them():
