@@ -7,6 +7,15 @@ API (``bench/replay.py``), the telemetry sources are read, and the stack is stop
 (``bench/report.py``) compares them: ratios are measured side by side in one run, as absolute times on a
 shared 2-core machine are noise.
 
+Repetitions (``--repeats N``, default 1; **3 recommended** for any claim — one configuration's SCT varied by
+±35 % between single runs): every configuration runs N times, interleaved — repetition ``r`` runs the
+configurations in the listed order rotated left by ``r`` (A B C D, B C D A, C D A B), so drift in machine
+load hits all of them alike — into ``<out>/rep<r>/<configuration>``. The report gives per configuration the
+medians over repetitions of SCT p50/p95 and TTFT p50/p95, the median of the *per-repetition* ratios vs
+Round-only (each ratio computed within one repetition) with their min-max range, and the per-repetition table
+(``bench/report.py``: ``aggregate_repeats``, ``combine_repeats``). The detailed columns and the plots show
+each configuration's median repetition (the one with the median SCT p50), not pooled samples.
+
 The configurations are config overrides in one table (``CONFIGS``): a dotted path into ``StackConfig``
 (``engines[]`` = every engine) and the value. Each row states only what it turns *off* (or changes)
 relative to the base stack, whose mechanisms are on by default. A row whose knob is not a field of the
@@ -218,7 +227,7 @@ def _read_records(path: Path, t0: float, t1: float) -> list[dict[str, Any]] | No
 
 
 # ----------------------------------------------------------------------------------- one config
-async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say) -> dict[str, Any]:
+async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say, label: str = "") -> dict[str, Any]:
     import httpx
 
     from bench.replay import replay_http, warmup
@@ -277,7 +286,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
         (cdir / "telemetry.json").write_text(json.dumps({k: v for k, v in telemetry.items() if k != "records"}, indent=1, default=str))
         summary = summarize_run(res, telemetry)
         summary["stack_up_s"] = up_s
-        say(f"{mc.name}: SCT p50 {summary['sct_p50_s']:.2f}s p95 {summary['sct_p95_s']:.2f}s, TTFT p50 {summary['ttft_p50_s']:.2f}s, "
+        say(f"{label}{mc.name}: SCT p50 {summary['sct_p50_s']:.2f}s p95 {summary['sct_p95_s']:.2f}s, TTFT p50 {summary['ttft_p50_s']:.2f}s, "
             f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s")
         return {"status": "ok", "summary": summary}
     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
@@ -297,6 +306,16 @@ def default_workload(quick: bool, seed: int = 0) -> Workload:
     return generate(SynthParams(sessions=10, seed=seed, length_scale=1 / 32, max_depth=20))
 
 
+def interleaved_orders(names: list[str], repeats: int) -> list[list[str]]:
+    """The run order of each repetition: repetition ``r`` (0-based) is ``names`` rotated left by ``r``
+    (A B C D, B C D A, C D A B, ...), so every configuration changes position and slow drift in machine
+    load is spread over all configurations instead of always hitting the one that runs last."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    n = len(names)
+    return [[names[(r + i) % n] for i in range(n)] if n else [] for r in range(repeats)]
+
+
 def run_matrix(
     out: Path,
     *,
@@ -306,10 +325,17 @@ def run_matrix(
     models_dir: Path | None = None,
     progress: bool = True,
     command: str = "",
+    repeats: int = 1,
     say=print,
 ) -> list[dict[str, Any]]:
-    from bench.report import matrix_table, write_matrix_report
+    """Run the matrix; ``repeats`` > 1 runs every configuration that many times, interleaved
+    (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
+    (``bench.report.combine_repeats``). With ``repeats`` = 1 the output is laid out as before
+    (``<out>/<configuration>``)."""
+    from bench.report import combine_repeats, matrix_table, repeats_table, write_matrix_report
 
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     models_dir = ensure_models(models_dir, list(MODELS), say=say)
     w = workload if workload is not None else default_workload(quick)
@@ -322,11 +348,11 @@ def run_matrix(
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
-    rows: list[dict[str, Any]] = []
-    t0 = time.monotonic()
-    for mc in CONFIGS:
-        if mc.name not in wanted:
-            continue
+    by = {c.name: c for c in CONFIGS}
+    selected = [c for c in CONFIGS if c.name in wanted]  # table order
+    base_rows: dict[str, dict[str, Any]] = {}
+    runnable: list[str] = []
+    for mc in selected:
         row: dict[str, Any] = {"name": mc.name, "kind": mc.kind, "overrides": mc.overrides, "description": mc.description}
         why = availability(mc)
         if why:
@@ -335,20 +361,48 @@ def run_matrix(
         else:
             if mc.name == "Talaria":
                 row["description"] += f" — mechanism knobs in this build: {mechanisms()}"
-            say(f"{mc.name}: starting the stack ...")
-            row.update(asyncio.run(run_config(mc, w, models_dir, out, progress=progress, say=say)))
+            runnable.append(mc.name)
+        base_rows[mc.name] = row
+    orders = interleaved_orders(runnable, repeats)
+    reps: list[list[dict[str, Any]]] = []
+    t0 = time.monotonic()
+    for ri, order in enumerate(orders):
+        rep_out = out if repeats == 1 else out / f"rep{ri + 1}"
+        label = "" if repeats == 1 else f"[rep {ri + 1}/{repeats}] "
+        if repeats > 1:
+            say(f"repetition {ri + 1}/{repeats}: order {' '.join(order)} (elapsed {time.monotonic() - t0:.0f}s)")
+        done: dict[str, dict[str, Any]] = {}
+        for pos, name in enumerate(order):
+            row = dict(base_rows[name], position=pos + 1)
+            say(f"{label}{name}: starting the stack ...")
+            row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label)))
             if row.get("status") != "ok":
-                say(f"{mc.name}: {row['status']}")
-        rows.append(row)
+                say(f"{label}{name}: {row['status']}")
+            done[name] = row
+        # table order; configurations that are not available appear in every repetition with their reason
+        reps.append([done.get(c.name) or dict(base_rows[c.name]) for c in selected])
     meta = {
         "command": command,
         "workload_file": str(wpath),
         "workload_desc": json.dumps({k: v for k, v in desc.items()}, default=str) + " meta " + json.dumps(w.meta),
         "matrix_wall_s": time.monotonic() - t0,
         "quick": quick,
+        "repeats": repeats,
+        "orders": orders,
     }
-    report = write_matrix_report(out, rows, meta)
+    if repeats == 1:
+        rows = reps[0] if reps else [dict(base_rows[c.name]) for c in selected]
+        for r in rows:
+            r.pop("position", None)
+        report = write_matrix_report(out, rows, meta)
+    else:
+        rows, agg = combine_repeats(reps)
+        report = write_matrix_report(out, rows, meta, repeats=reps)
     say("")
+    if repeats > 1:
+        say(f"medians over {repeats} interleaved repetitions; ratios vs Round-only: median of per-repetition ratios [min-max]")
+        say(repeats_table(agg))
+        say("\ndetail: median repetition per configuration")
     say(matrix_table(rows))
     say(f"\nreport: {report} (matrix took {meta['matrix_wall_s']:.0f}s)")
     return rows
@@ -365,10 +419,11 @@ def main(args) -> int:
         workload = load_workload(args)
     rows = run_matrix(
         out, quick=args.quick, names=args.configs, workload=workload, models_dir=Path(args.models_dir) if args.models_dir else None,
-        progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv),
+        progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv), repeats=args.repeats,
     )
     ran = [r for r in rows if r.get("status") == "ok"]
-    return 0 if ran and all(r["summary"]["calls_failed"] == 0 for r in ran) else 1
+    failed = sum(r["aggregate"]["calls_failed_total"] if "aggregate" in r else r["summary"]["calls_failed"] for r in ran)
+    return 0 if ran and failed == 0 and not any(r.get("failed_repetitions") for r in ran) else 1
 
 
 def add_args(p) -> None:
@@ -377,6 +432,10 @@ def add_args(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"smoke check: 3 tiny sessions, configurations {', '.join(QUICK_CONFIGS)}")
     p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of: {', '.join(repr(c.name) for c in CONFIGS)}")
     p.add_argument("--out", help="output folder (default .talaria/bench/matrix-<time>)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every configuration N times, interleaved (the order rotates each repetition), and report "
+                        "medians and the median [min-max] of per-repetition ratios vs Round-only (default 1; 3 recommended "
+                        "for any claim: single runs vary by tens of percent on a shared machine)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_workload_args(p)

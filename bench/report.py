@@ -244,10 +244,12 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", referen
         s = r.get("summary")
         if not s:
             continue
-        for q in ("p50", "p95"):
-            v = s[f"sct_{q}_s"]
-            s[f"sct_{q}_vs_base"] = v / base[f"sct_{q}_s"] if base and _finite(base[f"sct_{q}_s"]) and base[f"sct_{q}_s"] > 0 else NA
-            s[f"sct_{q}_vs_talaria"] = v / ref[f"sct_{q}_s"] if ref and _finite(ref[f"sct_{q}_s"]) and ref[f"sct_{q}_s"] > 0 else NA
+        for m in ("sct", "ttft"):
+            for q in ("p50", "p95"):
+                k = f"{m}_{q}_s"
+                v = s[k]
+                s[f"{m}_{q}_vs_base"] = v / base[k] if base and _finite(base[k]) and base[k] > 0 else NA
+                s[f"{m}_{q}_vs_talaria"] = v / ref[k] if ref and _finite(ref[k]) and ref[k] > 0 else NA
 
 
 def _cell(s: dict[str, Any], key: str) -> object:
@@ -298,8 +300,13 @@ def matrix_table(rows: list[dict[str, Any]]) -> str:
     return format_table(headers, body) + "".join("\n" + n for n in notes)
 
 
-def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
-    add_ratios(rows)
+def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
+                        repeats: list[list[dict[str, Any]]] | None = None) -> Path:
+    """``rows``: one per configuration. With ``repeats`` (``--repeats N``: the rows of every repetition),
+    ``rows`` come from ``combine_repeats`` (ratios already the medians of per-repetition ratios) and the
+    report leads with the medians table and the per-repetition table."""
+    if repeats is None:
+        add_ratios(rows)
     plots = _plots(out, rows)
     table = matrix_table(rows)
     lines = [
@@ -309,6 +316,37 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         "",
         f"Workload: {meta.get('workload_desc', '')}",
         "",
+    ]
+    extra: dict[str, Any] = {}
+    if repeats is not None:
+        agg = [r["aggregate"] | {"name": r["name"]} for r in rows if "aggregate" in r]
+        flat = repetition_rows(repeats)
+        extra = {"repetitions": flat}
+        lines += [
+            f"## Medians over {len(repeats)} repetitions",
+            "",
+            "Configurations ran interleaved (the order rotates by one each repetition, `pos` below), so drift in "
+            "machine load hits all of them alike. Absolute columns: median over the repetitions where the "
+            "configuration ran. Ratio columns (`/RO` = vs Round-only): the ratio is computed *within* each "
+            "repetition, then the median of those ratios is shown with their min-max range in brackets. "
+            "`SCT p50 range s`: min-max of the absolute SCT p50 over repetitions (the run-to-run spread).",
+            "",
+            "```",
+            repeats_table(agg),
+            "```",
+            "",
+            "### Per repetition",
+            "",
+            "```",
+            repetitions_table(flat),
+            "```",
+            "",
+            "The detailed table and the plots below show, per configuration, its **median repetition** (the one "
+            "whose SCT p50 is the median of its repetitions; `plot_repetition` in each section), not pooled "
+            "samples; the ratio columns of the detailed table are the medians of the per-repetition ratios.",
+            "",
+        ]
+    lines += [
         "```",
         table,
         "```",
@@ -348,6 +386,11 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
             lines.append("")
             continue
         s = r["summary"]
+        if r.get("plot_repetition"):
+            lines.append(f"Median repetition shown: {r['plot_repetition']} (SCT p50 per repetition: "
+                         f"{', '.join(f'{v:.2f}s' for v in r['aggregate']['metrics']['sct_p50_s']['values'])})"
+                         + (f"; failed repetitions: {r['failed_repetitions']}" if r.get("failed_repetitions") else ""))
+            lines.append("")
         keys = [k for k in s if k not in ("scts", "ttfts")]
         lines.append("```")
         lines.append(json.dumps({k: s[k] for k in keys}, indent=1, default=str))
@@ -360,7 +403,7 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         lines.append("(plots skipped: matplotlib is not installed)")
     p = out / "README.md"
     p.write_text("\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=_json_default))
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1, default=_json_default))
     return p
 
 
@@ -427,3 +470,121 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
     plt.close(fig)
     paths["SCT per session"] = out / "sct_per_session.png"
     return paths
+
+
+# --------------------------------------------------------------------------- repetitions (--repeats)
+# Absolute times on the shared 2-core machine drift by tens of percent between runs, so a claim rests on
+# repetitions: configurations run interleaved (bench/matrix.py), every ratio is computed *within* one
+# repetition (both sides saw the same machine state), and the report gives the median over repetitions
+# and the min-max range of those per-repetition ratios.
+REPEAT_METRICS = ("sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s")
+REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria") for m in ("sct", "ttft") for q in ("p50", "p95"))
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return float(statistics.median(xs)) if xs else NA
+
+
+def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-only", reference: str = "Talaria") -> list[dict[str, Any]]:
+    """One entry per configuration from ``reps`` (``reps[i]`` = the rows of repetition ``i``: name, status,
+    summary). Ratios vs ``baseline`` / ``reference`` are computed within each repetition (``add_ratios``,
+    which sets them on the summaries), then summarized: median and min-max over the repetitions where both
+    sides ran. Metrics: median and min-max over the repetitions where the configuration ran. ``median_rep``
+    is the repetition whose SCT p50 is the (lower) median of this configuration's: its distributions are
+    the ones plotted."""
+    for rows in reps:
+        add_ratios(rows, baseline, reference)
+    names: list[str] = []
+    for rows in reps:
+        names += [r["name"] for r in rows if r["name"] not in names]
+    out = []
+    for name in names:
+        per = [(i, r) for i, rows in enumerate(reps) for r in rows if r["name"] == name]
+        ok = [(i, r["summary"]) for i, r in per if r.get("summary")]
+        agg: dict[str, Any] = {"name": name, "repeats": len(per), "repeats_ok": len(ok), "metrics": {}, "ratios": {}}
+        for k in REPEAT_METRICS:
+            vals = [s[k] for _i, s in ok if _finite(s.get(k))]
+            agg["metrics"][k] = {"median": _median(vals), "min": min(vals, default=NA), "max": max(vals, default=NA), "values": vals}
+        for k in REPEAT_RATIOS:
+            vals = [s[k] for _i, s in ok if _finite(s.get(k))]
+            agg["ratios"][k] = {"median": _median(vals), "min": min(vals, default=NA), "max": max(vals, default=NA), "n": len(vals), "values": vals}
+        agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
+        ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
+        agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
+        agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
+        out.append(agg)
+    return out
+
+
+def repetition_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The per-repetition table (JSON and Markdown): one flat row per (repetition, configuration)."""
+    flat = []
+    for i, rows in enumerate(reps):
+        for r in rows:
+            s = r.get("summary") or {}
+            row = {"rep": i + 1, "position": r.get("position"), "name": r["name"], "status": r.get("status", "")}
+            row.update({k: s.get(k, NA) for k in REPEAT_METRICS + REPEAT_RATIOS})
+            row["calls_failed"] = s.get("calls_failed", NA)
+            row["replay_wall_s"] = s.get("wall_s", NA)
+            flat.append(row)
+    return flat
+
+
+def _ratio_cell(r: dict[str, Any]) -> str:
+    if not _finite(r["median"]):
+        return "n/a"
+    return f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
+    """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]."""
+    b = "RO" if baseline == "Round-only" else baseline
+    headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
+               f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}", "SCT p50 range s", "failed"]
+    body = []
+    for a in agg:
+        m, q = a["metrics"], a["ratios"]
+        rng = m["sct_p50_s"]
+        body.append([a["name"], f"{a['repeats_ok']}/{a['repeats']}"] + [m[k]["median"] for k in REPEAT_METRICS]
+                    + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
+                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a", a["calls_failed_total"]])
+    return format_table(headers, body)
+
+
+def repetitions_table(flat: list[dict[str, Any]]) -> str:
+    headers = ["rep", "pos", "configuration", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s", "SCT p50/RO", "SCT p95/RO",
+               "TTFT p50/RO", "failed", "status"]
+    body = [[r["rep"], r["position"] if r["position"] is not None else "-", r["name"]] + [r[k] for k in REPEAT_METRICS]
+            + [r[k] for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base")] + [r["calls_failed"], r["status"]]
+            for r in flat]
+    return format_table(headers, body)
+
+
+def combine_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-only", reference: str = "Talaria") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows for the detailed report from ``reps``: each configuration's row carries the summary of its median
+    repetition (its CDFs are plotted) with the ratio keys replaced by the medians of the per-repetition
+    ratios, plus ``aggregate`` (``aggregate_repeats``). Returns (rows, aggregate)."""
+    agg = aggregate_repeats(reps, baseline, reference)
+    rows = []
+    for a in agg:
+        per = {i: r for i, rr in enumerate(reps) for r in rr if r["name"] == a["name"]}
+        first = next(iter(per.values()))
+        row = {k: v for k, v in first.items() if k not in ("summary", "status", "position", "logs")}
+        if a["median_rep"] is None:
+            row["status"] = first.get("status", "n/a")
+        else:
+            src = per[a["median_rep"]]
+            row["status"] = "ok"
+            s = dict(src["summary"])
+            for k in REPEAT_RATIOS:
+                s[k] = a["ratios"][k]["median"]
+            row["summary"] = s
+            row["plot_repetition"] = a["median_rep"] + 1
+        failed = [st for st in a["statuses"] if st != "ok"]
+        if failed:
+            row["failed_repetitions"] = failed
+        row["aggregate"] = {k: v for k, v in a.items() if k != "name"}
+        rows.append(row)
+    return rows, agg

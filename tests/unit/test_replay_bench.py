@@ -264,6 +264,108 @@ def test_cli_registers_replay_and_matrix():
     p = argparse.ArgumentParser()
     add_cli(p.add_subparsers(dest="cmd"))
     a = p.parse_args(["bench", "matrix", "--quick", "--configs", "Talaria", "no-HKVR", "--out", "o"])
-    assert a.quick and a.configs == ["Talaria", "no-HKVR"] and a.out == "o"
+    assert a.quick and a.configs == ["Talaria", "no-HKVR"] and a.out == "o" and a.repeats == 1
+    assert p.parse_args(["bench", "matrix", "--repeats", "3"]).repeats == 3
     r = p.parse_args(["bench", "replay", "--api", "http://h:1", "--mooncake", "t.jsonl", "--sessions", "3"])
     assert (r.api, r.mooncake, r.sessions) == ("http://h:1", "t.jsonl", 3)
+
+
+# ---------------------------------------------------------------------------- repetitions (--repeats)
+def _rep(values: dict[str, tuple[float, float]], failed: tuple[str, ...] = ()) -> list[dict]:
+    """One repetition's rows: name -> (SCT p50, TTFT p50); p95 = 2 x p50."""
+    rows = []
+    for name, (sct, ttft) in values.items():
+        if name in failed:
+            rows.append({"name": name, "status": "failed: RuntimeError: boom"})
+            continue
+        s = {"sct_p50_s": sct, "sct_p95_s": 2 * sct, "ttft_p50_s": ttft, "ttft_p95_s": 2 * ttft, "calls_failed": 0,
+             "scts": {"s0": sct}, "ttfts": [ttft]}
+        rows.append({"name": name, "status": "ok", "summary": s})
+    return rows
+
+
+def test_interleaved_orders_rotate_every_repetition():
+    from bench.matrix import interleaved_orders
+
+    assert interleaved_orders(["A", "B", "C", "D"], 1) == [["A", "B", "C", "D"]]
+    assert interleaved_orders(["A", "B", "C", "D"], 3) == [["A", "B", "C", "D"], ["B", "C", "D", "A"], ["C", "D", "A", "B"]]
+    orders = interleaved_orders(["A", "B", "C"], 3)
+    assert all(sorted(o) == ["A", "B", "C"] for o in orders)
+    assert [[o[i] for o in orders] for i in range(3)] == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]  # each position once
+    assert interleaved_orders([], 2) == [[], []]
+    with pytest.raises(ValueError):
+        interleaved_orders(["A"], 0)
+
+
+def test_aggregate_repeats_takes_the_median_of_per_repetition_ratios():
+    """The machine is 2x slower in repetition 2: absolute medians move, ratios computed within a repetition
+    do not. The median of per-repetition ratios differs from the ratio of medians, and is what is reported."""
+    from bench.report import aggregate_repeats
+
+    reps = [
+        _rep({"Talaria": (10.0, 1.0), "Round-only": (20.0, 2.0)}),  # ratio 0.5
+        _rep({"Talaria": (30.0, 2.0), "Round-only": (40.0, 4.0)}),  # ratio 0.75 (slow machine)
+        _rep({"Talaria": (12.0, 1.0), "Round-only": (16.0, 2.0)}),  # ratio 0.75
+    ]
+    agg = {a["name"]: a for a in aggregate_repeats(reps)}
+    t, b = agg["Talaria"], agg["Round-only"]
+    assert t["repeats"] == t["repeats_ok"] == 3
+    assert t["metrics"]["sct_p50_s"]["median"] == 12.0 and b["metrics"]["sct_p50_s"]["median"] == 20.0
+    assert (t["metrics"]["sct_p50_s"]["min"], t["metrics"]["sct_p50_s"]["max"]) == (10.0, 30.0)
+    assert t["metrics"]["sct_p95_s"]["median"] == 24.0 and t["metrics"]["ttft_p95_s"]["median"] == 2.0
+    r = t["ratios"]["sct_p50_vs_base"]
+    assert r["values"] == [0.5, 0.75, 0.75] and r["median"] == 0.75 and (r["min"], r["max"]) == (0.5, 0.75)
+    assert r["median"] != t["metrics"]["sct_p50_s"]["median"] / b["metrics"]["sct_p50_s"]["median"]  # not 12/20
+    assert t["ratios"]["ttft_p50_vs_base"]["values"] == [0.5, 0.5, 0.5]
+    assert b["ratios"]["sct_p50_vs_base"]["median"] == 1.0
+    assert b["ratios"]["sct_p50_vs_talaria"]["values"] == [2.0, 40 / 30, 16 / 12]
+    assert t["median_rep"] == 2 and b["median_rep"] == 0  # SCT p50 12 of (10, 30, 12); 20 of (20, 40, 16)
+
+
+def test_aggregate_repeats_with_failed_and_even_repetitions():
+    from bench.report import aggregate_repeats
+
+    reps = [
+        _rep({"Talaria": (10.0, 1.0), "no-SP": (9.0, 1.0), "Round-only": (20.0, 2.0)}),
+        _rep({"Talaria": (11.0, 1.0), "no-SP": (9.0, 1.0), "Round-only": (10.0, 2.0)}, failed=("no-SP",)),
+        _rep({"Talaria": (10.0, 1.0), "no-SP": (9.0, 1.0), "Round-only": (10.0, 2.0)}, failed=("Round-only",)),
+        _rep({"Talaria": (10.0, 1.0), "no-SP": (27.0, 1.0), "Round-only": (30.0, 2.0)}),
+    ]
+    agg = {a["name"]: a for a in aggregate_repeats(reps)}
+    t, n, b = agg["Talaria"], agg["no-SP"], agg["Round-only"]
+    assert n["repeats"] == 4 and n["repeats_ok"] == 3 and n["statuses"][1].startswith("failed")
+    # a ratio needs both sides in the same repetition: Talaria has 3 (rep 3 has no baseline), no-SP 2
+    assert t["ratios"]["sct_p50_vs_base"]["values"] == [0.5, 1.1, 10 / 30]
+    assert n["ratios"]["sct_p50_vs_base"]["values"] == [0.45, 0.9] and n["ratios"]["sct_p50_vs_base"]["median"] == pytest.approx(0.675)
+    assert n["metrics"]["sct_p50_s"]["median"] == 9.0 and b["metrics"]["sct_p50_s"]["median"] == 20.0
+    assert t["median_rep"] in (0, 2)  # lower median of an even count: an actual repetition, not an average
+    assert b["median_rep"] == 0  # (20, 10, 30): sorted 10, 20, 30
+
+
+def test_combine_repeats_report_and_json(tmp_path):
+    from bench.report import combine_repeats, matrix_table, repeats_table, repetition_rows, write_matrix_report
+
+    reps = [
+        _rep({"Talaria": (10.0, 1.0), "no-SP": (0, 0), "Round-only": (20.0, 2.0)}, failed=("no-SP",)),
+        _rep({"Talaria": (30.0, 2.0), "no-SP": (0, 0), "Round-only": (40.0, 4.0)}, failed=("no-SP",)),
+        _rep({"Talaria": (12.0, 1.0), "no-SP": (0, 0), "Round-only": (16.0, 2.0)}, failed=("no-SP",)),
+    ]
+    for i, rows in enumerate(reps):
+        for p, r in enumerate(rows):
+            r["position"] = (p + i) % 3 + 1
+    rows, agg = combine_repeats(reps)
+    by = {r["name"]: r for r in rows}
+    assert [r["name"] for r in rows] == ["Talaria", "no-SP", "Round-only"]
+    t = by["Talaria"]
+    assert t["status"] == "ok" and t["plot_repetition"] == 3 and t["summary"]["sct_p50_s"] == 12.0  # the median repetition
+    assert t["summary"]["sct_p50_vs_base"] == 0.75  # the median of per-repetition ratios, not 12/16 of that repetition
+    assert "summary" not in by["no-SP"] and by["no-SP"]["status"].startswith("failed")
+    flat = repetition_rows(reps)
+    assert len(flat) == 9 and flat[0]["rep"] == 1 and flat[3]["rep"] == 2 and flat[0]["sct_p50_vs_base"] == 0.5
+    table = repeats_table(agg)
+    assert "0.75 [0.50-0.75]" in table and "3/3" in table and "0/3" in table and "10.0-30.0" in table
+    assert "no-SP" in matrix_table(rows)
+    md = write_matrix_report(tmp_path, rows, {"command": "x", "workload_desc": "y", "repeats": 3}, repeats=reps).read_text()
+    assert "Medians over 3 repetitions" in md and "### Per repetition" in md and "median repetition" in md
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert len(data["repetitions"]) == 9 and data["rows"][0]["aggregate"]["ratios"]["sct_p50_vs_base"]["median"] == 0.75
