@@ -31,7 +31,8 @@ Reported
        never consumed), model opens, returning-call TTFT p50/p95.
     3. Placement decision cost (real time on this machine): microseconds per decision for 10 / 100 / 1000
        cold instances, for the pure ``decide`` on a prepared state and for the gateway path (state build
-       from snapshots + overlay + decide).
+       from snapshots + overlay + decide); median of ``--cost-repeats`` rounds. ``--decision-cost-only``
+       runs just this section. The replica-opening shortlist is ``PolicyParams.replica_shortlist`` (16).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import heapq
 import json
 import math
 import random
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -360,7 +362,8 @@ def run_tau_sweep(args, prof: SimProfile) -> list[dict]:
 # ------------------------------------------------------------------------------- decision cost
 
 
-def decision_cost(sizes: list[int], seed: int) -> list[dict]:
+def decision_cost(sizes: list[int], seed: int, repeats: int = 1) -> list[dict]:
+    """Median over ``repeats`` timing rounds of each loop (same prepared states every round)."""
     rows = []
     catalog = [f"m{k}" for k in range(8)]
     for n in sizes:
@@ -385,23 +388,43 @@ def decision_cost(sizes: list[int], seed: int) -> list[dict]:
         reqs = [gw.request(f"s{rng.randrange(n)}-{rng.randrange(32)}", rng.choice(catalog), 3000, 128) for _ in range(64)]
         states = [gw.state_for(r)[0] for r in reqs]
         reps = max(20, 20_000 // n)
-        t0 = time.perf_counter()
-        for k in range(reps):
-            decide(states[k % len(states)], clock.now())
-        pure = (time.perf_counter() - t0) / reps * 1e6
         reps_gw = max(10, 5_000 // n)
-        t0 = time.perf_counter()
-        for k in range(reps_gw):
-            gw.decide(reqs[k % len(reqs)])
-        full = (time.perf_counter() - t0) / reps_gw * 1e6
-        rows.append({"instances": n, "decide_us": pure, "gateway_us": full, "decide_us_per_instance": pure / n})
+        pures, fulls = [], []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            for k in range(reps):
+                decide(states[k % len(states)], clock.now())
+            pures.append((time.perf_counter() - t0) / reps * 1e6)
+            t0 = time.perf_counter()
+            for k in range(reps_gw):
+                gw.decide(reqs[k % len(reqs)])
+            fulls.append((time.perf_counter() - t0) / reps_gw * 1e6)
+        pure, full = statistics.median(pures), statistics.median(fulls)
+        rows.append({"instances": n, "decide_us": pure, "gateway_us": full, "decide_us_per_instance": pure / n, "repeats": len(pures),
+                     "replica_shortlist": gw.params.replica_shortlist})
     return rows
 
 
 # -------------------------------------------------------------------------------------------- main
 
 
+def print_decision_cost(rows: list[dict]) -> None:
+    print(f"3. Placement decision cost (measured on this machine; 8-model catalog, 3 resident, 32 sessions per instance; "
+          f"median of {rows[0]['repeats'] if rows else 0} rounds; replica shortlist k = {rows[0]['replica_shortlist'] if rows else '-'})")
+    print(format_table(
+        ["instances", "decide (us)", "gateway build+decide (us)", "decide us/instance"],
+        [[r["instances"], r["decide_us"], r["gateway_us"], r["decide_us_per_instance"]] for r in rows],
+    ))
+
+
 def main(args) -> int:
+    if args.decision_cost_only:
+        rows = decision_cost(args.sizes, args.seed, args.cost_repeats)
+        print_decision_cost(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"decision_cost": rows}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0
     prof = SimProfile()
     print("SIMULATION: real router placement code under a virtual clock; profile-driven simulated executor "
           f"(2 cold workers, {args.slots} resident models each, 3 models; {args.sessions} sessions x {args.calls} calls x {args.seeds} seeds)")
@@ -423,13 +446,10 @@ def main(args) -> int:
         [[r["tau_s"], f"{100 * r['same_worker_return_rate']:.1f}%", r["lease_hits"], r["unused_leases"], r["model_opens"],
           r["avoidable_cold_opens"], r["return_ttft_p50"], r["return_ttft_p95"]] for r in tau_rows],
     ))
-    cost_rows = decision_cost(args.sizes, args.seed)
+    cost_rows = decision_cost(args.sizes, args.seed, args.cost_repeats)
     out["decision_cost"] = cost_rows
-    print("\n3. Placement decision cost (measured on this machine; 8-model catalog, 3 resident, 32 sessions per instance)")
-    print(format_table(
-        ["instances", "decide (us)", "gateway build+decide (us)", "decide us/instance"],
-        [[r["instances"], r["decide_us"], r["gateway_us"], r["decide_us_per_instance"]] for r in cost_rows],
-    ))
+    print()
+    print_decision_cost(cost_rows)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         print(f"\nwrote {args.json}")
@@ -445,4 +465,6 @@ def add_args(p) -> None:
     p.add_argument("--tau", type=float, default=1.0, help="lease timeout of the full router in table 1 (default 1 s)")
     p.add_argument("--taus", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 5.0], help="tau sweep values")
     p.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000], help="instance counts for the decision cost")
+    p.add_argument("--cost-repeats", type=int, default=5, help="timing rounds per size in section 3; medians reported (default 5)")
+    p.add_argument("--decision-cost-only", action="store_true", help="run only section 3 (placement decision cost)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")

@@ -4,6 +4,11 @@ session table, the lease table and the EWMA books; runs ``policy.decide``; commi
 session table, counters, the recent-decision log). Synchronous and clock-injected: the service drives it
 from NATS callbacks and HTTP handlers, the simulator from its event loop.
 
+Per-decision cost is O(changed instances + candidates), not O(instances): the registry's change feed
+(snapshots, forwards, suspicion), the live-lease counts and a heap of health/freshness deadlines say which
+instances' ``InstanceState`` must be rebuilt; the others are reused, and ``policy.InstanceIndex`` (instances
+by served model, per-snapshot terms precomputed) is updated for the rebuilt ones only.
+
 Accounting (``stats``; §5.3-5.4): ``decisions``, ``placement_<reason>``, ``returns`` (calls of a known
 session for the same model), ``same_instance_returns``, ``moved_returns``, ``leases_installed``,
 ``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
@@ -13,6 +18,8 @@ session for the same model), ``same_instance_returns``, ``moved_returns``, ``lea
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +29,7 @@ from services.router.leases import LeaseTable
 from services.router.policy import (
     CallRequest,
     Decision,
+    InstanceIndex,
     InstanceState,
     LeaseView,
     ModelRes,
@@ -82,6 +90,12 @@ class Gateway:
         self._seq = 0
         self._static: dict[str, tuple[int, int, dict, dict]] = {}  # id -> (epoch, seq, models, kv)
         self._states: dict[str, tuple[tuple, InstanceState]] = {}  # id -> (what it depends on, state)
+        self._cur: dict[str, InstanceState] = {}  # current state per instance, in registry order
+        self._index = InstanceIndex(params)
+        self._lease_counts: dict[str, int] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap: (clock time health/freshness may flip, id)
+        self._pushed: dict[str, tuple[float, ...]] = {}  # id -> deadlines already on the heap
+        self._primed = False
         self._decide_ns = 0
 
     @property
@@ -151,45 +165,92 @@ class Gateway:
         self._static[v.instance_id] = (snap.epoch, snap.seq, models, kv)
         return models, kv
 
+    def _state_of(self, iid: str, v: InstanceView, n_leases: int) -> InstanceState:
+        snap = v.snapshot
+        healthy, fresh = self.registry.healthy(v), self.registry.fresh(v)
+        key = (snap.epoch, snap.seq, v.inflight, n_leases, healthy, fresh)
+        cached = self._states.get(iid)
+        if cached is not None and cached[0] == key:
+            return cached[1]  # nothing this instance's view depends on changed
+        models, kv = self._static_of(v)
+        spec = self.pools.get(iid)
+        st = InstanceState(
+            instance_id=iid,
+            healthy=healthy,
+            fresh=fresh,
+            models=models,
+            profile=self.profiles.profile(iid),
+            pool="cold" if snap.pool == pb.POOL_COLD else "hot",
+            kv=kv,
+            running=snap.num_running,
+            waiting=snap.num_waiting,
+            overlay_calls=v.inflight,
+            overlay_leases=n_leases,
+            kv_pages_total=snap.kv_pages_total,
+            page_size=spec.page_size if spec is not None else 16,
+            kv_usage=snap.kv_usage,
+            snapshot_unix=snap.sent_unix,
+            epoch=snap.epoch,
+        )
+        self._states[iid] = (key, st)
+        return st
+
+    def _refresh(self) -> None:
+        """Rebuild the states (and index entries) of the instances that changed since the last call:
+        mutated in the registry, live-lease count changed, or a health/freshness deadline passed."""
+        reg = self.registry
+        if self._index.params is not self.params:  # knobs replaced: every precomputed term is void
+            self._index = InstanceIndex(self.params)
+            self._cur.clear()
+            self._primed = False
+        dirty = reg.take_changed()
+        if not self._primed:
+            dirty |= set(reg.instances)
+            self._primed = True
+        leases = self.leases.live_by_instance(self.wall())
+        old = self._lease_counts
+        if leases != old:
+            dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))
+            self._lease_counts = leases
+        now = reg.clock.now()
+        heap = self._deadlines
+        again = []
+        while heap and heap[0][0] <= now:
+            t, iid = heapq.heappop(heap)
+            dirty.add(iid)
+            if t > now - 1e-6:
+                again.append(iid)  # at the boundary: check once more after the clock moves (float rounding)
+        if not dirty:
+            return
+        if any(iid not in self._cur for iid in dirty):
+            order: Iterable[str] = [iid for iid in reg.instances if iid in dirty] + [iid for iid in dirty if iid not in reg.instances]
+        else:
+            order = dirty
+        for iid in order:
+            v = reg.instances.get(iid)
+            if v is None:
+                self._cur.pop(iid, None)
+                self._index.remove(iid)
+                continue
+            st = self._state_of(iid, v, leases.get(iid, 0))
+            self._cur[iid] = st
+            self._index.put(st)
+            due = reg.deadlines(v)
+            if self._pushed.get(iid) != due:
+                self._pushed[iid] = due
+                for t in due:
+                    if t > now:
+                        heapq.heappush(heap, (t, iid))
+        later = math.nextafter(now, math.inf)
+        for iid in again:
+            heapq.heappush(heap, (later, iid))
+
     def instance_states(self, exclude: Iterable[str] = ()) -> list[InstanceState]:
-        now = self.wall()
-        leases = self.leases.live_by_instance(now)
+        self._refresh()
+        if not exclude:
+            return list(self._cur.values())
         skip = set(exclude)
-        out = []
-        for iid, v in self.registry.instances.items():
-            if iid in skip:
-                continue
-            snap = v.snapshot
-            healthy, fresh, n_leases = self.registry.healthy(v), self.registry.fresh(v), leases.get(iid, 0)
-            key = (snap.epoch, snap.seq, v.inflight, n_leases, healthy, fresh)
-            cached = self._states.get(iid)
-            if cached is not None and cached[0] == key:
-                out.append(cached[1])  # nothing this instance's view depends on changed
-                continue
-            models, kv = self._static_of(v)
-            spec = self.pools.get(iid)
-            out.append(
-                InstanceState(
-                    instance_id=iid,
-                    healthy=healthy,
-                    fresh=fresh,
-                    models=models,
-                    profile=self.profiles.profile(iid),
-                    pool="cold" if snap.pool == pb.POOL_COLD else "hot",
-                    kv=kv,
-                    running=snap.num_running,
-                    waiting=snap.num_waiting,
-                    overlay_calls=v.inflight,
-                    overlay_leases=n_leases,
-                    kv_pages_total=snap.kv_pages_total,
-                    page_size=spec.page_size if spec is not None else 16,
-                    kv_usage=snap.kv_usage,
-                    snapshot_unix=snap.sent_unix,
-                    epoch=snap.epoch,
-                )
-            )
-            self._states[iid] = (key, out[-1])
-        return out
+        return [st for iid, st in self._cur.items() if iid not in skip]
 
     def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int) -> CallRequest:
         shape = self.shapes.shape(model)
@@ -216,15 +277,18 @@ class Gateway:
         live = self.leases.live_by_model(now)
         demand = {req.model: self.demand.rate(req.model, now) * window + live.get(req.model, 0)}
         self._seq += 1
+        instances = self.instance_states(exclude)
         st = PlacementState(
             request=req,
-            instances=self.instance_states(exclude),
+            instances=instances,
             params=self.params,
             session=session,
             lease=lease,
             shape=self.shapes.shape(req.model),
             demand=demand,
             seq=self._seq,
+            index=None if exclude else self._index,  # with exclusions the policy indexes the subset itself
+            index_version=self._index.version,
         )
         return st, rev
 

@@ -29,13 +29,27 @@ A fresh replica (the model is not resident on i) is admitted only when Eq. 2 hol
 where W is the predicted latency of r without activation (dR_req + C_KV), W_existing the best over
 instances where m is resident and admissible, and demand_m the calls of m predicted over the control
 window (observed arrival rate * window + live leases of m).
+
+Scaling (``InstanceIndex``): a decision ranks only instances that serve or could open the model, read from
+an index by served model that holds each instance's per-snapshot terms (queue pressure, memory capacity,
+HBM price mu, activation cost per model), so a decision allocates no per-instance state beyond its
+breakdown rows. Every instance where the model is resident/staged is ranked (Eq. 1 and W_existing need
+all of them). Replica-opening candidates are bounded by ``PolicyParams.replica_shortlist`` (k, default
+16; 0 = no bound): when more than k instances would have to open the model, only the k healthy, fresh,
+least-pressured ones (key: queue pressure, then kv_usage, then instance id) that have KV-page headroom
+for the call are ranked, plus any instance holding the session's prefix, lease or last placement. The
+others are left out of ``Decision.costs`` and counted in ``Decision.shortlisted_out``. With
+k >= the number of instances, the decision is identical to evaluating ``breakdown`` + ``apply_eq2`` over
+every instance (tests/unit/test_router_placement_equivalence.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 # KV states (values of talaria.v1.KvState; repeated here so the policy does not import protobuf).
 KV_DEVICE = 1
@@ -57,6 +71,7 @@ class PolicyParams:
     model_weights_gib: Mapping[str, float] = field(default_factory=dict)
     default_weights_gib: float = 1.0
     retry_after_s: float = 1.0
+    replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +161,15 @@ class PlacementState:
     shape: CallShape = CallShape()
     demand: Mapping[str, float] = field(default_factory=dict)  # model -> calls predicted in the window
     seq: int = 0  # decision number (round-robin)
+    # Prebuilt index of exactly ``instances`` (the gateway keeps one per snapshot set); used only while its
+    # version still equals ``index_version``, else the policy builds one from ``instances``.
+    index: InstanceIndex | None = None
+    index_version: int = -1
 
 
-@dataclass(frozen=True, slots=True)
-class CostBreakdown:
+class CostBreakdown(NamedTuple):
+    """Eq. 1 terms, checks and Eq. 2 gate of one instance (a named tuple: cheap to build per candidate)."""
+
     instance_id: str
     delta_r: float  # dR_req: queue + suffix prefill + decode
     c_kv: float
@@ -177,13 +197,14 @@ class Decision:
     switches_model: bool = False  # ... must switch to a resident/staged model
     avoidable_open: bool = False  # ... opens it although another healthy instance has it resident
     retry_after_s: float = 0.0  # overload: when trying again makes sense
+    shortlisted_out: int = 0  # replica-opening instances not ranked (over the replica_shortlist bound)
 
     def chosen(self) -> CostBreakdown | None:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["costs"] = [asdict(c) for c in self.costs]
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["costs"] = [c._asdict() for c in self.costs]
         return d
 
 
@@ -295,6 +316,259 @@ def apply_eq2(terms: list[list], by_id: Mapping[str, InstanceState], state: Plac
             t[_REJECT] = "eq2"
 
 
+# ------------------------------------------------------------------------------------ candidate index
+
+
+class _Entry(NamedTuple):
+    """Per-snapshot terms of one instance for one model it serves (computed once per ``InstanceState``)."""
+
+    inst: InstanceState
+    iid: str
+    ppt: float  # prefill_per_token
+    ds: float  # decode_step
+    pressure: float  # waiting + overlay_calls + admission_unit * leases + running_weight * running
+    calls: int  # running + waiting + overlay_calls (memory check)
+    cap: float  # kv_pages_total * (1 - hbm_reserve_fraction)
+    pages_total: int
+    page: int
+    mu: float  # Eq. 2 HBM price
+    act: str
+    c_act: float
+    base_reject: str  # "unhealthy" | "stale" | ""
+
+
+def _index_params(p: PolicyParams) -> tuple:
+    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib)
+
+
+class InstanceIndex:
+    """Instances by served model with their per-snapshot terms precomputed; the replica-opening
+    candidates of each model kept sorted by (unfit, pressure, kv_usage, id) for the shortlist.
+
+    Mutable: ``put``/``remove`` update it in O(models served + sessions listed) and bump ``version``;
+    the gateway keeps one across decisions. ``build`` makes one for a given instance list; with
+    ``scope=(session_id, model)`` it indexes only that model and that session's KV (a one-call index,
+    what the policy builds when a state carries no valid prebuilt one)."""
+
+    def __init__(self, params: PolicyParams, scope: tuple[str, str] | None = None):
+        self.params = params
+        self.scope = scope
+        self.key = _index_params(params)
+        self.version = 0
+        self.by_id: dict[str, InstanceState] = {}
+        self.serving: dict[str, dict[str, _Entry]] = {}  # model -> id -> entry, in instance order
+        self.opening: dict[str, list[tuple]] = {}  # model -> sorted shortlist keys of replica-opening entries
+        self.kv_sessions: dict[tuple[str, str], set[str]] = {}  # (session, model) -> ids with device/host KV
+        self._pos: dict[str, int] = {}
+        self._keys: dict[str, dict[str, tuple]] = {}  # id -> model -> its key in opening[model]
+
+    @classmethod
+    def build(cls, instances: Iterable[InstanceState], params: PolicyParams, scope: tuple[str, str] | None = None) -> InstanceIndex:
+        idx = cls(params, scope)
+        for i in instances:
+            idx.put(i)
+        return idx
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def put(self, inst: InstanceState) -> None:
+        """Add or replace an instance (keeps its position in the instance order)."""
+        iid = inst.instance_id
+        old = self.by_id.get(iid)
+        if old is inst:
+            return
+        self.version += 1
+        if iid not in self._pos:
+            self._pos[iid] = len(self._pos)
+        if old is not None:
+            for m, key in self._keys.pop(iid, {}).items():
+                lst = self.opening[m]
+                del lst[bisect_left(lst, key)]
+            for m in old.models:
+                if m not in inst.models and m in self.serving:
+                    self.serving[m].pop(iid, None)
+            if old.kv is not inst.kv:
+                self._unindex_kv(old)
+        self.by_id[iid] = inst
+        if old is None or old.kv is not inst.kv:
+            if self.scope is None:
+                kv_items: Iterable = inst.kv.items()
+            else:
+                got = inst.kv.get(self.scope)
+                kv_items = () if got is None else ((self.scope, got),)
+            for key, (state, tokens) in kv_items:
+                if tokens > 0 and state in (KV_DEVICE, KV_HOST):
+                    self.kv_sessions.setdefault(key, set()).add(iid)
+        au, rw, reserve, price = self.key
+        prof = inst.profile
+        pressure = inst.waiting + inst.overlay_calls + au * inst.overlay_leases + rw * inst.running
+        calls = inst.running + inst.waiting + inst.overlay_calls
+        cap = inst.kv_pages_total * (1.0 - reserve)
+        mu = price / max(0.05, 1.0 - inst.kv_usage)
+        base = "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else "")
+        page = max(1, inst.page_size)
+        keys = {}
+        served: Iterable[str] = inst.models if self.scope is None else ((self.scope[1],) if self.scope[1] in inst.models else ())
+        for m in served:
+            act, c_act = activation(inst, m)
+            e = _Entry(inst, iid, prof.prefill_per_token, prof.decode_step, pressure, calls, cap, inst.kv_pages_total, page, mu, act, c_act, base)
+            d = self.serving.setdefault(m, {})
+            if iid not in d and d and self._pos[next(reversed(d))] > self._pos[iid]:
+                d[iid] = e  # re-added out of order: restore the instance order
+                self.serving[m] = dict(sorted(d.items(), key=lambda kv: self._pos[kv[0]]))
+            else:
+                d[iid] = e
+            if act == "open":
+                key = (bool(base), pressure, inst.kv_usage, iid)
+                insort(self.opening.setdefault(m, []), key)
+                keys[m] = key
+        if keys:
+            self._keys[iid] = keys
+
+    def remove(self, iid: str) -> None:
+        old = self.by_id.pop(iid, None)
+        if old is None:
+            return
+        self.version += 1
+        for m, key in self._keys.pop(iid, {}).items():
+            lst = self.opening[m]
+            del lst[bisect_left(lst, key)]
+        for m in old.models:
+            if m in self.serving:
+                self.serving[m].pop(iid, None)
+        self._unindex_kv(old)
+
+    def _unindex_kv(self, old: InstanceState) -> None:
+        iid = old.instance_id
+        for key in old.kv:
+            ids = self.kv_sessions.get(key)
+            if ids is not None:
+                ids.discard(iid)
+                if not ids:
+                    del self.kv_sessions[key]
+
+
+def index_of(state: PlacementState) -> InstanceIndex:
+    """The state's prebuilt index if it is still the one describing ``state.instances``, else a new one."""
+    idx = state.index
+    if (
+        idx is not None
+        and idx.scope is None
+        and idx.version == state.index_version
+        and idx.key == _index_params(state.params)
+        and len(idx.by_id) == len(state.instances)
+    ):
+        return idx
+    idx = InstanceIndex.build(state.instances, state.params, (state.request.session_id, state.request.model))
+    if len(idx.by_id) != len(state.instances):
+        raise ValueError("duplicate instance ids in PlacementState.instances")
+    return idx
+
+
+def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[list[list], list[float], int]:
+    """Breakdown rows (``_terms`` layout; rows that are not fresh replicas and not special come back as
+    final ``CostBreakdown`` tuples, Eq. 2 never touches them) of the candidates of ``state.request.model`` in instance order,
+    with their mu; plus how many replica-opening instances the shortlist left out.
+
+    Instances whose KV state for this call may differ from the generic one (session prefix listed, the
+    lease's or the session's last instance) go through ``_terms``; the rest share the generic prefix and
+    are computed inline from the precomputed entry (same arithmetic, same operation order)."""
+    req, p, shape, session, lease = state.request, state.params, state.shape, state.session, state.lease
+    m = req.model
+    serving = idx.serving.get(m)
+    if not serving:
+        return [], [], 0
+    special: set[str] = set(idx.kv_sessions.get((req.session_id, m), ())) if req.session_id else set()
+    committed = 0
+    if session is not None and session.model == m:
+        committed = session.committed_tokens
+        special.add(session.last_instance)
+    if lease is not None:  # _terms discounts the lease from its instance's queue whatever its model
+        special.add(lease.instance_id)
+    src = "recompute" if committed > 0 else "none"
+    suffix = max(1, req.prompt_tokens - committed)
+    need_tokens = req.prompt_tokens + req.max_tokens
+    call_tokens = int(shape.prompt_tokens + shape.decode_tokens)
+    s_suf, s_dec, dec, budget = shape.suffix_tokens, shape.decode_tokens, req.expected_decode, p.admission_budget_s
+
+    selected: set[str] | None = None
+    left_out = 0
+    opening = idx.opening.get(m, ())
+    k = p.replica_shortlist
+    if shortlist and k > 0 and len(opening) > k:
+        selected = set()
+        for key in opening:
+            if key[0]:
+                break  # unhealthy / stale: never admissible
+            e = serving[key[3]]
+            if e.pages_total > 0:
+                page = e.page
+                if -(-need_tokens // page) > e.cap - e.calls * -(-call_tokens // page):
+                    continue  # no KV-page headroom for this call
+            selected.add(e.iid)
+            if len(selected) >= k:
+                break
+
+    rows: list = []
+    mus: list[float] = []
+    append, mu_append = rows.append, mus.append
+    last_page, pages_needed, per_call = 0, 0, 0
+    for iid, e in serving.items():
+        inst, _, ppt, ds, pressure, calls, cap, pages_total, page, mu, act, c_act, reject = e
+        if iid in special:
+            append(_terms(inst, state))
+            mu_append(mu)
+            continue
+        if selected is not None and act == "open" and iid not in selected:
+            left_out += 1
+            continue
+        if page != last_page:
+            last_page, pages_needed, per_call = page, max(0, -(-need_tokens // page)), -(-call_tokens // page)
+        queue_s = (s_suf * ppt + s_dec * ds) * pressure
+        sp = suffix * ppt
+        delta_r = queue_s + sp + dec * ds
+        c_kv = committed * ppt if committed > 0 else 0.0
+        ttft = queue_s + c_kv + c_act + sp
+        if not reject:
+            if ttft > budget:
+                reject = "round-admission"
+            elif pages_total > 0 and pages_needed > cap - calls * per_call:
+                reject = "memory"
+        if act == "open":  # Eq. 2 fills its gate in place
+            append([iid, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, src, act, True, ttft, pages_needed, None, None, reject])
+        else:  # final already: no list, no copy
+            append(_new(CostBreakdown, (iid, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, src, act, False, ttft, pages_needed, None, None, reject)))
+        mu_append(mu)
+    return rows, mus, left_out
+
+
+def _eq2(terms: list[list], mus: Sequence[float], state: PlacementState) -> None:
+    """``apply_eq2`` with each instance's mu given (precomputed per snapshot)."""
+    p, m = state.params, state.request.model
+    existing = [t[_DR] + t[_CKV] for t in terms if not t[_FRESH] and not t[_REJECT]]
+    w_existing = min(existing) if existing else math.inf
+    demand = max(1.0, state.demand.get(m, 0.0))
+    d_w = p.model_weights_gib.get(m, p.default_weights_gib)
+    for t, mu in zip(terms, mus):
+        if not t[_FRESH] or t[_REJECT]:
+            continue
+        w_new = t[_DR] + t[_CKV]
+        gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - w_new)
+        threshold = t[_CACT] + mu * d_w + p.replica_penalty_s
+        t[_GAIN], t[_THR] = gain, threshold
+        if not gain > threshold:
+            t[_REJECT] = "eq2"
+
+
+_mk = CostBreakdown._make
+_new = tuple.__new__
+
+
+def _final(t: list | CostBreakdown) -> CostBreakdown:
+    return t if type(t) is CostBreakdown else _mk(t)
+
+
 # ------------------------------------------------------------------------------------------ decisions
 
 
@@ -302,32 +576,37 @@ def _serving(state: PlacementState) -> list[InstanceState]:
     return [i for i in state.instances if state.request.model in i.models]
 
 
-def _finish(state: PlacementState, reason: str, chosen: str | None, costs: Sequence[CostBreakdown], lease: str) -> Decision:
+def _finish(
+    state: PlacementState, reason: str, chosen: str | None, costs: Sequence[CostBreakdown], lease: str,
+    idx: InstanceIndex | None = None, left_out: int = 0,
+) -> Decision:
     m = state.request.model
     opens = switches = avoidable = False
     c = next((x for x in costs if x.instance_id == chosen), None)
     if c is not None:
         opens, switches = c.act == "open", c.act == "switch"
         if opens:
-            avoidable = any(
-                i.instance_id != chosen and i.healthy and i.models[m].loaded for i in _serving(state)
-            )
+            pool = [e.inst for e in idx.serving.get(m, {}).values()] if idx is not None else _serving(state)
+            avoidable = any(i.instance_id != chosen and i.healthy and i.models[m].loaded for i in pool)
     retry = 0.0
     if chosen is None and costs:
         retry = max(state.params.retry_after_s, min(x.predicted_ttft_s for x in costs) - state.params.admission_budget_s)
     elif chosen is None:
         retry = state.params.retry_after_s
-    return Decision(chosen, state.params.policy, reason, lease, tuple(costs), opens, switches, avoidable, retry)
+    return Decision(chosen, state.params.policy, reason, lease, tuple(costs), opens, switches, avoidable, retry, left_out)
 
 
-def lease_check(state: PlacementState, now: float) -> str:
+def lease_check(state: PlacementState, now: float, idx: InstanceIndex | None = None) -> str:
     """Algorithm 1 lines 2-9: "hit", or why the lease cannot be honoured ("none" if there is none)."""
     lease, req = state.lease, state.request
     if lease is None or lease.model != req.model:
         return "none"
     if now >= lease.t_exp_unix:
         return "expired"
-    inst = next((i for i in state.instances if i.instance_id == lease.instance_id), None)
+    if idx is not None:
+        inst = idx.by_id.get(lease.instance_id)
+    else:
+        inst = next((i for i in state.instances if i.instance_id == lease.instance_id), None)
     if inst is None or not inst.healthy or req.model not in inst.models:
         return "unhealthy"  # a lease is honoured only if the instance passes the health check (§4.1)
     if lease.epoch and inst.epoch and inst.epoch != lease.epoch:
@@ -340,57 +619,71 @@ def lease_check(state: PlacementState, now: float) -> str:
 
 def decide_full(state: PlacementState, now: float) -> Decision:
     """Algorithm 1: consume a valid lease, else rank admissible instances by Eq. 1 with the Eq. 2 gate."""
-    serving = _serving(state)
-    lease = lease_check(state, now)
+    idx = index_of(state)
+    lease = lease_check(state, now, idx)
     if lease == "hit":
         assert state.lease is not None
-        inst = next(i for i in serving if i.instance_id == state.lease.instance_id)
-        return _finish(state, "lease", inst.instance_id, [breakdown(inst, state)], "hit")
+        inst = idx.by_id[state.lease.instance_id]
+        return _finish(state, "lease", inst.instance_id, [breakdown(inst, state)], "hit", idx)
     # A lease that failed its check is discarded; placement continues as if there were none.
     if lease != "none":
         state = replace(state, lease=None)
-    terms = [_terms(i, state) for i in serving]
-    apply_eq2(terms, {i.instance_id: i for i in serving}, state)
-    costs = [CostBreakdown(*t) for t in terms]
-    admissible = [c for c in costs if not c.reject]
-    if not admissible:
+    terms, mus, left_out = _rank(state, idx, shortlist=True)
+    _eq2(terms, mus, state)
+    costs = [t if type(t) is CostBreakdown else _mk(t) for t in terms]
+    best = min((c for c in costs if not c.reject), key=_rank_key, default=None)
+    if best is None:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)
-        return _finish(state, "overload" if live else "no-instance", None, costs, lease)
-    best = min(admissible, key=lambda c: (c.total, c.instance_id))
-    return _finish(state, "cost", best.instance_id, costs, lease)
+        return _finish(state, "overload" if live else "no-instance", None, costs, lease, idx, left_out)
+    return _finish(state, "cost", best.instance_id, costs, lease, idx, left_out)
+
+
+def _rank_key(c: CostBreakdown) -> tuple[float, str]:
+    return (c.total, c.instance_id)
 
 
 def _pressure(i: InstanceState) -> int:
     return i.running + i.waiting + i.overlay_calls
 
 
+def _all_costs(state: PlacementState, idx: InstanceIndex) -> list[CostBreakdown]:
+    """Breakdowns (no Eq. 2) of every instance serving the model: the baselines show them all."""
+    return [_final(t) for t in _rank(state, idx, shortlist=False)[0]]
+
+
+def _ok(state: PlacementState, idx: InstanceIndex) -> list[InstanceState]:
+    return [e.inst for e in idx.serving.get(state.request.model, {}).values() if not e.base_reject]
+
+
 def decide_least_pressure(state: PlacementState, now: float) -> Decision:
     """Baseline (§5.3): the least-loaded healthy instance that serves the model, residency ignored."""
-    costs = [breakdown(i, state) for i in _serving(state)]
-    ok = [i for i in _serving(state) if i.healthy and i.fresh]
+    idx = index_of(state)
+    costs = _all_costs(state, idx)
+    ok = _ok(state, idx)
     if not ok:
-        return _finish(state, "no-instance", None, costs, "none")
+        return _finish(state, "no-instance", None, costs, "none", idx)
     best = min(ok, key=lambda i: (_pressure(i), i.instance_id))
-    return _finish(state, "least-pressure", best.instance_id, costs, "none")
+    return _finish(state, "least-pressure", best.instance_id, costs, "none", idx)
 
 
 def decide_sticky(state: PlacementState, now: float) -> Decision:
     """Baseline (§5.3): a session stays on its first instance while it is healthy; else least-pressure."""
     s = state.session
     if s is not None and s.model == state.request.model:
-        for i in _serving(state):
-            if i.instance_id == s.first_instance and i.healthy and i.fresh:
-                costs = [breakdown(x, state) for x in _serving(state)]
-                return _finish(state, "sticky", i.instance_id, costs, "none")
+        idx = index_of(state)
+        e = idx.serving.get(s.model, {}).get(s.first_instance)
+        if e is not None and e.inst.healthy and e.inst.fresh:
+            return _finish(state, "sticky", e.iid, _all_costs(state, idx), "none", idx)
     return decide_least_pressure(state, now)
 
 
 def decide_round_robin(state: PlacementState, now: float) -> Decision:
-    costs = [breakdown(i, state) for i in _serving(state)]
-    ok = sorted((i for i in _serving(state) if i.healthy and i.fresh), key=lambda i: i.instance_id)
+    idx = index_of(state)
+    costs = _all_costs(state, idx)
+    ok = sorted(_ok(state, idx), key=lambda i: i.instance_id)
     if not ok:
-        return _finish(state, "no-instance", None, costs, "none")
-    return _finish(state, "round-robin", ok[state.seq % len(ok)].instance_id, costs, "none")
+        return _finish(state, "no-instance", None, costs, "none", idx)
+    return _finish(state, "round-robin", ok[state.seq % len(ok)].instance_id, costs, "none", idx)
 
 
 _DECIDE = {

@@ -10,6 +10,10 @@ so a live lease to it is honoured, but it gets no new non-reserved calls until f
 In-flight overlay (§4.1): calls this router forwarded are stamped with the wall time; a snapshot sent
 after a forward already counts that call, so only forwards newer than the snapshot stay in the overlay.
 
+Change feed: every mutation through ``observe`` / ``forwarded`` / ``mark_suspect`` records the instance id
+in a set that ``take_changed`` drains, and ``deadlines`` gives the clock times at which an instance's
+health or freshness can flip without a new event; the gateway uses both to rebuild only what changed.
+
 Pure state plus an injected clock: no NATS here (the service feeds ``observe``).
 """
 
@@ -58,6 +62,7 @@ class Registry:
     instances: dict[str, InstanceView] = field(default_factory=dict)
     stale_after: float = 2.0  # periods after which a snapshot is too old for non-reserved placement
     wall: Callable[[], float] | None = None  # wall clock (overlay stamps, snapshot age); None: overlay cleared per snapshot
+    _changed: set[str] = field(default_factory=set, init=False, repr=False)  # ids mutated since take_changed()
 
     def observe(self, snap: pb.InstanceSnapshot) -> bool:
         """Record a snapshot; returns False (and changes nothing) when it is stale. Mutates ``instances``."""
@@ -73,9 +78,23 @@ class Registry:
             cur.suspect_until = 0.0
             # Forwards older than the snapshot are now part of its own counters.
             cur.overlay = [t for t in cur.overlay if snap.sent_unix and self.wall is not None and t > snap.sent_unix]
+            self._changed.add(snap.instance_id)
             return True
         self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now, self.wall() if self.wall is not None else 0.0)
+        self._changed.add(snap.instance_id)
         return True
+
+    def take_changed(self) -> set[str]:
+        """Ids of instances mutated (snapshot, forward, suspect) since the last call; clears the set."""
+        out, self._changed = self._changed, set()
+        return out
+
+    def deadlines(self, view: InstanceView) -> tuple[float, ...]:
+        """Clock times (``clock.now()`` scale) at which ``alive``/``fresh``/``healthy`` may next change for
+        ``view`` without any new event (heartbeat miss limit, stale limit, end of suspicion)."""
+        period = view.snapshot.heartbeat_period_s or 1.0
+        out = (view.received_at + self.miss_limit * period, view.received_at + self.stale_after * period)
+        return out + (view.suspect_until,) if view.suspect_until > 0 else out
 
     def alive(self, view: InstanceView) -> bool:
         """Heartbeats are fresh (in-flight calls keep going, even while the instance drains)."""
@@ -98,6 +117,7 @@ class Registry:
         v = self.instances.get(instance_id)
         if v is not None:
             v.overlay.append(self.wall() if self.wall is not None else 0.0)
+            self._changed.add(instance_id)
 
     def healthy(self, view: InstanceView) -> bool:
         """May receive new calls: alive, not suspect, not draining."""
@@ -113,6 +133,7 @@ class Registry:
         v = self.instances.get(instance_id)
         if v is not None:
             v.suspect_until = self.clock.now() + seconds
+            self._changed.add(instance_id)
 
     def candidates(self, model: str) -> list[InstanceView]:
         return [v for v in self.instances.values() if v.serves(model) and self.healthy(v)]
