@@ -101,6 +101,7 @@ class PlacementConfig(_Strict):
     hbm_price_s_per_gib: float = Field(0.05, ge=0, description="Eq. 2 mu base: latency per GiB of added weights")
     replica_penalty_s: float = Field(1.0, ge=0, description="Eq. 2 nu: per-replica penalty against transient bursts")
     model_weights_gib: dict[str, float] = Field(default_factory=dict, description="Eq. 2 delta-W per model (default 1 GiB)")
+    replica_shortlist: int = Field(16, ge=0, description="instances that would open the model: only the k least loaded with headroom are ranked (0 = all)")
     default_prefill_per_token_s: float = Field(2e-4, ge=0)
     default_decode_step_s: float = Field(0.02, ge=0)
     default_restore_per_token_s: float = Field(2e-5, ge=0)

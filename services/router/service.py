@@ -104,6 +104,7 @@ def policy_params(cfg: StackConfig) -> PolicyParams:
         replica_penalty_s=pc.replica_penalty_s,
         model_weights_gib=dict(pc.model_weights_gib),
         retry_after_s=pc.retry_after_s,
+        replica_shortlist=pc.replica_shortlist,
     )
 
 
