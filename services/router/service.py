@@ -25,7 +25,7 @@ from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
 from talaria.config import StackConfig
 from talaria import otel
-from talaria.natsutil import connect
+from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
 
@@ -187,9 +187,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     finally:
         server.should_exit = True
         await serve
-        for s in subs:
-            await s.unsubscribe()
         await state.lease_store.stop()
-        await state.nc.drain()
+        await close_connection(state.nc, subs)
         await asyncio.to_thread(state.telemetry.shutdown)  # bounded by telemetry.export_timeout_s
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services.telemetry.collector import Collector, RecordWriter
 from talaria import otel
 from talaria.config import StackConfig
-from talaria.natsutil import connect
+from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -135,15 +135,7 @@ async def run_telemetry(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Fu
         server.should_exit = True
         await serve
         tick_task.cancel()
-        for s in subs:
-            try:
-                await s.unsubscribe()
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            await nc.drain()
-        except Exception:  # noqa: BLE001
-            pass
+        await close_connection(nc, subs)
         collector.tick(time.time() + tc.session_idle_s)  # end every open session: the run is over
         if writer is not None:
             writer.close()
