@@ -4,7 +4,7 @@ Starts an embedded NATS server (unless ``NATS_URL``/``nats.url`` names one), syn
 models, starts every configured engine, the router and the telemetry service (``telemetry.start``) as child
 processes, prints the API URL, and on
 Ctrl-C / SIGTERM stops every process it started (SIGTERM, then SIGKILL after a grace period; each child
-runs in its own process group so nothing is left behind). A child that exits unexpectedly is reported;
+runs in its own process group so nothing is left behind, and gets SIGTERM if this process dies). A child that exits unexpectedly is reported;
 if the router dies the stack stops.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from talaria.config import NatsConfig, StackConfig, dump_config
-from talaria.natsutil import EmbeddedNats
+from talaria.natsutil import EmbeddedNats, die_with_parent
 
 
 def _say(msg: str) -> None:
@@ -35,7 +35,10 @@ class Child:
         self.log: list[str] = []
         self.ready = threading.Event()
         self.ready_line = ""
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1,
+            preexec_fn=die_with_parent,  # a SIGKILLed supervisor leaves no orphans
+        )
         self._marker = ready_marker
         threading.Thread(target=self._pump, daemon=True, name=f"log-{name}").start()
 
