@@ -29,7 +29,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``models synth --out DIR [--seed N] [--only NAME ...]`` and ``models list``.
 
-    Each leaf parser sets ``func`` (``func(args) -> int`` exit code) via ``set_defaults``.
+    Each leaf parser sets ``fn`` (``fn(args) -> int`` exit code) via ``set_defaults``, the attribute
+    ``talaria.cli.main`` dispatches on.
     """
     models = subparsers.add_parser("models", help="synthesize / list small test checkpoints")
     sub = models.add_subparsers(dest="models_command", required=True)
@@ -38,10 +39,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True, help="output directory (one subdirectory per model)")
     synth.add_argument("--seed", type=int, default=0, help="weights seed (same seed => identical files)")
     synth.add_argument("--only", nargs="+", metavar="NAME", help="synthesize only these models")
-    synth.set_defaults(func=_cmd_synth)
+    synth.set_defaults(fn=_cmd_synth)
 
     lst = sub.add_parser("list", help="list the models the synthesizer knows")
-    lst.set_defaults(func=_cmd_list)
+    lst.set_defaults(fn=_cmd_list)
     return models
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="talaria")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    return args.fn(args)
 
 
 if __name__ == "__main__":
