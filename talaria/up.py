@@ -11,6 +11,7 @@ if the router dies the stack stops.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,8 +100,28 @@ class LocalStack:
         self.api: str | None = None
         self.telemetry_url: str | None = None  # /metrics, /summary of the telemetry service (None: not started)
         self.nats_url: str | None = None
-        self._workdir = tempfile.mkdtemp(prefix="talaria-up-")
-        self.cfg_path = Path(self._workdir) / "stack.json"
+        self._workdir: str | None = None  # private 0700 dir holding stack.json; created on first write
+        self.cfg_path: Path | None = None  # the config children read (NATS credentials included)
+
+    def _write_config(self) -> None:
+        """Write ``self.cfg`` to ``cfg_path`` (mutates: creates the private work dir on first use).
+
+        The file holds the whole config, NATS credentials included: it is created readable by the owner only
+        (0600, in a 0700 ``mkdtemp`` directory) and ``stop()`` removes the directory (issue 18 item 12)."""
+        if self._workdir is None or not os.path.isdir(self._workdir):
+            self._workdir = tempfile.mkdtemp(prefix="talaria-up-")
+            self.cfg_path = Path(self._workdir) / "stack.json"
+        assert self.cfg_path is not None
+        os.close(os.open(self.cfg_path, os.O_WRONLY | os.O_CREAT, 0o600))  # exists with 0600 before any byte is written
+        os.chmod(self.cfg_path, 0o600)
+        dump_config(self.cfg, self.cfg_path)
+
+    def _remove_workdir(self) -> None:
+        """Delete the work dir and the config in it (mutates ``_workdir``/``cfg_path``); safe to call twice."""
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self._workdir = None
+        self.cfg_path = None
 
     def ensure_models(self) -> None:
         cfg = self.cfg
@@ -133,7 +154,7 @@ class LocalStack:
         self.nats_url = url
         self.cfg = self.cfg.model_copy(update={"nats": NatsConfig(**{**self.cfg.nats.model_dump(), "url": url})})
         telemetry = self._start_telemetry()
-        dump_config(self.cfg, self.cfg_path)
+        self._write_config()
         self.start_kvstore(ready_timeout)
         for e in self.cfg.engines:
 
@@ -159,7 +180,7 @@ class LocalStack:
         if tc.port and not _port_free(tc.host, tc.port):
             self.say(f"telemetry port {tc.port} is busy; using a free one")
             self.cfg = self.cfg.model_copy(update={"telemetry": tc.model_copy(update={"port": 0})})
-        dump_config(self.cfg, self.cfg_path)
+        self._write_config()
         self.say("starting telemetry")
         return self._spawn("telemetry", ["-m", "services.telemetry", "--config", str(self.cfg_path)], "telemetry listening on")
 
@@ -182,7 +203,7 @@ class LocalStack:
         port = int(c.ready_line.rsplit(":", 1)[-1])
         if port != kvs.port:
             self.cfg = self.cfg.model_copy(update={"kvstore": kvs.model_copy(update={"port": port})})
-            dump_config(self.cfg, self.cfg_path)
+            self._write_config()
         return c
 
     def _spawn(self, name: str, args: list[str], marker: str) -> Child:
@@ -230,6 +251,7 @@ class LocalStack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        self._remove_workdir()
 
     def __enter__(self) -> "LocalStack":
         try:
