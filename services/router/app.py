@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI).
 
-Thin layer: parse and validate at the edge, choose an instance (``Gateway.decide``: Algorithm 1 or a
-baseline; a lease it honours is consumed in the shared store first), forward over NATS (``engine_client``),
-encode the token stream as OpenAI JSON or SSE. When no candidate passes the admission checks the configured
-overload policy answers: 429 with ``Retry-After``, or a bounded wait in the gateway queue then 429. Every failure is an OpenAI-style error
-body with a meaningful status (see ``services/router/README.md``); nothing here raises a bare 500.
+Thin layer: parse and validate at the edge, encode the wire request (a value the wire cannot carry is a 400
+naming its field), let the gateway's admission state machine (``Gateway.admission``: Algorithm 1 or a
+baseline, the start-now fallback, the overload policy, retries) say where to forward, consume a lease it
+honours in the shared store, forward over NATS (``engine_client``), encode the token stream as OpenAI JSON or
+SSE. Every failure is an OpenAI-style error body with a meaningful status (see ``services/router/README.md``);
+unknown routes and methods included. An exception nothing expected becomes a JSON 500 that keeps the
+keep-alive connection (``errors.CatchAll``). A client that goes away cancels its engine work, streaming or not.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
-from services.router.errors import APIError
-from services.router.policy import Decision
+from services.router.errors import APIError, CatchAll, unencodable, wire_field
+from services.router.gateway import OverloadPolicy, Step
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
@@ -46,46 +49,350 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(422, msg, code="invalid_value" if err["type"] != "missing" else "missing_field", param=loc)
 
 
-def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
-    app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
-    cfg = state.cfg.router
+def _put(msg, name: str, value, param: str | None = None) -> None:
+    """Set one wire field (``extend`` for a repeated one) under ``wire_field``: mutates ``msg``."""
+    with wire_field(param or name):
+        if isinstance(value, list):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_req: Request, e: APIError) -> JSONResponse:
-        state.counters[f"error_{e.status}"] += 1
-        return e.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected router error")
-        state.counters["error_500"] += 1
-        return APIError(500, "internal router error; see router logs", code="internal_error").response()
+class Placed:
+    """A call the engine accepted: the engine call, its first chunk, the decision and admission step."""
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    __slots__ = ("call", "first", "step")
+
+    def __init__(self, call: EngineCall, first: pb.TokenChunk, step: Step):
+        self.call, self.first, self.step = call, first, step
+
+    def headers(self) -> dict[str, str]:
+        d = self.step.decision
+        assert d is not None
+        h = {"X-Talaria-Instance": self.call.instance_id, "X-Talaria-Placement": d.reason}
+        if self.step.deadline_risk_s is not None:
+            h["X-Talaria-Deadline-Risk"] = f"predicted-ttft={self.step.deadline_risk_s:.1f}s"
+        return h
+
+
+class RouterAPI:
+    """The handlers' logic over ``RouterState``; ``create_app`` wires it to routes. Mutates the state's
+    counters, gateway (via admission/commit) and lease store."""
+
+    def __init__(self, state):  # state: services.router.service.RouterState
+        self.state = state
+        self.cfg = state.cfg.router
+        pc = self.cfg.placement
+        self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
+
+    # ------------------------------------------------------------------------------ parse / encode
+    async def read_json(self, request: Request) -> dict:
+        body = await request.body()
+        if len(body) > self.cfg.max_request_bytes:
+            raise APIError(413, f"request body of {len(body)} bytes exceeds the limit of {self.cfg.max_request_bytes}", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    def base_request(self, request: Request, req, max_tokens: int | None) -> pb.GenerateRequest:
+        """The wire request without its prompt; every client value is set under ``wire_field``."""
+        limit = self.cfg.max_tokens_limit
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_MAX_TOKENS, limit)
+        if not 1 <= max_tokens <= limit:
+            raise APIError(422, f"max_tokens must be between 1 and {limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
+        sp = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+        _put(sp, "temperature", req.temperature)
+        _put(sp, "top_p", req.top_p)
+        _put(sp, "top_k", req.top_k)
+        _put(sp, "stop", req.stop_list())
+        if req.seed is not None:
+            sp.has_seed = True
+            _put(sp, "seed", req.seed)
+        g = pb.GenerateRequest(schema_version=SCHEMA_VERSION, request_id=uuid.uuid4().hex, stream=req.stream, sampling=sp)
+        _put(g, "model", req.model)
+        header = request.headers.get("x-session-id")
+        source, session = ("x-session-id", header) if header else ("session_id", req.session_id) if req.session_id else ("user", req.user or "")
+        _put(g, "session_id", session[:256], source)
+        g.deadline_unix = time.time() + self.cfg.request_timeout_s
+        g.trace_context.update(incoming_context(request.headers))
+        return g
+
+    # ------------------------------------------------------------------------------------ placing
+    async def settle_lease(self, step: Step, session_id: str, model: str) -> tuple[str, bool]:
+        """The lease step made atomic across router replicas: a lease the policy honours is consumed in the
+        shared store first; one it judged invalid is discarded. Returns (the consumed lease id or "",
+        whether the decision stands: False when another replica consumed the lease first)."""
+        gw, d, rev = self.state.gateway, step.decision, step.lease_rev
+        if d is None:
+            return "", True
+        if d.lease == "hit" and step.kind == "forward":
+            assert rev is not None
+            got = gw.leases.get(session_id, model)
+            lease_id = got[0].lease_id if got is not None else ""
+            if not await self.state.lease_store.consume(session_id, model, rev):
+                gw.lease_raced()
+                return "", False
+            gw.lease_judged(d)
+            return lease_id, True
+        if d.lease != "none" and rev is not None:
+            await self.state.lease_store.discard(session_id, model, rev)
+        gw.lease_judged(d)
+        return "", True
+
+    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool) -> Placed:
+        """Admit, place and forward; a forward the engine does not accept is retried elsewhere."""
+        gw = self.state.gateway
+        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens)
+        gw.arrival(req)
+        adm = gw.admission(req, self.overload, prompt_exact=exact)
+        use_lease = True
+        try:
+            while True:
+                step = adm.next(use_lease)
+                lease_id, stands = await self.settle_lease(step, g.session_id, g.model)
+                if not stands:
+                    use_lease = False
+                    continue
+                if step.kind == "wait":
+                    await asyncio.sleep(step.wait_s)
+                    continue
+                if step.kind == "reject":
+                    headers = {"Retry-After": str(max(1, math.ceil(step.retry_after_s)))} if step.retry_after_s > 0 else None
+                    raise APIError(step.status, step.message, code=step.code or None, param=step.param, headers=headers)
+                placed = await self.forward(g, step, lease_id, adm)
+                if placed is not None:
+                    return placed
+        finally:
+            adm.close()
+
+    async def forward(self, g: pb.GenerateRequest, step: Step, lease_id: str, adm) -> Placed | None:
+        """Send the call to the decision's instance; None (and ``adm.failed``) when it did not accept."""
+        state, d = self.state, step.decision
+        assert d is not None and d.instance_id is not None
+        inst = d.instance_id
+        entry = state.sessions.get(g.session_id) if g.session_id else None
+        g.ClearField("prefix")
+        if entry is not None and entry.model == g.model:
+            g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
+        g.lease_id = lease_id
+        state.gateway.commit(adm.req, d)
+        if step.deadline_risk_s is not None:
+            log.info("call %s placed on %s past admission: predicted TTFT %.1fs (deadline risk)", g.request_id, inst, step.deadline_risk_s)
+        call = EngineCall(state.nc, state.subjects, self.cfg.id, inst, g)
+        view = state.registry.instances[inst]
+        try:
+            await call.start()
+            first = await call.wait_accepted(self.cfg.accept_timeout_s, lambda: state.registry.alive(view))
+        except EngineUnavailable as e:
+            await call.close()
+            state.registry.mark_suspect(inst, self.cfg.accept_timeout_s)
+            state.counters["engine_unavailable"] += 1
+            log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
+            adm.failed(inst, str(e))
+            return None
+        except BaseException:
+            await call.close()
+            raise
+        if first.HasField("error"):
+            await call.close()
+            err = first.error
+            headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
+            raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
+        return Placed(call, first, step)
+
+    # ------------------------------------------------------------------------------------ serving
+    async def serve(self, request: Request, g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int, exact: bool = False) -> Response:
+        ct = CallTrace(self.state.tracer(), g, chat, self.cfg.id, self.state.publish_call)  # one trace per call; ended by call.close()
+        try:
+            placed = await self.start_call(g, prompt_tokens, exact)
+        except BaseException as e:
+            ct.end(e)
+            raise
+        call = placed.call
+        ct.placed(placed.step.decision, call)
+        call.trace = ct
+        view = self.state.registry.instances[call.instance_id]
+        alive = lambda: self.state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
+        rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
+        if g.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            sse = self.sse(call, rid, int(time.time()), g.model, chat, include_usage, alive)
+            return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **placed.headers()})
+        return await self.complete(request, placed, rid, g.model, chat, alive)
+
+    async def complete(self, request: Request, placed: Placed, rid: str, model: str, chat: bool, alive: Callable[[], bool]) -> Response:
+        """A non-streaming answer. A client that disconnects first cancels the engine work (issue 18 item 3)."""
+        call, created = placed.call, int(time.time())
+        collect = asyncio.ensure_future(self.collect(call, alive))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                self.state.counters["client_disconnect"] += 1
+                self.state.counters["client_disconnect_nonstream"] += 1
+                raise APIError(499, "client disconnected", code="client_disconnected")
+            content, reason, usage = collect.result()
+        finally:
+            for t in (collect, gone):
+                t.cancel()
+            await asyncio.gather(collect, gone, return_exceptions=True)
+            if not call.finished:  # client went away or the engine was lost: free the engine's work
+                await call.cancel("client disconnected" if gone.done() else "call abandoned")
+            await call.close()
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
+            if chat
+            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
+        )
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
+        return JSONResponse(body, headers=placed.headers())
+
+    async def collect(self, call: EngineCall, alive: Callable[[], bool]) -> tuple[str, str | None, object]:
+        """Read a call to its end: (text, finish reason, usage). Raises APIError on an engine error or loss."""
+        text, reason, usage = [], None, None
+        try:
+            async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
+                if c.HasField("error"):
+                    raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
+                text.append(c.text)
+                if c.finished:
+                    reason, usage = c.finish_reason, c.usage
+        except EngineUnavailable as e:
+            self.state.counters["engine_lost_midcall"] += 1
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+        return "".join(text), reason, usage
+
+    async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, usage=None) -> bytes:
+            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                d["usage"] = usage
+            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+
+        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant"} if first else {}
+                if text is not None:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+
+        try:
+            if chat:
+                yield event([choice("", None, first=True)])
+            async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
+                if c.HasField("error"):
+                    err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
+                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                    break
+                if c.text:
+                    yield event([choice(c.text, None)])
+                if c.finished:
+                    yield event([choice(None if chat else "", c.finish_reason)])
+                    if include_usage:
+                        yield event([], _usage(c.usage))
+            yield b"data: [DONE]\n\n"
+        except EngineUnavailable as e:
+            self.state.counters["engine_lost_midcall"] += 1
+            yield b"data: " + json.dumps(APIError(503, str(e), code="engine_unavailable").body()).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            # Runs on normal end and when the client disconnects (the generator is closed/cancelled).
+            if not call.finished:
+                self.state.counters["client_disconnect"] += 1
+                await call.cancel("client disconnected")
+            await call.close()
+
+    # ----------------------------------------------------------------------------------- handlers
+    async def chat(self, request: Request) -> Response:
+        data = await self.read_json(request)
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+            texts = [(m.role, m.text()) for m in req.messages]
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        except ValueError as e:
+            raise APIError(422, str(e), code="invalid_value", param="messages") from None
+        g = self.base_request(request, req, req.effective_max_tokens())
+        msgs = pb.ChatMessages()
+        for i, (role, text) in enumerate(texts):
+            m = msgs.messages.add(role=role)
+            _put(m, "content", text, f"messages.{i}.content")
+        g.messages.CopyFrom(msgs)
+        est = sum(len(t) for _, t in texts) // 4 + 8 * len(texts)
+        return await self.serve(request, g, req, chat=True, prompt_tokens=est)
+
+    async def completions(self, request: Request) -> Response:
+        data = await self.read_json(request)
+        try:
+            req = CompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        g = self.base_request(request, req, req.effective_max_tokens())
+        if isinstance(req.prompt, str):
+            _put(g, "text", req.prompt, "prompt")
+            return await self.serve(request, g, req, chat=False, prompt_tokens=len(req.prompt) // 4 + 1)
+        ids = pb.TokenIds()
+        _put(ids, "ids", list(req.prompt), "prompt")
+        g.token_ids.CopyFrom(ids)
+        return await self.serve(request, g, req, chat=False, prompt_tokens=len(req.prompt), exact=True)
+
+    def health(self) -> JSONResponse:
         """Liveness plus a summary; 503 until NATS is connected."""
+        state = self.state
         ok = state.nc is not None and state.nc.is_connected
+        reg = state.registry
         body = {
             "status": "ok" if ok else "degraded",
-            "router": cfg.id,
-            "instances": {
-                i: {
-                    "healthy": state.registry.healthy(v),
-                    "alive": state.registry.alive(v),
-                    "running": v.snapshot.num_running,
-                    "waiting": v.snapshot.num_waiting,
-                    "inflight_overlay": v.inflight,
-                    "draining": v.snapshot.draining,
-                    "kv_usage": round(v.snapshot.kv_usage, 4),
-                    "models": [m.model for m in v.snapshot.models],
-                }
-                for i, v in state.registry.instances.items()
-            },
+            "router": self.cfg.id,
+            "instances": {i: _instance_health(reg, v) for i, v in reg.instances.items()},
             "sessions": len(state.sessions),
             "counters": dict(state.counters),
             "placement": {k: v for k, v in state.gateway.metrics().items() if k != "counters"},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body was already read)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _instance_health(reg, v) -> dict:
+    return {
+        "healthy": reg.healthy(v),
+        "alive": reg.alive(v),
+        "state": reg.state(v),
+        "running": v.snapshot.num_running,
+        "waiting": v.snapshot.num_waiting,
+        "inflight_overlay": v.inflight,
+        "draining": v.snapshot.draining,
+        "kv_usage": round(v.snapshot.kv_usage, 4),
+        "models": [m.model for m in v.snapshot.models],
+    }
+
+
+def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
+    app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
+    api = RouterAPI(state)
+    cfg = api.cfg
+    _install_error_handlers(app, state)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return api.health()
 
     @app.get("/router/metrics")
     async def router_metrics() -> JSONResponse:
@@ -112,275 +419,43 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    async def _read_json(request: Request) -> dict:
-        body = await request.body()
-        if len(body) > cfg.max_request_bytes:
-            raise APIError(413, f"request body of {len(body)} bytes exceeds the limit of {cfg.max_request_bytes}", code="request_too_large")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        return data
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        data = await _read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-            messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in req.messages]
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        except ValueError as e:
-            raise APIError(422, str(e), code="invalid_value", param="messages") from None
-        g = _base_request(request, req, req.effective_max_tokens())
-        g.messages.CopyFrom(pb.ChatMessages(messages=messages))
-        est = sum(len(m.content) for m in messages) // 4 + 8 * len(messages)
-        return await _serve(g, req, chat=True, prompt_tokens=est)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        data = await _read_json(request)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        g = _base_request(request, req, req.effective_max_tokens())
-        if isinstance(req.prompt, str):
-            g.text = req.prompt
-            est = len(req.prompt) // 4 + 1
-        else:
-            g.token_ids.CopyFrom(pb.TokenIds(ids=list(req.prompt)))
-            est = len(req.prompt)
-        return await _serve(g, req, chat=False, prompt_tokens=est)
-
-    def _base_request(request: Request, req, max_tokens: int | None) -> pb.GenerateRequest:
-        if max_tokens is None:
-            max_tokens = min(DEFAULT_MAX_TOKENS, cfg.max_tokens_limit)
-        if not 1 <= max_tokens <= cfg.max_tokens_limit:
-            raise APIError(422, f"max_tokens must be between 1 and {cfg.max_tokens_limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
-        session = request.headers.get("x-session-id") or req.session_id or req.user or ""
-        sp = pb.SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            max_tokens=max_tokens,
-            stop=req.stop_list(),
-            ignore_eos=req.ignore_eos,
-        )
-        if req.seed is not None:
-            sp.has_seed, sp.seed = True, req.seed
-        return pb.GenerateRequest(
-            schema_version=SCHEMA_VERSION,
-            request_id=uuid.uuid4().hex,
-            session_id=session[:256],
-            model=req.model,
-            sampling=sp,
-            stream=req.stream,
-            deadline_unix=time.time() + state.cfg.router.request_timeout_s,
-            trace_context=incoming_context(request.headers),
-        )
-
-    pc = cfg.placement
-
-    async def _decide(req, tried: set[str]) -> tuple[Decision, str]:
-        """Algorithm 1 with the lease step made atomic across router replicas: a lease the policy honours
-        is consumed in the shared store first; if another replica got it, placement runs without it.
-        Returns the decision and the id of the lease it consumed ("" if none)."""
-        gw = state.gateway
-        d, rev = gw.decide(req, tried)
-        lease_id = ""
-        if d.lease == "hit":
-            assert rev is not None
-            got = gw.leases.get(req.session_id, req.model)
-            lease_id = got[0].lease_id if got is not None else ""
-            if not await state.lease_store.consume(req.session_id, req.model, rev):
-                gw.lease_raced()
-                d, _ = gw.decide(req, tried, use_lease=False)
-                return d, ""
-        elif d.lease != "none" and rev is not None:
-            await state.lease_store.discard(req.session_id, req.model, rev)
-        gw.lease_judged(d)
-        return d, lease_id
-
-    def _overloaded(d: Decision, message: str) -> APIError:
-        retry = str(max(1, math.ceil(d.retry_after_s)))
-        return APIError(429, message, code="overloaded", headers={"Retry-After": retry})
-
-    async def _start_call(g: pb.GenerateRequest, prompt_tokens: int) -> tuple[EngineCall, pb.TokenChunk, Decision]:
-        """Place and forward; retries another instance when one does not accept (nothing was started)."""
-        gw = state.gateway
-        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens)
-        gw.arrival(req)
-        tried: set[str] = set()
-        last_error: EngineUnavailable | None = None
-        loop = asyncio.get_running_loop()
-        queue_deadline: float | None = None
-        attempts = 0
-        try:
-            while attempts < 3:
-                decision, lease_id = await _decide(req, tried)
-                if decision.instance_id is None:
-                    if decision.reason != "overload":
-                        break
-                    # Overload policy (no admissible candidate): 429 now, or a bounded wait in the queue.
-                    if pc.overload == "reject":
-                        gw.stats["overload_rejected"] += 1
-                        gw.log(req, decision)
-                        raise _overloaded(decision, f"all instances serving '{g.model}' are over their admission budget")
-                    if queue_deadline is None:
-                        if gw.queued >= pc.queue_max:
-                            gw.stats["overload_rejected"] += 1
-                            raise _overloaded(decision, f"gateway queue for '{g.model}' is full ({pc.queue_max} waiting)")
-                        gw.queued += 1
-                        gw.stats["overload_queued"] += 1
-                        queue_deadline = loop.time() + pc.queue_timeout_s
-                    if loop.time() >= queue_deadline:
-                        gw.stats["overload_queue_timeouts"] += 1
-                        raise _overloaded(decision, f"no instance for '{g.model}' admitted the call within {pc.queue_timeout_s:.0f}s")
-                    await asyncio.sleep(0.05)
-                    continue
-                if queue_deadline is not None:
-                    gw.queued -= 1
-                    queue_deadline = None
-                attempts += 1
-                inst = decision.instance_id
-                tried.add(inst)
-                entry = state.sessions.get(g.session_id) if g.session_id else None
-                if entry is not None and entry.model == g.model:
-                    g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
-                g.lease_id = lease_id
-                gw.commit(req, decision)
-                call = EngineCall(state.nc, state.subjects, cfg.id, inst, g)
-                view = state.registry.instances[inst]
-                try:
-                    await call.start()
-                    first = await call.wait_accepted(cfg.accept_timeout_s, lambda: state.registry.alive(view))
-                except EngineUnavailable as e:
-                    await call.close()
-                    state.registry.mark_suspect(inst, cfg.accept_timeout_s)
-                    state.counters["engine_unavailable"] += 1
-                    log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
-                    last_error = e
-                    continue
-                except BaseException:
-                    await call.close()
-                    raise
-                if first.HasField("error"):
-                    await call.close()
-                    err = first.error
-                    headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
-                    raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
-                return call, first, decision
-        finally:
-            if queue_deadline is not None:
-                gw.queued -= 1
-        if last_error is not None:
-            raise APIError(503, f"no engine answered for model '{g.model}': {last_error}", code="engine_unavailable", headers={"Retry-After": "1"})
-        if gw.known_model(g.model):
-            raise APIError(503, f"no healthy instance serves model '{g.model}'", code="no_healthy_instance", headers={"Retry-After": "1"})
-        raise APIError(404, f"model '{g.model}' does not exist", code="model_not_found", param="model")
-
-    async def _serve(g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int) -> Response:
-        ct = CallTrace(state.tracer(), g, chat, cfg.id, state.publish_call)  # one trace per call (issue 7); ended by call.close()
-        try:
-            call, first, decision = await _start_call(g, prompt_tokens)
-        except BaseException as e:
-            ct.end(e)
-            raise
-        ct.placed(decision, call)
-        call.trace = ct
-        placed = {"X-Talaria-Instance": call.instance_id, "X-Talaria-Placement": decision.reason}
-        view = state.registry.instances[call.instance_id]
-        view_alive = lambda: state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
-        created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
-        if g.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _sse(call, rid, created, g.model, chat, include_usage, view_alive),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **placed},
-            )
-        try:
-            text, reason, usage = [], None, None
-            async for c in call.chunks(cfg.idle_chunk_timeout_s, view_alive):
-                if c.HasField("error"):
-                    raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
-                text.append(c.text)
-                if c.finished:
-                    reason, usage = c.finish_reason, c.usage
-        except EngineUnavailable as e:
-            state.counters["engine_lost_midcall"] += 1
-            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
-        finally:
-            if not call.finished:  # client went away or the engine was lost: free the engine's work
-                await call.cancel("call abandoned")
-            await call.close()
-        content = "".join(text)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
-            if chat
-            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
-        )
-        body = {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": g.model,
-            "choices": [choice],
-            "usage": _usage(usage),
-        }
-        return JSONResponse(body, headers=placed)
-
-    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choices: list, usage=None) -> bytes:
-            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
-
-        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
-            if chat:
-                delta = {}
-                if first:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-
-        try:
-            if chat:
-                yield event([choice("", None, first=True)])
-            async for c in call.chunks(cfg.idle_chunk_timeout_s, alive):
-                if c.HasField("error"):
-                    err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
-                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-                    break
-                if c.text:
-                    yield event([choice(c.text, None)])
-                if c.finished:
-                    yield event([choice(None if chat else "", c.finish_reason)])
-                    if include_usage:
-                        yield event([], _usage(c.usage))
-            yield b"data: [DONE]\n\n"
-        except EngineUnavailable as e:
-            state.counters["engine_lost_midcall"] += 1
-            err = APIError(503, str(e), code="engine_unavailable")
-            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            # Runs on normal end and when the client disconnects (the generator is closed/cancelled).
-            if not call.finished:
-                state.counters["client_disconnect"] += 1
-                await call.cancel("client disconnected")
-            await call.close()
-
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
     return app
+
+
+def _install_error_handlers(app: FastAPI, state) -> None:
+    """OpenAI error bodies for every failure: APIError, unknown route / wrong method (404/405), a value the
+    wire cannot carry that no field guard caught (400), anything else (500, connection kept)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, e: APIError) -> Response:
+        state.counters[f"error_{e.status}"] += 1
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req: Request, e: StarletteHTTPException) -> Response:
+        state.counters[f"error_{e.status_code}"] += 1
+        if e.status_code == 404:
+            err = APIError(404, f"unknown route {req.method} {req.url.path}", code="unknown_route")
+        elif e.status_code == 405:
+            err = APIError(405, f"method {req.method} is not allowed on {req.url.path}", code="method_not_allowed", headers=dict(e.headers or {}))
+        else:
+            err = APIError(e.status_code, str(e.detail), code=None, headers=dict(e.headers or {}))
+        return err.response()
+
+    @app.exception_handler(ValueError)
+    async def _unencodable(_req: Request, e: ValueError) -> Response:
+        # the net under the per-field guards: a client value the wire could not carry is never a 500
+        log.warning("request value not encodable (no field guard caught it): %s", unencodable(e))
+        state.counters["error_400"] += 1
+        return APIError(400, f"a request value cannot be encoded: {unencodable(e)}", code="invalid_value").response()
+
+    def _unexpected(e: Exception) -> None:
+        log.error("unexpected router error", exc_info=e)
+        state.counters["error_500"] += 1
+
+    app.add_middleware(CatchAll, on_error=_unexpected)
 
 
 def _usage(u) -> dict:
@@ -396,4 +471,4 @@ def _usage(u) -> dict:
     }
 
 
-__all__ = ["create_app", "Counter"]
+__all__ = ["create_app", "Counter", "RouterAPI"]

@@ -1,12 +1,22 @@
-"""OpenAI-style errors: one exception type carrying the HTTP status and the error body fields."""
+"""OpenAI-style errors: one exception type carrying the HTTP status and the error body fields, the encode
+guard that turns a value the wire cannot carry into a 400 naming its field, and the ASGI safety net that
+answers an unexpected exception with a JSON 500 without tearing down the keep-alive connection."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi.responses import Response
+
+log = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -36,5 +46,58 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII JSON: a message or param that quotes client text (a lone surrogate included) always encodes.
+        return Response(json.dumps(self.body()).encode(), status_code=self.status, headers=self.headers, media_type="application/json")
+
+
+def unencodable(e: BaseException) -> str:
+    """Why a value could not be set on a protobuf field, in words a client can act on."""
+    if isinstance(e, UnicodeError):
+        return "text is not valid Unicode (a lone UTF-16 surrogate such as \\udc80?)"
+    if "out of range" in str(e).lower() or isinstance(e, OverflowError):
+        return "integer out of the supported range"
+    return str(e)
+
+
+@contextmanager
+def wire_field(param: str) -> Iterator[None]:
+    """Guard setting one request value on the wire message: a value that passed validation but that the
+    protobuf field cannot carry (integer overflow, lone surrogate) raises ``APIError(400)`` naming ``param``."""
+    try:
+        yield
+    except (ValueError, TypeError, OverflowError) as e:
+        raise APIError(400, f"invalid value for '{param}': {unencodable(e)}", code="invalid_value", param=param) from None
+
+
+class CatchAll:
+    """Innermost-but-one ASGI net: an exception no handler took becomes a JSON 500 and is *not* re-raised,
+    so the server keeps the keep-alive connection (Starlette's own 500 path re-raises and uvicorn then
+    closes the socket). ``on_error(exc)`` counts/logs it. Mutates nothing else."""
+
+    def __init__(self, app, on_error=None):
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:  # noqa: BLE001 - the net: nothing escapes to the server
+            if self.on_error is not None:
+                self.on_error(e)
+            else:
+                log.exception("unexpected router error")
+            if started:
+                return  # mid-response: nothing more can be said; the server ends the response
+            await APIError(500, "internal router error; see router logs", code="internal_error").response()(scope, receive, send)

@@ -23,7 +23,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
 from services.router.policy import (
@@ -55,6 +55,7 @@ class PoolSpec:
     pool: str  # "hot" | "cold"
     models: tuple[str, ...]
     page_size: int = 16
+    max_num_seqs: int = 1  # decode slots: calls it can run at once (admission's "can start now")
 
 
 class Gateway:
@@ -339,6 +340,43 @@ class Gateway:
         if self.decisions.maxlen:
             self.decisions.append({"at_unix": self.wall(), "session_id": req.session_id, "model": req.model, **d.as_dict()})
 
+    # ---------------------------------------------------------------------------------- admission
+    def admission(self, req: CallRequest, overload: "OverloadPolicy", prompt_exact: bool = False) -> "Admission":
+        """The admission / queue / retry state machine of one call (see ``Admission``)."""
+        return Admission(self, req, overload, prompt_exact)
+
+    def context_limit(self, model: str, candidates: Iterable[str]) -> int:
+        """The largest context any of ``candidates`` reports for ``model`` (0 = unknown)."""
+        best = 0
+        for iid in candidates:
+            v = self.registry.instances.get(iid)
+            if v is not None:
+                best = max(best, v.max_context(model))
+        return best
+
+    def start_now(self, req: CallRequest, d: Decision, over_context: bool) -> Decision | None:
+        """Overload fallback (issue 18 item 5): the least loaded live candidate if it can start the call now
+        (nothing queued ahead of it, a free decode slot), or (``over_context``) regardless of load, so the
+        engine's exact tokenizer answers 413. Returns the rewritten decision (reason ``start-now``) or None.
+        Pure: reads the states the last ``decide`` built."""
+        best: tuple | None = None
+        for c in d.costs:
+            st = self._cur.get(c.instance_id)
+            if st is None or c.reject in ("unhealthy", "stale") or not st.healthy or not st.fresh:
+                continue
+            spec = self.pools.get(c.instance_id)
+            slots = spec.max_num_seqs if spec is not None else 1
+            if not over_context and (st.waiting > 0 or st.running + st.overlay_calls >= slots):
+                continue
+            key = (st.waiting + st.overlay_calls + st.running, c.total, c.instance_id)
+            if best is None or key < best[0]:
+                best = (key, c)
+        if best is None:
+            return None
+        c = best[1]
+        return replace(d, instance_id=c.instance_id, reason="start-now", opens_model=c.act == "open", switches_model=c.act == "switch",
+                       avoidable_open=False, retry_after_s=0.0)
+
     # ------------------------------------------------------------------------------------- views
     def known_model(self, model: str) -> bool:
         return self.registry.known_model(model) or any(model in s.models for s in self.pools.values())
@@ -374,4 +412,146 @@ ACCOUNTING = (
     "overload_rejected",
     "overload_queued",
     "overload_queue_timeouts",
+    "admitted_start_now",
+    "deadline_risk",
 )
+
+
+# ------------------------------------------------------------------------------------------ admission
+#
+# Design note (Talaria §3.3 "predictive overload controls rather than hard TTFT guarantees", Algorithm 1
+# lines 20-22 "invoke the configured gateway overload policy"; issue 18 items 4-5). The policy's
+# round-admission and memory checks are *predictions*; a prediction never turns away work that can start
+# now. When ``decide`` finds no admissible candidate ("overload"):
+#   0. A token-id prompt is counted exactly: over the context (prompt + max_tokens, the engine's rule) it is
+#      413 ``context_length_exceeded`` at once, busy or not.
+#   1. A call whose prompt estimate is over the model's context is forwarded to the least loaded live
+#      candidate, whatever its load: the engine tokenizes exactly and answers 413 ``context_length_exceeded``
+#      (a 429 would make a retrying client loop forever).
+#   2. The least loaded live candidate that can start the call now (nothing waiting, a free decode slot,
+#      counting the in-flight overlay) gets it: placement ``start-now``; its predicted TTFT above the
+#      admission budget is a *deadline risk*, reported with the step (header, log, counter), not overload.
+#   3. Otherwise the overload policy: 429 + Retry-After at once ("reject"), or a bounded wait in the
+#      gateway queue ("queue": at most ``queue_max`` calls, ``queue_timeout_s`` each), re-deciding every
+#      ``poll_s``, then 429.
+# A forward the engine does not accept (nothing ran) is retried on another instance, ``max_attempts`` in all.
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadPolicy:
+    mode: str = "reject"  # "reject" | "queue"
+    queue_max: int = 64
+    queue_timeout_s: float = 10.0
+    poll_s: float = 0.05
+    max_attempts: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the caller does next: ``forward`` the decision, ``wait`` ``wait_s`` then ask again, or ``reject``
+    with an HTTP error (status, code, message, param, ``retry_after_s`` > 0 adds Retry-After)."""
+
+    kind: str  # "forward" | "wait" | "reject"
+    decision: Decision | None = None
+    lease_rev: int | None = None
+    wait_s: float = 0.0
+    status: int = 0
+    code: str = ""
+    message: str = ""
+    param: str | None = None
+    retry_after_s: float = 0.0
+    deadline_risk_s: float | None = None  # forward past a failed admission prediction: the predicted TTFT
+
+
+@dataclass
+class Admission:
+    """One call's way to an instance. Clock: the registry's (injected). Mutates the gateway's ``queued``
+    count and ``stats`` (and its decision log on a rejection); call ``close()`` when done."""
+
+    gw: Gateway
+    req: CallRequest
+    overload: OverloadPolicy
+    prompt_exact: bool = False  # req.prompt_tokens is the exact token count (a token-id prompt)
+    tried: set[str] = field(default_factory=set)
+    attempts: int = 0
+    last_error: str = ""
+    queue_deadline: float | None = None
+
+    def next(self, use_lease: bool = True) -> Step:
+        """Decide again (excluding instances already tried) and say what to do."""
+        gw, req = self.gw, self.req
+        if self.attempts >= self.overload.max_attempts:
+            return self._exhausted()
+        d, rev = gw.decide(req, self.tried, use_lease)
+        limit = gw.context_limit(req.model, [c.instance_id for c in d.costs])
+        over = limit > 0 and req.prompt_tokens + req.max_tokens > limit
+        if over and self.prompt_exact:  # same rule as the engine's, on an exact count: never forwarded
+            self._dequeue()
+            return Step("reject", d, rev, status=413, code="context_length_exceeded", param="prompt",
+                        message=f"prompt of {req.prompt_tokens} tokens plus max_tokens {req.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'")
+        if d.instance_id is not None:
+            return self._forward(d, rev)
+        if d.reason != "overload":
+            return replace(self._exhausted(), decision=d, lease_rev=rev)
+        fb = gw.start_now(req, d, over)
+        if fb is not None:
+            chosen = fb.chosen()
+            risk = chosen.predicted_ttft_s if chosen is not None and chosen.predicted_ttft_s > gw.params.admission_budget_s else None
+            gw.stats["admitted_start_now"] += 1
+            if risk is not None:
+                gw.stats["deadline_risk"] += 1
+            return replace(self._forward(fb, rev), deadline_risk_s=risk)
+        return self._overloaded(d, rev)
+
+    def _forward(self, d: Decision, rev: int | None) -> Step:
+        self._dequeue()
+        assert d.instance_id is not None
+        self.attempts += 1
+        self.tried.add(d.instance_id)
+        return Step("forward", d, rev)
+
+    def _overloaded(self, d: Decision, rev: int | None) -> Step:
+        gw, o, model = self.gw, self.overload, self.req.model
+        now = gw.registry.clock.now()
+
+        def reject(message: str) -> Step:
+            gw.stats["overload_rejected"] += 1
+            gw.log(self.req, d)
+            self._dequeue()
+            return Step("reject", d, rev, status=429, code="overloaded", message=message, retry_after_s=max(1.0, d.retry_after_s))
+
+        if o.mode != "queue":
+            return reject(f"all instances serving '{model}' are over their admission budget")
+        if self.queue_deadline is None:
+            if gw.queued >= o.queue_max:
+                return reject(f"gateway queue for '{model}' is full ({o.queue_max} waiting)")
+            gw.queued += 1
+            gw.stats["overload_queued"] += 1
+            self.queue_deadline = now + o.queue_timeout_s
+        if now >= self.queue_deadline:
+            gw.stats["overload_queue_timeouts"] += 1
+            return reject(f"no instance for '{model}' admitted the call within {o.queue_timeout_s:.0f}s")
+        return Step("wait", d, rev, wait_s=min(o.poll_s, self.queue_deadline - now))
+
+    def _exhausted(self) -> Step:
+        self._dequeue()
+        model = self.req.model
+        if self.last_error:
+            return Step("reject", status=503, code="engine_unavailable", retry_after_s=1.0, message=f"no engine answered for model '{model}': {self.last_error}")
+        if self.gw.known_model(model):
+            return Step("reject", status=503, code="no_healthy_instance", retry_after_s=1.0, message=f"no healthy instance serves model '{model}'")
+        return Step("reject", status=404, code="model_not_found", param="model", message=f"model '{model}' does not exist")
+
+    def failed(self, instance_id: str, error: str) -> None:
+        """The forward to ``instance_id`` was not accepted (nothing ran): the next step tries another."""
+        self.tried.add(instance_id)
+        self.last_error = error
+
+    def _dequeue(self) -> None:
+        if self.queue_deadline is not None:
+            self.gw.queued -= 1
+            self.queue_deadline = None
+
+    def close(self) -> None:
+        """Leave the gateway queue if still in it (idempotent)."""
+        self._dequeue()

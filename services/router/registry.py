@@ -128,6 +128,14 @@ class Registry:
             return False
         return not view.snapshot.draining
 
+    def state(self, view: InstanceView) -> str:
+        """``ok`` | ``draining`` | ``suspect`` (late or failed to answer: no new calls) | ``dead`` (gone)."""
+        if not self.alive(view):
+            return "dead"
+        if view.suspect_until > self.clock.now() or not self.healthy(view) and not view.snapshot.draining:
+            return "suspect"
+        return "draining" if view.snapshot.draining else "ok"
+
     def mark_suspect(self, instance_id: str, seconds: float) -> None:
         """Exclude an instance that failed to answer until a fresh snapshot or ``seconds`` pass."""
         v = self.instances.get(instance_id)

@@ -125,7 +125,7 @@ def make_state(cfg: StackConfig) -> RouterState:
         shapes=ShapeBook(pc.ewma_alpha),
         demand=DemandMeter(pc.ewma_alpha),
         tau_s=pc.lease_ttl_s,
-        pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size) for e in cfg.engines},
+        pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size, e.max_num_seqs) for e in cfg.engines},
         router_id=cfg.router.id,
         decisions_kept=pc.decisions_kept,
     )
