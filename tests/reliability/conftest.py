@@ -119,3 +119,37 @@ def http_client(stack, timeout: float = 60.0) -> httpx.Client:
 
 def now() -> float:
     return time.monotonic()
+
+
+class ExtraRouter:
+    """A second router process on a running stack's NATS with its own config overrides (placement knobs,
+    timeouts): cheaper than a new stack, and the engines are the real ones."""
+
+    def __init__(self, stack, name: str, tmp_path, **router):
+        from talaria.config import load_config
+
+        data = load_config(stack.cfg_path).model_dump(mode="json")
+        r = data["router"]
+        for k, v in router.items():
+            if isinstance(v, dict):
+                r[k] = {**r.get(k, {}), **v}
+            else:
+                r[k] = v
+        r["id"], r["port"] = name, 0
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        self.stack, self.name = stack, name
+        child = stack._spawn(name, ["-m", "services.router", "--config", str(path)], "listening on")
+        assert child.ready.wait(60), f"router {name} did not start"
+        self.api = child.ready_line.rsplit(" ", 1)[-1]
+        ids = {e.id for e in stack.cfg.engines}
+        wait_until(lambda: ids <= {i for i, v in httpx.get(f"{self.api}/health", timeout=5).json()["instances"].items() if v["healthy"]}, timeout=30)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.api}/health", timeout=5).json()
+
+    def stop(self) -> None:
+        c = self.stack.children.pop(self.name, None)
+        if c is not None:
+            c.terminate()
+            c.proc.wait(30)
