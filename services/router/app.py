@@ -237,6 +237,9 @@ class RouterAPI:
             if not collect.done():
                 self.state.counters["client_disconnect"] += 1
                 self.state.counters["client_disconnect_nonstream"] += 1
+                # Cancel on the engine before stopping the reader: ``call.finished`` also ends its loop, so
+                # a cancellation lost in a race with an arriving chunk cannot keep it reading to the end.
+                await call.cancel("client disconnected")
                 raise APIError(499, "client disconnected", code="client_disconnected")
             content, reason, usage = collect.result()
         finally:

@@ -68,8 +68,11 @@ class EngineCall:
             if left <= 0:
                 raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} {what} within {timeout:.0f}s", self.accepted is not None)
             try:
-                return await asyncio.wait_for(self._queue.get(), timeout=min(left, 0.25))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+                # races with an arriving chunk, and the reader then runs on to the end of the call
+                async with asyncio.timeout(min(left, 0.25)):
+                    return await self._queue.get()
+            except TimeoutError:
                 if not alive():
                     raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} stopped sending heartbeats", self.accepted is not None) from None
 
