@@ -71,6 +71,7 @@ class _Call:
     arrival_ns: int = 0  # wall clock, for spans
     accepted_ns: int = 0
     first_token_ns: int = 0
+    last_sent: float = 0.0  # monotonic time of the last chunk published on the reply inbox (keepalives)
     span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
 
 
@@ -197,6 +198,7 @@ class EngineService:
         chunk.instance_id = self.cfg.id
         chunk.seq = call.seq
         call.seq += 1
+        call.last_sent = time.monotonic()
         assert self.nc is not None
         try:
             await self.nc.publish(call.reply, chunk.SerializeToString())
@@ -584,6 +586,23 @@ class EngineService:
             for rid, call in list(self._calls.items()):
                 if call.deadline_wall and now > call.deadline_wall:
                     self._abort(rid, "deadline passed")
+            await self._keepalives()
+
+    async def _keepalives(self) -> None:
+        """A ``keepalive`` chunk (no seq, no tokens) to every accepted call silent for a heartbeat period
+        (queued, or waiting for its model's slot), so the router's silence timeout only fires for a silent
+        engine (issue 18 item 14). Mutates each such call's ``last_sent``."""
+        assert self.nc is not None
+        quiet = time.monotonic() - self.cfg.heartbeat_period_s
+        for call in list(self._calls.values()):
+            if call.seq == 0 or call.last_sent > quiet:
+                continue  # not accepted yet (seq 0 is the accepted chunk), or spoke recently
+            call.last_sent = time.monotonic()
+            ka = pb.TokenChunk(schema_version=SCHEMA_VERSION, request_id=call.request_id, instance_id=self.cfg.id, keepalive=True)
+            try:
+                await self.nc.publish(call.reply, ka.SerializeToString())
+            except Exception as e:  # noqa: BLE001 - a lost client must not stop the loop
+                log.debug("keepalive to %s failed: %s", call.reply, e)
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self, stop: asyncio.Event, url: str) -> None:

@@ -1,7 +1,9 @@
 """Calls into engines over NATS: publish a GenerateRequest with a private reply inbox, then read the
 TokenChunk stream from it. Liveness is bounded at every step: the engine must accept within
-``accept_timeout``, chunks must keep coming within ``idle_timeout``, and the call is abandoned as soon as
-the instance's heartbeats stop (``alive()``), so a dead engine costs a bounded wait, never a hang.
+``accept_timeout``, chunks must keep coming within ``idle_timeout`` (a ``keepalive`` chunk, which an engine
+sends for a call it holds in its queue, counts: only a silent engine times out), and the call is abandoned
+as soon as the registry declares the instance gone (``alive()``), so a dead engine costs a bounded wait,
+never a hang.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class EngineCall:
         self._sub = None
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
+        self.keepalives = 0  # keepalive chunks seen (the engine held the call without tokens)
         self.trace = None  # services.router.tracing.CallTrace: sees every chunk, ended by close()
 
     async def start(self) -> None:
@@ -91,6 +94,9 @@ class EngineCall:
         pending: dict[int, pb.TokenChunk] = {}
         while not self.finished:
             chunk = await self._next(idle_timeout, alive, "sent nothing")
+            if chunk.keepalive:
+                self.keepalives += 1
+                continue  # the engine holds the call (queued): it restarted the silence timer, nothing more
             pending[chunk.seq] = chunk
             while expected in pending:
                 c = pending.pop(expected)
