@@ -192,7 +192,10 @@ class RouterAPI:
             first = await call.wait_accepted(self.cfg.accept_timeout_s, lambda: state.registry.alive(view))
         except EngineUnavailable as e:
             await call.close()
-            state.registry.mark_suspect(inst, self.cfg.accept_timeout_s)
+            if call.no_responders:
+                state.registry.mark_gone(inst, "NATS: no responders to a call (process gone)")
+            else:
+                state.registry.mark_suspect(inst, self.cfg.accept_timeout_s)
             state.counters["engine_unavailable"] += 1
             log.warning("instance %s did not accept %s: %s", inst, g.request_id, e)
             adm.failed(inst, str(e))

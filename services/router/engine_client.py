@@ -41,7 +41,8 @@ class EngineCall:
         self.instance_id = instance_id
         self.req = req
         self.inbox = f"{subjects.inbox_prefix(router_id)}.{uuid.uuid4().hex}"
-        self._queue: asyncio.Queue[pb.TokenChunk] = asyncio.Queue()
+        self._queue: asyncio.Queue[pb.TokenChunk | None] = asyncio.Queue()  # None: NATS no-responders
+        self.no_responders = False  # the engine's process is gone (its subscription with it)
         self._sub = None
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
@@ -50,6 +51,10 @@ class EngineCall:
 
     async def start(self) -> None:
         async def on_msg(msg) -> None:
+            if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
+                self.no_responders = True  # NATS: nobody subscribes to the engine's generate subject
+                self._queue.put_nowait(None)
+                return
             chunk = pb.TokenChunk()
             try:
                 chunk.ParseFromString(msg.data)
@@ -74,10 +79,13 @@ class EngineCall:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
                 # races with an arriving chunk, and the reader then runs on to the end of the call
                 async with asyncio.timeout(min(left, 0.25)):
-                    return await self._queue.get()
+                    chunk = await self._queue.get()
+                if chunk is None:
+                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+                return chunk
             except TimeoutError:
                 if not alive():
-                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} stopped sending heartbeats", self.accepted is not None) from None
+                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (no heartbeats, or NATS has no responders for it)", self.accepted is not None) from None
 
     async def wait_accepted(self, timeout: float, alive: Callable[[], bool]) -> pb.TokenChunk:
         """First chunk: ``accepted`` or a terminal error. Raises EngineUnavailable on silence."""

@@ -1,20 +1,33 @@
 """Instance registry: the router's view of engine instances, built from heartbeats (InstanceSnapshot).
 
-Health rule (Talaria §4.1): an instance whose last snapshot is older than ``miss_limit`` heartbeat periods
-is unhealthy and receives no new calls until a fresh snapshot arrives. A snapshot from an older epoch (an
-engine that restarted) or with a sequence number not newer than the last one is out of order and ignored.
-A draining instance is visible but takes no new calls. Between the two, an instance whose snapshot is
-*stale* (received more than ``stale_after`` periods ago, or sent long before it arrived) is still healthy,
-so a live lease to it is honoured, but it gets no new non-reserved calls until fresh telemetry arrives.
+Health that tells slow from dead (Talaria §4.1: "an instance that misses heartbeats is excluded from new
+non-reserved placements"; issue 12 item 4, issue 18 item 9). Per instance, from the silence since its last
+snapshot and what the router learned otherwise:
+
+* ``ok`` — heartbeats on time: takes new calls.
+* ``suspect`` — silent longer than the miss limit (``miss_limit_s`` seconds, and at least ``miss_limit``
+  heartbeat periods), or it failed to accept a call (``mark_suspect``): no new placements, but its
+  in-flight calls go on. A loaded engine is late, not gone.
+* ``dead`` — really gone: NATS said no one listens on its subjects (``mark_gone``: the process exited, its
+  connection closed), or silent longer than ``dead_after_s``. Only now are its in-flight calls aborted
+  (``alive`` is False).
+* ``draining`` — visible, takes no new calls, in-flight calls go on.
+
+A newer snapshot (or a restarted engine's new epoch) clears suspicion and death. A snapshot from an older
+epoch or with a sequence number not newer than the last one is out of order and ignored. Between ``ok`` and
+``suspect``, an instance whose snapshot is *stale* (received more than ``stale_after`` periods ago, or sent
+long before it arrived) is still healthy, so a live lease to it is honoured, but it gets no new
+non-reserved calls until fresh telemetry arrives. ``sweep`` reports every state change once, for the log.
 
 In-flight overlay (§4.1): calls this router forwarded are stamped with the wall time; a snapshot sent
 after a forward already counts that call, so only forwards newer than the snapshot stay in the overlay.
 
-Change feed: every mutation through ``observe`` / ``forwarded`` / ``mark_suspect`` records the instance id
-in a set that ``take_changed`` drains, and ``deadlines`` gives the clock times at which an instance's
-health or freshness can flip without a new event; the gateway uses both to rebuild only what changed.
+Change feed: every mutation through ``observe`` / ``forwarded`` / ``mark_suspect`` / ``mark_gone`` records
+the instance id in a set that ``take_changed`` drains, and ``deadlines`` gives the clock times at which an
+instance's health or freshness can flip without a new event; the gateway uses both to rebuild only what
+changed.
 
-Pure state plus an injected clock: no NATS here (the service feeds ``observe``).
+Pure state plus an injected clock: no NATS here (the service feeds ``observe`` and runs the probes).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ class InstanceView:
     received_wall: float = 0.0
     overlay: list[float] = field(default_factory=list)  # wall times of calls forwarded since the snapshot
     suspect_until: float = 0.0  # set when a call to it timed out; cleared by a newer snapshot
+    gone: str = ""  # why it is known dead (NATS no-responders); cleared by a newer snapshot
 
     @property
     def inflight(self) -> int:
@@ -62,7 +76,10 @@ class Registry:
     instances: dict[str, InstanceView] = field(default_factory=dict)
     stale_after: float = 2.0  # periods after which a snapshot is too old for non-reserved placement
     wall: Callable[[], float] | None = None  # wall clock (overlay stamps, snapshot age); None: overlay cleared per snapshot
+    miss_limit_s: float = 0.0  # seconds of silence before suspect (the larger of this and miss_limit periods)
+    dead_after_s: float = 0.0  # seconds of silence before dead (in-flight calls aborted); 0: the miss limit
     _changed: set[str] = field(default_factory=set, init=False, repr=False)  # ids mutated since take_changed()
+    _reported: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # id -> state last swept
 
     def observe(self, snap: pb.InstanceSnapshot) -> bool:
         """Record a snapshot; returns False (and changes nothing) when it is stale. Mutates ``instances``."""
@@ -76,6 +93,7 @@ class Registry:
             cur.received_at = now
             cur.received_wall = self.wall() if self.wall is not None else 0.0
             cur.suspect_until = 0.0
+            cur.gone = ""
             # Forwards older than the snapshot are now part of its own counters.
             cur.overlay = [t for t in cur.overlay if snap.sent_unix and self.wall is not None and t > snap.sent_unix]
             self._changed.add(snap.instance_id)
@@ -89,17 +107,28 @@ class Registry:
         out, self._changed = self._changed, set()
         return out
 
+    def miss_limit_of(self, view: InstanceView) -> float:
+        """Seconds of silence after which ``view`` is suspect."""
+        return max(self.miss_limit_s, self.miss_limit * (view.snapshot.heartbeat_period_s or 1.0))
+
+    def dead_limit_of(self, view: InstanceView) -> float:
+        """Seconds of silence after which ``view`` is dead."""
+        return max(self.dead_after_s, self.miss_limit_of(view))
+
+    def silence(self, view: InstanceView) -> float:
+        return self.clock.now() - view.received_at
+
     def deadlines(self, view: InstanceView) -> tuple[float, ...]:
         """Clock times (``clock.now()`` scale) at which ``alive``/``fresh``/``healthy`` may next change for
-        ``view`` without any new event (heartbeat miss limit, stale limit, end of suspicion)."""
+        ``view`` without any new event (miss limit, dead limit, stale limit, end of suspicion)."""
         period = view.snapshot.heartbeat_period_s or 1.0
-        out = (view.received_at + self.miss_limit * period, view.received_at + self.stale_after * period)
+        t = view.received_at
+        out = (t + self.miss_limit_of(view), t + self.dead_limit_of(view), t + self.stale_after * period)
         return out + (view.suspect_until,) if view.suspect_until > 0 else out
 
     def alive(self, view: InstanceView) -> bool:
-        """Heartbeats are fresh (in-flight calls keep going, even while the instance drains)."""
-        period = view.snapshot.heartbeat_period_s or 1.0
-        return self.clock.now() - view.received_at <= self.miss_limit * period
+        """Not known dead: in-flight calls keep going (even while it drains or is suspect)."""
+        return not view.gone and self.silence(view) <= self.dead_limit_of(view)
 
     def fresh(self, view: InstanceView) -> bool:
         """The snapshot is recent enough to place new non-reserved calls on (§4.1)."""
@@ -108,7 +137,7 @@ class Registry:
             return False
         if self.wall is not None and view.snapshot.sent_unix:
             # Sent long before it arrived (a frozen or partitioned sender's backlog).
-            if view.received_wall - view.snapshot.sent_unix > self.miss_limit * period:
+            if view.received_wall - view.snapshot.sent_unix > self.miss_limit_of(view):
                 return False
         return True
 
@@ -120,11 +149,10 @@ class Registry:
             self._changed.add(instance_id)
 
     def healthy(self, view: InstanceView) -> bool:
-        """May receive new calls: alive, not suspect, not draining."""
-        now = self.clock.now()
-        if not self.alive(view):
+        """May receive new calls: heartbeats within the miss limit, not suspect, not dead, not draining."""
+        if not self.alive(view) or self.silence(view) > self.miss_limit_of(view):
             return False
-        if view.suspect_until > now:
+        if view.suspect_until > self.clock.now():
             return False
         return not view.snapshot.draining
 
@@ -132,9 +160,20 @@ class Registry:
         """``ok`` | ``draining`` | ``suspect`` (late or failed to answer: no new calls) | ``dead`` (gone)."""
         if not self.alive(view):
             return "dead"
-        if view.suspect_until > self.clock.now() or not self.healthy(view) and not view.snapshot.draining:
+        if self.silence(view) > self.miss_limit_of(view) or view.suspect_until > self.clock.now():
             return "suspect"
         return "draining" if view.snapshot.draining else "ok"
+
+    def why(self, view: InstanceView) -> str:
+        """The reason for ``state(view)``, for the log."""
+        quiet = self.silence(view)
+        if view.gone:
+            return view.gone
+        if quiet > self.miss_limit_of(view):
+            return f"no heartbeat for {quiet:.1f}s (suspect after {self.miss_limit_of(view):.1f}s, dead after {self.dead_limit_of(view):.1f}s)"
+        if view.suspect_until > self.clock.now():
+            return "did not accept a call in time"
+        return "draining" if view.snapshot.draining else "heartbeats on time"
 
     def mark_suspect(self, instance_id: str, seconds: float) -> None:
         """Exclude an instance that failed to answer until a fresh snapshot or ``seconds`` pass."""
@@ -142,6 +181,28 @@ class Registry:
         if v is not None:
             v.suspect_until = self.clock.now() + seconds
             self._changed.add(instance_id)
+
+    def mark_gone(self, instance_id: str, why: str) -> None:
+        """Declare an instance dead now (NATS: no responders on its subjects); a newer snapshot revives it."""
+        v = self.instances.get(instance_id)
+        if v is not None and not v.gone:
+            v.gone = why
+            self._changed.add(instance_id)
+
+    def silent(self) -> list[str]:
+        """Instances suspect because of silence and not yet known dead: the ones worth probing."""
+        return [i for i, v in self.instances.items() if not v.gone and self.alive(v) and self.silence(v) > self.miss_limit_of(v)]
+
+    def sweep(self) -> list[tuple[str, str, str, str]]:
+        """State changes since the last sweep as (id, old, new, why); mutates the remembered states."""
+        out = []
+        for iid, v in self.instances.items():
+            new = self.state(v)
+            old = self._reported.get(iid, "new")
+            if new != old:
+                self._reported[iid] = new
+                out.append((iid, old, new, self.why(v)))
+        return out
 
     def candidates(self, model: str) -> list[InstanceView]:
         return [v for v in self.instances.values() if v.serves(model) and self.healthy(v)]

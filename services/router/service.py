@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 from services.router.app import create_app
 from services.router.gateway import Gateway, PoolSpec
@@ -91,6 +92,40 @@ class RouterState:
                 log.warning("lease for session %s not installed: %s", hook.session_id, e)
 
 
+async def probe_gone(state: RouterState, instance_id: str, timeout: float) -> bool:
+    """Ask NATS whether anyone still listens on the instance's cancel subject (a request the engine never
+    answers: an empty CancelRequest is a no-op there). No responders: the process is gone; mutates the
+    registry (``mark_gone``). A timeout means it is there but slow. Returns True when gone."""
+    nc = state.nc
+    if nc is None or not nc.is_connected:
+        return False
+    try:
+        await nc.request(state.subjects.cancel(instance_id), b"", timeout=timeout)
+    except NoRespondersError:
+        state.registry.mark_gone(instance_id, "NATS: no responders on its subjects (process gone)")
+        return True
+    except Exception:  # noqa: BLE001 - timeout (alive but silent) or a NATS hiccup: decide nothing
+        return False
+    return False
+
+
+async def watch_health(state: RouterState, every_s: float = 0.25) -> None:
+    """Log every instance state change (ok / suspect / dead / draining, with the reason) and probe silent
+    instances so a gone process is declared dead at once, while a slow one stays merely suspect."""
+    probing: dict[str, asyncio.Task] = {}
+    timeout = max(0.2, min(1.0, state.cfg.router.heartbeat_miss_limit_s / 2))
+    while True:
+        for iid, old, new, why in state.registry.sweep():
+            state.counters[f"instance_{new}"] += 1
+            level = logging.INFO if new in ("ok", "draining") or old == "new" else logging.WARNING
+            log.log(level, "instance %s: %s -> %s (%s)", iid, old, new, why)
+        for iid in state.registry.silent():
+            t = probing.get(iid)
+            if t is None or t.done():
+                probing[iid] = asyncio.create_task(probe_gone(state, iid, timeout))
+        await asyncio.sleep(every_s)
+
+
 def policy_params(cfg: StackConfig) -> PolicyParams:
     pc = cfg.router.placement
     return PolicyParams(
@@ -111,7 +146,9 @@ def policy_params(cfg: StackConfig) -> PolicyParams:
 def make_state(cfg: StackConfig) -> RouterState:
     clock = MonotonicClock()
     pc = cfg.router.placement
-    registry = Registry(clock, miss_limit=cfg.router.heartbeat_miss_limit, stale_after=pc.stale_after_periods, wall=time.time)
+    rc = cfg.router
+    registry = Registry(clock, miss_limit=rc.heartbeat_miss_limit, stale_after=pc.stale_after_periods, wall=time.time,
+                        miss_limit_s=rc.heartbeat_miss_limit_s, dead_after_s=rc.engine_dead_after_s)
     sessions = SessionTable(clock)
     table = LeaseTable()
     defaults = Defaults(pc.default_prefill_per_token_s, pc.default_decode_step_s, pc.default_restore_per_token_s, pc.default_switch_s, pc.default_open_s)
@@ -165,6 +202,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         await state.nc.subscribe(state.subjects.all_heartbeats(), cb=on_heartbeat),
         await state.nc.subscribe(state.subjects.completed(), cb=on_completed),
     ]
+    watcher = asyncio.create_task(watch_health(state))
     app = create_app(state)
     server = uvicorn.Server(
         uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port, log_level="warning", lifespan="off", timeout_graceful_shutdown=30)
@@ -187,6 +225,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     finally:
         server.should_exit = True
         await serve
+        watcher.cancel()
         await state.lease_store.stop()
         await close_connection(state.nc, subs)
         await asyncio.to_thread(state.telemetry.shutdown)  # bounded by telemetry.export_timeout_s
