@@ -77,6 +77,9 @@ class LeaseTable:
         if cur is not None and (revision == 0 or cur.revision <= revision):
             del self._by_key[key]
 
+    def keys(self) -> list[str]:
+        return list(self._by_key)
+
     def get(self, session_id: str, model: str) -> tuple[LeaseView, int] | None:
         """The lease of (session, model), live or recently expired, and its revision."""
         e = self._by_key.get(lease_key(session_id, model))
@@ -124,6 +127,9 @@ class MemoryLeases:
     async def stop(self) -> None:
         return None
 
+    async def resync(self, timeout: float = 5.0) -> bool:
+        return True  # nothing shared to catch up with
+
     def install_now(self, lease: rpb.Lease) -> None:
         self._rev += 1
         self.table.upsert(lease, self._rev)
@@ -158,6 +164,8 @@ class JetStreamLeases:
         self.kv = None
         self._watcher = None
         self._task: asyncio.Task | None = None
+        self._synced = asyncio.Event()  # the current watcher delivered the bucket's values at its start
+        self.resyncs = 0
 
     async def start(self) -> None:
         js = self.nc.jetstream()
@@ -169,41 +177,76 @@ class JetStreamLeases:
                 self.kv = await js.create_key_value(bucket=self.bucket, history=1, ttl=3600, description="Talaria soft reservations")
             except Exception:  # noqa: BLE001
                 self.kv = await js.key_value(self.bucket)
-        self._watcher = await self.kv.watchall()
-        self._task = asyncio.create_task(self._mirror(), name=f"lease-mirror-{self.bucket}")
+        await self._watch(resync=False)
 
-    async def _mirror(self) -> None:
-        assert self._watcher is not None
+    async def _watch(self, resync: bool) -> None:
+        assert self.kv is not None
+        self._synced = asyncio.Event()
+        self._watcher = await self.kv.watchall()
+        self._task = asyncio.create_task(self._mirror(self._watcher, self._synced, resync), name=f"lease-mirror-{self.bucket}")
+
+    async def resync(self, timeout: float = 5.0) -> bool:
+        """Rebuild the mirror from the bucket now (call after a NATS reconnect: the old watcher can lag for
+        tens of seconds, issue 18 item 8). Replaces the watcher; keys no longer in the bucket leave the
+        table (mutates it). Returns whether the bucket's values arrived within ``timeout``."""
+        await self._stop_watch()
+        self.resyncs += 1
+        await self._watch(resync=True)
         try:
-            async for entry in self._watcher:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("lease mirror resync of %s: no initial values within %.1fs", self.bucket, timeout)
+            return False
+        return True
+
+    async def _mirror(self, watcher, synced: asyncio.Event, resync: bool) -> None:
+        seen: set[str] = set()
+        try:
+            async for entry in watcher:
                 if entry is None:  # end of the initial values
+                    if resync:
+                        for key in self.table.keys():
+                            if key not in seen:
+                                self.table.remove(key)
+                    synced.set()
                     continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self.table.remove(entry.key, entry.revision or 0)
-                    continue
-                try:
-                    lease = rpb.Lease.FromString(entry.value)
-                except Exception:  # noqa: BLE001 - a foreign or corrupt value must not stop the mirror
-                    log.warning("undecodable lease under %s", entry.key)
-                    continue
-                self.table.upsert(lease, entry.revision or 0)
+                if not synced.is_set():
+                    seen.add(entry.key)
+                self._apply(entry)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
             log.warning("lease mirror stopped: %s", e)
 
-    async def stop(self) -> None:
+    def _apply(self, entry) -> None:
+        """Mirror one bucket entry into the table (mutates it)."""
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.table.remove(entry.key, entry.revision or 0)
+            return
+        try:
+            lease = rpb.Lease.FromString(entry.value)
+        except Exception:  # noqa: BLE001 - a foreign or corrupt value must not stop the mirror
+            log.warning("undecodable lease under %s", entry.key)
+            return
+        self.table.upsert(lease, entry.revision or 0)
+
+    async def _stop_watch(self) -> None:
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
+            self._task = None
         if self._watcher is not None:
             try:
                 await self._watcher.stop()
             except Exception:  # noqa: BLE001
                 pass
+            self._watcher = None
+
+    async def stop(self) -> None:
+        await self._stop_watch()
 
     async def install(self, lease: rpb.Lease, ttl_s: float) -> None:
         """Create the key with a per-key TTL; if a lease is there already, the newer one wins."""
@@ -220,6 +263,8 @@ class JetStreamLeases:
             except Exception:  # noqa: BLE001 - it vanished meanwhile
                 old = None
             if old is not None and (old.lease_id == lease.lease_id or old.t_done_unix >= lease.t_done_unix):
+                # a peer's lease (or the same one): record it now rather than wait for the watcher
+                self.table.upsert(old, cur.revision or 0)
                 return
             try:
                 await self.kv.purge(key)

@@ -126,6 +126,27 @@ async def watch_health(state: RouterState, every_s: float = 0.25) -> None:
         await asyncio.sleep(every_s)
 
 
+def on_nats_state(state: RouterState, what: str) -> None:
+    """NATS connection callback: after a reconnect, rebuild the lease mirror from the shared bucket at once
+    (issue 18 item 8) instead of waiting for the old watcher to catch up. Mutates counters."""
+    state.counters[f"nats_{what}"] += 1
+    if what != "reconnected":
+        return
+
+    async def resync() -> None:
+        try:
+            ok = await state.lease_store.resync()
+        except Exception as e:  # noqa: BLE001 - the watcher keeps mirroring; a failed resync only costs lag
+            ok = False
+            log.warning("lease mirror resync failed: %s", e)
+        state.counters["lease_resync" if ok else "lease_resync_failed"] += 1
+        log.info("lease mirror resynced after a NATS reconnect: %s (%d leases known)", "ok" if ok else "incomplete", len(state.gateway.leases))
+
+    task = asyncio.get_running_loop().create_task(resync())
+    state._bg.add(task)
+    task.add_done_callback(state._bg.discard)
+
+
 def policy_params(cfg: StackConfig) -> PolicyParams:
     pc = cfg.router.placement
     return PolicyParams(
@@ -182,7 +203,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         raise RuntimeError("router needs a NATS server: set nats.url in the config or NATS_URL")
     state = make_state(cfg)
     state.telemetry = otel.setup("talaria-router", cfg.router.id, cfg.telemetry, cfg.namespace)
-    state.nc = await connect(url, f"router-{cfg.router.id}", cfg.nats)
+    state.nc = await connect(url, f"router-{cfg.router.id}", cfg.nats, on_state=lambda s: on_nats_state(state, s))
     async def on_heartbeat(msg) -> None:
         state.on_heartbeat(msg.data)
 
