@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -21,6 +22,22 @@ import pytest
 from tests.integration.conftest import engine, health, stack_config, start_stack, wait_until
 
 MODEL = "tiny-llama"
+REPORT: list["Figures"] = []  # every Figures of the session, for the table (TALARIA_RELIABILITY_REPORT=path)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """With ``TALARIA_RELIABILITY_REPORT=path``: write the figures of every test as a Markdown table."""
+    from tests.reliability import conftest as tests_view  # the module the tests import (may differ from this plugin's)
+
+    path = os.environ.get("TALARIA_RELIABILITY_REPORT")
+    if not path or not tests_view.REPORT:
+        return
+    rows = ["| test | sent | ok | clean error | lost | 5xx |", "|---|---|---|---|---|---|"]
+    for f in tests_view.REPORT:
+        if f.sent:
+            rows.append(f"| {f.test} | {f.sent} | {f.ok} | {f.clean} | {f.lost} | {f.s5xx} |")
+    with open(path, "w") as out:
+        out.write("\n".join(rows) + "\n")
 
 
 @dataclass
@@ -34,6 +51,10 @@ class Figures:
     lost: int = 0
     s5xx: int = 0
     notes: list[str] = field(default_factory=list)
+    test: str = field(default_factory=lambda: os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
+
+    def __post_init__(self) -> None:
+        REPORT.append(self)
 
     def add(self, status: int | None, body: bytes | str | None = None) -> None:
         self.sent += 1

@@ -47,14 +47,17 @@ UNENCODABLE = [
 @pytest.mark.parametrize("path,body,param", UNENCODABLE, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(UNENCODABLE)])
 def test_unencodable_values_are_400_naming_the_field_and_keep_the_connection(shared_stack, path, body, param):
     conn = KeepAlive(shared_stack.api)
+    figs = Figures()
     try:
         status, _, data = conn.request("POST", path, dumps(body))
+        figs.add(status, data)
         err = json.loads(data)["error"]
         assert status in (400, 422), f"{status} {data[:300]!r}"  # 422 where the schema already refuses it
         assert err["param"] == param and err["code"] == "invalid_value" and param in err["message"]
         status2, _, data2 = conn.request("POST", CHAT, dumps(chat_body()))
-        assert status2 == 200, data2[:300]
-        assert conn.reused, "the router closed the keep-alive connection after the bad request"
+        figs.add(status2, data2)
+        assert status2 == 200, f"{data2[:300]!r}; {figs}"
+        assert conn.reused, f"the router closed the keep-alive connection after the bad request; {figs}"
     finally:
         conn.close()
 

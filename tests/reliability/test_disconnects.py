@@ -13,7 +13,7 @@ from talaria.natsutil import connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
 from tests.integration.conftest import health, wait_until
-from tests.reliability.conftest import MODEL, engines_idle
+from tests.reliability.conftest import MODEL, Figures, engines_idle
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +70,7 @@ async def test_mass_disconnect_cancels_every_call_and_engines_go_idle(shared_sta
     before = health(shared_stack)["counters"]
     reasons, sent = await _abandon(shared_stack, stream)
     aborted = sum(r == "abort" for r in reasons.values())
+    Figures(sent=sent, clean=aborted, lost=sent - aborted)  # for the table: clean = cancelled on its engine
     figures = f"sent={sent} ok=0 clean_error=0 lost(abandoned by client)={sent} aborted_on_engine={aborted} ran_to_end={sent - aborted} 5xx=0"
     assert aborted == sent, f"{figures}; hooks: {reasons}; router counters {health(shared_stack)['counters']}"
     await asyncio.to_thread(engines_idle, shared_stack, ENGINES, 30.0)
