@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import format_table
+from bench.stats import wins_losses
 from bench.workloads import nearest_rank
 
 SOURCES = {
@@ -38,6 +39,7 @@ SOURCES = {
 }
 
 NA = float("nan")
+CI_SEED = 0  # bootstrap seed: the intervals are reproducible from summary.json
 
 
 def _finite(x: Any) -> bool:
@@ -223,6 +225,8 @@ COLUMNS = [
     ("SCT p95 s", "sct_p95_s", "client"),
     ("p50/Round-only", "sct_p50_vs_base", "client"),
     ("p95/Round-only", "sct_p95_vs_base", "client"),
+    ("p50/best (CI)", "sct_p50_vs_best", "client; best = fastest baseline row; CI: paired session bootstrap (bench/stats.py)"),
+    ("p95/best (CI)", "sct_p95_vs_best", "client; as above"),
     ("p50/Talaria", "sct_p50_vs_talaria", "client"),
     ("TTFT p50 s", "ttft_p50_s", "client"),
     ("TTFT p95 s", "ttft_p95_s", "client"),
@@ -233,13 +237,29 @@ COLUMNS = [
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
+    ("load 1m", "load", "/proc/loadavg 1-minute average before -> after this run"),
 ]
 
 
+def baseline_names(rows: list[dict[str, Any]], baseline: str = "Round-only") -> list[str]:
+    """The configurations the "best baseline" is chosen from: rows of kind ``baseline`` (bench/matrix.py),
+    else just ``baseline``."""
+    names = [r["name"] for r in rows if r.get("kind") == "baseline"]
+    return names or [baseline]
+
+
 def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", reference: str = "Talaria") -> None:
+    """Set on every summary its ratios vs ``baseline`` (``_vs_base``), vs ``reference`` (``_vs_talaria``) and
+    vs the best baseline (``_vs_best``: per metric the smallest value among the baseline rows that ran, whose
+    name is ``best_baseline_<metric>``), plus session-level bootstrap intervals of the SCT ratios
+    (``<ratio>_ci``, bench/stats.py) and the sessions won/lost vs ``baseline``. Mutates the summaries."""
+    from bench.stats import bootstrap_ratio_ci, paired_wins
+
     by = {r["name"]: r for r in rows if r.get("summary")}
     base = by.get(baseline, {}).get("summary")
     ref = by.get(reference, {}).get("summary")
+    named = [(n, by[n]["summary"]) for n in baseline_names(rows, baseline) if n in by]
+    bases = [b for _n, b in named]
     for r in rows:
         s = r.get("summary")
         if not s:
@@ -250,9 +270,35 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", referen
                 v = s[k]
                 s[f"{m}_{q}_vs_base"] = v / base[k] if base and _finite(base[k]) and base[k] > 0 else NA
                 s[f"{m}_{q}_vs_talaria"] = v / ref[k] if ref and _finite(ref[k]) and ref[k] > 0 else NA
+                cands = [(b[k], n) for n, b in named if _finite(b.get(k)) and b[k] > 0]
+                best = min(cands, default=None)
+                s[f"{m}_{q}_vs_best"] = v / best[0] if best else NA
+                s[f"best_baseline_{m}_{q}"] = best[1] if best else None
+        for q, qn in ((50, "p50"), (95, "p95")):
+            s[f"sct_{qn}_vs_base_ci"] = list(bootstrap_ratio_ci([(s["scts"], [base["scts"]])], q, seed=CI_SEED)) if base else [NA, NA]
+            s[f"sct_{qn}_vs_best_ci"] = list(bootstrap_ratio_ci([(s["scts"], [b["scts"] for b in bases])], q, seed=CI_SEED)) if bases else [NA, NA]
+        won, lost, tied = paired_wins(s["scts"], base["scts"]) if base else (0, 0, 0)
+        s["sessions_won_lost_tied_vs_base"] = [won, lost, tied]
+
+
+def _load_cell(s: dict[str, Any]) -> str:
+    b, a = s.get("loadavg_before"), s.get("loadavg_after")
+    return f"{b[0]:.2f}->{a[0]:.2f}" if b and a else "n/a"
+
+
+def _ci_cell(v: Any, ci: Any) -> str:
+    if not _finite(v):
+        return "n/a"
+    if ci and len(ci) == 2 and all(_finite(x) for x in ci):
+        return f"{v:.2f} ({ci[0]:.2f}-{ci[1]:.2f})"
+    return f"{v:.2f}"
 
 
 def _cell(s: dict[str, Any], key: str) -> object:
+    if key == "load":
+        return _load_cell(s)
+    if key in ("sct_p50_vs_best", "sct_p95_vs_best"):
+        return _ci_cell(s.get(key, NA), s.get(f"{key}_ci"))
     if key == "switch_share":
         v = s.get("switch_share_rounds", NA)
         if _finite(v):
@@ -315,6 +361,15 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         f"Command: `{meta.get('command', '')}`",
         "",
         f"Workload: {meta.get('workload_desc', '')}",
+        "",
+        f"Load average (1/5/15 min) at the start: {meta.get('loadavg_start', 'n/a')}, at the end: {meta.get('loadavg_end', 'n/a')}; "
+        "per run in the `load 1m` columns and in summary.json (`loadavg_before` / `loadavg_after`).",
+        "",
+        "Best baseline: per repetition and per metric, the fastest of the baseline configurations that ran "
+        "(every mechanism off; with the full router and with the least-pressure router). `/best` ratios are "
+        "computed within each repetition; `CI95` is a bootstrap interval (bench/stats.py: repetitions and "
+        "paired sessions resampled, seeded) of the median ratio; `W/L` counts the repetitions whose ratio was "
+        "below / above 1.",
         "",
     ]
     extra: dict[str, Any] = {}
@@ -478,7 +533,8 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
 # repetition (both sides saw the same machine state), and the report gives the median over repetitions
 # and the min-max range of those per-repetition ratios.
 REPEAT_METRICS = ("sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s")
-REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria") for m in ("sct", "ttft") for q in ("p50", "p95"))
+REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria", "best") for m in ("sct", "ttft") for q in ("p50", "p95"))
+CI_RATIOS = ("sct_p50_vs_base", "sct_p95_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")  # bootstrap intervals (bench/stats.py)
 
 
 def _median(xs: list[float]) -> float:
@@ -510,11 +566,37 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         for k in REPEAT_RATIOS:
             vals = [s[k] for _i, s in ok if _finite(s.get(k))]
             agg["ratios"][k] = {"median": _median(vals), "min": min(vals, default=NA), "max": max(vals, default=NA), "n": len(vals), "values": vals}
+        agg["ci95"] = _repeat_cis(reps, name, baseline)
+        agg["wins_losses"] = {k: list(wins_losses(agg["ratios"][k]["values"])) for k in CI_RATIOS}
+        loads = [v[0] for _i, s in ok for key in ("loadavg_before", "loadavg_after") if (v := s.get(key))]
+        agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
         ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
         agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
         agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
         out.append(agg)
+    return out
+
+
+def _repeat_cis(reps: list[list[dict[str, Any]]], name: str, baseline: str) -> dict[str, list[float]]:
+    """Hierarchical bootstrap intervals (repetitions, then paired sessions; bench/stats.py) of the
+    configuration's median-over-repetitions SCT ratios vs ``baseline`` and vs the best baseline."""
+    from bench.stats import bootstrap_ratio_ci
+
+    vs_base, vs_best = [], []
+    for rows in reps:
+        by = {r["name"]: r["summary"] for r in rows if r.get("summary")}
+        if name not in by:
+            continue
+        if baseline in by:
+            vs_base.append((by[name]["scts"], [by[baseline]["scts"]]))
+        dens = [by[n]["scts"] for n in baseline_names(rows, baseline) if n in by]
+        if dens:
+            vs_best.append((by[name]["scts"], dens))
+    out = {}
+    for key, pairs in (("base", vs_base), ("best", vs_best)):
+        for q, qn in ((50, "p50"), (95, "p95")):
+            out[f"sct_{qn}_vs_{key}"] = list(bootstrap_ratio_ci(pairs, q, seed=CI_SEED))
     return out
 
 
@@ -528,6 +610,8 @@ def repetition_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             row.update({k: s.get(k, NA) for k in REPEAT_METRICS + REPEAT_RATIOS})
             row["calls_failed"] = s.get("calls_failed", NA)
             row["replay_wall_s"] = s.get("wall_s", NA)
+            row["sessions_won_lost_tied_vs_base"] = s.get("sessions_won_lost_tied_vs_base")
+            row["loadavg_before"], row["loadavg_after"] = s.get("loadavg_before"), s.get("loadavg_after")
             flat.append(row)
     return flat
 
@@ -538,26 +622,43 @@ def _ratio_cell(r: dict[str, Any]) -> str:
     return f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
 
 
+def _ci_range(ci: Any) -> str:
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci and all(_finite(x) for x in ci) else "n/a"
+
+
 def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
-    """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]."""
+    """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]; ``CI95``: the
+    hierarchical bootstrap interval of that median (bench/stats.py); ``W/L``: repetitions whose ratio was
+    below / above 1; ``load 1m``: min-max of the 1-minute load average around this configuration's runs."""
     b = "RO" if baseline == "Round-only" else baseline
     headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
-               f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}", "SCT p50 range s", "failed"]
+               f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}",
+               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "load 1m", "failed"]
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
         rng = m["sct_p50_s"]
+        ci, wl = a.get("ci95", {}), a.get("wins_losses", {})
+        best = []
+        for k in ("sct_p50_vs_best", "sct_p95_vs_best"):
+            w = wl.get(k)
+            best += [_ratio_cell(q[k]), _ci_range(ci.get(k)), f"{w[0]}/{w[1]}" if w else "n/a"]
+        ld = a.get("load1", {})
         body.append([a["name"], f"{a['repeats_ok']}/{a['repeats']}"] + [m[k]["median"] for k in REPEAT_METRICS]
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
-                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a", a["calls_failed_total"]])
+                    + best
+                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
+                       f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
     return format_table(headers, body)
 
 
 def repetitions_table(flat: list[dict[str, Any]]) -> str:
     headers = ["rep", "pos", "configuration", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s", "SCT p50/RO", "SCT p95/RO",
-               "TTFT p50/RO", "failed", "status"]
+               "TTFT p50/RO", "SCT p50/best", "SCT p95/best", "sessions W/L/T vs RO", "load 1m", "failed", "status"]
     body = [[r["rep"], r["position"] if r["position"] is not None else "-", r["name"]] + [r[k] for k in REPEAT_METRICS]
-            + [r[k] for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base")] + [r["calls_failed"], r["status"]]
+            + [r[k] for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")]
+            + ["/".join(map(str, r["sessions_won_lost_tied_vs_base"])) if r.get("sessions_won_lost_tied_vs_base") else "n/a",
+               _load_cell(r), r["calls_failed"], r["status"]]
             for r in flat]
     return format_table(headers, body)
 
@@ -580,6 +681,8 @@ def combine_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-onl
             s = dict(src["summary"])
             for k in REPEAT_RATIOS:
                 s[k] = a["ratios"][k]["median"]
+            for k, ci in a.get("ci95", {}).items():
+                s[f"{k}_ci"] = ci
             row["summary"] = s
             row["plot_repetition"] = a["median_rep"] + 1
         failed = [st for st in a["statuses"] if st != "ok"]
