@@ -184,7 +184,7 @@ def kv_hits_by_source(ok: list) -> dict[str, Any]:
 def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     out: dict[str, Any] = {"records_note": note}
     if records is None:
-        out.update({"rounds": NA, "sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "kv_source_pred": {}})
+        out.update({"rounds": NA, "sp_admitted": NA, "sp_deferred": NA, "sp_no_gain": NA, "switch_share_rounds": NA, "kv_source_pred": {}})
         return out
     rounds = [r for r in records if r.get("kind") == "round"]
     out["rounds"] = len(rounds)
@@ -206,8 +206,21 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
         out["switch_share_rounds"] = sw / wall if wall else NA
         out["sp_admitted"] = sum(num(r, "sp_admitted") for r in rounds)
         out["sp_deferred"] = sum(num(r, "sp_deferred") for r in rounds)
+        # SP that cannot lose (issue 12): deferral reasons and the predicted benefit / harm of what SP admitted,
+        # when the engines' round summaries carry them (n/a for an older engine)
+        if any("sp_deferred_reasons" in r for r in rounds):
+            reasons: dict[str, float] = {}
+            for r in rounds:
+                for k, v in (r.get("sp_deferred_reasons") or {}).items():
+                    reasons[k] = reasons.get(k, 0.0) + float(v)
+            out["sp_deferred_reasons"] = reasons
+            out["sp_no_gain"] = reasons.get("no_gain", 0.0)
+            out["sp_benefit_s"] = sum(num(r, "sp_benefit_s") for r in rounds)
+            out["sp_harm_s"] = sum(num(r, "sp_harm_s") for r in rounds)
+        else:
+            out.update({"sp_deferred_reasons": {}, "sp_no_gain": NA, "sp_benefit_s": NA, "sp_harm_s": NA})
     else:
-        out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA})
+        out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "sp_no_gain": NA})
     src: dict[str, int] = {}
     for r in records:
         if r.get("kind") == "call" and r.get("phase") == "start":
@@ -233,7 +246,7 @@ COLUMNS = [
     ("avoid. opens", "avoidable_cold_opens", "router"),
     ("same-inst", "same_instance_router", "router"),
     ("switch share", "switch_share", "telemetry/engine"),
-    ("SP adm/def", "sp", "telemetry"),
+    ("SP adm/def", "sp", "telemetry round summaries; `no-gain`: deferred because the predicted round wait saved did not exceed the delay to other models (issue 12)"),
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
@@ -306,8 +319,10 @@ def _cell(s: dict[str, Any], key: str) -> object:
         v = s.get("switch_share_proxy", NA)
         return f"{v:.1%}*" if _finite(v) else "n/a"
     if key == "sp":
-        a, d = s.get("sp_admitted", NA), s.get("sp_deferred", NA)
-        return f"{int(a)}/{int(d)}" if _finite(a) and _finite(d) else "n/a"
+        a, d, ng = s.get("sp_admitted", NA), s.get("sp_deferred", NA), s.get("sp_no_gain", NA)
+        if not (_finite(a) and _finite(d)):
+            return "n/a"
+        return f"{int(a)}/{int(d)}" + (f" ({int(ng)} no-gain)" if _finite(ng) else "")
     if key == "kv_hits":
         if s.get("kv_hits_source") == "usage":  # exact, per call (kv_hits_by_source)
             by = s["kv_hit_calls_by_source"]
