@@ -109,6 +109,7 @@ def summarize_run(res, telemetry: dict[str, Any]) -> dict[str, Any]:
     s.update(_kvstore_metrics(telemetry.get("kvstore_before"), telemetry.get("kvstore_after")))
     s.update(kv_hits_by_source(ok))
     s.update(_records_metrics(telemetry.get("records"), telemetry.get("records_note", "")))
+    s["latency_split"] = latency_split(telemetry.get("records"))
     return s
 
 
@@ -229,6 +230,68 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     out["kv_source_pred"] = src
     out["avoidable_opens_records"] = sum(1 for r in records if r.get("kind") == "call" and r.get("phase") == "start" and r.get("avoidable_open"))
     return out
+
+
+# ------------------------------------------------------------------------- call latency attribution
+# Issue 12 item 1 (report half): a call's latency split into components recorded *by the engine and router*
+# per call (exact, not estimated). The call records (telemetry ``CallRecord``, phase "end") are searched for
+# each component under the keys listed (top level, or inside an ``attribution`` / ``latency`` map, as
+# seconds); a component no record carries is reported as "not recorded" — never estimated. The part of the
+# call's latency (``end_unix - arrival_unix``) the recorded components do not cover is shown as
+# "unattributed", so an incomplete split is visible as such.
+LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("router queue", ("router_queue_s", "router_queue_seconds")),
+    ("placement", ("placement_s", "placement_seconds")),
+    ("engine queue", ("engine_queue_s", "engine_queue_seconds", "queue_seconds")),
+    ("round wait", ("round_wait_s", "round_wait_seconds")),
+    ("switch wait", ("switch_wait_s", "switch_wait_seconds")),
+    ("KV restore", ("restore_s", "restore_seconds", "kv_restore_s", "kv_restore_seconds")),
+    ("prefill", ("prefill_s", "prefill_seconds", "prefill_recompute_s", "prefill_recompute_seconds")),
+    ("decode", ("decode_s", "decode_seconds")),
+    ("preemption", ("preemption_s", "preemption_seconds", "preempted_s", "preempted_seconds")),
+)
+
+
+def _component(rec: dict[str, Any], keys: tuple[str, ...]) -> float | None:
+    for src in (rec, rec.get("attribution") or {}, rec.get("latency") or {}):
+        if not isinstance(src, dict):
+            continue
+        for k in keys:
+            v = src.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                return float(v)
+    return None
+
+
+def latency_split(records: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Mean seconds per completed call of each latency component, from the call-end records that carry it
+    (``None``: not recorded by any call), the mean call latency, and what the recorded components leave
+    unattributed. Pure."""
+    if records is None:
+        return {"source": "n/a (no records)", "calls": 0, "components": {n: None for n, _k in LATENCY_COMPONENTS}}
+    ends = [r for r in records if r.get("kind") == "call" and r.get("phase") == "end" and not r.get("error")]
+    comps: dict[str, float | None] = {}
+    for name, keys in LATENCY_COMPONENTS:
+        vals = [v for r in ends if (v := _component(r, keys)) is not None]
+        comps[name] = sum(vals) / len(ends) if vals else None
+    totals = [float(r["end_unix"]) - float(r["arrival_unix"]) for r in ends
+              if _finite(r.get("end_unix")) and _finite(r.get("arrival_unix")) and r["end_unix"] and r["arrival_unix"]]
+    total = sum(totals) / len(totals) if totals else NA
+    recorded = sum(v for v in comps.values() if v is not None)
+    return {"source": "telemetry call records (phase end)", "calls": len(ends), "components": comps, "total_s": total,
+            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA}
+
+
+def latency_table(rows: list[dict[str, Any]]) -> str:
+    ran = [r for r in rows if r.get("summary") and r["summary"].get("latency_split")]
+    headers = ["configuration", "calls"] + [n for n, _k in LATENCY_COMPONENTS] + ["unattributed", "call latency"]
+    body = []
+    for r in ran:
+        ls = r["summary"]["latency_split"]
+        body.append([r["name"], ls.get("calls", 0)] + [f"{v:.3f}" if v is not None else "not recorded" for v in ls["components"].values()]
+                    + [f"{ls.get('unattributed_s', NA):.3f}" if _finite(ls.get("unattributed_s", NA)) else "n/a",
+                       f"{ls.get('total_s', NA):.3f}" if _finite(ls.get("total_s", NA)) else "n/a"])
+    return format_table(headers, body)
 
 
 # ------------------------------------------------------------------------------------ rendering
@@ -446,6 +509,19 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         "checkpointed into the kvstore (HKVR), switches that used staged weights of all switches (D2D).",
         "",
     ]
+    lines += [
+        "## Where a call's time goes",
+        "",
+        "Mean seconds per completed call of each component, as recorded per call by the router and engines "
+        "(telemetry call records; `bench/report.py` `LATENCY_COMPONENTS` lists the fields read). `not recorded`: "
+        "no call record of this build carries the component — it is not estimated. `unattributed`: the part of "
+        "the mean call latency (router arrival to end) the recorded components do not cover.",
+        "",
+        "```",
+        latency_table(rows),
+        "```",
+        "",
+    ]
     for r in rows:
         lines.append(f"## {r['name']}")
         lines.append("")
@@ -539,7 +615,40 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
     fig.savefig(out / "sct_per_session.png", dpi=110)
     plt.close(fig)
     paths["SCT per session"] = out / "sct_per_session.png"
+    split = _latency_plot(plt, out, ran)
+    if split is not None:
+        paths["call latency split (mean per call)"] = split
     return paths
+
+
+def _latency_plot(plt, out: Path, ran: list[dict[str, Any]]) -> Path | None:
+    """Stacked bars, one per configuration: the recorded components and the unattributed rest."""
+    splits = [(r["name"], r["summary"].get("latency_split") or {}) for r in ran]
+    splits = [(n, ls) for n, ls in splits if ls.get("calls")]
+    if not splits:
+        return None
+    names = [n for n, _k in LATENCY_COMPONENTS]
+    recorded = [n for n in names if any(ls["components"].get(n) is not None for _c, ls in splits)]
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(splits) + 3), 4.4))
+    cmap = plt.get_cmap("tab10")
+    bottoms = [0.0] * len(splits)
+    for i, comp in enumerate(recorded + ["unattributed"]):
+        vals = [(ls.get("unattributed_s") if comp == "unattributed" else ls["components"].get(comp)) or 0.0 for _c, ls in splits]
+        vals = [v if _finite(v) else 0.0 for v in vals]
+        ax.bar(range(len(splits)), vals, bottom=bottoms, label=comp, color="lightgrey" if comp == "unattributed" else cmap(i % 10),
+               hatch="//" if comp == "unattributed" else None)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    missing = [n for n in names if n not in recorded]
+    ax.set_xticks(range(len(splits)), [c for c, _ls in splits], rotation=20, fontsize=8)
+    ax.set_ylabel("mean seconds per call")
+    ax.set_title("not recorded: " + ", ".join(missing) if missing else "all components recorded", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    p = out / "latency_split.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
 
 
 # --------------------------------------------------------------------------- repetitions (--repeats)

@@ -303,3 +303,30 @@ def test_the_shared_mooncake_trace_goes_through_the_existing_importer():
     w = import_mooncake(MooncakeParams(path=str(SHARED_MOONCAKE), sessions=10))
     d = describe(w)
     assert d["sessions"] == 10 and d["prompt_max"] <= 3584 and d["reuse_over_half_share"] > 0.5
+
+
+# ------------------------------------------------------------------------ latency attribution
+def test_latency_split_reads_recorded_components_and_never_estimates(tmp_path):
+    from bench.report import LATENCY_COMPONENTS, latency_split, latency_table, write_matrix_report
+
+    recs = [
+        {"kind": "call", "phase": "start", "arrival_unix": 100.0},
+        {"kind": "call", "phase": "end", "arrival_unix": 100.0, "end_unix": 102.0, "round_wait_s": 0.5,
+         "attribution": {"decode_seconds": 1.0}},
+        {"kind": "call", "phase": "end", "arrival_unix": 200.0, "end_unix": 201.0, "round_wait_s": 0.1, "decode_s": 0.5},
+        {"kind": "call", "phase": "end", "arrival_unix": 300.0, "end_unix": 309.0, "error": "timeout", "decode_s": 9.0},
+    ]
+    ls = latency_split(recs)
+    assert ls["calls"] == 2 and ls["total_s"] == pytest.approx(1.5)
+    assert ls["components"]["round wait"] == pytest.approx(0.3) and ls["components"]["decode"] == pytest.approx(0.75)
+    assert all(ls["components"][n] is None for n, _k in LATENCY_COMPONENTS if n not in ("round wait", "decode"))
+    assert ls["unattributed_s"] == pytest.approx(1.5 - 1.05)
+    assert latency_split(None)["components"]["decode"] is None
+    rows = [{"name": "Talaria", "summary": {"latency_split": ls, "sct_p50_s": 1.0, "sct_p95_s": 1.0, "ttft_p50_s": 1.0,
+                                            "ttft_p95_s": 1.0, "scts": {"s": 1.0}, "ttfts": [1.0]}}]
+    table = latency_table(rows)
+    assert "not recorded" in table and "0.300" in table and "0.450" in table
+    md = write_matrix_report(tmp_path, rows, {"command": "x", "workload_desc": "y"}).read_text()
+    assert "Where a call's time goes" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "latency_split.png").exists()
