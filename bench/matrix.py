@@ -7,14 +7,17 @@ API (``bench/replay.py``), the telemetry sources are read, and the stack is stop
 (``bench/report.py``) compares them: ratios are measured side by side in one run, as absolute times on a
 shared 2-core machine are noise.
 
-Repetitions (``--repeats N``, default 1; **3 recommended** for any claim — one configuration's SCT varied by
+Repetitions (``--repeats N``, default 1; **5** for any claim (issue 12) — one configuration's SCT varied by
 ±35 % between single runs): every configuration runs N times, interleaved — repetition ``r`` runs the
 configurations in the listed order rotated left by ``r`` (A B C D, B C D A, C D A B), so drift in machine
 load hits all of them alike — into ``<out>/rep<r>/<configuration>``. The report gives per configuration the
 medians over repetitions of SCT p50/p95 and TTFT p50/p95, the median of the *per-repetition* ratios vs
 Round-only (each ratio computed within one repetition) with their min-max range, and the per-repetition table
 (``bench/report.py``: ``aggregate_repeats``, ``combine_repeats``). The detailed columns and the plots show
-each configuration's median repetition (the one with the median SCT p50), not pooled samples.
+each configuration's median repetition (the one with the median SCT p50), not pooled samples. Beside the
+Round-only ratios the report gives the ratios vs the best baseline (per repetition and metric, the fastest of
+the ``baseline`` rows), their bootstrap CI95 and wins/losses (``bench/stats.py``), and the load average
+around every run.
 
 The configurations are config overrides in one table (``CONFIGS``): a dotted path into ``StackConfig``
 (``engines[]`` = every engine) and the value. Each row states only what it turns *off* (or changes)

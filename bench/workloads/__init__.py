@@ -236,6 +236,7 @@ def describe(w: Workload) -> dict[str, Any]:
     prompts: list[float] = []
     outputs: list[float] = []
     reuse_frac: list[float] = []
+    by_tool: dict[str, list[float]] = {}
     for s in w.sessions:
         ps = resolve_prompts(s)
         for i, (c, p) in enumerate(zip(s.calls, ps)):
@@ -243,6 +244,8 @@ def describe(w: Workload) -> dict[str, Any]:
             outputs.append(c.output_tokens)
             if i:
                 gaps.append(c.gap_s)
+                if c.tool is not None:
+                    by_tool.setdefault(c.tool, []).append(c.gap_s)
                 prior = prompt_len(ps[i - 1])
                 reuse_frac.append(c.prefix_tokens / prior if prior else 0.0)
     over_half = sum(1 for r in reuse_frac if r > 0.5)
@@ -259,4 +262,7 @@ def describe(w: Workload) -> dict[str, Any]:
         "reuse_over_half_share": (over_half / len(reuse_frac)) if reuse_frac else float("nan"),
         "total_prompt_tokens": int(sum(prompts)), "total_output_tokens": int(sum(outputs)),
         "last_start_offset_s": max((s.start_offset_s for s in w.sessions), default=0.0),
+        "models_per_session_max": max((len({c.model for c in s.calls}) for s in w.sessions), default=0),
+        "gap_by_tool": {t: {"n": len(v), "p50_s": nearest_rank(v, 50), "p95_s": nearest_rank(v, 95)}
+                        for t, v in sorted(by_tool.items(), key=lambda kv: -len(kv[1]))},
     }

@@ -132,6 +132,10 @@ def test_synthetic_per_tool_gaps_make_a_fixed_lease_wrong_for_some_tools(tmp_pat
     assert max(med[t] for t in ("grep", "find", "cat", "ls")) < tau / 5  # a 1 s lease holds KV 5x too long
     assert min(med[t] for t in ("python", "pytest")) > 2 * tau  # and expires before the return
     assert set(w.meta["tool_gaps"]) == {t.name for t in TOOLS}
+    from bench.workloads import describe
+
+    d = describe(w)["gap_by_tool"]
+    assert d["pytest"]["p50_s"] > 2 * tau > d["grep"]["p95_s"] and sum(v["n"] for v in d.values()) == w.num_calls - len(w.sessions)
     back = read_jsonl(write_jsonl(w, tmp_path / "w.jsonl"))
     assert [c.tool for s in back.sessions for c in s.calls] == [c.tool for s in w.sessions for c in s.calls]
 
@@ -155,6 +159,9 @@ def test_synthetic_two_model_sessions_alternate_agent_and_user_simulator():
             # the user simulator never speaks twice in a row
             assert not (prev == cur != s.model)
     assert switches > len(w.sessions)  # they really alternate
+    from bench.workloads import describe
+
+    assert describe(w)["models_per_session_max"] == 2
     with pytest.raises(ValueError):
         SynthParams(models=("only",), two_model=True)
 
