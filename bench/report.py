@@ -641,7 +641,9 @@ def _latency_plot(plt, out: Path, ran: list[dict[str, Any]]) -> Path | None:
     missing = [n for n in names if n not in recorded]
     ax.set_xticks(range(len(splits)), [c for c, _ls in splits], rotation=20, fontsize=8)
     ax.set_ylabel("mean seconds per call")
-    ax.set_title("not recorded: " + ", ".join(missing) if missing else "all components recorded", fontsize=8)
+    import textwrap
+
+    ax.set_title(textwrap.fill("not recorded: " + ", ".join(missing), 90) if missing else "all components recorded", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
