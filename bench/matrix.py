@@ -63,6 +63,8 @@ CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("no-SP", {"engines[].sp": False}, "session-prefill admission off; HKVR and D2D staging on"),
     MatrixConfig("no-HKVR", {"engines[].host_kv": False}, "host-restorable KV off; SP and D2D staging on"),
     MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
+    MatrixConfig("SP-ungated", {"engines[].sp_gain_check": False},
+                 "as Talaria, but SP admits by budget alone (no benefit-vs-harm check, issue 12): shows what the check buys"),
     MatrixConfig("Round-only", dict(OFF), "SP, HKVR and D2D staging all off, full session-aware router: the controlled all-off baseline", "baseline"),
     MatrixConfig("Round-only+LP", {**OFF, "router.placement.policy": "least-pressure"},
                  "SP, HKVR and D2D staging all off, each call to the least-loaded instance: a request-level system (the paper's baseline)", "baseline"),

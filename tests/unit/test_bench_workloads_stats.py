@@ -189,6 +189,11 @@ def test_matrix_has_the_papers_baselines():
     assert lp.overrides == {**OFF, "router.placement.policy": "least-pressure"}
     assert availability(lp) is None
     assert [c.name for c in CONFIGS if c.kind == "baseline"] == ["Round-only", "Round-only+LP"]
+    from talaria.config import EngineConfig
+
+    # the SP gain check's ablation runs as soon as the engine config has the knob (policy default: on)
+    expect = None if "sp_gain_check" in EngineConfig.model_fields else "knob engines[].sp_gain_check missing"
+    assert availability(by["SP-ungated"]) == expect
 
 
 def _summary(scts: dict[str, float], load: float = 0.5) -> dict:
