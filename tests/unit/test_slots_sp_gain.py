@@ -162,3 +162,27 @@ def test_round_summary_reasons_travel_on_the_wire_and_into_the_report():
     assert m["sp_benefit_s"] == pytest.approx(1.5) and m["sp_harm_s"] == pytest.approx(0.5)
     old = _records_metrics([{"kind": "round", "sp_admitted": 1, "sp_deferred": 0}], "")  # an engine without the fields
     assert old["sp_no_gain"] != old["sp_no_gain"]  # n/a (NaN), not 0
+
+
+def test_on_random_three_model_workloads_gated_sp_never_loses_to_no_sp():
+    """20 seeded workloads (three models, the cost profile of test_slots): SP without the check makes the mean
+    SCT worse than no SP on some of them (by up to ~5 %); with the check, never."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("slots_t", Path(__file__).with_name("test_slots.py"))
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    worst_gated = worst_ungated = 0.0
+    for seed in range(20):
+        wl = t._workload(seed=seed, n=9, models=("a", "b", "c"), out=(8, 40), gap=(0.05, 0.5), depth=4, prompt=(200, 1500))
+
+        def mean_sct(**pol) -> float:
+            res, _, _ = t.run(wl, SlotPolicy(ttft_s=4.0, tpot_s=0.2, **pol), models=("a", "b", "c"))
+            return statistics.mean(res.sct.values())
+
+        nosp = mean_sct(sp=False)
+        worst_gated = max(worst_gated, mean_sct() / nosp)
+        worst_ungated = max(worst_ungated, mean_sct(sp_gain_check=False) / nosp)
+    assert worst_ungated > 1.04  # the loss the check removes is real on these workloads
+    assert worst_gated <= 1.0 + 1e-9
