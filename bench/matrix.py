@@ -7,14 +7,17 @@ API (``bench/replay.py``), the telemetry sources are read, and the stack is stop
 (``bench/report.py``) compares them: ratios are measured side by side in one run, as absolute times on a
 shared 2-core machine are noise.
 
-Repetitions (``--repeats N``, default 1; **3 recommended** for any claim — one configuration's SCT varied by
+Repetitions (``--repeats N``, default 1; **5** for any claim (issue 12) — one configuration's SCT varied by
 ±35 % between single runs): every configuration runs N times, interleaved — repetition ``r`` runs the
 configurations in the listed order rotated left by ``r`` (A B C D, B C D A, C D A B), so drift in machine
 load hits all of them alike — into ``<out>/rep<r>/<configuration>``. The report gives per configuration the
 medians over repetitions of SCT p50/p95 and TTFT p50/p95, the median of the *per-repetition* ratios vs
 Round-only (each ratio computed within one repetition) with their min-max range, and the per-repetition table
 (``bench/report.py``: ``aggregate_repeats``, ``combine_repeats``). The detailed columns and the plots show
-each configuration's median repetition (the one with the median SCT p50), not pooled samples.
+each configuration's median repetition (the one with the median SCT p50), not pooled samples. Beside the
+Round-only ratios the report gives the ratios vs the best baseline (per repetition and metric, the fastest of
+the ``baseline`` rows), their bootstrap CI95 and wins/losses (``bench/stats.py``), and the load average
+around every run.
 
 The configurations are config overrides in one table (``CONFIGS``): a dotted path into ``StackConfig``
 (``engines[]`` = every engine) and the value. Each row states only what it turns *off* (or changes)
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from bench import ensure_models
+from bench.stats import loadavg
 from bench.workloads import Workload, describe, read_jsonl, write_jsonl
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -46,17 +50,24 @@ class MatrixConfig:
     name: str
     overrides: dict[str, Any]
     description: str
-    kind: str = "ablation"  # "ablation" (instance-local mechanisms) | "router" (placement policy)
+    kind: str = "ablation"  # "ablation" (instance-local mechanisms) | "router" (placement policy) | "baseline"
 
 
-# The matrix (Talaria §5.1): reverse ablations of the instance-local mechanisms, then router policies.
+# The matrix (Talaria §5.1): reverse ablations of the instance-local mechanisms, the paper's baselines
+# (kind "baseline": every mechanism off, with the full router as the controlled baseline and with the
+# least-pressure router as a request-level system would place calls), then router policies. The report's
+# "best baseline" is, per repetition and per metric, the best of the "baseline" rows that ran.
 OFF = {"engines[].sp": False, "engines[].host_kv": False, "engines[].d2d_staging": False}
 CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("Talaria", {}, "every mechanism on (SP, HKVR, D2D staging), full router (leases + residency cost)"),
     MatrixConfig("no-SP", {"engines[].sp": False}, "session-prefill admission off; HKVR and D2D staging on"),
     MatrixConfig("no-HKVR", {"engines[].host_kv": False}, "host-restorable KV off; SP and D2D staging on"),
     MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
-    MatrixConfig("Round-only", dict(OFF), "SP, HKVR and D2D staging all off: the controlled all-off baseline"),
+    MatrixConfig("SP-ungated", {"engines[].sp_gain_check": False},
+                 "as Talaria, but SP admits by budget alone (no benefit-vs-harm check, issue 12): shows what the check buys"),
+    MatrixConfig("Round-only", dict(OFF), "SP, HKVR and D2D staging all off, full session-aware router: the controlled all-off baseline", "baseline"),
+    MatrixConfig("Round-only+LP", {**OFF, "router.placement.policy": "least-pressure"},
+                 "SP, HKVR and D2D staging all off, each call to the least-loaded instance: a request-level system (the paper's baseline)", "baseline"),
     MatrixConfig("least-pressure", {"router.placement.policy": "least-pressure"}, "engines as Talaria; each call to the least-loaded instance", "router"),
     MatrixConfig("session-sticky", {"router.placement.policy": "session-sticky"}, "engines as Talaria; a session pinned to its first instance", "router"),
 )
@@ -268,9 +279,11 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
             await asyncio.sleep(0.6)  # let the warmup's hooks and heartbeats land before "before"
             before = (await client.get(f"{api}/health")).json()
             kv_before = _kvstore_stats(stack)
+            load_before = loadavg()
             w0 = time.time()
             res = await replay_http(workload, api, desc=mc.name, progress=progress)
             w1 = time.time()
+            load_after = loadavg()
             await asyncio.sleep(1.0)  # the last heartbeats, hooks and records
             after = (await client.get(f"{api}/health")).json()
         kv_after = _kvstore_stats(stack)
@@ -286,8 +299,10 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
         (cdir / "telemetry.json").write_text(json.dumps({k: v for k, v in telemetry.items() if k != "records"}, indent=1, default=str))
         summary = summarize_run(res, telemetry)
         summary["stack_up_s"] = up_s
+        summary["loadavg_before"], summary["loadavg_after"] = load_before, load_after  # beside every number (issue 12)
+        load = f"{load_before[0]:.2f}->{load_after[0]:.2f}" if load_before and load_after else "n/a"
         say(f"{label}{mc.name}: SCT p50 {summary['sct_p50_s']:.2f}s p95 {summary['sct_p95_s']:.2f}s, TTFT p50 {summary['ttft_p50_s']:.2f}s, "
-            f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s")
+            f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s, load 1m {load}")
         return {"status": "ok", "summary": summary}
     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
         tails = {n: c.log[-15:] for n, c in stack.children.items()}
@@ -366,6 +381,7 @@ def run_matrix(
     orders = interleaved_orders(runnable, repeats)
     reps: list[list[dict[str, Any]]] = []
     t0 = time.monotonic()
+    load_start = loadavg()
     for ri, order in enumerate(orders):
         rep_out = out if repeats == 1 else out / f"rep{ri + 1}"
         label = "" if repeats == 1 else f"[rep {ri + 1}/{repeats}] "
@@ -389,6 +405,8 @@ def run_matrix(
         "quick": quick,
         "repeats": repeats,
         "orders": orders,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
     }
     if repeats == 1:
         rows = reps[0] if reps else [dict(base_rows[c.name]) for c in selected]
@@ -400,7 +418,8 @@ def run_matrix(
         report = write_matrix_report(out, rows, meta, repeats=reps)
     say("")
     if repeats > 1:
-        say(f"medians over {repeats} interleaved repetitions; ratios vs Round-only: median of per-repetition ratios [min-max]")
+        say(f"medians over {repeats} interleaved repetitions; ratios: median of per-repetition ratios [min-max], "
+            f"CI95 = hierarchical bootstrap, W/L = repetitions below/above 1; load 1m {meta['loadavg_start']} -> {meta['loadavg_end']}")
         say(repeats_table(agg))
         say("\ndetail: median repetition per configuration")
     say(matrix_table(rows))
@@ -413,7 +432,7 @@ def main(args) -> int:
 
     out = Path(args.out or f".talaria/bench/matrix-{time.strftime('%Y%m%d-%H%M%S')}")
     workload = None
-    if args.workload or args.mooncake or args.sessions is not None:
+    if args.workload or args.mooncake or args.miniswe or args.tool_gaps or args.two_model or args.sessions is not None:
         if args.sessions is None:
             args.sessions = 10
         workload = load_workload(args)
@@ -434,8 +453,9 @@ def add_args(p) -> None:
     p.add_argument("--out", help="output folder (default .talaria/bench/matrix-<time>)")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every configuration N times, interleaved (the order rotates each repetition), and report "
-                        "medians and the median [min-max] of per-repetition ratios vs Round-only (default 1; 3 recommended "
-                        "for any claim: single runs vary by tens of percent on a shared machine)")
+                        "medians, the median [min-max] of per-repetition ratios vs Round-only and vs the best baseline, "
+                        "bootstrap CI95 and wins/losses (default 1; 5 for any claim: single runs vary by tens of percent "
+                        "on a shared machine)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_workload_args(p)

@@ -327,11 +327,17 @@ async def warmup(api: str, models: list[str], *, prompt_tokens: int = 16, rounds
 
 # ------------------------------------------------------------------------------------------ CLI
 def load_workload(args) -> Workload:
-    """``--workload FILE`` (our JSONL), ``--mooncake FILE`` or ``--synthetic`` (the generator)."""
+    """``--workload FILE`` (our JSONL), ``--miniswe FILE``, ``--mooncake FILE`` or the synthetic generator
+    (``--tool-gaps`` / ``--two-model`` select its options)."""
     from bench.workloads import read_jsonl
 
     if getattr(args, "workload", None):
         w = read_jsonl(args.workload)
+    elif getattr(args, "miniswe", None):
+        from bench.workloads.miniswe import MiniSweParams, import_miniswe
+
+        w = import_miniswe(MiniSweParams(path=args.miniswe, sessions=args.sessions, models=tuple(args.models), seed=args.seed,
+                                         length_scale=args.length_scale or 1 / 16, time_scale=args.time_scale or 1.0))
     elif getattr(args, "mooncake", None):
         from bench.workloads.mooncake import MooncakeParams, import_mooncake
 
@@ -341,21 +347,26 @@ def load_workload(args) -> Workload:
         from bench.workloads.synthetic import SynthParams, generate
 
         w = generate(SynthParams(sessions=args.sessions, models=tuple(args.models), seed=args.seed, length_scale=args.length_scale or 1 / 32,
-                                 time_scale=args.time_scale or 1.0, max_depth=args.max_depth))
+                                 time_scale=args.time_scale or 1.0, max_depth=args.max_depth,
+                                 tool_gaps=getattr(args, "tool_gaps", False), two_model=getattr(args, "two_model", False)))
     if getattr(args, "model_map", None):
         w.remap_models(dict(kv.split("=", 1) for kv in args.model_map))
     return w
 
 
 def add_workload_args(p) -> None:
-    g = p.add_argument_group("workload (one of --workload / --mooncake / synthetic by default)")
-    g.add_argument("--workload", help="a trace in Talaria's JSONL format (bench/workloads/README.md)")
-    g.add_argument("--mooncake", help="import a Mooncake trace (e.g. ../shared/data/mooncake_synthetic_trace.jsonl)")
+    g = p.add_argument_group("workload (one of --workload / --miniswe / --mooncake / synthetic by default)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--workload", help="a trace in Talaria's JSONL format (bench/workloads/README.md)")
+    src.add_argument("--miniswe", help="import the mini-swe-agent trace (e.g. ../shared/data/lmcache_miniswe_trace.jsonl.gz)")
+    src.add_argument("--mooncake", help="import a Mooncake trace (e.g. ../shared/data/mooncake_synthetic_trace.jsonl)")
+    g.add_argument("--tool-gaps", action="store_true", help="synthetic: per-tool gap distributions (fast/slow tools; calls carry `tool`)")
+    g.add_argument("--two-model", action="store_true", help="synthetic: agent + user-simulator sessions alternating two models")
     g.add_argument("--sessions", type=int, default=None, help="sessions to generate / import")
     g.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-qwen2", "tiny-qwen3"], help="models the sessions are assigned to")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--length-scale", type=float, default=None, help="token lengths x this (synthetic 1/32, mooncake 1/16)")
-    g.add_argument("--time-scale", type=float, default=None, help="gaps and offsets x this (synthetic 1, mooncake 1/100)")
+    g.add_argument("--length-scale", type=float, default=None, help="token lengths x this (synthetic 1/32, miniswe 1/16, mooncake 1/16)")
+    g.add_argument("--time-scale", type=float, default=None, help="gaps and offsets x this (synthetic 1, miniswe 1, mooncake 1/100)")
     g.add_argument("--max-depth", type=int, default=187, help="synthetic: calls per session at most")
     g.add_argument("--model-map", nargs="*", metavar="FROM=TO", help="rename the trace's models")
     g.add_argument("--save-workload", metavar="FILE", help="write the workload as Talaria JSONL")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import format_table
+from bench.stats import wins_losses
 from bench.workloads import nearest_rank
 
 SOURCES = {
@@ -38,6 +39,7 @@ SOURCES = {
 }
 
 NA = float("nan")
+CI_SEED = 0  # bootstrap seed: the intervals are reproducible from summary.json
 
 
 def _finite(x: Any) -> bool:
@@ -107,6 +109,7 @@ def summarize_run(res, telemetry: dict[str, Any]) -> dict[str, Any]:
     s.update(_kvstore_metrics(telemetry.get("kvstore_before"), telemetry.get("kvstore_after")))
     s.update(kv_hits_by_source(ok))
     s.update(_records_metrics(telemetry.get("records"), telemetry.get("records_note", "")))
+    s["latency_split"] = latency_split(telemetry.get("records"))
     return s
 
 
@@ -182,7 +185,7 @@ def kv_hits_by_source(ok: list) -> dict[str, Any]:
 def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     out: dict[str, Any] = {"records_note": note}
     if records is None:
-        out.update({"rounds": NA, "sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "kv_source_pred": {}})
+        out.update({"rounds": NA, "sp_admitted": NA, "sp_deferred": NA, "sp_no_gain": NA, "switch_share_rounds": NA, "kv_source_pred": {}})
         return out
     rounds = [r for r in records if r.get("kind") == "round"]
     out["rounds"] = len(rounds)
@@ -204,8 +207,21 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
         out["switch_share_rounds"] = sw / wall if wall else NA
         out["sp_admitted"] = sum(num(r, "sp_admitted") for r in rounds)
         out["sp_deferred"] = sum(num(r, "sp_deferred") for r in rounds)
+        # SP that cannot lose (issue 12): deferral reasons and the predicted benefit / harm of what SP admitted,
+        # when the engines' round summaries carry them (n/a for an older engine)
+        if any("sp_deferred_reasons" in r for r in rounds):
+            reasons: dict[str, float] = {}
+            for r in rounds:
+                for k, v in (r.get("sp_deferred_reasons") or {}).items():
+                    reasons[k] = reasons.get(k, 0.0) + float(v)
+            out["sp_deferred_reasons"] = reasons
+            out["sp_no_gain"] = reasons.get("no_gain", 0.0)
+            out["sp_benefit_s"] = sum(num(r, "sp_benefit_s") for r in rounds)
+            out["sp_harm_s"] = sum(num(r, "sp_harm_s") for r in rounds)
+        else:
+            out.update({"sp_deferred_reasons": {}, "sp_no_gain": NA, "sp_benefit_s": NA, "sp_harm_s": NA})
     else:
-        out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA})
+        out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "sp_no_gain": NA})
     src: dict[str, int] = {}
     for r in records:
         if r.get("kind") == "call" and r.get("phase") == "start":
@@ -216,6 +232,68 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------- call latency attribution
+# Issue 12 item 1 (report half): a call's latency split into components recorded *by the engine and router*
+# per call (exact, not estimated). The call records (telemetry ``CallRecord``, phase "end") are searched for
+# each component under the keys listed (top level, or inside an ``attribution`` / ``latency`` map, as
+# seconds); a component no record carries is reported as "not recorded" — never estimated. The part of the
+# call's latency (``end_unix - arrival_unix``) the recorded components do not cover is shown as
+# "unattributed", so an incomplete split is visible as such.
+LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("router queue", ("router_queue_s", "router_queue_seconds")),
+    ("placement", ("placement_s", "placement_seconds")),
+    ("engine queue", ("engine_queue_s", "engine_queue_seconds", "queue_seconds")),
+    ("round wait", ("round_wait_s", "round_wait_seconds")),
+    ("switch wait", ("switch_wait_s", "switch_wait_seconds")),
+    ("KV restore", ("restore_s", "restore_seconds", "kv_restore_s", "kv_restore_seconds")),
+    ("prefill", ("prefill_s", "prefill_seconds", "prefill_recompute_s", "prefill_recompute_seconds")),
+    ("decode", ("decode_s", "decode_seconds")),
+    ("preemption", ("preemption_s", "preemption_seconds", "preempted_s", "preempted_seconds")),
+)
+
+
+def _component(rec: dict[str, Any], keys: tuple[str, ...]) -> float | None:
+    for src in (rec, rec.get("attribution") or {}, rec.get("latency") or {}):
+        if not isinstance(src, dict):
+            continue
+        for k in keys:
+            v = src.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                return float(v)
+    return None
+
+
+def latency_split(records: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Mean seconds per completed call of each latency component, from the call-end records that carry it
+    (``None``: not recorded by any call), the mean call latency, and what the recorded components leave
+    unattributed. Pure."""
+    if records is None:
+        return {"source": "n/a (no records)", "calls": 0, "components": {n: None for n, _k in LATENCY_COMPONENTS}}
+    ends = [r for r in records if r.get("kind") == "call" and r.get("phase") == "end" and not r.get("error")]
+    comps: dict[str, float | None] = {}
+    for name, keys in LATENCY_COMPONENTS:
+        vals = [v for r in ends if (v := _component(r, keys)) is not None]
+        comps[name] = sum(vals) / len(ends) if vals else None
+    totals = [float(r["end_unix"]) - float(r["arrival_unix"]) for r in ends
+              if _finite(r.get("end_unix")) and _finite(r.get("arrival_unix")) and r["end_unix"] and r["arrival_unix"]]
+    total = sum(totals) / len(totals) if totals else NA
+    recorded = sum(v for v in comps.values() if v is not None)
+    return {"source": "telemetry call records (phase end)", "calls": len(ends), "components": comps, "total_s": total,
+            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA}
+
+
+def latency_table(rows: list[dict[str, Any]]) -> str:
+    ran = [r for r in rows if r.get("summary") and r["summary"].get("latency_split")]
+    headers = ["configuration", "calls"] + [n for n, _k in LATENCY_COMPONENTS] + ["unattributed", "call latency"]
+    body = []
+    for r in ran:
+        ls = r["summary"]["latency_split"]
+        body.append([r["name"], ls.get("calls", 0)] + [f"{v:.3f}" if v is not None else "not recorded" for v in ls["components"].values()]
+                    + [f"{ls.get('unattributed_s', NA):.3f}" if _finite(ls.get("unattributed_s", NA)) else "n/a",
+                       f"{ls.get('total_s', NA):.3f}" if _finite(ls.get("total_s", NA)) else "n/a"])
+    return format_table(headers, body)
+
+
 # ------------------------------------------------------------------------------------ rendering
 COLUMNS = [
     # header, key, source
@@ -223,23 +301,41 @@ COLUMNS = [
     ("SCT p95 s", "sct_p95_s", "client"),
     ("p50/Round-only", "sct_p50_vs_base", "client"),
     ("p95/Round-only", "sct_p95_vs_base", "client"),
+    ("p50/best (CI)", "sct_p50_vs_best", "client; best = fastest baseline row; CI: paired session bootstrap (bench/stats.py)"),
+    ("p95/best (CI)", "sct_p95_vs_best", "client; as above"),
     ("p50/Talaria", "sct_p50_vs_talaria", "client"),
     ("TTFT p50 s", "ttft_p50_s", "client"),
     ("TTFT p95 s", "ttft_p95_s", "client"),
     ("avoid. opens", "avoidable_cold_opens", "router"),
     ("same-inst", "same_instance_router", "router"),
     ("switch share", "switch_share", "telemetry/engine"),
-    ("SP adm/def", "sp", "telemetry"),
+    ("SP adm/def", "sp", "telemetry round summaries; `no-gain`: deferred because the predicted round wait saved did not exceed the delay to other models (issue 12)"),
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
+    ("load 1m", "load", "/proc/loadavg 1-minute average before -> after this run"),
 ]
 
 
+def baseline_names(rows: list[dict[str, Any]], baseline: str = "Round-only") -> list[str]:
+    """The configurations the "best baseline" is chosen from: rows of kind ``baseline`` (bench/matrix.py),
+    else just ``baseline``."""
+    names = [r["name"] for r in rows if r.get("kind") == "baseline"]
+    return names or [baseline]
+
+
 def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", reference: str = "Talaria") -> None:
+    """Set on every summary its ratios vs ``baseline`` (``_vs_base``), vs ``reference`` (``_vs_talaria``) and
+    vs the best baseline (``_vs_best``: per metric the smallest value among the baseline rows that ran, whose
+    name is ``best_baseline_<metric>``), plus session-level bootstrap intervals of the SCT ratios
+    (``<ratio>_ci``, bench/stats.py) and the sessions won/lost vs ``baseline``. Mutates the summaries."""
+    from bench.stats import bootstrap_ratio_ci, paired_wins
+
     by = {r["name"]: r for r in rows if r.get("summary")}
     base = by.get(baseline, {}).get("summary")
     ref = by.get(reference, {}).get("summary")
+    named = [(n, by[n]["summary"]) for n in baseline_names(rows, baseline) if n in by]
+    bases = [b for _n, b in named]
     for r in rows:
         s = r.get("summary")
         if not s:
@@ -250,9 +346,35 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str = "Round-only", referen
                 v = s[k]
                 s[f"{m}_{q}_vs_base"] = v / base[k] if base and _finite(base[k]) and base[k] > 0 else NA
                 s[f"{m}_{q}_vs_talaria"] = v / ref[k] if ref and _finite(ref[k]) and ref[k] > 0 else NA
+                cands = [(b[k], n) for n, b in named if _finite(b.get(k)) and b[k] > 0]
+                best = min(cands, default=None)
+                s[f"{m}_{q}_vs_best"] = v / best[0] if best else NA
+                s[f"best_baseline_{m}_{q}"] = best[1] if best else None
+        for q, qn in ((50, "p50"), (95, "p95")):
+            s[f"sct_{qn}_vs_base_ci"] = list(bootstrap_ratio_ci([(s["scts"], [base["scts"]])], q, seed=CI_SEED)) if base else [NA, NA]
+            s[f"sct_{qn}_vs_best_ci"] = list(bootstrap_ratio_ci([(s["scts"], [b["scts"] for b in bases])], q, seed=CI_SEED)) if bases else [NA, NA]
+        won, lost, tied = paired_wins(s["scts"], base["scts"]) if base else (0, 0, 0)
+        s["sessions_won_lost_tied_vs_base"] = [won, lost, tied]
+
+
+def _load_cell(s: dict[str, Any]) -> str:
+    b, a = s.get("loadavg_before"), s.get("loadavg_after")
+    return f"{b[0]:.2f}->{a[0]:.2f}" if b and a else "n/a"
+
+
+def _ci_cell(v: Any, ci: Any) -> str:
+    if not _finite(v):
+        return "n/a"
+    if ci and len(ci) == 2 and all(_finite(x) for x in ci):
+        return f"{v:.2f} ({ci[0]:.2f}-{ci[1]:.2f})"
+    return f"{v:.2f}"
 
 
 def _cell(s: dict[str, Any], key: str) -> object:
+    if key == "load":
+        return _load_cell(s)
+    if key in ("sct_p50_vs_best", "sct_p95_vs_best"):
+        return _ci_cell(s.get(key, NA), s.get(f"{key}_ci"))
     if key == "switch_share":
         v = s.get("switch_share_rounds", NA)
         if _finite(v):
@@ -260,8 +382,10 @@ def _cell(s: dict[str, Any], key: str) -> object:
         v = s.get("switch_share_proxy", NA)
         return f"{v:.1%}*" if _finite(v) else "n/a"
     if key == "sp":
-        a, d = s.get("sp_admitted", NA), s.get("sp_deferred", NA)
-        return f"{int(a)}/{int(d)}" if _finite(a) and _finite(d) else "n/a"
+        a, d, ng = s.get("sp_admitted", NA), s.get("sp_deferred", NA), s.get("sp_no_gain", NA)
+        if not (_finite(a) and _finite(d)):
+            return "n/a"
+        return f"{int(a)}/{int(d)}" + (f" ({int(ng)} no-gain)" if _finite(ng) else "")
     if key == "kv_hits":
         if s.get("kv_hits_source") == "usage":  # exact, per call (kv_hits_by_source)
             by = s["kv_hit_calls_by_source"]
@@ -315,6 +439,15 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         f"Command: `{meta.get('command', '')}`",
         "",
         f"Workload: {meta.get('workload_desc', '')}",
+        "",
+        f"Load average (1/5/15 min) at the start: {meta.get('loadavg_start', 'n/a')}, at the end: {meta.get('loadavg_end', 'n/a')}; "
+        "per run in the `load 1m` columns and in summary.json (`loadavg_before` / `loadavg_after`).",
+        "",
+        "Best baseline: per repetition and per metric, the fastest of the baseline configurations that ran "
+        "(every mechanism off; with the full router and with the least-pressure router). `/best` ratios are "
+        "computed within each repetition; `CI95` is a bootstrap interval (bench/stats.py: repetitions and "
+        "paired sessions resampled, seeded) of the median ratio; `W/L` counts the repetitions whose ratio was "
+        "below / above 1.",
         "",
     ]
     extra: dict[str, Any] = {}
@@ -374,6 +507,19 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         "/ host restores (kvstore Stats). "
         "`engaged` shows whether each mechanism actually ran: round records received (slot scheduler / SP), bytes "
         "checkpointed into the kvstore (HKVR), switches that used staged weights of all switches (D2D).",
+        "",
+    ]
+    lines += [
+        "## Where a call's time goes",
+        "",
+        "Mean seconds per completed call of each component, as recorded per call by the router and engines "
+        "(telemetry call records; `bench/report.py` `LATENCY_COMPONENTS` lists the fields read). `not recorded`: "
+        "no call record of this build carries the component — it is not estimated. `unattributed`: the part of "
+        "the mean call latency (router arrival to end) the recorded components do not cover.",
+        "",
+        "```",
+        latency_table(rows),
+        "```",
         "",
     ]
     for r in rows:
@@ -469,7 +615,42 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
     fig.savefig(out / "sct_per_session.png", dpi=110)
     plt.close(fig)
     paths["SCT per session"] = out / "sct_per_session.png"
+    split = _latency_plot(plt, out, ran)
+    if split is not None:
+        paths["call latency split (mean per call)"] = split
     return paths
+
+
+def _latency_plot(plt, out: Path, ran: list[dict[str, Any]]) -> Path | None:
+    """Stacked bars, one per configuration: the recorded components and the unattributed rest."""
+    splits = [(r["name"], r["summary"].get("latency_split") or {}) for r in ran]
+    splits = [(n, ls) for n, ls in splits if ls.get("calls")]
+    if not splits:
+        return None
+    names = [n for n, _k in LATENCY_COMPONENTS]
+    recorded = [n for n in names if any(ls["components"].get(n) is not None for _c, ls in splits)]
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(splits) + 3), 4.4))
+    cmap = plt.get_cmap("tab10")
+    bottoms = [0.0] * len(splits)
+    for i, comp in enumerate(recorded + ["unattributed"]):
+        vals = [(ls.get("unattributed_s") if comp == "unattributed" else ls["components"].get(comp)) or 0.0 for _c, ls in splits]
+        vals = [v if _finite(v) else 0.0 for v in vals]
+        ax.bar(range(len(splits)), vals, bottom=bottoms, label=comp, color="lightgrey" if comp == "unattributed" else cmap(i % 10),
+               hatch="//" if comp == "unattributed" else None)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    missing = [n for n in names if n not in recorded]
+    ax.set_xticks(range(len(splits)), [c for c, _ls in splits], rotation=20, fontsize=8)
+    ax.set_ylabel("mean seconds per call")
+    import textwrap
+
+    ax.set_title(textwrap.fill("not recorded: " + ", ".join(missing), 90) if missing else "all components recorded", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    p = out / "latency_split.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
 
 
 # --------------------------------------------------------------------------- repetitions (--repeats)
@@ -478,7 +659,8 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> dict[str, Path]:
 # repetition (both sides saw the same machine state), and the report gives the median over repetitions
 # and the min-max range of those per-repetition ratios.
 REPEAT_METRICS = ("sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s")
-REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria") for m in ("sct", "ttft") for q in ("p50", "p95"))
+REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria", "best") for m in ("sct", "ttft") for q in ("p50", "p95"))
+CI_RATIOS = ("sct_p50_vs_base", "sct_p95_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")  # bootstrap intervals (bench/stats.py)
 
 
 def _median(xs: list[float]) -> float:
@@ -510,11 +692,37 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         for k in REPEAT_RATIOS:
             vals = [s[k] for _i, s in ok if _finite(s.get(k))]
             agg["ratios"][k] = {"median": _median(vals), "min": min(vals, default=NA), "max": max(vals, default=NA), "n": len(vals), "values": vals}
+        agg["ci95"] = _repeat_cis(reps, name, baseline)
+        agg["wins_losses"] = {k: list(wins_losses(agg["ratios"][k]["values"])) for k in CI_RATIOS}
+        loads = [v[0] for _i, s in ok for key in ("loadavg_before", "loadavg_after") if (v := s.get(key))]
+        agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
         ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
         agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
         agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
         out.append(agg)
+    return out
+
+
+def _repeat_cis(reps: list[list[dict[str, Any]]], name: str, baseline: str) -> dict[str, list[float]]:
+    """Hierarchical bootstrap intervals (repetitions, then paired sessions; bench/stats.py) of the
+    configuration's median-over-repetitions SCT ratios vs ``baseline`` and vs the best baseline."""
+    from bench.stats import bootstrap_ratio_ci
+
+    vs_base, vs_best = [], []
+    for rows in reps:
+        by = {r["name"]: r["summary"] for r in rows if r.get("summary")}
+        if name not in by:
+            continue
+        if baseline in by:
+            vs_base.append((by[name]["scts"], [by[baseline]["scts"]]))
+        dens = [by[n]["scts"] for n in baseline_names(rows, baseline) if n in by]
+        if dens:
+            vs_best.append((by[name]["scts"], dens))
+    out = {}
+    for key, pairs in (("base", vs_base), ("best", vs_best)):
+        for q, qn in ((50, "p50"), (95, "p95")):
+            out[f"sct_{qn}_vs_{key}"] = list(bootstrap_ratio_ci(pairs, q, seed=CI_SEED))
     return out
 
 
@@ -528,6 +736,8 @@ def repetition_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             row.update({k: s.get(k, NA) for k in REPEAT_METRICS + REPEAT_RATIOS})
             row["calls_failed"] = s.get("calls_failed", NA)
             row["replay_wall_s"] = s.get("wall_s", NA)
+            row["sessions_won_lost_tied_vs_base"] = s.get("sessions_won_lost_tied_vs_base")
+            row["loadavg_before"], row["loadavg_after"] = s.get("loadavg_before"), s.get("loadavg_after")
             flat.append(row)
     return flat
 
@@ -538,26 +748,43 @@ def _ratio_cell(r: dict[str, Any]) -> str:
     return f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
 
 
+def _ci_range(ci: Any) -> str:
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci and all(_finite(x) for x in ci) else "n/a"
+
+
 def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
-    """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]."""
+    """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]; ``CI95``: the
+    hierarchical bootstrap interval of that median (bench/stats.py); ``W/L``: repetitions whose ratio was
+    below / above 1; ``load 1m``: min-max of the 1-minute load average around this configuration's runs."""
     b = "RO" if baseline == "Round-only" else baseline
     headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
-               f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}", "SCT p50 range s", "failed"]
+               f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}",
+               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "load 1m", "failed"]
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
         rng = m["sct_p50_s"]
+        ci, wl = a.get("ci95", {}), a.get("wins_losses", {})
+        best = []
+        for k in ("sct_p50_vs_best", "sct_p95_vs_best"):
+            w = wl.get(k)
+            best += [_ratio_cell(q[k]), _ci_range(ci.get(k)), f"{w[0]}/{w[1]}" if w else "n/a"]
+        ld = a.get("load1", {})
         body.append([a["name"], f"{a['repeats_ok']}/{a['repeats']}"] + [m[k]["median"] for k in REPEAT_METRICS]
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
-                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a", a["calls_failed_total"]])
+                    + best
+                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
+                       f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
     return format_table(headers, body)
 
 
 def repetitions_table(flat: list[dict[str, Any]]) -> str:
     headers = ["rep", "pos", "configuration", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s", "SCT p50/RO", "SCT p95/RO",
-               "TTFT p50/RO", "failed", "status"]
+               "TTFT p50/RO", "SCT p50/best", "SCT p95/best", "sessions W/L/T vs RO", "load 1m", "failed", "status"]
     body = [[r["rep"], r["position"] if r["position"] is not None else "-", r["name"]] + [r[k] for k in REPEAT_METRICS]
-            + [r[k] for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base")] + [r["calls_failed"], r["status"]]
+            + [r[k] for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")]
+            + ["/".join(map(str, r["sessions_won_lost_tied_vs_base"])) if r.get("sessions_won_lost_tied_vs_base") else "n/a",
+               _load_cell(r), r["calls_failed"], r["status"]]
             for r in flat]
     return format_table(headers, body)
 
@@ -580,6 +807,8 @@ def combine_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-onl
             s = dict(src["summary"])
             for k in REPEAT_RATIOS:
                 s[k] = a["ratios"][k]["median"]
+            for k, ci in a.get("ci95", {}).items():
+                s[f"{k}_ci"] = ci
             row["summary"] = s
             row["plot_repetition"] = a["median_rep"] + 1
         failed = [st for st in a["statuses"] if st != "ok"]

@@ -1,7 +1,8 @@
 """Replay workloads: Talaria's own JSONL trace format (``README.md`` in this folder), its reader/writer,
 and the distribution summary the generator test and the report use.
 
-A workload is a list of sessions; a session is an ordered list of calls of one model. Each call fixes
+A workload is a list of sessions; a session is an ordered list of calls (usually of one model; a two-model
+session alternates an agent model and a user-simulator model, each call names its own). Each call fixes
 what a fixed replay (Talaria §5.1, Appendix A) holds constant: the request body (prompt as token ids,
 text or chat messages), the completion-token count (EOS ignored) and the recorded gap before it.
 
@@ -10,6 +11,7 @@ text or chat messages), the completion-token count (EOS ignored) and the recorde
 | ``__init__`` | ``Call`` / ``Session`` / ``Workload``, JSONL read/write, prompt resolution, ``describe`` |
 | ``synthetic`` | seeded generator matching the published SWE-Bench Verified distributions |
 | ``mooncake`` | importer of the Mooncake trace (sessions from shared ``hash_ids`` chains) |
+| ``miniswe`` | importer of the mini-swe-agent trace (real prompts, real gaps, the tool each call ran) |
 
 Nothing here talks to a server or reads a clock.
 """
@@ -51,6 +53,7 @@ class Call:
     append_tokens: list[int] | None = None
     prompt_text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tool: str | None = None  # the tool the previous call invoked (None: unknown, or no tool ran before this call)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -65,6 +68,8 @@ class Call:
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
+        if self.tool is not None:
+            d["tool"] = self.tool
         return d
 
 
@@ -146,12 +151,15 @@ def read_jsonl(path: str | Path) -> Workload:
                 append_tokens=d.get("append_tokens"),
                 prompt_text=d.get("prompt_text"),
                 messages=d.get("messages"),
+                tool=d.get("tool"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{path}:{n}: bad call record: {e!r}") from None
         forms = [k for k in ("prompt_tokens", "append_tokens", "prompt_text", "messages") if getattr(c, k) is not None]
         if len(forms) != 1:
             raise TraceError(f"{path}:{n}: exactly one of prompt_tokens/append_tokens/prompt_text/messages, got {forms}")
+        if c.tool is not None and not isinstance(c.tool, str):
+            raise TraceError(f"{path}:{n}: tool must be a string, got {type(c.tool).__name__}")
         if c.output_tokens < 1 or c.gap_s < 0 or c.prefix_tokens < 0:
             raise TraceError(f"{path}:{n}: output_tokens >= 1, gap_s >= 0, prefix_tokens >= 0 required")
         by_session.setdefault(c.session_id, []).append(c)
@@ -228,6 +236,7 @@ def describe(w: Workload) -> dict[str, Any]:
     prompts: list[float] = []
     outputs: list[float] = []
     reuse_frac: list[float] = []
+    by_tool: dict[str, list[float]] = {}
     for s in w.sessions:
         ps = resolve_prompts(s)
         for i, (c, p) in enumerate(zip(s.calls, ps)):
@@ -235,6 +244,8 @@ def describe(w: Workload) -> dict[str, Any]:
             outputs.append(c.output_tokens)
             if i:
                 gaps.append(c.gap_s)
+                if c.tool is not None:
+                    by_tool.setdefault(c.tool, []).append(c.gap_s)
                 prior = prompt_len(ps[i - 1])
                 reuse_frac.append(c.prefix_tokens / prior if prior else 0.0)
     over_half = sum(1 for r in reuse_frac if r > 0.5)
@@ -251,4 +262,7 @@ def describe(w: Workload) -> dict[str, Any]:
         "reuse_over_half_share": (over_half / len(reuse_frac)) if reuse_frac else float("nan"),
         "total_prompt_tokens": int(sum(prompts)), "total_output_tokens": int(sum(outputs)),
         "last_start_offset_s": max((s.start_offset_s for s in w.sessions), default=0.0),
+        "models_per_session_max": max((len({c.model for c in s.calls}) for s in w.sessions), default=0),
+        "gap_by_tool": {t: {"n": len(v), "p50_s": nearest_rank(v, 50), "p95_s": nearest_rank(v, 95)}
+                        for t, v in sorted(by_tool.items(), key=lambda kv: -len(kv[1]))},
     }

@@ -14,6 +14,21 @@ x ``length_scale``; session starts are a Poisson process (``mean_interarrival_s`
 to the models round-robin in a seeded order. Everything is a pure function of the arguments: the same seed
 gives the same workload.
 
+Two options, off by default (the default workload is unchanged, draw for draw):
+
+* **per-tool gaps** (``tool_gaps``, issue 14): every continuation names the tool the previous call ran
+  (``Call.tool``), drawn from ``TOOLS`` (fast: read/search commands; medium: edits and git; slow: running
+  code and tests), and its gap is drawn from that tool's own log-normal. The tool names and their mix are
+  those the mini-swe-agent trace runs most (``miniswe.py``); the per-tool gap medians/p95s are **assumed**
+  (the published characterisation gives only the pooled distribution) and chosen an order of magnitude
+  apart, so a fixed lease τ is too long for the fast tools and too short for the slow ones.
+* **two-model sessions** (``two_model``, issue 12): a session alternates an agent model and a
+  user-simulator model (the next model in the seeded model order). The agent's turn is a run of calls
+  (geometric, mean ``agent_calls_per_turn``) separated by tool gaps; then the user simulator answers and the
+  agent resumes, each after a short hand-off gap (``HANDOFF_S``, assumed: the harness passes a message on).
+  Both models see the same growing transcript, so every call's prompt still extends the previous call's
+  (token reuse is real, but KV is per model: a call can reuse only what its own model computed).
+
 Prompts are token ids (``/v1/completions``), built so every continuation is a true prefix extension:
 ``prompt[i] = prompt[i-1] + output_placeholder[i-1] + tool_result[i]`` (the placeholder stands for the
 recorded answer, as the replay cannot know what a model will generate), so the reuse the engine can find is
@@ -52,6 +67,27 @@ PROMPT_TOKENS = LogNormal(25_000, 105_000)
 REUSE_OVER_HALF = 0.968
 # Assumed (not published)
 OUTPUT_TOKENS = LogNormal(300, 1500)
+HANDOFF_S = LogNormal(0.02, 0.1)  # two-model sessions: the harness hands one model's message to the other
+
+
+@dataclass(frozen=True, slots=True)
+class ToolGap:
+    name: str
+    weight: float  # share of tool calls
+    gap: LogNormal  # seconds from the response to the next call (the tool's run + the harness)
+
+
+# Per-tool gaps (assumed, see the module docstring): fast / medium / slow, an order of magnitude apart.
+TOOLS: tuple[ToolGap, ...] = (
+    ToolGap("grep", 0.17, LogNormal(0.05, 0.25)),
+    ToolGap("find", 0.15, LogNormal(0.05, 0.25)),
+    ToolGap("cat", 0.12, LogNormal(0.04, 0.2)),
+    ToolGap("ls", 0.06, LogNormal(0.03, 0.15)),
+    ToolGap("sed", 0.17, LogNormal(0.3, 1.2)),
+    ToolGap("git", 0.08, LogNormal(0.4, 1.5)),
+    ToolGap("python", 0.15, LogNormal(3.0, 9.0)),
+    ToolGap("pytest", 0.10, LogNormal(6.0, 20.0)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +103,15 @@ class SynthParams:
     max_output: int = 256
     mean_interarrival_s: float = 2.0
     vocab: int = 4096
+    tool_gaps: bool = False  # per-tool gap distributions (TOOLS); continuations carry ``tool``
+    two_model: bool = False  # agent + user-simulator sessions
+    agent_calls_per_turn: float = 2.0  # two-model: mean agent calls between two user-simulator calls
+
+    def __post_init__(self) -> None:
+        if self.two_model and len(self.models) < 2:
+            raise ValueError("two_model needs at least two models")
+        if self.agent_calls_per_turn < 1:
+            raise ValueError("agent_calls_per_turn must be >= 1")
 
 
 def generate(p: SynthParams) -> Workload:
@@ -80,7 +125,8 @@ def generate(p: SynthParams) -> Workload:
             t += rng.expovariate(1.0 / p.mean_interarrival_s) * p.time_scale
         sid = f"syn{p.seed}-{si:04d}"
         model = order[si % len(order)]
-        sessions.append(_session(rng, p, sid, model, t))
+        user = order[(si + 1) % len(order)] if p.two_model else None
+        sessions.append(_session(rng, p, sid, model, t, user))
     meta = {
         "source": "synthetic SWE-Bench Verified distributions (bench/workloads/synthetic.py)",
         "seed": p.seed,
@@ -91,14 +137,32 @@ def generate(p: SynthParams) -> Workload:
         "mean_interarrival_s": p.mean_interarrival_s,
         "models": list(p.models),
     }
+    if p.tool_gaps:
+        meta["tool_gaps"] = {t.name: {"weight": t.weight, "gap_p50_s": t.gap.median, "gap_p95_s": t.gap.p95} for t in TOOLS}
+    if p.two_model:
+        meta["two_model"] = {"agent_calls_per_turn": p.agent_calls_per_turn, "handoff_p50_s": HANDOFF_S.median, "handoff_p95_s": HANDOFF_S.p95}
     return Workload(sessions, meta)
+
+
+def _next_call(rng: random.Random, p: SynthParams, prev_model: str, agent: str, user: str | None) -> tuple[str, float, str | None]:
+    """(model, gap, tool) of a continuation after a call of ``prev_model``. Without options: one draw of
+    the pooled gap (the default workload's exact draw sequence)."""
+    model = agent
+    if user is not None:
+        if prev_model == user or rng.random() < 1.0 / p.agent_calls_per_turn:
+            model = user if prev_model == agent else agent  # the turn passes to the other model
+            return model, HANDOFF_S.draw(rng) * p.time_scale, None
+    if p.tool_gaps:
+        t = rng.choices(TOOLS, weights=[t.weight for t in TOOLS])[0]
+        return model, t.gap.draw(rng) * p.time_scale, t.name
+    return model, GAP_S.draw(rng) * p.time_scale, None
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return rng.choices(range(3, vocab), k=n)
 
 
-def _session(rng: random.Random, p: SynthParams, sid: str, model: str, offset: float) -> Session:
+def _session(rng: random.Random, p: SynthParams, sid: str, model: str, offset: float, user: str | None = None) -> Session:
     depth = max(1, min(p.max_depth, DEPTH_MAX, round(DEPTH.draw(rng))))
     lengths = sorted(
         max(p.min_prompt, min(p.max_prompt, round(PROMPT_TOKENS.draw(rng) * p.length_scale))) for _ in range(depth)
@@ -106,12 +170,13 @@ def _session(rng: random.Random, p: SynthParams, sid: str, model: str, offset: f
     outputs = [max(1, min(p.max_output, round(OUTPUT_TOKENS.draw(rng) * p.length_scale))) for _ in range(depth)]
     calls: list[Call] = []
     prev: list[int] = []
+    cur = model
     for i in range(depth):
         if i == 0:
             prompt = _tokens(rng, lengths[0], p.vocab)
             calls.append(Call(sid, 0, model, outputs[0], 0.0, 0, prompt_tokens=prompt))
         else:
-            gap = GAP_S.draw(rng) * p.time_scale
+            cur, gap, tool = _next_call(rng, p, cur, model, user)
             if rng.random() < REUSE_OVER_HALF:
                 keep = len(prev)
                 base = prev + _tokens(rng, outputs[i - 1], p.vocab)  # the prior answer stays in the context
@@ -123,6 +188,6 @@ def _session(rng: random.Random, p: SynthParams, sid: str, model: str, offset: f
             want = min(max(lengths[i], len(base) + 1), p.max_prompt)
             append = base[keep:] + _tokens(rng, want - len(base), p.vocab)
             prompt = prev[:keep] + append
-            calls.append(Call(sid, i, model, outputs[i], gap, keep, append_tokens=append))
+            calls.append(Call(sid, i, cur, outputs[i], gap, keep, append_tokens=append, tool=tool))
         prev = prompt
     return Session(sid, offset, calls)

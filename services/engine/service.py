@@ -175,6 +175,7 @@ class EngineService:
             phase_s=dict(r.phase_s), phase_count=dict(r.phase_count), sp_admitted=r.sp_admitted, sp_deferred=r.sp_deferred,
             sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
             switch_paths=list(r.switch_paths), flags=dict(r.flags), num_slots=len(r.slots),
+            sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
         )
 
     async def _publish_rounds(self, rounds) -> None:

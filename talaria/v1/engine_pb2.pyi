@@ -372,7 +372,7 @@ class ControlReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., snapshot: _Optional[_Union[InstanceSnapshot, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots")
+    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots", "sp_deferred_reasons", "sp_benefit_s", "sp_harm_s")
     class PhaseSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,13 @@ class RoundSummary(_message.Message):
         key: str
         value: bool
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
+    class SpDeferredReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +430,9 @@ class RoundSummary(_message.Message):
     SWITCH_PATHS_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SP_DEFERRED_REASONS_FIELD_NUMBER: _ClassVar[int]
+    SP_BENEFIT_S_FIELD_NUMBER: _ClassVar[int]
+    SP_HARM_S_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     index: int
@@ -445,4 +455,7 @@ class RoundSummary(_message.Message):
     switch_paths: _containers.RepeatedScalarFieldContainer[str]
     flags: _containers.ScalarMap[str, bool]
     num_slots: int
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    sp_deferred_reasons: _containers.ScalarMap[str, int]
+    sp_benefit_s: float
+    sp_harm_s: float
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ..., sp_deferred_reasons: _Optional[_Mapping[str, int]] = ..., sp_benefit_s: _Optional[float] = ..., sp_harm_s: _Optional[float] = ...) -> None: ...

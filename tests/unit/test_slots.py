@@ -263,7 +263,9 @@ def test_hot_instance_is_one_endless_slot():
 
 def test_cost_profile_is_refreshed_by_measurements():
     est = CostProfile(prefill_per_token=1e-5, decode_step=0.1, restore_per_token=1e-3, switch_by_path={"full_staged": 1.0, "host_only": 2.0})
-    _, sched, _ = run(_workload(seed=6, n=8, models=("a", "b"), depth=6), SlotPolicy(ttft_s=4, tpot_s=0.2), estimate=est)
+    # depth 8: enough prefill-only steps for the EWMA to converge whatever SP admits (the SP gain check of
+    # issue 12 changes the step mix; at depth 6 the value sat at 0.73x of the truth even without it)
+    _, sched, _ = run(_workload(seed=6, n=8, models=("a", "b"), depth=8), SlotPolicy(ttft_s=4, tpot_s=0.2), estimate=est)
     c = sched.costs
     assert c.decode_step("a") == pytest.approx(TRUTH.decode_step, rel=0.05)
     assert c.prefill_per_token("a") == pytest.approx(TRUTH.prefill_per_token, rel=0.3)  # from 10x off

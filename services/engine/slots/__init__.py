@@ -5,7 +5,7 @@
 | ``types.py`` | boundary data: ``InstanceView`` in, ``Decision`` out, ``RoundSummary`` |
 | ``costs.py`` | EWMA-refreshed cost profile (prefill/token, decode step, restore/token, switch by path) |
 | ``budget.py`` | Eq. 3-5: protected decode d_m, round bound γ·T_TTFT, prefill pool, shortfall |
-| ``admission.py`` | P admission and SP eligibility / bounded SP batches |
+| ``admission.py`` | P admission and SP eligibility / bounded SP batches / SP gain (benefit vs harm, issue 12) |
 | ``scheduler.py`` | ``SlotScheduler.decide(view, now)``: rounds, slots, phases, summaries |
 | ``fake.py`` | profile-driven fake executor + virtual-clock closed-loop driver |
 

@@ -11,6 +11,18 @@ with ``host_kv``). At each opportunity the bounded subset whose prefill + restor
 after protected decode, whose KV fits free device memory, and which respects the batch bounds is admitted,
 first-fit in arrival order; the rest waits for a later opportunity or the next slot. New sessions never
 bypass P.
+
+SP that cannot lose (issue 12 item 3). Fitting the budget is not enough: SP prefill runs inside the active
+model's slot, so it pushes back every call of *another* model that is waiting for its own slot (§3.4: the
+other models' P waits for the switch). A fitting call is admitted only when what it saves exceeds what it
+costs others, both predicted from the slot cost model's measured costs (``costs.py``, EWMA of executed
+steps and switches): the **benefit** is the round wait the returning call avoids — without SP it waits for
+the rest of this slot, every other model's slot (its switch in, its queued prefill, its protected decode)
+and the switch back (``SpGain.wait_saved_s``, computed by the scheduler); the **harm** is the call's SP cost
+(prefill + restore, plus the decode iterations it adds to an undrainable slot) times the calls of other
+models waiting (``SpGain.waiting_others``). ``harm > benefit`` defers the call with reason ``no_gain``; it
+then joins the next P of its model, exactly as without SP, so SP can only move a call earlier when that
+pays. With no other model waiting the harm is 0 and SP admits as before.
 """
 
 from __future__ import annotations
@@ -20,6 +32,20 @@ from dataclasses import dataclass
 
 from .costs import CostModel
 from .types import CallView, SpVerdict
+
+
+@dataclass(frozen=True, slots=True)
+class SpGain:
+    """What SP at this opportunity is worth (predicted from measured costs by the scheduler)."""
+
+    wait_saved_s: float  # round wait a returning call avoids: the time until its model's next slot opens
+    waiting_others: int  # calls of other models waiting for their slots (each delayed by an SP call's cost)
+
+    def verdict(self, cost_s: float) -> tuple[bool, float, float]:
+        """(pays, benefit, harm) of one SP call costing ``cost_s``: pays when the harm is 0 or the benefit
+        exceeds it."""
+        harm = cost_s * self.waiting_others
+        return harm <= 0.0 or self.wait_saved_s > harm, self.wait_saved_s, harm
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +81,10 @@ def select_sp(
     limits: SpLimits,
     drain_iters: int | None = None,
     t_decode: float = 0.0,
+    gain: SpGain | None = None,
 ) -> list[SpVerdict]:
-    """First-fit in arrival order under the time budget, device memory and batch bounds.
+    """First-fit in arrival order under the time budget, device memory and batch bounds; with ``gain``, a
+    call that fits is admitted only when its benefit exceeds its harm (else ``no_gain``; module docstring).
 
     ``drain_iters``: for an executor that cannot park calls at a switch, the decode iterations the slot
     already has to run; a call needing more (``max_tokens``) also costs the extra iterations it adds to
@@ -75,8 +103,11 @@ def select_sp(
             out.append(SpVerdict(c.request_id, False, "budget", cost))
         elif free_kv_tokens is not None and used_kv + cc.kv_tokens > free_kv_tokens:
             out.append(SpVerdict(c.request_id, False, "memory", cost))
+        elif gain is not None and not (g := gain.verdict(cost))[0]:
+            out.append(SpVerdict(c.request_id, False, "no_gain", cost, g[1], g[2]))
         else:
-            out.append(SpVerdict(c.request_id, True, "admitted", cost))
+            b, h = gain.verdict(cost)[1:] if gain is not None else (0.0, 0.0)
+            out.append(SpVerdict(c.request_id, True, "admitted", cost, b, h))
             used_s += cost
             used_tokens += work
             used_kv += cc.kv_tokens

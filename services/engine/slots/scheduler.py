@@ -14,7 +14,9 @@ only at slot boundaries. A slot is ``P → D1 → (SP → D)* → Dfin``:
   the rest is deferred and reported as shortfall);
 * **D1 / D**: decode iterations; every decode boundary with SP budget left is an SP opportunity;
 * **SP** admits the bounded subset of eligible continuations that fits the budget left after protected
-  decode (admission.py); a call that does not fit waits for a later opportunity or the next slot;
+  decode and whose predicted round wait saved exceeds the delay it imposes on other models' waiting calls
+  (admission.py, "SP that cannot lose"; ``_sp_gain``); a call that does not fit or does not pay waits for a
+  later opportunity or the next slot;
 * **Dfin**: no more prefill; in-flight calls drain; then the slot closes and the next model's slot opens.
 
 A slot closes early when its model has nothing in flight and another model has work. When the slot's
@@ -36,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .admission import SpLimits, select_p, select_sp, sp_ineligible_reason
+from .admission import SpGain, SpLimits, select_p, select_sp, sp_ineligible_reason
 from .budget import plan_round, reserved_iterations
 from .costs import CostModel, expected_path
 from .types import SLOT_PHASES, CallView, Decision, InstanceView, ModelView, Phase, RoundPlan, RoundSummary, SlotSummary, SpVerdict
@@ -55,6 +57,7 @@ class SlotPolicy:
     sp_max_batch: int = 8
     sp_max_tokens: int = 4096
     endless: bool = False  # hot pool: one model, no end of slot
+    sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
 
     def __post_init__(self) -> None:
         if not 0 < self.gamma < 1:
@@ -124,6 +127,9 @@ class _Round:
     p_deferred_s: float = 0.0
     switch_paths: list[str] = field(default_factory=list)
     sp_ineligible: dict[str, int] = field(default_factory=dict)
+    sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
+    sp_benefit_s: float = 0.0
+    sp_harm_s: float = 0.0
 
 
 class SlotScheduler:
@@ -142,7 +148,7 @@ class SlotScheduler:
         self._rounds = 0
         self.summaries: deque[RoundSummary] = deque(maxlen=max_summaries)
         self._unpublished: list[RoundSummary] = []
-        self.totals = {"rounds": 0, "deadline_risk_rounds": 0, "sp_admitted": 0, "sp_deferred": 0, "p_deferred": 0, "switches": 0}
+        self.totals = {"rounds": 0, "deadline_risk_rounds": 0, "sp_admitted": 0, "sp_deferred": 0, "sp_no_gain": 0, "p_deferred": 0, "switches": 0}
 
     # ================================================================== public API
     def decide(self, view: InstanceView, now: float) -> Decision:
@@ -308,6 +314,7 @@ class SlotScheduler:
             sp_admitted=sum(sl.sp_admitted for sl in r.slots), sp_deferred=sum(sl.sp_deferred for sl in r.slots),
             sp_ineligible=dict(r.sp_ineligible), p_admitted=sum(sl.p_admitted for sl in r.slots), p_deferred=p_def,
             switch_paths=tuple(r.switch_paths), slots=tuple(r.slots), flags=self.policy.flags,
+            sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
         )
         t = self.totals
         t["rounds"] += 1
@@ -315,6 +322,7 @@ class SlotScheduler:
         t["sp_admitted"] += summ.sp_admitted
         t["sp_deferred"] += summ.sp_deferred
         t["p_deferred"] += p_def
+        t["sp_no_gain"] += r.sp_deferred_reasons.get("no_gain", 0)
         t["switches"] += len(r.switch_paths)
         self.summaries.append(summ)
         self._unpublished.append(summ)
@@ -409,15 +417,42 @@ class SlotScheduler:
                 s.ineligible_seen.add(c.request_id)
                 r.sp_ineligible[why] = r.sp_ineligible.get(why, 0) + 1
         if eligible:
+            gain = self._sp_gain(view, mv, s, budget_s) if pol.sp_gain_check else None
             chosen = select_sp(
                 eligible, budget_s=budget_s, free_kv_tokens=view.free_kv_tokens, costs=self.costs, host_kv=pol.host_kv,
-                limits=self.limits, drain_iters=drain_iters, t_decode=s.t_decode,
+                limits=self.limits, drain_iters=drain_iters, t_decode=s.t_decode, gain=gain,
             )
             for v in chosen:
                 if v.admitted:
                     s.sp_admitted += 1
+                    r.sp_benefit_s += v.benefit_s
+                    r.sp_harm_s += v.harm_s
                 elif v.request_id not in s.deferred_seen:  # one deferral event per call per slot
                     s.deferred_seen.add(v.request_id)
                     s.sp_deferred += 1
+                    r.sp_deferred_reasons[v.reason] = r.sp_deferred_reasons.get(v.reason, 0) + 1
             verdicts += chosen
         return tuple(verdicts)
+
+    def _sp_gain(self, view: InstanceView, mv: ModelView, s: _Slot, left_s: float) -> SpGain:
+        """What SP is worth now (admission.py, "SP that cannot lose"), from the cost model's measured
+        costs. Without SP a returning call waits for: the rest of this slot (its in-flight decode; bounded by
+        the budget left when calls can be parked), then every other model with work in rotation order (the
+        switch in by its expected path, its queued prefill, its protected decode iterations), then the
+        switch back to this model. Every call of another model that waits (queued or running) is delayed by
+        whatever SP adds to this slot. Pure: reads the view and the cost model, mutates nothing."""
+        pol, r = self.policy, self._round
+        assert r is not None
+        rotation = self._rotation(view)
+        others = [view.model(m) for m in rotation if m != s.model and view.model(m).has_work]
+        if not others:  # the call would be admitted by the next round's P once this slot's budget runs out
+            return SpGain(max(0.0, left_s) if mv.running > 0 else 0.0, 0)
+        rest = mv.max_remaining_decode * s.t_decode
+        wait = min(rest, max(0.0, left_s)) if view.can_park else rest
+        for m in others:
+            d_m = r.plan.reserved_iters.get(m.model) or reserved_iterations(r.plan.bound_s, pol.tpot_s)
+            iters = min(d_m, max(m.max_remaining_decode, max((c.max_tokens for c in m.queued), default=0)))
+            wait += self.costs.switch(expected_path(view.staged_fraction.get(m.model), pol.d2d_staging))
+            wait += sum(self.costs.call(c, pol.host_kv).seconds for c in m.queued) + iters * self.costs.decode_step(m.model)
+        wait += self.costs.switch(expected_path(view.staged_fraction.get(s.model), pol.d2d_staging))
+        return SpGain(wait, sum(len(m.queued) + m.running for m in others))

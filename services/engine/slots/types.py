@@ -85,8 +85,10 @@ class SpVerdict:
     request_id: str
     admitted: bool
     reason: str  # admitted | sp_off | wrong_model | new_session | arrived_before_p | prefix_missing |
-    #              host_kv_off | budget | batch_limit | memory
+    #              host_kv_off | budget | batch_limit | memory | no_gain
     cost_s: float = 0.0
+    benefit_s: float = 0.0  # predicted round wait the call saves by SP now (admission.SpGain)
+    harm_s: float = 0.0  # predicted delay SP now imposes on other models' waiting calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,12 @@ class RoundSummary:
     switch_paths: tuple[str, ...]
     slots: tuple[SlotSummary, ...]
     flags: dict[str, bool]  # sp / host_kv / d2d_staging in force
+    # SP that cannot lose (issue 12): why eligible continuations were deferred (budget | batch_limit | memory |
+    # no_gain; one count per call per slot, like sp_deferred) and the predicted round wait the admitted SP
+    # calls saved vs the delay they imposed on other models' waiting calls (admission.SpGain)
+    sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
+    sp_benefit_s: float = 0.0
+    sp_harm_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
