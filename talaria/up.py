@@ -268,6 +268,8 @@ def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None,
         api = stack.start(ready_timeout)
         models = sorted({m for e in stack.cfg.engines for m in e.models})
         _say(f"ready: OpenAI API at {api}/v1  (models: {', '.join(models)}; Ctrl-C to stop)")
+        keys = stack.cfg.router.auth.api_keys
+        _say(f"API keys required ({len(keys)} key(s))" if keys else "no API keys configured: the API is open to anyone who can reach it (--api-key KEY)")
         if stack.telemetry_url:
             _say(f"telemetry: {stack.telemetry_url}/metrics (Prometheus), {stack.telemetry_url}/summary (JSON)")
         reported: set[str] = set()

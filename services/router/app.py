@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from services.router import auth
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
 from services.router.policy import Decision
@@ -49,6 +50,7 @@ def _validation_error(e: ValidationError) -> APIError:
 def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = state.cfg.router
+    auth.install(app, state)  # API keys, tenants, rate limits (issue 17)
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, e: APIError) -> JSONResponse:
@@ -161,6 +163,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
             raise APIError(422, f"max_tokens must be between 1 and {cfg.max_tokens_limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
         session = request.headers.get("x-session-id") or req.session_id or req.user or ""
+        principal = auth.principal_of(request)
+        auth.KeyRing.authorize_model(principal, req.model)
         sp = pb.SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -174,7 +178,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         return pb.GenerateRequest(
             schema_version=SCHEMA_VERSION,
             request_id=uuid.uuid4().hex,
-            session_id=session[:256],
+            session_id=auth.scope_session(principal.tenant, session[:256]),
+            tenant=principal.tenant,
             model=req.model,
             sampling=sp,
             stream=req.stream,
