@@ -440,7 +440,7 @@ class EngineService:
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx))
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant))
         except ValueError as e:
             self._calls.pop(rid, None)
             if call.span is not None:
