@@ -134,7 +134,6 @@ class AuthConfig(_Strict):
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     open_health: bool = Field(True, description="/health, /ready and /router/* answer without a key")
     resume_secret: str | None = Field(None, min_length=16, description="HMAC key of resume tokens, shared by router replicas; None = random per process")
-    resume_ttl_s: float = Field(30.0, gt=0, description="a resume token is honoured this long after the call ends")
 
     @model_validator(mode="after")
     def _unique_keys(self) -> "AuthConfig":

@@ -22,9 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from services.router import auth
+from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
+from services.router.leases import lease_key
 from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from services.router.tracing import CallTrace, incoming_context
@@ -51,6 +52,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = state.cfg.router
     auth.install(app, state)  # API keys, tenants, rate limits (issue 17)
+    resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing (issue 17)
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, e: APIError) -> JSONResponse:
@@ -175,7 +177,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         )
         if req.seed is not None:
             sp.has_seed, sp.seed = True, req.seed
-        return pb.GenerateRequest(
+        g = pb.GenerateRequest(
             schema_version=SCHEMA_VERSION,
             request_id=uuid.uuid4().hex,
             session_id=auth.scope_session(principal.tenant, session[:256]),
@@ -186,28 +188,36 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             deadline_unix=time.time() + state.cfg.router.request_timeout_s,
             trace_context=incoming_context(request.headers),
         )
+        resumes.apply(request.headers.get(resume.HEADER), g, state.gateway.leases)  # a valid token's lease -> table
+        return g
 
     pc = cfg.placement
 
-    async def _decide(req, tried: set[str]) -> tuple[Decision, str]:
+    async def _decide(req, tried: set[str]) -> tuple[Decision, str, int]:
         """Algorithm 1 with the lease step made atomic across router replicas: a lease the policy honours
-        is consumed in the shared store first; if another replica got it, placement runs without it.
-        Returns the decision and the id of the lease it consumed ("" if none)."""
+        is consumed in the shared store first; if another replica got it, placement runs without it. A
+        resume token's lease (revision 0, ``resume.py``) is local: consumed here only.
+        Returns the decision, the id of the lease it consumed ("" if none) and that lease's engine epoch."""
         gw = state.gateway
         d, rev = gw.decide(req, tried)
-        lease_id = ""
+        lease_id, epoch = "", 0
         if d.lease == "hit":
             assert rev is not None
             got = gw.leases.get(req.session_id, req.model)
-            lease_id = got[0].lease_id if got is not None else ""
-            if not await state.lease_store.consume(req.session_id, req.model, rev):
+            lease_id, epoch = (got[0].lease_id, got[0].epoch) if got is not None else ("", 0)
+            if rev == 0:
+                gw.leases.remove(lease_key(req.session_id, req.model), 0)
+            elif not await state.lease_store.consume(req.session_id, req.model, rev):
                 gw.lease_raced()
                 d, _ = gw.decide(req, tried, use_lease=False)
-                return d, ""
+                return d, "", 0
+            resumes.consumed(lease_id)
+        elif d.lease != "none" and rev == 0:
+            gw.leases.remove(lease_key(req.session_id, req.model), 0)
         elif d.lease != "none" and rev is not None:
             await state.lease_store.discard(req.session_id, req.model, rev)
         gw.lease_judged(d)
-        return d, lease_id
+        return d, lease_id, epoch
 
     def _overloaded(d: Decision, message: str) -> APIError:
         retry = str(max(1, math.ceil(d.retry_after_s)))
@@ -225,7 +235,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         attempts = 0
         try:
             while attempts < 3:
-                decision, lease_id = await _decide(req, tried)
+                decision, lease_id, lease_epoch = await _decide(req, tried)
                 if decision.instance_id is None:
                     if decision.reason != "overload":
                         break
@@ -256,6 +266,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 if entry is not None and entry.model == g.model:
                     g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
                 g.lease_id = lease_id
+                g.resume_epoch = lease_epoch if decision.lease == "hit" else 0  # fencing: the engine checks it
                 gw.commit(req, decision)
                 call = EngineCall(state.nc, state.subjects, cfg.id, inst, g)
                 view = state.registry.instances[inst]
@@ -275,6 +286,10 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 if first.HasField("error"):
                     await call.close()
                     err = first.error
+                    if err.code == "resume_fenced":  # the engine restarted since the lease: place again without it
+                        state.counters["resume_fenced"] += 1
+                        tried.discard(inst)
+                        continue
                     headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
                     raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
                 return call, first, decision
@@ -323,6 +338,9 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("call abandoned")
             await call.close()
+        token = _resume_token(call, usage)
+        if token:
+            placed[resume.HEADER] = token
         content = "".join(text)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
@@ -339,13 +357,19 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         }
         return JSONResponse(body, headers=placed)
 
+    def _resume_token(call: EngineCall, usage) -> str | None:
+        view = state.registry.instances.get(call.instance_id)
+        return resumes.issue_for(state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
+
     async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list, usage=None) -> bytes:
+        def event(choices: list, usage=None, token: str | None = None) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
+            if token:
+                d["resume_token"] = token  # issue 17: the streaming form of the X-Talaria-Resume-Token header
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
         def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
@@ -369,7 +393,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 if c.text:
                     yield event([choice(c.text, None)])
                 if c.finished:
-                    yield event([choice(None if chat else "", c.finish_reason)])
+                    yield event([choice(None if chat else "", c.finish_reason)], token=_resume_token(call, c.usage))
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"
