@@ -109,10 +109,12 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         return JSONResponse({"ready": ok, "models": sorted(models)}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        allowed = auth.principal_of(request).models  # a key with an allow-list sees only its models
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "talaria", "max_model_len": ctx}
             for m, ctx in sorted(state.registry.models().items())
+            if allowed is None or m in allowed
         ]
         return JSONResponse({"object": "list", "data": data})
 

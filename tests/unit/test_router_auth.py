@@ -72,6 +72,8 @@ def test_missing_or_wrong_key_is_401_and_the_key_is_never_echoed_or_logged(caplo
 
 def test_key_not_allowed_a_model_is_403():
     _, client = _app()
+    assert [m["id"] for m in client.get("/v1/models", headers=_bearer(KEY_A)).json()["data"]] == ["m"]
+    assert client.get("/v1/models", headers=_bearer(KEY_B)).json()["data"] == []  # B may call only "other"
     r = client.post("/v1/chat/completions", json=BODY, headers=_bearer(KEY_B))
     _assert_openai_error(r, 403, "model_not_allowed")
     assert r.json()["error"]["param"] == "model"
