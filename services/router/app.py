@@ -190,7 +190,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             deadline_unix=time.time() + state.cfg.router.request_timeout_s,
             trace_context=incoming_context(request.headers),
         )
-        resumes.apply(request.headers.get(resume.HEADER), g, state.gateway.leases)  # a valid token's lease -> table
+        resumes.apply(request.headers.get(resume.HEADER), g, state.gateway)  # a valid token's lease -> table
         return g
 
     pc = cfg.placement

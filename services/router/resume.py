@@ -144,11 +144,16 @@ class Resumes:
         self.counters["resume_token_issued"] += 1
         return self.signer.issue(c)
 
-    def apply(self, token: str | None, g, table) -> ResumeClaim | None:
-        """Verify a presented token; when valid and the lease table has no lease of the session, install
-        the token's lease there at revision 0 (local only). Returns the valid claim (or None)."""
+    def apply(self, token: str | None, g, gw) -> ResumeClaim | None:
+        """Verify a presented token; when valid and the gateway's lease table has no newer lease of the
+        session, install the token's lease there at revision 0 (local only). Returns the valid claim (or
+        None). A token is ignored when leases are off (policy other than full, or tau 0)."""
         if not token:
             return None
+        if not gw.leases_enabled:
+            self.counters["resume_token_leases_off"] += 1
+            return None
+        table = gw.leases
         if not g.session_id:
             self.counters["resume_token_wrong_session"] += 1
             return None

@@ -33,7 +33,7 @@ PROMPT = "You are agent A. Private plan: open the vault with the tool, then repo
 
 
 @pytest.fixture(scope="module")
-def stack(models_dir):
+def stack(models_dir, tmp_path_factory):
     keys = [
         {"sha256": key_hash(KEY_A), "tenant": "team-a"},
         {"sha256": key_hash(KEY_B), "tenant": "team-b"},
@@ -44,6 +44,7 @@ def stack(models_dir):
         kvstore={"enabled": True, "capacity_mb": 32, "slab_kb": 32, "retry_after_s": 0.3, "rpc_timeout_s": 2.0},
         auth={"api_keys": keys}, placement={"lease_ttl_s": 60.0},
     )
+    cfg["telemetry"] = {"traces_dir": str(tmp_path_factory.mktemp("sec") / "traces"), "port": 0}  # spans are checked for secrets
     s = start_stack(cfg)  # polls /health, which stays open (router.auth.open_health defaults to true)
     yield s
     s.stop()
@@ -189,6 +190,9 @@ async def test_unauthenticated_nats_client_is_refused_and_no_secret_is_on_disk_o
     assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
     on_disk = conf.read_text() + stack.cfg_path.read_text()
     logs = "\n".join(line for c in stack.children.values() for line in c.log)
+    traces_dir = Path(stack.cfg.telemetry.traces_dir)
+    read_spans = lambda: "".join(f.read_text(errors="replace") for f in traces_dir.glob("*.jsonl*"))  # noqa: E731
+    spans = wait_until(lambda: (t := read_spans()) and "team-a|shared" in t and t)  # the calls' spans were written
     for s in secrets + [KEY_A, KEY_B, KEY_C]:
-        assert s not in on_disk and s not in logs
+        assert s not in on_disk and s not in logs and s not in spans
     assert json.loads(stack.cfg_path.read_text())["nats"]["password"] is None

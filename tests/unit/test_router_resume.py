@@ -82,12 +82,12 @@ def test_a_replica_that_never_saw_the_lease_honours_the_token_once():
     req = other.request("team-a|S", "m", 50, 8)
     d0, _ = other.decide(req)
     assert d0.lease == "none"  # without the token: the replica knows no lease
-    c = r2.apply(tok, _g(rid="req-2"), other.leases)
+    c = r2.apply(tok, _g(rid="req-2"), other)
     assert c is not None and c.committed_tokens == 40 and r2.counters["resume_token_ok"] == 1
     d, rev = other.decide(req)
     assert (d.lease, d.instance_id, rev) == ("hit", "e0", 0)
     r2.consumed(c.lease_id)
-    assert r2.apply(tok, _g(rid="req-3"), other.leases) is None and r2.counters["resume_token_replayed"] == 1
+    assert r2.apply(tok, _g(rid="req-3"), other) is None and r2.counters["resume_token_replayed"] == 1
 
 
 @pytest.mark.parametrize("what", ["forged", "expired", "wrong_tenant"])
@@ -100,7 +100,7 @@ def test_bad_tokens_are_ignored_and_counted(what):
     if what == "expired":
         wall.t = 2000.0
     g = _g(session="team-b|S", tenant="team-b") if what == "wrong_tenant" else _g()
-    assert r.apply(tok, g, gw.leases) is None
+    assert r.apply(tok, g, gw) is None
     assert r.counters[f"resume_token_{what}"] == 1 and len(gw.leases) == 0
     d, _ = gw.decide(gw.request(g.session_id, "m", 50, 8))
     assert d.lease == "none" and d.reason == "cost"  # normal placement
@@ -110,7 +110,7 @@ def test_token_of_an_engine_epoch_the_router_knows_is_gone_is_not_honoured():
     wall = Wall()
     gw = _gateway(wall, epoch=8)  # e0 restarted: epoch 7 -> 8
     r = Resumes(ResumeSigner(SECRET, wall), Counter())
-    assert r.apply(ResumeSigner(SECRET, wall).issue(claim(epoch=7)), _g(), gw.leases) is not None
+    assert r.apply(ResumeSigner(SECRET, wall).issue(claim(epoch=7)), _g(), gw) is not None
     d, rev = gw.decide(gw.request("team-a|S", "m", 50, 8))
     assert (d.lease, rev) == ("prefix-invalid", 0)
 
@@ -121,5 +121,8 @@ def test_no_token_without_a_session_or_with_leases_off():
     r = Resumes(ResumeSigner(SECRET, wall), Counter())
     u = cpb.Usage(prompt_tokens=3, completion_tokens=2)
     assert r.issue_for(gw, _g(session=""), "e0", 7, u) is None
+    tok = r.issue_for(gw, _g(), "e0", 7, u)
     gw.tau_s = 0.0
     assert r.issue_for(gw, _g(), "e0", 7, u) is None
+    assert r.apply(tok, _g(rid="req-2"), gw) is None and len(gw.leases) == 0  # leases off: not even installed
+    assert r.counters["resume_token_leases_off"] == 1
