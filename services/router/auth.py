@@ -32,7 +32,9 @@ from services.router.errors import APIError
 log = logging.getLogger(__name__)
 
 TENANT_SEP = "|"  # never in a tenant name (talaria.subjects.check_token), so "<tenant>|<session>" parses uniquely
-OPEN_PATHS = ("/health", "/ready", "/router/metrics", "/router/decisions")
+# open when ``open_health``: liveness, readiness and aggregate counters. ``/router/decisions`` is not among
+# them: it names sessions (of every tenant), so with keys configured it always needs one.
+OPEN_PATHS = ("/health", "/ready", "/router/metrics")
 
 
 def key_hash(key: str) -> str:

@@ -72,7 +72,7 @@ def counters(stack) -> dict:
 
 
 def last_decision(stack, session: str) -> dict:
-    ds = httpx.get(f"{stack.api}/router/decisions", timeout=5).json()["decisions"]
+    ds = httpx.get(f"{stack.api}/router/decisions", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=5).json()["decisions"]
     return [d for d in ds if d["session_id"] == session][-1]
 
 
