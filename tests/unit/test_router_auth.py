@@ -51,6 +51,7 @@ def _assert_openai_error(r, status: int, code: str) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == ("rate_limit_error" if status == 429 else "invalid_request_error")
 
 
 def test_missing_or_wrong_key_is_401_and_the_key_is_never_echoed_or_logged(caplog):
