@@ -37,6 +37,12 @@ def _kvstore(args) -> int:
     return main(args)
 
 
+def _auth(args) -> int:
+    from bench.auth_bench import main
+
+    return main(args)
+
+
 def add_cli(subparsers) -> None:
 
     b = subparsers.add_parser("bench", help="benchmarks: ratios vs baselines measured side by side in one run")
@@ -65,6 +71,15 @@ def add_cli(subparsers) -> None:
     k.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     k.set_defaults(fn=_kvstore)
 
+
+    au = bs.add_parser("auth", help="issue 17: per-call cost of API keys and resume tokens (p50, vs off, one run); tenant salting vs prefix hits")
+    au.add_argument("--models-dir", help="checkpoints directory (default: .talaria/bench-models, synthesized if missing)")
+    au.add_argument("--model", default="tiny-llama", help="model of the prefix-hit part (default tiny-llama)")
+    au.add_argument("--calls", type=int, default=300, help="HTTP calls per configuration (default 300)")
+    au.add_argument("--warmup", type=int, default=20, help="warm-up calls per configuration (default 20)")
+    au.add_argument("--no-hits", action="store_true", help="skip the prefix-hit part (no model needed)")
+    au.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    au.set_defaults(fn=_auth)
 
     sw = bs.add_parser("switch", help="cold-pool switch latency by load path (full staged / partial / host only) vs a full engine reload")
     _common(sw, "small-llama", 3)

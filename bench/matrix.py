@@ -214,7 +214,8 @@ def _kvstore_stats(stack) -> dict[str, Any] | None:
 
         from services.kvstore.client import KvStoreClient
 
-        c = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=2.0)
+        token = stack.secret_env.get("TALARIA__KVSTORE__AUTH_TOKEN") or kvs.auth_token  # issue 17: the store wants it
+        c = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=2.0, auth_token=token)
         try:
             return {k: float(v) for k, v in MessageToDict(c.stats(), preserving_proto_field_name=True).items() if isinstance(v, (int, float, str)) and str(v).replace(".", "", 1).isdigit()}
         finally:

@@ -38,10 +38,23 @@ def _run_until_signal(coro_factory) -> int:
     return 0
 
 
+def _with_api_key(cfg, key: str | None):
+    """Add one API key (tenant "default", all models) for ``--api-key``; only its hash enters the config."""
+    if not key:
+        return cfg
+    from services.router.auth import key_hash
+    from talaria.config import ApiKeyConfig
+
+    auth = cfg.router.auth
+    keys = [*auth.api_keys, ApiKeyConfig(sha256=key_hash(key), tenant="default")]
+    router = cfg.router.model_copy(update={"auth": auth.model_copy(update={"api_keys": keys})})
+    return cfg.model_copy(update={"router": router})
+
+
 def cmd_router(args) -> int:
     from talaria.config import RouterConfig
 
-    cfg = _load(args)
+    cfg = _with_api_key(_load(args), args.api_key)
     if args.port is not None or args.host is not None:
         r = cfg.router.model_dump()
         r.update({k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
@@ -97,7 +110,7 @@ def cmd_up(args) -> int:
 
     from talaria.up import up
 
-    cfg = _load(args)
+    cfg = _with_api_key(_load(args), args.api_key)
     return up(cfg, port=args.port, models_dir=args.models_dir)
 
 
@@ -116,12 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", help="YAML/TOML/JSON stack config (default: embedded defaults)")
     up.add_argument("--port", type=int, help="router HTTP port (overrides the config)")
     up.add_argument("--models-dir", help="where catalog models live / are synthesized")
+    up.add_argument("--api-key", default=os.environ.get("TALARIA_API_KEY"), help="require this API key (Bearer) for tenant 'default'; default $TALARIA_API_KEY; none = open API")
     up.set_defaults(fn=cmd_up)
 
     r = sub.add_parser("router", help="run one router process")
     r.add_argument("--config")
     r.add_argument("--host")
     r.add_argument("--port", type=int)
+    r.add_argument("--api-key", default=os.environ.get("TALARIA_API_KEY"), help="require this API key (Bearer) for tenant 'default'; default $TALARIA_API_KEY; none = open API")
     r.set_defaults(fn=cmd_router)
 
     e = sub.add_parser("engine", help="run one engine worker process")

@@ -114,6 +114,35 @@ class PlacementConfig(_Strict):
     decisions_kept: int = Field(256, ge=0, description="recent decisions (with cost breakdown) kept for /router/decisions")
 
 
+class ApiKeyConfig(_Strict):
+    """One API key (issue 17): only its SHA-256 is stored; the key itself never appears in config or logs."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key (`printf %s KEY | sha256sum`)")
+    tenant: str = Field(description="tenant the key acts for; scopes sessions, leases and KV")
+    models: list[str] | None = Field(None, description="models this key may call; None = all")
+    rate_limit_rpm: float | None = Field(None, gt=0, description="calls per minute (token bucket, burst = one minute / 6); None = no limit")
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_token(cls, v: str) -> str:
+        return check_token(v, "tenant")
+
+
+class AuthConfig(_Strict):
+    """Who may call the router (issue 17, ``services/router/auth.py``). No keys = an open router (it says so at start)."""
+
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    open_health: bool = Field(True, description="/health, /ready and /router/* answer without a key")
+    resume_secret: str | None = Field(None, min_length=16, description="HMAC key of resume tokens, shared by router replicas; None = random per process")
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> "AuthConfig":
+        hs = [k.sha256 for k in self.api_keys]
+        if len(set(hs)) != len(hs):
+            raise ValueError("duplicate api key hashes")
+        return self
+
+
 class RouterConfig(_Strict):
     id: str = "router-0"
     host: str = "127.0.0.1"
@@ -127,6 +156,7 @@ class RouterConfig(_Strict):
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(4096, ge=1)
     placement: PlacementConfig = PlacementConfig()
+    auth: AuthConfig = AuthConfig()
 
     @field_validator("id")
     @classmethod
@@ -174,6 +204,11 @@ class KvStoreConfig(_Strict):
     retry_after_s: float = Field(2.0, gt=0, description="engine waits this long after a failure before using the store again")
     restore_per_token_s: float = Field(2e-6, ge=0, description="prior restore cost until the engine has measured one")
     stats_log_s: float = Field(30.0, ge=0, description="log occupancy/hits/bytes every this many seconds; 0 = never")
+    # who may call the store (issue 17): a shared bearer token and/or mutual TLS; none set = open (loopback only)
+    auth_token: str | None = Field(None, min_length=16, description="engines send it as gRPC metadata; others are refused (UNAUTHENTICATED)")
+    tls_cert_file: str | None = Field(None, description="server: its certificate; engines: their client certificate (mTLS)")
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = Field(None, description="CA that signs both sides' certificates; set = mTLS, client certificates required")
 
 
 class StackConfig(_Strict):

@@ -1,7 +1,8 @@
 """Cumulative page hashes: the identity of a KV prefix.
 
 Page ``i`` of a token sequence is identified by ``h_i = H(h_{i-1} || tokens[i*P:(i+1)*P])`` with ``h_{-1}``
-a *salt* derived from the model identity (model id + weights revision). Two sequences share page ``i`` of
+a *salt* derived from the model identity (model id + weights revision) and, with API keys, the caller's
+tenant (``tenant_salt``: tenants never share a page). Two sequences share page ``i`` of
 KV exactly when their hashes at ``i`` agree, so a prefix is a chain of hashes and the longest common
 prefix is found by walking the chain (Talaria §4.3: entries keyed by cumulative prefix hash). Only full
 pages are hashed: a partial tail page has no identity and is never shared or published.
@@ -19,6 +20,20 @@ _MASK63 = (1 << 63) - 1
 def model_salt(model_id: str, revision: str = "") -> int:
     """Salt that separates hash chains of different models or weight revisions."""
     d = hashlib.blake2b(f"{model_id}\x00{revision}".encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") & _MASK63
+
+
+def tenant_salt(salt: int, tenant: str) -> int:
+    """Salt of ``tenant``'s hash chains for a model whose salt is ``salt`` (issue 17).
+
+    Derived on the server from the tenant the router authenticated, never from anything a client sends
+    (a client-chosen salt lets a client join another's chain). Tenant ``""`` (no API keys) keeps ``salt``,
+    so an open stack hashes exactly as before and sharing within a tenant is unchanged: every call of one
+    tenant starts its chain from the same value.
+    """
+    if not tenant:
+        return salt
+    d = hashlib.blake2b(struct.pack("<q", salt) + tenant.encode(), digest_size=8, person=b"talaria-tenant").digest()
     return int.from_bytes(d, "little") & _MASK63
 
 

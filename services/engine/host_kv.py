@@ -193,7 +193,7 @@ class HostKV:
         n = seq.num_computed_tokens // P
         if n == 0 or len(seq.pages) < n:
             return False
-        hashes = kv.extend_hashes(seq.hashes, seq.token_ids[: n * P])[:n]
+        hashes = kv.extend_hashes(seq.hashes, seq.token_ids[: n * P], seq.salt)[:n]
         with self._lock:
             if all(h in self._stored for h in hashes):
                 self.sessions.committed(seq.session_id, n * P, self.epoch, time.time())
@@ -340,7 +340,7 @@ class HostKV:
         n_full = len(toks) // P
         if n_full == 0:
             return 0
-        hashes = kv.extend_hashes(seq.hashes, toks)[:n_full]
+        hashes = kv.extend_hashes(seq.hashes, toks, seq.salt)[:n_full]
         radix_pages = kv.radix.match(hashes)
         r = len(radix_pages)
         entry = kv.sessions.peek(seq.session_id) if seq.session_id else None

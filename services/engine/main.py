@@ -94,7 +94,12 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
         from services.kvstore.client import KvStoreClient
         from services.kvstore.transfer import MooncakeEndpoint
 
-        client = KvStoreClient(f"{kvs.host}:{kvs.port}", timeout_s=kvs.rpc_timeout_s, max_message_mb=kvs.max_message_mb)
+        from services.kvstore.auth import channel_credentials
+
+        client = KvStoreClient(
+            f"{kvs.host}:{kvs.port}", timeout_s=kvs.rpc_timeout_s, max_message_mb=kvs.max_message_mb,
+            auth_token=kvs.auth_token, credentials=channel_credentials(kvs),
+        )
         mooncake = MooncakeEndpoint(kvs.data_host, kvs.protocol)  # one transfer engine per process
 
         def make_tier(eng) -> HostKV:

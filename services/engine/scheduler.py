@@ -147,7 +147,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         kv = self.kv
-        kv.extend_hashes(seq.hashes, seq.token_ids)
+        kv.extend_hashes(seq.hashes, seq.token_ids, seq.salt)
         match = kv.match_prefix(seq.token_ids, seq.hashes, seq.session_id)
         need = kv.pages_needed(match, seq.num_tokens)
         if not kv.can_allocate(need):
@@ -183,7 +183,7 @@ class Scheduler:
             self.running.remove(seq)
             self.kv.release(
                 seq.pages, seq.locked_hashes, seq.token_ids, seq.num_computed_tokens, seq.hashes,
-                seq.session_id, cache=cache,
+                seq.session_id, cache=cache, salt=seq.salt,
             )
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)

@@ -396,6 +396,15 @@ class EngineService:
                 raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
         raise CallError(422, "missing_field", "request has no prompt", "prompt")
 
+    def _fence(self, req: pb.GenerateRequest) -> CallError | None:
+        """Issue 17 fencing: a call placed on a lease (resume token) names the epoch of the engine that
+        served the session; after a restart this engine no longer holds that KV, so it refuses the call and
+        the router places it again without the lease. Mutates ``counters`` when it refuses."""
+        if not req.resume_epoch or req.resume_epoch == self.epoch:
+            return None
+        self.counters["resume_fenced"] = self.counters.get("resume_fenced", 0) + 1
+        return CallError(503, "resume_fenced", f"instance {self.cfg.id} restarted since the resumed call (epoch {req.resume_epoch}, now {self.epoch})")
+
     async def _on_generate(self, msg) -> None:
         req = pb.GenerateRequest()
         try:
@@ -409,6 +418,8 @@ class EngineService:
             return await self._reject(msg.reply, req.request_id, CallError(400, "unsupported_schema", f"schema_version {req.schema_version} is newer than this engine's {SCHEMA_VERSION}"))
         if self.draining:
             return await self._reject(msg.reply, req.request_id, CallError(503, "draining", f"instance {self.cfg.id} is draining"))
+        if (fenced := self._fence(req)) is not None:
+            return await self._reject(msg.reply, req.request_id, fenced)
         if not self._serves(req.model):
             return await self._reject(msg.reply, req.request_id, CallError(404, "model_not_found", f"instance {self.cfg.id} does not serve model '{req.model}'", "model"))
         if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
@@ -443,7 +454,7 @@ class EngineService:
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx))
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant))
         except ValueError as e:
             self._calls.pop(rid, None)
             if call.span is not None:

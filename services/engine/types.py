@@ -42,6 +42,7 @@ class EngineRequest:
     arrival_time: float = 0.0
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
+    tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
 
 
 @dataclass(frozen=True, slots=True)

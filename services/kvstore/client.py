@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.kvstore.auth import call_metadata
 from services.kvstore.registry import Layout
 from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
 from services.kvstore.wire import layout_to_pb
@@ -33,11 +34,18 @@ class StoreUnavailable(RuntimeError):
 
 
 class KvStoreClient:
-    def __init__(self, address: str, *, timeout_s: float = 2.0, max_message_mb: int = 4) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 2.0, max_message_mb: int = 4, auth_token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """``auth_token`` / ``credentials`` (TLS, ``auth.channel_credentials``): how this client proves it is
+        an engine of the stack (issue 17)."""
         self.address = address
         self.timeout_s = timeout_s
+        self._auth = call_metadata(auth_token)
         limit = max_message_mb * 1024 * 1024
-        self._channel = grpc.insecure_channel(
+        open_channel = grpc.insecure_channel if credentials is None else (lambda a, options: grpc.secure_channel(a, credentials, options=options))
+        self._channel = open_channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
@@ -54,9 +62,11 @@ class KvStoreClient:
 
     def _call(self, fn, req):
         try:
-            return fn(req, timeout=self.timeout_s, metadata=otel.grpc_metadata() or None)
+            return fn(req, timeout=self.timeout_s, metadata=(otel.grpc_metadata() + self._auth) or None)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise StoreUnavailable(f"kvstore at {self.address} refused our credentials") from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise ValueError(f"kvstore refused the request: {code.name}: {e.details()}") from None
             raise StoreUnavailable(f"kvstore at {self.address}: {code.name if code else e}") from None

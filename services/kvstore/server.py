@@ -11,6 +11,9 @@ RESOURCE_EXHAUSTED         more hashes/block ids than ``max_request_pages``, or 
 INTERNAL                   an undecodable message (gRPC's own deserialization failure)
 =========================  =========================================================================
 
+Auth (issue 17, ``auth.py``): with ``auth_token`` every control RPC needs ``authorization: Bearer <token>``
+metadata (else UNAUTHENTICATED); with ``tls_*`` files the port is TLS, mutual when a CA is given.
+
 Telemetry: ``Stats`` answers occupancy, hits, misses, restores, capacity misses, evictions and bytes
 moved; the same numbers are logged every ``stats_log_s`` and, when the process has a NATS connection
 (``NATS_URL`` / ``nats.url``), published every ``STATS_PUBLISH_S`` as a ``KvStoreStatsRecord`` on
@@ -33,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
+from services.kvstore.auth import server_credentials, server_interceptors
 from services.kvstore.registry import POLICIES, HostKVRegistry, LayoutError
 from services.kvstore.transfer import HostBuffer, MooncakeEndpoint
 from services.kvstore.wire import WireError, block_to_pb, layout_from_pb
@@ -226,6 +230,7 @@ class KvStoreServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            interceptors=server_interceptors(cfg),  # issue 17: only authenticated engines (services/kvstore/auth.py)
         )
         pbg.add_KvStoreServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()
@@ -239,7 +244,9 @@ class KvStoreServer:
         return f"{self.cfg.host}:{self.port}"
 
     def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        creds = server_credentials(self.cfg)
+        bind = f"{self.cfg.host}:{self.cfg.port}"
+        self.port = self.server.add_secure_port(bind, creds) if creds is not None else self.server.add_insecure_port(bind)
         if not self.port:
             raise RuntimeError(f"kvstore cannot bind {self.cfg.host}:{self.cfg.port}")
         self.server.start()

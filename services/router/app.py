@@ -25,9 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError, CatchAll, unencodable, wire_field
 from services.router.gateway import OverloadPolicy, Step
+from services.router.leases import lease_key
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
@@ -84,6 +86,7 @@ class RouterAPI:
         self.cfg = state.cfg.router
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
+        self.resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing (issue 17)
 
     # ------------------------------------------------------------------------------ parse / encode
     async def read_json(self, request: Request) -> dict:
@@ -117,34 +120,44 @@ class RouterAPI:
             _put(sp, "seed", req.seed)
         g = pb.GenerateRequest(schema_version=SCHEMA_VERSION, request_id=uuid.uuid4().hex, stream=req.stream, sampling=sp)
         _put(g, "model", req.model)
+        principal = auth.principal_of(request)  # API key -> tenant (issue 17); the key may not use every model
+        auth.KeyRing.authorize_model(principal, req.model)
         header = request.headers.get("x-session-id")
         source, session = ("x-session-id", header) if header else ("session_id", req.session_id) if req.session_id else ("user", req.user or "")
-        _put(g, "session_id", session[:256], source)
+        _put(g, "session_id", auth.scope_session(principal.tenant, session[:256]), source)
+        g.tenant = principal.tenant
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
+        self.resumes.apply(request.headers.get(resume.HEADER), g, self.state.gateway)  # a valid token's lease -> table
         return g
 
     # ------------------------------------------------------------------------------------ placing
-    async def settle_lease(self, step: Step, session_id: str, model: str) -> tuple[str, bool]:
+    async def settle_lease(self, step: Step, session_id: str, model: str) -> tuple[str, int, bool]:
         """The lease step made atomic across router replicas: a lease the policy honours is consumed in the
-        shared store first; one it judged invalid is discarded. Returns (the consumed lease id or "",
-        whether the decision stands: False when another replica consumed the lease first)."""
+        shared store first; one it judged invalid is discarded. A resume token's lease (revision 0,
+        ``resume.py``) is local: consumed or dropped here only. Returns (the consumed lease id or "", that
+        lease's engine epoch, whether the decision stands: False when another replica consumed it first)."""
         gw, d, rev = self.state.gateway, step.decision, step.lease_rev
         if d is None:
-            return "", True
+            return "", 0, True
         if d.lease == "hit" and step.kind == "forward":
             assert rev is not None
             got = gw.leases.get(session_id, model)
-            lease_id = got[0].lease_id if got is not None else ""
-            if not await self.state.lease_store.consume(session_id, model, rev):
+            lease_id, epoch = (got[0].lease_id, got[0].epoch) if got is not None else ("", 0)
+            if rev == 0:
+                gw.leases.remove(lease_key(session_id, model), 0)
+            elif not await self.state.lease_store.consume(session_id, model, rev):
                 gw.lease_raced()
-                return "", False
+                return "", 0, False
+            self.resumes.consumed(lease_id)
             gw.lease_judged(d)
-            return lease_id, True
-        if d.lease != "none" and rev is not None:
+            return lease_id, epoch, True
+        if d.lease != "none" and rev == 0:
+            gw.leases.remove(lease_key(session_id, model), 0)
+        elif d.lease != "none" and rev is not None:
             await self.state.lease_store.discard(session_id, model, rev)
         gw.lease_judged(d)
-        return "", True
+        return "", 0, True
 
     async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool) -> Placed:
         """Admit, place and forward; a forward the engine does not accept is retried elsewhere."""
@@ -156,7 +169,7 @@ class RouterAPI:
         try:
             while True:
                 step = adm.next(use_lease)
-                lease_id, stands = await self.settle_lease(step, g.session_id, g.model)
+                lease_id, epoch, stands = await self.settle_lease(step, g.session_id, g.model)
                 if not stands:
                     use_lease = False
                     continue
@@ -166,14 +179,15 @@ class RouterAPI:
                 if step.kind == "reject":
                     headers = {"Retry-After": str(max(1, math.ceil(step.retry_after_s)))} if step.retry_after_s > 0 else None
                     raise APIError(step.status, step.message, code=step.code or None, param=step.param, headers=headers)
-                placed = await self.forward(g, step, lease_id, adm)
+                placed = await self.forward(g, step, lease_id, epoch, adm)
                 if placed is not None:
                     return placed
         finally:
             adm.close()
 
-    async def forward(self, g: pb.GenerateRequest, step: Step, lease_id: str, adm) -> Placed | None:
-        """Send the call to the decision's instance; None (and ``adm.failed``) when it did not accept."""
+    async def forward(self, g: pb.GenerateRequest, step: Step, lease_id: str, epoch: int, adm) -> Placed | None:
+        """Send the call to the decision's instance; None (and ``adm.failed``/``adm.fenced``) when it did not
+        accept. ``epoch``: the engine epoch of the consumed lease, checked by the engine (fencing, issue 17)."""
         state, d = self.state, step.decision
         assert d is not None and d.instance_id is not None
         inst = d.instance_id
@@ -182,6 +196,7 @@ class RouterAPI:
         if entry is not None and entry.model == g.model:
             g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
         g.lease_id = lease_id
+        g.resume_epoch = epoch if d.lease == "hit" else 0  # fencing: the engine refuses a lease from another epoch
         state.gateway.commit(adm.req, d)
         if step.deadline_risk_s is not None:
             log.info("call %s placed on %s past admission: predicted TTFT %.1fs (deadline risk)", g.request_id, inst, step.deadline_risk_s)
@@ -206,6 +221,10 @@ class RouterAPI:
         if first.HasField("error"):
             await call.close()
             err = first.error
+            if err.code == "resume_fenced":  # the engine restarted since the lease: place again without it
+                state.counters["resume_fenced"] += 1
+                adm.fenced(inst)
+                return None
             headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
             raise APIError(err.http_status or 500, err.message, code=err.code or None, param=err.param or None, headers=headers)
         return Placed(call, first, step)
@@ -258,7 +277,16 @@ class RouterAPI:
             else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
         )
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
-        return JSONResponse(body, headers=placed.headers())
+        headers = placed.headers()
+        token = self.resume_token(call, usage)
+        if token:
+            headers[resume.HEADER] = token
+        return JSONResponse(body, headers=headers)
+
+    def resume_token(self, call: EngineCall, usage) -> str | None:
+        """The signed resume token for a finished call (issue 17), or None."""
+        view = self.state.registry.instances.get(call.instance_id)
+        return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 
     async def collect(self, call: EngineCall, alive: Callable[[], bool]) -> tuple[str, str | None, object]:
         """Read a call to its end: (text, finish reason, usage). Raises APIError on an engine error or loss."""
@@ -278,10 +306,12 @@ class RouterAPI:
     async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list, usage=None) -> bytes:
+        def event(choices: list, usage=None, token: str | None = None) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
+            if token:
+                d["resume_token"] = token  # issue 17: the streaming form of the X-Talaria-Resume-Token header
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
         def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
@@ -303,7 +333,7 @@ class RouterAPI:
                 if c.text:
                     yield event([choice(c.text, None)])
                 if c.finished:
-                    yield event([choice(None if chat else "", c.finish_reason)])
+                    yield event([choice(None if chat else "", c.finish_reason)], token=self.resume_token(call, c.usage))
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"
@@ -394,6 +424,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
     api = RouterAPI(state)
     cfg = api.cfg
+    auth.install(app, state)  # API keys, tenants, rate limits (issue 17)
     _install_error_handlers(app, state)
 
     @app.get("/health")
@@ -418,10 +449,12 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         return JSONResponse({"ready": ok, "models": sorted(models)}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        allowed = auth.principal_of(request).models  # a key with an allow-list sees only its models
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "talaria", "max_model_len": ctx}
             for m, ctx in sorted(state.registry.models().items())
+            if allowed is None or m in allowed
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # as OpenAI answers a missing/incorrect key (code says which)
+    403: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -547,6 +547,11 @@ class Admission:
         self.tried.add(instance_id)
         self.last_error = error
 
+    def fenced(self, instance_id: str) -> None:
+        """The instance refused the call's lease as from an older engine epoch (issue 17 fencing; nothing ran):
+        the lease is spent, so the next step places the call again without it, that instance included."""
+        self.tried.discard(instance_id)
+
     def _dequeue(self) -> None:
         if self.queue_deadline is not None:
             self.gw.queued -= 1

@@ -101,12 +101,14 @@ class KVManager:
         self.num_hit_tokens = 0
 
     # ---------------------------------------------------------------- hashing
-    def extend_hashes(self, hashes: list[int], token_ids: Sequence[int]) -> list[int]:
-        """Extend ``hashes`` in place to cover every full page of ``token_ids`` (tokens only ever append)."""
+    def extend_hashes(self, hashes: list[int], token_ids: Sequence[int], salt: int | None = None) -> list[int]:
+        """Extend ``hashes`` in place to cover every full page of ``token_ids`` (tokens only ever append).
+        ``salt`` starts the chain (a tenant's, ``talaria.hashing.tenant_salt``); None = the model salt."""
         n_full = len(token_ids) // self.page_size
         if len(hashes) < n_full:
             prev = hashes[-1] if hashes else None
-            hashes.extend(page_hashes(token_ids, self.page_size, self.salt, start=len(hashes), prev=prev))
+            s = self.salt if salt is None else salt
+            hashes.extend(page_hashes(token_ids, self.page_size, s, start=len(hashes), prev=prev))
         return hashes
 
     # ---------------------------------------------------------------- admission
@@ -222,6 +224,7 @@ class KVManager:
         hashes: list[int] | None = None,
         session_id: str = "",
         cache: bool = True,
+        salt: int | None = None,
     ) -> None:
         """Give up a sequence's pages (the list is not modified).
 
@@ -233,7 +236,7 @@ class KVManager:
         keep = cdiv(num_computed, P) if cache else 0
         if cache and num_computed >= P:
             committed = token_ids[:num_computed]
-            hs = self.extend_hashes(hashes if hashes is not None else [], committed)[: num_computed // P]
+            hs = self.extend_hashes(hashes if hashes is not None else [], committed, salt)[: num_computed // P]
             self.radix.insert(hs, pages[: len(hs)])
         if cache and session_id and keep:
             self.allocator.decref(pages[keep:])
