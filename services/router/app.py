@@ -20,12 +20,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
 from services.router.policy import Decision
-from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -33,17 +32,6 @@ from talaria.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or None
-    msg = err["msg"]
-    if err["type"] == "missing":
-        msg = f"missing required field '{loc}'"
-    elif loc:
-        msg = f"invalid value for '{loc}': {msg}"
-    return APIError(422, msg, code="invalid_value" if err["type"] != "missing" else "missing_field", param=loc)
 
 
 def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
@@ -127,25 +115,17 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         data = await _read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-            messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in req.messages]
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        except ValueError as e:
-            raise APIError(422, str(e), code="invalid_value", param="messages") from None
+        req = parse_request(ChatCompletionRequest, data)
+        messages = req.messages_proto()
         g = _base_request(request, req, req.effective_max_tokens())
-        g.messages.CopyFrom(pb.ChatMessages(messages=messages))
-        est = sum(len(m.content) for m in messages) // 4 + 8 * len(messages)
+        g.messages.CopyFrom(messages)
+        est = sum(len(m.content) for m in messages.messages) // 4 + 8 * len(messages.messages)
         return await _serve(g, req, chat=True, prompt_tokens=est)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         data = await _read_json(request)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
+        req = parse_request(CompletionRequest, data)
         g = _base_request(request, req, req.effective_max_tokens())
         if isinstance(req.prompt, str):
             g.text = req.prompt
@@ -159,22 +139,13 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         if max_tokens is None:
             max_tokens = min(DEFAULT_MAX_TOKENS, cfg.max_tokens_limit)
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
-            raise APIError(422, f"max_tokens must be between 1 and {cfg.max_tokens_limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
-        session = request.headers.get("x-session-id") or req.session_id or req.user or ""
-        sp = pb.SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            max_tokens=max_tokens,
-            stop=req.stop_list(),
-            ignore_eos=req.ignore_eos,
-        )
-        if req.seed is not None:
-            sp.has_seed, sp.seed = True, req.seed
+            raise APIError(400, f"max_tokens must be between 1 and {cfg.max_tokens_limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
+        session = req.session_key(request.headers.get("x-session-id"))
+        sp = req.sampling_proto(max_tokens)
         return pb.GenerateRequest(
             schema_version=SCHEMA_VERSION,
             request_id=uuid.uuid4().hex,
-            session_id=session[:256],
+            session_id=session,
             model=req.model,
             sampling=sp,
             stream=req.stream,

@@ -1,39 +1,110 @@
 """Request bodies of the OpenAI-compatible API (pydantic, validated at the edge).
 
-Unknown fields are accepted and ignored (clients send vendor extras); fields we do not support with a
-non-default value (``n > 1``, ``logprobs``, tools) are rejected with a clear 422 rather than ignored.
-Extensions: ``top_k``, ``ignore_eos`` (fixed-length replays), ``session_id``.
+Every field of the ``openai`` package's chat-completion and completion request types is declared here and
+either honoured (carried to the engine on the wire, or acted on by the router) or rejected with a 400 naming
+it when it carries a value we cannot honour (:data:`UNSUPPORTED`). Fields the OpenAI API does not know and
+that are not one of our extensions are rejected too (``extra="forbid"``): nothing is ever ignored silently.
+
+Bounds the wire cannot carry are checked here, before any protobuf is built (issue 18 item 2): ``top_k`` and
+token ids are ``uint32``, ``seed`` is ``int64``, and every string must be encodable as UTF-8 (a lone UTF-16
+surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
+
+Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``ignore_eos`` (fixed-length
+replays), ``session_id``. The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
+``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.router.errors import APIError
+from talaria.v1 import engine_pb2 as pb
+
+UINT32_MAX = (1 << 32) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _false(v: Any) -> bool:
+    return v in (None, False)
+
+
+def _zero(v: Any) -> bool:
+    return v is None or v == 0
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == {} or v == []
+
+
+# Field -> predicate "this value needs nothing we lack". A value failing its predicate is a 400 naming the
+# field. As a feature lands, its entry leaves this table (and the field is carried on the wire instead).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # sampling surface not implemented yet
+    "frequency_penalty": (_zero, "frequency_penalty is not supported"),
+    "presence_penalty": (_zero, "presence_penalty is not supported"),
+    "logit_bias": (_empty, "logit_bias is not supported"),
+    "logprobs": (_false, "logprobs are not supported"),
+    "top_logprobs": (_zero, "top_logprobs is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
+    "suffix": (_absent, "suffix (insertion) is not supported"),
+    "echo": (_false, "echo is not supported"),
+    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
+    # structured output / tools (issue 13)
+    "tools": (_empty, "tools are not supported yet"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice is not supported yet"),
+    "parallel_tool_calls": (lambda v: v is None or v is True, "parallel_tool_calls is not supported yet"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not supported yet"),
+    # OpenAI platform features with no equivalent here
+    "functions": (_empty, "functions/function_call are deprecated and not supported; use tools"),
+    "function_call": (_absent, "functions/function_call are deprecated and not supported; use tools"),
+    "audio": (_absent, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "metadata": (_empty, "metadata needs stored completions, which are not supported"),
+    "store": (_false, "stored completions are not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported: no served model reasons"),
+    "verbosity": (_absent, "verbosity is not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+    "prompt_cache_retention": (_absent, "prompt_cache_retention is not supported (retention is the engine's policy)"),
+    "prompt_cache_options": (_absent, "prompt_cache_options is not supported (retention is the engine's policy)"),
+    "moderation": (_absent, "moderation is not supported"),
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # obfuscation pads deltas on OpenAI's side; none here (accepted, no-op by definition)
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    n: int | None = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
-    session_id: str | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    top_k: int = Field(0, ge=0, le=UINT32_MAX)
     ignore_eos: bool = False
-    logprobs: Any = None
+    session_id: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -45,23 +116,54 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def session_key(self, header: str | None) -> str:
+        key = header or self.session_id or getattr(self, "prompt_cache_key", None) or self.user
+        return (key or getattr(self, "safety_identifier", None) or "")[:256]
+
+    def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
+        """The honoured sampling fields as their wire message (``max_tokens`` resolved by the caller)."""
+        sp = pb.SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            sp.has_seed, sp.seed = True, self.seed
+        return sp
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+
+    @field_validator("refusal", "audio", "function_call")
+    @classmethod
+    def _unsupported_parts(cls, v: Any, info) -> Any:
+        if v is not None:
+            raise ValueError(f"assistant '{info.field_name}' in the history is not supported")
+        return v
+
+    @field_validator("tool_calls", "tool_call_id")
+    @classmethod
+    def _no_tools_yet(cls, v: Any, info) -> Any:
+        if v not in (None, []):
+            raise ValueError(f"'{info.field_name}' in the history is not supported yet")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -78,16 +180,49 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)
+    prompt_cache_key: str | None = None  # honoured as the session key (see module docstring)
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    moderation: Any = None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def messages_proto(self) -> pb.ChatMessages:
+        out = []
+        for i, m in enumerate(self.messages):
+            try:
+                out.append(pb.ChatMessage(role=m.role, content=m.text()))
+            except ValueError as e:
+                raise APIError(400, str(e), code="invalid_value", param=f"messages.{i}.content") from None
+        return pb.ChatMessages(messages=out)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")
     @classmethod
@@ -101,16 +236,62 @@ class CompletionRequest(_Common):
                 v = v[0]
         if isinstance(v, str) and v == "":
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any((not isinstance(t, int)) or t < 0 for t in v):
-            raise ValueError("token ids must be non-negative integers")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+        if isinstance(v, list) and any((not isinstance(t, int)) or not 0 <= t <= UINT32_MAX for t in v):
+            raise ValueError(f"token ids must be integers in [0, {UINT32_MAX}]")
         return v
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def _bad_string(v: Any, path: str) -> str | None:
+    """Path of the first string (key or value) in ``v`` that is not valid Unicode for UTF-8 (lone surrogate)."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            sub = f"{path}.{k}" if path else str(k)
+            bad = _bad_string(k, sub) or _bad_string(x, sub)
+            if bad:
+                return bad
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            bad = _bad_string(x, f"{path}.{i}")
+            if bad:
+                return bad
+    return None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as an OpenAI 400 naming the field."""
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "missing":
+        return APIError(400, f"missing required field '{loc}'", code="missing_field", param=loc)
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument '{loc}'", code="unknown_parameter", param=loc)
+    msg = err["msg"]
+    return APIError(400, f"invalid value for '{loc}': {msg}" if loc else msg, code="invalid_value", param=loc)
+
+
+def parse_request(cls: type[_Common], data: dict) -> Any:
+    """Validate a JSON body into ``cls``; every failure is an :class:`APIError` 400 naming the field."""
+    bad = _bad_string(data, "")
+    if bad is not None:
+        raise APIError(400, f"'{bad}' contains a lone UTF-16 surrogate (not valid Unicode)", code="invalid_value", param=bad)
+    try:
+        req = cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    for name in cls.model_fields:
+        rule = UNSUPPORTED.get(name)
+        if rule is not None and name in data and not rule[0](data[name]):
+            raise APIError(400, rule[1], code="unsupported_parameter", param=name)
+    return req
