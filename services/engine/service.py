@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.engine.tokenizer import chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
@@ -386,9 +388,10 @@ class EngineService:
                 raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
             return ids
         if which == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            msgs = [chat_message_dict(m) for m in req.messages.messages]
+            tools = json.loads(req.tools_json) if req.tools_json else None
             try:
-                return rt.encode_chat(msgs)
+                return rt.encode_chat(msgs, tools=tools) if tools is not None or any("tool_calls" in m for m in msgs) else rt.encode_chat(msgs)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
         raise CallError(422, "missing_field", "request has no prompt", "prompt")
@@ -450,7 +453,8 @@ class EngineService:
             return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
         call.accepted_ns = time.time_ns()
         self._wake.set()
-        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt))))
+        tool_format = self._runtime(req.model).tokenizer.tool_format if req.tools_json else ""
+        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
         self.counters["errors"] += 1

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
+from services.router.openai_format import ChatOutput, chat_output
 from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
@@ -119,6 +120,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         messages = req.messages_proto()
         g = _base_request(request, req, req.effective_max_tokens())
         g.messages.CopyFrom(messages)
+        g.tools_json = req.tools_json()
         est = sum(len(m.content) for m in messages.messages) // 4 + 8 * len(messages.messages)
         return await _serve(g, req, chat=True, prompt_tokens=est)
 
@@ -267,10 +269,11 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         view_alive = lambda: state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
+        out = chat_output(req, first.tool_format) if chat else None
         if g.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(call, rid, created, g.model, chat, include_usage, view_alive),
+                _sse(call, rid, created, g.model, chat, include_usage, view_alive, out),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **placed},
             )
@@ -290,9 +293,12 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 await call.cancel("call abandoned")
             await call.close()
         content = "".join(text)
+        if out is not None:
+            out.feed(content)
+            reason = out.finish(reason)[1]
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
-            if chat
+            {"index": 0, "message": out.message(), "finish_reason": reason, "logprobs": None}
+            if out is not None
             else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
         )
         body = {
@@ -305,7 +311,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         }
         return JSONResponse(body, headers=placed)
 
-    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
+    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive, out: ChatOutput | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, usage=None) -> bytes:
@@ -314,9 +320,9 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 d["usage"] = usage
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
-        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+        def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None) -> dict:
             if chat:
-                delta = {}
+                delta = dict(delta or {})
                 if first:
                     delta["role"] = "assistant"
                 if text is not None:
@@ -332,10 +338,18 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                     err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                     yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                     break
-                if c.text:
+                if c.text and out is not None:
+                    for d in out.feed(c.text):
+                        yield event([choice(None, None, delta=d)])
+                elif c.text:
                     yield event([choice(c.text, None)])
                 if c.finished:
-                    yield event([choice(None if chat else "", c.finish_reason)])
+                    reason = c.finish_reason
+                    if out is not None:
+                        deltas, reason = out.finish(reason)
+                        for d in deltas:
+                            yield event([choice(None, None, delta=d)])
+                    yield event([choice(None if chat else "", reason)])
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"

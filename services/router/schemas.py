@@ -16,9 +16,10 @@ replays), ``session_id``. The session key of a call is the ``X-Session-ID`` head
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.router.errors import APIError
 from talaria.v1 import engine_pb2 as pb
@@ -57,9 +58,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_false, "echo is not supported"),
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     # structured output / tools (issue 13)
-    "tools": (_empty, "tools are not supported yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice is not supported yet"),
-    "parallel_tool_calls": (lambda v: v is None or v is True, "parallel_tool_calls is not supported yet"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice required/named needs constrained decoding, not available yet"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not supported yet"),
     # OpenAI platform features with no equivalent here
     "functions": (_empty, "functions/function_call are deprecated and not supported; use tools"),
@@ -140,12 +139,50 @@ class _Common(BaseModel):
         return sp
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCallMsg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None
+    tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
     audio: dict | None = None
@@ -158,12 +195,21 @@ class ChatMessage(BaseModel):
             raise ValueError(f"assistant '{info.field_name}' in the history is not supported")
         return v
 
-    @field_validator("tool_calls", "tool_call_id")
-    @classmethod
-    def _no_tools_yet(cls, v: Any, info) -> Any:
-        if v not in (None, []):
-            raise ValueError(f"'{info.field_name}' in the history is not supported yet")
-        return v
+    def check_tool_turn(self, i: int) -> None:
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, "only assistant messages carry tool_calls", code="invalid_value", param=f"messages.{i}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(400, "a tool message needs tool_call_id", code="missing_field", param=f"messages.{i}.tool_call_id")
+
+    def proto(self) -> pb.ChatMessage:
+        m = pb.ChatMessage(role=self.role, content=self.text(), has_content=self.content is not None)
+        if self.name:
+            m.name = self.name
+        if self.tool_calls:
+            m.tool_calls_json = json.dumps([c.model_dump() for c in self.tool_calls], ensure_ascii=False)
+        if self.tool_call_id:
+            m.tool_call_id = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if self.content is None:
@@ -184,8 +230,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
@@ -207,11 +253,33 @@ class ChatCompletionRequest(_Common):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @model_validator(mode="after")
+    def _tool_consistency(self) -> "ChatCompletionRequest":
+        """Raises :class:`APIError` (it passes through pydantic) so the 400 names the exact field."""
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise APIError(400, f"tool_choice {self.tool_choice!r} needs tools", code="invalid_value", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice names function '{self.tool_choice.function.name}', which is not in tools", code="invalid_value", param="tool_choice")
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools has duplicate function names", code="invalid_value", param="tools")
+        for i, m in enumerate(self.messages):
+            m.check_tool_turn(i)
+        return self
+
+    def tools_enabled(self) -> bool:
+        """Output is parsed for tool calls (tools given and ``tool_choice`` is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tools_json(self) -> str:
+        """Tool definitions for the chat template (rendered whenever given, so the prompt prefix is stable)."""
+        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False) if self.tools else ""
+
     def messages_proto(self) -> pb.ChatMessages:
         out = []
         for i, m in enumerate(self.messages):
             try:
-                out.append(pb.ChatMessage(role=m.role, content=m.text()))
+                out.append(m.proto())
             except ValueError as e:
                 raise APIError(400, str(e), code="invalid_value", param=f"messages.{i}.content") from None
         return pb.ChatMessages(messages=out)

@@ -13,9 +13,11 @@ from openai.types import completion_create_params as cparams
 from openai.types.chat import completion_create_params as ccparams
 
 from services.router.errors import APIError
+from services.router.openai_format import chat_output
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 
 MSG = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def _params(mod) -> set[str]:
@@ -30,6 +32,8 @@ def _wire(req, header=None) -> dict:
            "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
     if isinstance(req, ChatCompletionRequest):
         out["messages"] = req.messages_proto()
+        out["tools_json"] = req.tools_json()
+        out["output"] = chat_output(req, "hermes")
     else:
         out["prompt"] = req.prompt
     return out
@@ -58,9 +62,9 @@ CHAT: dict[str, tuple[object, object]] = {
     "logprobs": (True, None),
     "top_logprobs": (2, None),
     "response_format": ({"type": "json_object"}, None),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], None),
+    "tools": (TOOLS, lambda w: '"name": "f"' in w["tools_json"] and w["output"].parser is not None),
     "tool_choice": ("required", None),
-    "parallel_tool_calls": (False, None),
+    "parallel_tool_calls": (False, lambda w: w["output"].parallel is False),
     "functions": ([{"name": "f"}], None),
     "function_call": ("auto", None),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
@@ -101,6 +105,8 @@ COMPLETION: dict[str, tuple[object, object]] = {
 def _check(cls, base: dict, table: dict, name: str) -> None:
     value, check = table[name]
     body = {**base, name: value}
+    if name in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = TOOLS
     if check is None:
         with pytest.raises(APIError) as ei:
             parse_request(cls, body)
