@@ -23,4 +23,7 @@ pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v
 # torch first and pinned: letting a dependency resolve plain "torch" would pull the multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TALARIA_TORCH:-torch==2.13.0}"
 pip install -c requirements/constraints.txt -e ".[test]"
+# xgrammar (constrained decoding, services/engine/grammar.py) declares triton, a GPU compiler it does not need on
+# CPU: install it and its FFI runtime without dependencies (both pinned in the constraints file).
+pip install --no-deps -c requirements/constraints.txt xgrammar apache-tvm-ffi
 .venv/bin/python -c "import torch, talaria, nats; print('setup.sh: ready (torch', torch.__version__ + ')')"

@@ -7,16 +7,34 @@ from their own ``torch.Generator``. Every request has its own generator, seeded 
 ``SamplingParams.seed`` or, without one, deterministically from the request id, so a request's tokens do
 not depend on which other requests share its batch, and a preempted/recomputed request continues the
 same random stream (one draw per sampled token).
+
+Constrained rows (structured output, ``SamplingParams.grammar``; see ``grammar.py``): each such request has
+an xgrammar matcher; before sampling, only those rows get their disallowed tokens masked to -inf (XGrammar
+§3's per-step token bitmask), and the sampled token is then advanced through the matcher. Rows without a
+grammar are not touched, so an unconstrained batch pays nothing. A matcher error ends nothing but its own
+row's constraint (it is logged and dropped).
+
+Temperatures below ``MIN_TEMPERATURE`` are greedy: dividing logits by 1e-45 overflows to inf/nan, which
+would fail the whole batch's draw (issue 18 item 1).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from services.engine.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < MIN_TEMPERATURE
 
 
 def derive_seed(request_id: str) -> int:
@@ -27,10 +45,15 @@ class Sampler:
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self._generators: dict[str, torch.Generator] = {}
+        self._matchers: dict[str, object] = {}  # request id -> xgrammar GrammarMatcher (constrained requests)
 
     def add(self, request_id: str, params: SamplingParams) -> None:
-        """Create the request's generator (no-op for greedy requests)."""
-        if params.greedy:
+        """Create the request's generator (none for greedy requests) and grammar matcher (if constrained)."""
+        if params.grammar is not None and request_id not in self._matchers:
+            import xgrammar as xgr
+
+            self._matchers[request_id] = xgr.GrammarMatcher(params.grammar)
+        if is_greedy(params):
             return
         g = torch.Generator(device=self.device)
         g.manual_seed(params.seed if params.seed is not None else derive_seed(request_id))
@@ -38,6 +61,7 @@ class Sampler:
 
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._generators)
@@ -48,8 +72,11 @@ class Sampler:
         if n == 0:
             return []
         logits = logits.float()
+        constrained = [i for i, rid in enumerate(request_ids) if rid in self._matchers] if self._matchers else []
+        if constrained:
+            self._mask(logits, [request_ids[i] for i in constrained], constrained)
         out = torch.argmax(logits, dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             sub = logits.index_select(0, idx)
@@ -65,7 +92,30 @@ class Sampler:
                     self.add(request_ids[i], params[i])
                     g = self._generators[request_ids[i]]
                 out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
-        return out.tolist()
+        tokens = out.tolist()
+        for i in constrained:
+            self._advance(request_ids[i], tokens[i])
+        return tokens
+
+    def _mask(self, logits: torch.Tensor, rids: list[str], rows: list[int]) -> None:
+        """Mask the constrained ``rows`` of ``logits`` in place to their grammars' allowed tokens."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(logits), logits.shape[-1])
+        live = []
+        for rid, i in zip(rids, rows):
+            m = self._matchers[rid]
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, i)
+                live.append(i)
+        if live:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
+
+    def _advance(self, rid: str, token: int) -> None:
+        m = self._matchers.get(rid)
+        if m is not None and not m.is_terminated() and not m.accept_token(token):
+            log.warning("request %s: token %d rejected by its grammar; constraint dropped", rid, token)
+            self._matchers.pop(rid, None)
 
 
 def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

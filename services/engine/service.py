@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -29,7 +30,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.engine.tokenizer import chat_message_dict
+from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
@@ -74,6 +75,7 @@ class _Call:
     accepted_ns: int = 0
     first_token_ns: int = 0
     span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
+    token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
 
 
 class EngineService:
@@ -105,6 +107,8 @@ class EngineService:
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
         self._instruments = otel.ServerInstruments(self.telemetry.meter)
         self._step_marks: collections.deque[int] = collections.deque(maxlen=512)
+        self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
+        self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model) if self.multi else model == self.model
@@ -214,8 +218,12 @@ class EngineService:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
         chunk = pb.TokenChunk(token_ids=o.new_token_ids, text=o.new_text)
+        if call.token_ids is not None:
+            call.token_ids += o.new_token_ids
         if o.finished:
             del self._calls[o.request_id]
+            if call.token_ids is not None and not o.error:
+                self._session_ids.put(call.session_id, call.model, call.token_ids)
             chunk.finished = True
             reason = o.finish_reason or FinishReason.STOP
             chunk.finish_reason = reason.value
@@ -375,6 +383,22 @@ class EngineService:
             ignore_eos=sp.ignore_eos,
         )
 
+    def _grammar(self, req: pb.GenerateRequest):
+        """Compile the call's structured-output constraint (bounded time; see grammar.py). Mutates the
+        per-model grammar-factory cache."""
+        from services.engine.grammar import GrammarError, GrammarFactory
+
+        rt = self._runtime(req.model)
+        factory = self._grammars.get(req.model)
+        if factory is None:
+            factory = self._grammars[req.model] = GrammarFactory(rt.tokenizer, rt.vocab_size, list(rt.tokenizer.eos_token_ids))
+        c = req.sampling.constraint
+        try:
+            tools = json.loads(req.tools_json) if req.tools_json else []
+            return factory.compile(c.kind, c.json_schema, tools, c.tool_choice, rt.tokenizer.tool_format)
+        except GrammarError as e:
+            raise CallError(400, "invalid_value", str(e), e.param) from None
+
     def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
         which = req.WhichOneof("prompt")
         rt = self._runtime(req.model)
@@ -391,7 +415,8 @@ class EngineService:
             msgs = [chat_message_dict(m) for m in req.messages.messages]
             tools = json.loads(req.tools_json) if req.tools_json else None
             try:
-                return rt.encode_chat(msgs, tools=tools) if tools is not None or any("tool_calls" in m for m in msgs) else rt.encode_chat(msgs)
+                text = rt.tokenizer.render_chat_template(msgs, tools=tools)
+                return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
         raise CallError(422, "missing_field", "request has no prompt", "prompt")
@@ -419,6 +444,8 @@ class EngineService:
         try:
             sampling = self._sampling(req.sampling)
             prompt = await asyncio.to_thread(self._tokenize, req)
+            if req.sampling.constraint.kind:
+                sampling = dataclasses.replace(sampling, grammar=await asyncio.to_thread(self._grammar, req))
             if not prompt:
                 raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
             limit = self._runtime(req.model).max_context
@@ -432,6 +459,7 @@ class EngineService:
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
+        call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent

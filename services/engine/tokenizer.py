@@ -195,6 +195,42 @@ class Tokenizer:
         return IncrementalDecoder(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
+def align_to_previous(tok: "Tokenizer", previous: Sequence[int] | None, text: str) -> list[int]:
+    """Token ids of the rendered prompt ``text``, reusing ``previous`` (the session's last prompt + output)
+    when their text is a prefix of ``text``.
+
+    Why: a model's output is not always the canonical tokenization of its text (a grammar-constrained call,
+    or a sampled split of a word), so re-tokenizing the history would diverge from the KV the session holds
+    right after the previous prompt. Keeping the generated ids makes the next prompt a prefix extension of
+    what the model produced (issue 13), and the tokens are exactly the ones the KV was computed for."""
+    if previous:
+        prev_text = tok.decode(previous)
+        if prev_text and text.startswith(prev_text) and "\ufffd" not in prev_text:
+            return list(previous) + tok.encode(text[len(prev_text) :], add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+class SessionTokens:
+    """Bounded LRU of each session's last call ids (prompt + output), per model. Mutated by ``put``."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._d: "OrderedDict[tuple[str, str], list[int]]" = OrderedDict()
+
+    def put(self, session_id: str, model: str, ids: list[int]) -> None:
+        key = (session_id, model)
+        self._d[key] = ids
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def get(self, session_id: str, model: str) -> list[int] | None:
+        ids = self._d.get((session_id, model)) if session_id else None
+        return list(ids) if ids is not None else None
+
+
 def chat_message_dict(m) -> dict[str, Any]:
     """A wire ``ChatMessage`` as the dict a chat template reads (tool calls parsed, null content kept null)."""
     null = not m.has_content and not m.content and bool(m.tool_calls_json)  # an assistant turn of tool calls only

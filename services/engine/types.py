@@ -27,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
 
     @property
     def greedy(self) -> bool:

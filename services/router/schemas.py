@@ -58,8 +58,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_false, "echo is not supported"),
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     # structured output / tools (issue 13)
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool_choice required/named needs constrained decoding, not available yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not supported yet"),
     # OpenAI platform features with no equivalent here
     "functions": (_empty, "functions/function_call are deprecated and not supported; use tools"),
     "function_call": (_absent, "functions/function_call are deprecated and not supported; use tools"),
@@ -164,6 +162,28 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs 'json_schema'", code="missing_field", param="response_format.json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise APIError(400, f"'json_schema' does not go with response_format type {self.type}", code="invalid_value", param="response_format.json_schema")
+        return self
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1)
@@ -229,7 +249,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -265,7 +285,30 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "tools has duplicate function names", code="invalid_value", param="tools")
         for i, m in enumerate(self.messages):
             m.check_tool_turn(i)
+        if self.constraint_proto().kind and self.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with structured output (the grammar ends the output)", code="invalid_value", param="ignore_eos")
+        if self.tools_enabled() and self.tool_choice in (None, "auto") and self.response_format and self.response_format.type != "text":
+            raise APIError(400, "response_format json with tools and tool_choice auto is not supported: the grammar would forbid the tool calls", code="unsupported_parameter", param="response_format")
         return self
+
+    def constraint_proto(self) -> pb.Constraint:
+        """Structured output to enforce: tool_choice required/named, else a JSON response_format."""
+        tc = self.tool_choice
+        if self.tools and tc not in (None, "none", "auto"):
+            name = tc.function.name if isinstance(tc, NamedToolChoice) else "required"
+            return pb.Constraint(kind="tool_call", tool_choice=name, parallel_tool_calls=self.parallel_tool_calls is not False)
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return pb.Constraint()
+        if rf.type == "json_object":
+            return pb.Constraint(kind="json_object")
+        schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        return pb.Constraint(kind="json_schema", json_schema=json.dumps(schema, ensure_ascii=False))
+
+    def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
+        sp = super().sampling_proto(max_tokens)
+        sp.constraint.CopyFrom(self.constraint_proto())
+        return sp
 
     def tools_enabled(self) -> bool:
         """Output is parsed for tool calls (tools given and ``tool_choice`` is not ``none``)."""

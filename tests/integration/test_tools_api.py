@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-qwen2"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}]
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,8 @@ def test_history_with_tool_turns_is_accepted(client):
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"tools": "str"}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "nonsense"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}}, "response_format"),
     ],
 )
 def test_bad_tool_requests_are_400(client, kw, param):
@@ -72,3 +74,59 @@ def test_tool_message_without_tool_call_id_is_400(client):
     with pytest.raises(openai.BadRequestError) as ei:
         ask(client, [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}])
     assert ei.value.body["param"] == "messages.1.tool_call_id"
+
+
+def test_tool_choice_required_loop_reuses_the_session_prefix(client):
+    """call -> tool result -> next call: the call is valid JSON for the schema, and the next call's cached
+    prefix covers the previous prompt plus the generated call."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = ask(client, msgs, tools=TOOLS, tool_choice="required", max_tokens=120, extra_body={"session_id": "tools-1"})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    msgs += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+    second = ask(client, msgs, tools=TOOLS, extra_body={"session_id": "tools-1"})
+    covered = first.usage.prompt_tokens + first.usage.completion_tokens
+    page = 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= (covered // page) * page - page, (first.usage, second.usage)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_named_tool_choice_streams_incremental_arguments(client):
+    stream = ask(client, [{"role": "user", "content": "Paris?"}], tools=TOOLS, max_tokens=120, stream=True,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    deltas, reasons = [], []
+    for ev in stream:
+        for c in ev.choices:
+            if c.delta.tool_calls:
+                deltas += c.delta.tool_calls
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert len([d for d in deltas if d.function.arguments]) > 2
+    assert set(json.loads(args)) == {"city"}
+
+
+def test_parse_with_pydantic_response_format(client):
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=10)
+        celsius: int
+
+    r = client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], response_format=Weather, max_tokens=80, temperature=0)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Weather), r
+
+
+def test_json_object_response_format(client):
+    r = ask(client, [{"role": "user", "content": "JSON please"}], response_format={"type": "json_object"}, max_tokens=60)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{")
