@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
 from services.router.openai_format import ChatOutput, chat_output
+from services.router.openai_routes import make_router
 from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
@@ -365,6 +366,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                 await call.cancel("client disconnected")
             await call.close()
 
+    app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     return app
 
 

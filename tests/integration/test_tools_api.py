@@ -4,8 +4,10 @@ processes on synthesized models)."""
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import openai
+from pydantic import Field
 import pytest
 
 from tests.integration.conftest import client_for, engine, stack_config, start_stack
@@ -130,3 +132,59 @@ def test_json_object_response_format(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_model_by_id_tokenize_detokenize(client, stack):
+    import httpx
+
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    r = httpx.post(f"{stack.api}/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] > 0
+    assert httpx.post(f"{stack.api}/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": "hello world"}
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_ids = httpx.post(f"{stack.api}/tokenize", json={"model": MODEL, "messages": msgs}).json()
+    assert chat_ids["count"] == ask(client, msgs, max_tokens=1).usage.prompt_tokens
+    bad = httpx.post(f"{stack.api}/detokenize", json={"model": MODEL, "tokens": [1 << 40]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_responses_api_text_tools_and_stream(client):
+    r = client.responses.create(model=MODEL, input="Hello", max_output_tokens=6, temperature=0)
+    assert r.output[0].type == "message" and r.usage.output_tokens == 6 and r.status == "incomplete"
+    tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"], "strict": True}]
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=120, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and set(json.loads(calls[0].arguments)) == {"city"}
+    follow = [{"role": "user", "content": "Weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18C"}]
+    r2 = client.responses.create(model=MODEL, input=follow, tools=tools, max_output_tokens=4, temperature=0)
+    assert r2.usage.input_tokens > r.usage.input_tokens
+    events = list(client.responses.create(model=MODEL, input="Hello", max_output_tokens=6, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output[0].content[0].text
+
+
+def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(stack):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=10)]) -> str:
+        """Current weather of a city."""
+        calls.append(city)
+        return f"18C and sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=AsyncOpenAI(base_url=f"{stack.api}/v1", api_key="unused", max_retries=0))
+    # a random-weight model never chooses to stop talking: the tool's result is the agent's answer here (the real
+    # model's test lets the model answer after the tool)
+    agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model, tool_use_behavior="stop_on_first_tool",
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=120, temperature=0))
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", run_config=agents.RunConfig(tracing_disabled=True), max_turns=4)
+    assert len(calls) == 1 and isinstance(calls[0], str)
+    assert result.final_output == f"18C and sunny in {calls[0]}"
