@@ -286,7 +286,7 @@ class Engine:
             seq.trace_context = req.trace_context
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
-            self.sampler.add(req.request_id, req.sampling)
+            self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
                 seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
             self.scheduler.add(seq)

@@ -381,6 +381,11 @@ class EngineService:
             stop=tuple(sp.stop),
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty or 1.0,
+            min_p=sp.min_p,
+            logit_bias=tuple(sorted(sp.logit_bias.items())),
         )
 
     def _grammar(self, req: pb.GenerateRequest):
@@ -446,6 +451,9 @@ class EngineService:
             prompt = await asyncio.to_thread(self._tokenize, req)
             if req.sampling.constraint.kind:
                 sampling = dataclasses.replace(sampling, grammar=await asyncio.to_thread(self._grammar, req))
+            vocab = self._runtime(req.model).vocab_size
+            if any(t >= vocab for t, _ in sampling.logit_bias):
+                raise CallError(400, "invalid_value", f"logit_bias names a token id outside the vocabulary (size {vocab})", "logit_bias")
             if not prompt:
                 raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
             limit = self._runtime(req.model).max_context

@@ -28,6 +28,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt + generated tokens divided (>0) / multiplied (<0)
+    min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """The request changes logits before sampling (penalties, bias): it needs its token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -48,9 +48,6 @@ def _empty(v: Any) -> bool:
 # field. As a feature lands, its entry leaves this table (and the field is carried on the wire instead).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # sampling surface not implemented yet
-    "frequency_penalty": (_zero, "frequency_penalty is not supported"),
-    "presence_penalty": (_zero, "presence_penalty is not supported"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
     "logprobs": (_false, "logprobs are not supported"),
     "top_logprobs": (_zero, "top_logprobs is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
@@ -98,10 +95,30 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # extensions
+    # extensions (vLLM-style)
     top_k: int = Field(0, ge=0, le=UINT32_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     session_id: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.isdigit() or int(k) > UINT32_MAX:
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"biases must be within [-100, 100], got {b}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(not 0 <= t <= UINT32_MAX for t in v):
+            raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -131,7 +148,14 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            stop_token_ids=self.stop_token_ids or [],
         )
+        for k, b in (self.logit_bias or {}).items():
+            sp.logit_bias[int(k)] = b
         if self.seed is not None:
             sp.has_seed, sp.seed = True, self.seed
         return sp

@@ -188,3 +188,19 @@ def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(stack):
     result = agents.Runner.run_sync(agent, "Weather in Paris?", run_config=agents.RunConfig(tracing_disabled=True), max_turns=4)
     assert len(calls) == 1 and isinstance(calls[0], str)
     assert result.final_output == f"18C and sunny in {calls[0]}"
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client, stack):
+    import httpx
+
+    tid = httpx.post(f"{stack.api}/tokenize", json={"model": MODEL, "prompt": "Paris", "add_special_tokens": False}).json()["tokens"][0]
+    forced = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, logit_bias={str(tid): 100})
+    want = httpx.post(f"{stack.api}/detokenize", json={"model": MODEL, "tokens": [tid] * 3}).json()["prompt"]
+    assert forced.choices[0].text == want
+    banned = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, logit_bias={str(tid): -100},
+                                       presence_penalty=0.5, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+    ids = httpx.post(f"{stack.api}/tokenize", json={"model": MODEL, "prompt": banned.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert tid not in ids
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"4000000": 1})
+    assert ei.value.body["param"] == "logit_bias"

@@ -56,9 +56,9 @@ CHAT: dict[str, tuple[object, object]] = {
     "safety_identifier": ("s1", lambda w: w["session"] == "s1"),
     "service_tier": ("default", lambda w: True),  # the one tier there is
     "n": (2, None),
-    "frequency_penalty": (0.5, None),
-    "presence_penalty": (0.5, None),
-    "logit_bias": ({"5": 10}, None),
+    "frequency_penalty": (0.5, lambda w: abs(w["sampling"].frequency_penalty - 0.5) < 1e-6),
+    "presence_penalty": (-0.5, lambda w: abs(w["sampling"].presence_penalty + 0.5) < 1e-6),
+    "logit_bias": ({"5": 10}, lambda w: dict(w["sampling"].logit_bias) == {5: 10.0}),
     "logprobs": (True, None),
     "top_logprobs": (2, None),
     "response_format": ({"type": "json_object"}, lambda w: w["sampling"].constraint.kind == "json_object"),
@@ -95,9 +95,9 @@ COMPLETION: dict[str, tuple[object, object]] = {
     "best_of": (2, None),
     "echo": (True, None),
     "suffix": ("tail", None),
-    "frequency_penalty": (0.5, None),
-    "presence_penalty": (0.5, None),
-    "logit_bias": ({"5": 10}, None),
+    "frequency_penalty": (0.5, lambda w: abs(w["sampling"].frequency_penalty - 0.5) < 1e-6),
+    "presence_penalty": (0.5, lambda w: abs(w["sampling"].presence_penalty - 0.5) < 1e-6),
+    "logit_bias": ({"5": -100}, lambda w: dict(w["sampling"].logit_bias) == {5: -100.0}),
     "logprobs": (2, None),
 }
 
@@ -142,9 +142,16 @@ def test_unknown_field_is_400_naming_it(cls, base):
     assert (ei.value.status, ei.value.param, ei.value.code) == (400, "temprature", "unknown_parameter")
 
 
+def test_extensions_reach_the_wire():
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": MSG, "min_p": 0.1, "repetition_penalty": 1.3, "stop_token_ids": [7, 9]})
+    sp = req.sampling_proto(4)
+    assert abs(sp.min_p - 0.1) < 1e-6 and abs(sp.repetition_penalty - 1.3) < 1e-6 and list(sp.stop_token_ids) == [7, 9]
+
+
 @pytest.mark.parametrize(
     "field,value",
-    [("top_k", 1 << 32), ("top_k", -1), ("seed", 1 << 63), ("seed", -(1 << 63) - 1), ("max_tokens", 1 << 32), ("tools", "str")],
+    [("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {str(1 << 32): 1}), ("stop_token_ids", [1 << 32]), ("min_p", 1.5),
+     ("top_k", 1 << 32), ("top_k", -1), ("seed", 1 << 63), ("seed", -(1 << 63) - 1), ("max_tokens", 1 << 32), ("tools", "str")],
 )
 def test_values_the_wire_cannot_carry_are_400(field, value):
     with pytest.raises(APIError) as ei:
