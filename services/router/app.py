@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
+from services.router.fanout import fan_out, wants_fanout
 from services.router.openai_format import ChatOutput, chat_output
 from services.router.openai_routes import make_router
 from services.router.policy import Decision
@@ -117,6 +118,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         data = await _read_json(request)
+        if wants_fanout(data):  # n > 1: n calls of this handler (services/router/fanout.py)
+            return await fan_out(request, data, chat)
         req = parse_request(ChatCompletionRequest, data)
         messages = req.messages_proto()
         g = _base_request(request, req, req.effective_max_tokens())
@@ -128,6 +131,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         data = await _read_json(request)
+        if wants_fanout(data):
+            return await fan_out(request, data, completions)
         req = parse_request(CompletionRequest, data)
         g = _base_request(request, req, req.effective_max_tokens())
         if isinstance(req.prompt, str):

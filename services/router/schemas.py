@@ -53,7 +53,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
     "suffix": (_absent, "suffix (insertion) is not supported"),
     "echo": (_false, "echo is not supported"),
-    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
+    "n": (lambda v: v in (None, 1), "n > 1 is served by services/router/fanout.py before parsing"),
     # structured output / tools (issue 13)
     # OpenAI platform features with no equivalent here
     "functions": (_empty, "functions/function_call are deprecated and not supported; use tools"),

@@ -204,3 +204,23 @@ def test_logit_bias_and_penalties_reach_the_engine(client, stack):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"4000000": 1})
     assert ei.value.body["param"] == "logit_bias"
+
+
+def test_n_choices_stream_and_not(client):
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = ask(client, msgs, n=3, temperature=1.0, seed=5, max_tokens=6, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 18
+    again = ask(client, msgs, n=3, temperature=1.0, seed=5, max_tokens=6, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    texts = {0: "", 1: "", 2: ""}
+    usage = None
+    for ev in ask(client, msgs, n=3, temperature=1.0, seed=5, max_tokens=6, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        for c in ev.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = ev.usage or usage
+    assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]
+    assert usage.completion_tokens == 18
+    c = client.completions.create(model=MODEL, prompt="abc", n=2, max_tokens=4, temperature=0)
+    assert [x.index for x in c.choices] == [0, 1] and c.choices[0].text == c.choices[1].text

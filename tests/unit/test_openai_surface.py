@@ -13,6 +13,7 @@ from openai.types import completion_create_params as cparams
 from openai.types.chat import completion_create_params as ccparams
 
 from services.router.errors import APIError
+from services.router.fanout import _sub_bodies, wants_fanout
 from services.router.openai_format import chat_output
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -105,6 +106,11 @@ COMPLETION: dict[str, tuple[object, object]] = {
 def _check(cls, base: dict, table: dict, name: str) -> None:
     value, check = table[name]
     body = {**base, name: value}
+    if name == "n":  # n > 1 is n calls of the handler with n = 1 and seeds seed + i
+        subs = _sub_bodies({**body, "seed": 10})
+        assert wants_fanout(body) and [s["seed"] for s in subs] == [10, 11] and all(s["n"] == 1 for s in subs)
+        [parse_request(cls, s) for s in subs]
+        return
     if name in ("tool_choice", "parallel_tool_calls"):
         body["tools"] = TOOLS
     if check is None:
