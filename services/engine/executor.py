@@ -18,6 +18,8 @@ snapshot refreshed after every step, so they never wait for a forward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import threading
 import time
@@ -361,6 +363,8 @@ class Engine:
                 outputs.append(self._finish(st, reason, [tok], text + more))
             else:
                 outputs.append(RequestOutput(seq.request_id, [tok], text))
+        if self.sampler.wants_logprobs:
+            outputs = [dataclasses.replace(o, logprobs=self.sampler.pop_logprobs(o.request_id)) for o in outputs]
         return outputs
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:

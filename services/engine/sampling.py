@@ -21,6 +21,10 @@ tokens in the output. The sampler keeps each such request's token history itself
 draws). ``min_p`` drops tokens whose probability is below ``min_p`` times the top token's (after
 temperature), before top-k/top-p.
 
+Log-probabilities (``SamplingParams.logprobs >= 0``): of the model's distribution (log-softmax of the raw
+logits, before penalties, grammar masks and temperature), for the sampled token and the k most likely;
+kept until the executor collects them with :meth:`Sampler.pop_logprobs`.
+
 Temperatures below ``MIN_TEMPERATURE`` are greedy: dividing logits by 1e-45 overflows to inf/nan, which
 would fail the whole batch's draw (issue 18 item 1).
 """
@@ -54,6 +58,7 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, object] = {}  # request id -> xgrammar GrammarMatcher (constrained requests)
         self._history: dict[str, tuple[set[int], dict[int, int]]] = {}  # logit-shaping requests: (prompt ids, output counts)
+        self._logprobs: dict[str, list] = {}  # request id -> entries not yet collected (outlive remove())
 
     def add(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> None:
         """Create the request's generator (none for greedy requests), grammar matcher (if constrained) and
@@ -84,6 +89,8 @@ class Sampler:
         if n == 0:
             return []
         logits = logits.float()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+        raw = torch.log_softmax(logits.index_select(0, torch.tensor(lp_rows, device=logits.device)), dim=-1) if lp_rows else None
         shaped = [i for i, p in enumerate(params) if p.shapes_logits]
         for i in shaped:
             self._shape(logits[i], request_ids[i], params[i])
@@ -112,6 +119,11 @@ class Sampler:
                     g = self._generators[request_ids[i]]
                 out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
         tokens = out.tolist()
+        for j, i in enumerate(lp_rows):
+            k = min(params[i].logprobs, 20)
+            top = torch.topk(raw[j], k) if k else None
+            alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            self._logprobs.setdefault(request_ids[i], []).append((tokens[i], float(raw[j, tokens[i]]), alts))
         for i in constrained:
             self._advance(request_ids[i], tokens[i])
         for i in shaped:
@@ -119,6 +131,14 @@ class Sampler:
             if h is not None:
                 h[1][tokens[i]] = h[1].get(tokens[i], 0) + 1
         return tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self._logprobs)
+
+    def pop_logprobs(self, request_id: str) -> list | None:
+        """The entries of ``request_id`` collected since the last call (and forget them)."""
+        return self._logprobs.pop(request_id, None)
 
     def _shape(self, row: torch.Tensor, rid: str, p: SamplingParams) -> None:
         """Penalties and bias on one row of logits, in place."""

@@ -218,6 +218,8 @@ class EngineService:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
         chunk = pb.TokenChunk(token_ids=o.new_token_ids, text=o.new_text)
+        if o.logprobs:
+            self._add_logprobs(chunk, o.logprobs, call.model)
         if call.token_ids is not None:
             call.token_ids += o.new_token_ids
         if o.finished:
@@ -239,6 +241,14 @@ class EngineService:
         if o.finished:
             self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, getattr(o.usage, "restored_tokens", 0))
             await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
+
+    def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
+        """Sampler log-probabilities as wire entries, each token decoded alone."""
+        tok = self._runtime(model).tokenizer
+        for tid, lp, alts in entries:
+            e = chunk.logprobs.add(token_id=tid, token=tok.decode([tid]), logprob=lp)
+            for aid, alp in alts:
+                e.top.add(token_id=aid, token=tok.decode([aid]), logprob=alp)
 
     async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
         hook = pb.CompletionHook(
@@ -386,6 +396,7 @@ class EngineService:
             repetition_penalty=sp.repetition_penalty or 1.0,
             min_p=sp.min_p,
             logit_bias=tuple(sorted(sp.logit_bias.items())),
+            logprobs=min(sp.top_logprobs, 20) if sp.logprobs else -1,
         )
 
     def _grammar(self, req: pb.GenerateRequest):

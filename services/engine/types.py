@@ -33,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt + generated tokens divided (>0) / multiplied (<0)
     min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int = -1  # -1 off; k >= 0: the sampled token's log-probability and the k most likely
 
     @property
     def shapes_logits(self) -> bool:
@@ -79,3 +80,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the final output
     error: str = ""
+    logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])

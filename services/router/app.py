@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError
 from services.router.fanout import fan_out, wants_fanout
-from services.router.openai_format import ChatOutput, chat_output
+from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
 from services.router.openai_routes import make_router
 from services.router.policy import Decision
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
@@ -279,16 +279,18 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         if g.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(call, rid, created, g.model, chat, include_usage, view_alive, out),
+                _sse(call, rid, created, g.model, chat, include_usage, view_alive, out, Logprobs(chat, g.sampling.logprobs)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **placed},
             )
+        lps = Logprobs(chat, g.sampling.logprobs)
         try:
             text, reason, usage = [], None, None
             async for c in call.chunks(cfg.idle_chunk_timeout_s, view_alive):
                 if c.HasField("error"):
                     raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                 text.append(c.text)
+                lps.add(c.logprobs)
                 if c.finished:
                     reason, usage = c.finish_reason, c.usage
         except EngineUnavailable as e:
@@ -298,14 +300,14 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("call abandoned")
             await call.close()
-        content = "".join(text)
+        content = echo_prefix(req) + "".join(text)
         if out is not None:
             out.feed(content)
             reason = out.finish(reason)[1]
         choice = (
-            {"index": 0, "message": out.message(), "finish_reason": reason, "logprobs": None}
+            {"index": 0, "message": out.message(), "finish_reason": reason, "logprobs": lps.take()}
             if out is not None
-            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
+            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": lps.take()}
         )
         body = {
             "id": rid,
@@ -317,7 +319,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         }
         return JSONResponse(body, headers=placed)
 
-    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive, out: ChatOutput | None = None) -> AsyncIterator[bytes]:
+    async def _sse(call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive, out: ChatOutput | None = None, lps: Logprobs | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, usage=None) -> bytes:
@@ -327,14 +329,15 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
         def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None) -> dict:
+            lp = lps.take() if lps is not None and (text or delta or reason) else None
             if chat:
                 delta = dict(delta or {})
                 if first:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
+            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lp}
 
         try:
             if chat:
@@ -344,6 +347,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
                     err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                     yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                     break
+                if lps is not None:
+                    lps.add(c.logprobs)
                 if c.text and out is not None:
                     for d in out.feed(c.text):
                         yield event([choice(None, None, delta=d)])

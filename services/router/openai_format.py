@@ -83,3 +83,38 @@ def chat_output(req, tool_format: str) -> ChatOutput:
         return ChatOutput()
     constrained = req.tool_choice not in (None, "auto")  # required / named: the grammar guarantees the format
     return ChatOutput(tool_format or "hermes", eager=constrained, parallel=req.parallel_tool_calls is not False)
+
+
+class Logprobs:
+    """Token log-probabilities from the engine's chunks, formatted for chat (``{"content": [...]}``) or
+    completions (``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``). ``add`` queues
+    entries; ``take`` returns the queued ones formatted (None when the call did not ask) and clears them."""
+
+    def __init__(self, chat: bool, enabled: bool) -> None:
+        self.chat, self.enabled = chat, enabled
+        self.pending: list = []
+        self.offset = 0  # completions: text offset of the next token
+
+    def add(self, entries) -> None:
+        if self.enabled:
+            self.pending.extend(entries)
+
+    def take(self) -> dict | None:
+        if not self.enabled:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            def one(t, lp):
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(a.token, a.logprob) for a in e.top]} for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries], "text_offset": offsets}
+
+
+def echo_prefix(req) -> str:
+    """Completions ``echo``: the prompt text before the completion ("" otherwise)."""
+    return req.prompt if getattr(req, "echo", False) and isinstance(req.prompt, str) else ""

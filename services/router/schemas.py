@@ -48,11 +48,8 @@ def _empty(v: Any) -> bool:
 # field. As a feature lands, its entry leaves this table (and the field is carried on the wire instead).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # sampling surface not implemented yet
-    "logprobs": (_false, "logprobs are not supported"),
-    "top_logprobs": (_zero, "top_logprobs is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
     "suffix": (_absent, "suffix (insertion) is not supported"),
-    "echo": (_false, "echo is not supported"),
     "n": (lambda v: v in (None, 1), "n > 1 is served by services/router/fanout.py before parsing"),
     # structured output / tools (issue 13)
     # OpenAI platform features with no equivalent here
@@ -298,6 +295,12 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+        return self
+
+    @model_validator(mode="after")
     def _tool_consistency(self) -> "ChatCompletionRequest":
         """Raises :class:`APIError` (it passes through pydantic) so the 400 names the exact field."""
         names = [t.function.name for t in self.tools or []]
@@ -332,6 +335,7 @@ class ChatCompletionRequest(_Common):
     def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
         sp = super().sampling_proto(max_tokens)
         sp.constraint.CopyFrom(self.constraint_proto())
+        sp.logprobs, sp.top_logprobs = bool(self.logprobs), self.top_logprobs or 0
         return sp
 
     def tools_enabled(self) -> bool:
@@ -377,6 +381,22 @@ class CompletionRequest(_Common):
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @model_validator(mode="after")
+    def _echo(self) -> "CompletionRequest":
+        if self.echo and not isinstance(self.prompt, str):
+            raise APIError(400, "echo is supported for text prompts only", code="unsupported_parameter", param="echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo is supported without stream only", code="unsupported_parameter", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt log-probabilities) is not supported", code="unsupported_parameter", param="echo")
+        return self
+
+    def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
+        sp = super().sampling_proto(max_tokens)
+        if self.logprobs is not None:
+            sp.logprobs, sp.top_logprobs = True, self.logprobs
+        return sp
 
 
 # --------------------------------------------------------------------------------------------- parsing

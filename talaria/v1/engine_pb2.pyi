@@ -60,7 +60,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., has_content: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -98,7 +100,31 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "json_schema", "tool_choice", "parallel_tool_calls")
@@ -164,7 +190,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "queue_seconds", "ttft_seconds", "tool_format")
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "queue_seconds", "ttft_seconds", "tool_format", "logprobs")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +205,7 @@ class TokenChunk(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     seq: int
@@ -193,7 +220,8 @@ class TokenChunk(_message.Message):
     queue_seconds: float
     ttft_seconds: float
     tool_format: str
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., queue_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tool_format: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., queue_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("schema_version", "request_id", "reason")

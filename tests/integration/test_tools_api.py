@@ -224,3 +224,26 @@ def test_n_choices_stream_and_not(client):
     assert usage.completion_tokens == 18
     c = client.completions.create(model=MODEL, prompt="abc", n=2, max_tokens=4, temperature=0)
     assert [x.index for x in c.choices] == [0, 1] and c.choices[0].text == c.choices[1].text
+
+
+def test_logprobs_chat_and_completions(client):
+    import math
+
+    r = ask(client, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3, max_tokens=5, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob >= e.logprob - 1e-4  # greedy: the sampled token is the most likely
+        assert math.isclose(e.top_logprobs[0].logprob, e.logprob, abs_tol=1e-4)
+    streamed = []
+    for ev in ask(client, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3, max_tokens=5, stream=True, extra_body={"ignore_eos": True}):
+        for c in ev.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed += c.logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    c = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs[0]) <= 2 and lp.text_offset[0] == 0 and "".join(lp.tokens) == c.choices[0].text
+    e = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("abc")

@@ -60,8 +60,8 @@ CHAT: dict[str, tuple[object, object]] = {
     "frequency_penalty": (0.5, lambda w: abs(w["sampling"].frequency_penalty - 0.5) < 1e-6),
     "presence_penalty": (-0.5, lambda w: abs(w["sampling"].presence_penalty + 0.5) < 1e-6),
     "logit_bias": ({"5": 10}, lambda w: dict(w["sampling"].logit_bias) == {5: 10.0}),
-    "logprobs": (True, None),
-    "top_logprobs": (2, None),
+    "logprobs": (True, lambda w: w["sampling"].logprobs),
+    "top_logprobs": (2, None),  # without logprobs: true (checked with it below)
     "response_format": ({"type": "json_object"}, lambda w: w["sampling"].constraint.kind == "json_object"),
     "tools": (TOOLS, lambda w: '"name": "f"' in w["tools_json"] and w["output"].parser is not None),
     "tool_choice": ("required", lambda w: w["sampling"].constraint.kind == "tool_call" and w["output"].parser.eager),
@@ -94,13 +94,18 @@ COMPLETION: dict[str, tuple[object, object]] = {
     "user": ("u1", lambda w: w["session"] == "u1"),
     "n": (2, None),
     "best_of": (2, None),
-    "echo": (True, None),
+    "echo": (True, lambda w: w["prompt"] == "hi"),
     "suffix": ("tail", None),
     "frequency_penalty": (0.5, lambda w: abs(w["sampling"].frequency_penalty - 0.5) < 1e-6),
     "presence_penalty": (0.5, lambda w: abs(w["sampling"].presence_penalty - 0.5) < 1e-6),
     "logit_bias": ({"5": -100}, lambda w: dict(w["sampling"].logit_bias) == {5: -100.0}),
-    "logprobs": (2, None),
+    "logprobs": (2, lambda w: w["sampling"].logprobs and w["sampling"].top_logprobs == 2),
 }
+
+
+def test_top_logprobs_with_logprobs_reaches_the_wire():
+    sp = parse_request(ChatCompletionRequest, {"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 3}).sampling_proto(4)
+    assert sp.logprobs and sp.top_logprobs == 3
 
 
 def _check(cls, base: dict, table: dict, name: str) -> None:
