@@ -98,3 +98,20 @@ def test_parallel_false_keeps_the_first_call():
     out.feed(render_call(CALL) + "\n" + render_call({**CALL, "id": "x"}))
     out.finish("stop")
     assert len(out.message()["tool_calls"]) == 1
+
+
+def test_align_to_previous_keeps_generated_ids(synth_models):
+    """A session's generated ids are kept even when they are not the canonical tokenization of their text."""
+    from services.engine.tokenizer import align_to_previous
+
+    t = Tokenizer.from_dir(synth_models["tiny-qwen2"])
+    prompt = t.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    word = "information"
+    odd = [i for ch in word for i in t.encode(ch, add_special_tokens=False)]  # one token per letter
+    assert odd != t.encode(word, add_special_tokens=False)
+    previous = prompt + odd
+    text = t.decode(previous) + "<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
+    ids = align_to_previous(t, previous, text)
+    assert ids[: len(previous)] == previous and t.decode(ids) == text
+    assert align_to_previous(t, previous, "something else") == t.encode("something else", add_special_tokens=False)
+    assert align_to_previous(t, None, text) == t.encode(text, add_special_tokens=False)
