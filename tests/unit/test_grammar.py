@@ -103,3 +103,16 @@ def test_bad_schema_is_a_grammar_error_naming_response_format(factory, kind, sch
     with pytest.raises(GrammarError) as ei:
         factory.compile(kind, schema)
     assert ei.value.param == "response_format"
+
+
+def test_slow_compile_is_a_bounded_grammar_error(tok, monkeypatch):
+    """A grammar that does not compile within the bound is a 400-style error, not a hang."""
+    import services.engine.grammar as gm
+
+    fac = GrammarFactory(tok, tok.vocab_size, list(tok.eos_token_ids))
+    fac.compile("json_object")  # compiler built (tokenizer info) before the bound is tightened
+    monkeypatch.setattr(gm, "COMPILE_TIMEOUT_S", 1e-9)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{3,9}[0-9]+$"} for i in range(300)}}
+    with pytest.raises(GrammarError) as ei:
+        fac.compile("json_schema", json.dumps(wide))
+    assert ei.value.param == "response_format" and "did not compile" in str(ei.value)
