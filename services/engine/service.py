@@ -376,12 +376,12 @@ class EngineService:
     # ---------------------------------------------------------------- request intake
     def _sampling(self, sp: pb.SamplingParams) -> SamplingParams:
         if sp.max_tokens < 1:
-            raise CallError(422, "invalid_value", "max_tokens must be at least 1", "max_tokens")
+            raise CallError(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
         if not 0.0 <= sp.temperature <= 2.0:
-            raise CallError(422, "invalid_value", "temperature must be within [0, 2]", "temperature")
+            raise CallError(400, "invalid_value", "temperature must be within [0, 2]", "temperature")
         top_p = sp.top_p if sp.top_p > 0 else 1.0
         if top_p > 1.0:
-            raise CallError(422, "invalid_value", "top_p must be within (0, 1]", "top_p")
+            raise CallError(400, "invalid_value", "top_p must be within (0, 1]", "top_p")
         return SamplingParams(
             temperature=sp.temperature,
             top_p=top_p,
@@ -425,7 +425,7 @@ class EngineService:
             vocab = rt.vocab_size
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
+                raise CallError(400, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
             return ids
         if which == "messages":
             msgs = [chat_message_dict(m) for m in req.messages.messages]
@@ -434,8 +434,8 @@ class EngineService:
                 text = rt.tokenizer.render_chat_template(msgs, tools=tools)
                 return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-                raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
-        raise CallError(422, "missing_field", "request has no prompt", "prompt")
+                raise CallError(400, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
+        raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     async def _on_generate(self, msg) -> None:
         req = pb.GenerateRequest()
@@ -466,7 +466,7 @@ class EngineService:
             if any(t >= vocab for t, _ in sampling.logit_bias):
                 raise CallError(400, "invalid_value", f"logit_bias names a token id outside the vocabulary (size {vocab})", "logit_bias")
             if not prompt:
-                raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
+                raise CallError(400, "invalid_value", "prompt is empty after tokenization", "prompt")
             limit = self._runtime(req.model).max_context
             if len(prompt) + sampling.max_tokens > limit:
                 raise CallError(
@@ -496,7 +496,7 @@ class EngineService:
             if call.span is not None:
                 call.span.set_status(Status(StatusCode.ERROR, str(e)))
                 call.span.end()
-            status = 413 if "context" in type(e).__name__.lower() else 422
+            status = 413 if "context" in type(e).__name__.lower() else 400
             return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
         call.accepted_ns = time.time_ns()
         self._wake.set()
