@@ -34,7 +34,7 @@ def decode_cost(model_dir: Path, tokens: int, repeats: int) -> list[dict]:
     from services.engine.grammar import GrammarFactory
     from services.engine.types import EngineRequest, SamplingParams
 
-    eng = Engine(model_dir, max_num_seqs=8)
+    eng = Engine(model_dir, max_num_seqs=8, dtype="float32")
     fac = GrammarFactory(eng.tokenizer, eng.vocab_size, list(eng.eos_token_ids))
     grammar = fac.compile("json_schema", json.dumps(SCHEMA))
     prompt = eng.encode_chat([{"role": "user", "content": "Describe a river in JSON."}])
@@ -66,6 +66,40 @@ def decode_cost(model_dir: Path, tokens: int, repeats: int) -> list[dict]:
         row["cost_ratio"] = round(row["free_tok_s"] / row["json_schema_tok_s"], 3) if row.get("json_schema_tok_s") else None
         out.append(row)
     return out
+
+
+def mask_overhead(model_dir: Path, iters: int = 40) -> list[dict]:
+    """Sampler time per step with every row constrained vs none (min over ``iters``), on the real vocabulary:
+    the grammar's added cost per decode step, robust to machine load (min of repeated short timings)."""
+    import torch
+
+    from services.engine.grammar import GrammarFactory
+    from services.engine.sampling import Sampler
+    from services.engine.tokenizer import Tokenizer
+    from services.engine.types import SamplingParams
+
+    tok = Tokenizer.from_dir(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    grammar = GrammarFactory(tok, vocab, list(tok.eos_token_ids)).compile("json_schema", json.dumps(SCHEMA))
+    rows = []
+    for batch in (1, 8):
+        res = {}
+        for name, g in (("free", None), ("json_schema", grammar)):
+            best = float("inf")
+            for it in range(iters):
+                s = Sampler()
+                params = [SamplingParams(temperature=1.0, seed=i, grammar=g) for i in range(batch)]
+                ids = [f"r{i}" for i in range(batch)]
+                for rid, p in zip(ids, params):
+                    s.add(rid, p)
+                logits = torch.randn(batch, vocab)
+                t0 = time.perf_counter()
+                s.sample(logits, ids, params)
+                best = min(best, time.perf_counter() - t0)
+            res[name] = best
+        rows.append({"batch": batch, "sample_free_ms": round(res["free"] * 1e3, 3), "sample_json_schema_ms": round(res["json_schema"] * 1e3, 3),
+                     "added_ms_per_step": round((res["json_schema"] - res["free"]) * 1e3, 3)})
+    return rows
 
 
 def parse_accuracy() -> list[dict]:
@@ -131,13 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--skip", nargs="*", default=[], choices=["decode", "parse", "session"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["decode", "mask", "parse", "session"])
     a = p.parse_args(argv)
     md = Path(a.model_dir)
     print(json.dumps({"loadavg_start": loadavg(), "model": md.name}))
     if "parse" not in a.skip:
         for row in parse_accuracy():
             print(json.dumps({"parse": row}))
+    if "mask" not in a.skip:
+        for row in mask_overhead(md):
+            print(json.dumps({"mask": row, "loadavg": loadavg()}))
     if "decode" not in a.skip:
         for row in decode_cost(md, a.tokens, a.repeats):
             print(json.dumps({"decode": row, "loadavg": loadavg()}))
