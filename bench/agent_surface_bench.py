@@ -127,7 +127,7 @@ def parse_accuracy() -> list[dict]:
     return rows
 
 
-def session_cache_share(model_dir: Path, turns: int) -> dict:
+def session_cache_share(model_dir: Path, turns: int, system_rules: int = 0) -> dict:
     import openai
 
     from talaria.config import parse_config
@@ -135,7 +135,7 @@ def session_cache_share(model_dir: Path, turns: int) -> dict:
 
     cfg = parse_config({"namespace": f"b{os.getpid()}", "models_dir": str(model_dir.parent), "synthesize_models": False,
                         "kvstore": {"enabled": False}, "router": {"port": 0, "max_tokens_limit": 512},
-                        "engines": [{"id": "b0", "models": [model_dir.name], "kv_cache_mb": 64}]})
+                        "engines": [{"id": "b0", "models": [model_dir.name], "kv_cache_mb": 256}]})
     with LocalStack(cfg, say=lambda _m: None, quiet=True) as stack:
         deadline = time.monotonic() + 120
         client = openai.OpenAI(base_url=f"{stack.api}/v1", api_key="x", max_retries=0, timeout=120)
@@ -145,17 +145,22 @@ def session_cache_share(model_dir: Path, turns: int) -> dict:
                 break
             except Exception:  # noqa: BLE001 - not ready yet
                 time.sleep(0.5)
-        msgs = [{"role": "user", "content": "Look up the words river, mountain, forest and more, one at a time."}]
-        shares = []
+        system = "You are a careful dictionary assistant. " + " ".join(f"Rule {i}: use the lookup tool for every word, never guess." for i in range(system_rules))
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Look up the words river, mountain, forest and more, one at a time."}]
+        shares, covered, prev = [], 0, None
         for t in range(turns):
             r = client.chat.completions.create(model=model_dir.name, messages=msgs, tools=[TOOL], tool_choice="required", max_tokens=48,
                                                temperature=0, extra_body={"session_id": "bench-tools"})
             u = r.usage
+            first_prompt = u.prompt_tokens if t == 0 else first_prompt
             if t:
                 shares.append(u.prompt_tokens_details.cached_tokens / u.prompt_tokens)
+                covered += u.prompt_tokens_details.cached_tokens >= prev.prompt_tokens + prev.completion_tokens - 1
+            prev = u
             call = r.choices[0].message.tool_calls[0]
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": f"definition {t}: a word."}]
-        return {"turns": turns, "min_share_after_first": round(min(shares), 4), "mean_share_after_first": round(sum(shares) / len(shares), 4),
+        return {"turns": turns, "system_rules": system_rules, "first_prompt_tokens": first_prompt, "turns_reusing_all_previous_tokens": f"{covered}/{turns - 1}",
+                "min_share_after_first": round(min(shares), 4), "mean_share_after_first": round(sum(shares) / len(shares), 4),
                 "turns_at_or_above_95pct": f"{sum(s >= 0.95 for s in shares)}/{len(shares)}"}
 
 
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-rules", type=int, nargs="+", default=[0, 40], help="system prompt sizes (rules) for the session run")
     p.add_argument("--skip", nargs="*", default=[], choices=["decode", "mask", "parse", "session"])
     a = p.parse_args(argv)
     md = Path(a.model_dir)
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in decode_cost(md, a.tokens, a.repeats):
             print(json.dumps({"decode": row, "loadavg": loadavg()}))
     if "session" not in a.skip:
-        print(json.dumps({"session": session_cache_share(md, a.turns), "loadavg": loadavg()}))
+        for rules in a.system_rules:
+            print(json.dumps({"session": session_cache_share(md, a.turns, rules), "loadavg": loadavg()}))
     return 0
 
 
