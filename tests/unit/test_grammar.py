@@ -77,11 +77,12 @@ def test_unconstrained_row_sees_identical_logits(tok, factory):
     assert tok.decode([b[1]]).lstrip().startswith("{")
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
 @pytest.mark.parametrize("choice", ["required", "noop"])
-def test_tool_call_grammar_gives_a_parseable_call(tok, factory, choice):
-    grammar = factory.compile("tool_call", tools=TOOLS, tool_choice=choice, tool_format="hermes")
+def test_tool_call_grammar_gives_a_parseable_call(tok, factory, choice, fmt):
+    grammar = factory.compile("tool_call", tools=TOOLS, tool_choice=choice, tool_format=fmt)
     out = decode_loop(tok, Sampler(), [SamplingParams(temperature=1.0, seed=9, grammar=grammar)], steps=300)[0]
-    res = parse("hermes", tok.decode(out))
+    res = parse(fmt, tok.decode(out))
     assert len(res.tool_calls) == 1, tok.decode(out)
     call = res.tool_calls[0]
     assert call.name in ({"get_weather", "noop"} if choice == "required" else {"noop"})
