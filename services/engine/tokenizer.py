@@ -4,6 +4,7 @@ chat template), and a per-request :class:`IncrementalDecoder` for streaming text
 from __future__ import annotations
 
 import json
+from array import array
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -211,17 +212,18 @@ def align_to_previous(tok: "Tokenizer", previous: Sequence[int] | None, text: st
 
 
 class SessionTokens:
-    """Bounded LRU of each session's last call ids (prompt + output), per model. Mutated by ``put``."""
+    """Bounded LRU of each session's last call ids (prompt + output), per model, stored compactly (4 bytes a
+    token: 1024 sessions of 8k tokens are 32 MiB). Mutated by ``put``."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 1024) -> None:
         from collections import OrderedDict
 
         self.capacity = capacity
-        self._d: "OrderedDict[tuple[str, str], list[int]]" = OrderedDict()
+        self._d: "OrderedDict[tuple[str, str], array]" = OrderedDict()
 
     def put(self, session_id: str, model: str, ids: list[int]) -> None:
         key = (session_id, model)
-        self._d[key] = ids
+        self._d[key] = array("I", ids)
         self._d.move_to_end(key)
         while len(self._d) > self.capacity:
             self._d.popitem(last=False)

@@ -115,3 +115,14 @@ def test_align_to_previous_keeps_generated_ids(synth_models):
     assert ids[: len(previous)] == previous and t.decode(ids) == text
     assert align_to_previous(t, previous, "something else") == t.encode("something else", add_special_tokens=False)
     assert align_to_previous(t, None, text) == t.encode(text, add_special_tokens=False)
+
+
+def test_session_tokens_are_bounded_and_per_model():
+    from services.engine.tokenizer import SessionTokens
+
+    st = SessionTokens(capacity=2)
+    st.put("a", "m1", [1, 2])
+    st.put("a", "m2", [3])
+    st.put("b", "m1", [4])
+    assert st.get("a", "m1") is None and st.get("a", "m2") == [3] and st.get("b", "m1") == [4]
+    assert st.get("", "m1") is None
