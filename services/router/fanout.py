@@ -82,7 +82,13 @@ async def fan_out(request: Request, data: dict, handler) -> Response:
     """Serve ``data`` (with ``n > 1``) as n calls of ``handler(request)``; mutates nothing shared."""
     subs = _sub_bodies(data)
     if not data.get("stream"):
-        resps = await asyncio.gather(*(handler(_inner(request, b, i > 0)) for i, b in enumerate(subs)))
+        tasks = [asyncio.ensure_future(handler(_inner(request, b, i > 0))) for i, b in enumerate(subs)]
+        try:
+            resps = await asyncio.gather(*tasks)
+        except BaseException:  # one choice failed (or the client left): the others' engine work is cancelled
+            for t in tasks:
+                t.cancel()
+            raise
         bodies = [json.loads(r.body) for r in resps]
         out = bodies[0]
         out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
