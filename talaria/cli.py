@@ -114,6 +114,22 @@ def cmd_up(args) -> int:
     return up(cfg, port=args.port, models_dir=args.models_dir)
 
 
+def cmd_serve(args) -> int:
+    """One checkpoint directory, served alone: one hot engine and the router (``talaria up`` underneath)."""
+    from pathlib import Path
+
+    from talaria.config import EngineConfig
+    from talaria.up import up
+
+    path = Path(args.path).expanduser().resolve()
+    if not (path / "config.json").exists():
+        print(f"talaria serve: {path} is not a checkpoint directory (no config.json); import one with 'talaria models import SRC'", file=sys.stderr)
+        return 2
+    cfg = _load(args)
+    cfg = cfg.model_copy(update={"models_dir": str(path.parent), "synthesize_models": False, "engines": [EngineConfig(id="engine-0", models=[path.name])]})
+    return up(cfg, port=args.port)
+
+
 def cmd_proto(args) -> int:
     from talaria.protogen import generate
 
@@ -131,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--models-dir", help="where catalog models live / are synthesized")
     up.add_argument("--api-key", default=os.environ.get("TALARIA_API_KEY"), help="require this API key (Bearer) for tenant 'default'; default $TALARIA_API_KEY; none = open API")
     up.set_defaults(fn=cmd_up)
+
+    sv = sub.add_parser("serve", help="serve one checkpoint directory (one hot engine + router)")
+    sv.add_argument("path", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    sv.add_argument("--config", help="stack config for everything but the engines")
+    sv.add_argument("--port", type=int, help="router HTTP port (overrides the config)")
+    sv.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="run one router process")
     r.add_argument("--config")

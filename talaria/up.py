@@ -130,6 +130,9 @@ class LocalStack:
         cfg = self.cfg
         needed = sorted({m for e in cfg.engines for m in e.models})
         missing = [m for m in needed if not (cfg.model_path(m) / "config.json").exists()]
+        from talaria.models.importer import import_known
+
+        missing = import_known(missing, cfg.models_dir, self.say)  # real models from installed packages (smollm2)
         if not missing:
             return
         if not cfg.synthesize_models:

@@ -18,6 +18,8 @@ snapshot refreshed after every step, so they never wait for a forward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import threading
 import time
@@ -287,7 +289,7 @@ class Engine:
             seq.trace_context = req.trace_context
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
-            self.sampler.add(req.request_id, req.sampling)
+            self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
                 seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
             self.scheduler.add(seq)
@@ -362,6 +364,8 @@ class Engine:
                 outputs.append(self._finish(st, reason, [tok], text + more))
             else:
                 outputs.append(RequestOutput(seq.request_id, [tok], text))
+        if self.sampler.wants_logprobs:
+            outputs = [dataclasses.replace(o, logprobs=self.sampler.pop_logprobs(o.request_id)) for o in outputs]
         return outputs
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -28,6 +30,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
@@ -73,6 +76,7 @@ class _Call:
     first_token_ns: int = 0
     last_sent: float = 0.0  # monotonic time of the last chunk published on the reply inbox (keepalives)
     span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
+    token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
 
 
 class EngineService:
@@ -104,6 +108,8 @@ class EngineService:
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
         self._instruments = otel.ServerInstruments(self.telemetry.meter)
         self._step_marks: collections.deque[int] = collections.deque(maxlen=512)
+        self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
+        self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model) if self.multi else model == self.model
@@ -215,8 +221,14 @@ class EngineService:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
         chunk = pb.TokenChunk(token_ids=o.new_token_ids, text=o.new_text)
+        if o.logprobs:
+            self._add_logprobs(chunk, o.logprobs, call.model)
+        if call.token_ids is not None:
+            call.token_ids += o.new_token_ids
         if o.finished:
             del self._calls[o.request_id]
+            if call.token_ids is not None and not o.error:
+                self._session_ids.put(call.session_id, call.model, call.token_ids)
             chunk.finished = True
             reason = o.finish_reason or FinishReason.STOP
             chunk.finish_reason = reason.value
@@ -232,6 +244,14 @@ class EngineService:
         if o.finished:
             self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, getattr(o.usage, "restored_tokens", 0))
             await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
+
+    def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
+        """Sampler log-probabilities as wire entries, each token decoded alone."""
+        tok = self._runtime(model).tokenizer
+        for tid, lp, alts in entries:
+            e = chunk.logprobs.add(token_id=tid, token=tok.decode([tid]), logprob=lp)
+            for aid, alp in alts:
+                e.top.add(token_id=aid, token=tok.decode([aid]), logprob=alp)
 
     async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
         hook = pb.CompletionHook(
@@ -359,12 +379,12 @@ class EngineService:
     # ---------------------------------------------------------------- request intake
     def _sampling(self, sp: pb.SamplingParams) -> SamplingParams:
         if sp.max_tokens < 1:
-            raise CallError(422, "invalid_value", "max_tokens must be at least 1", "max_tokens")
+            raise CallError(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
         if not 0.0 <= sp.temperature <= 2.0:
-            raise CallError(422, "invalid_value", "temperature must be within [0, 2]", "temperature")
+            raise CallError(400, "invalid_value", "temperature must be within [0, 2]", "temperature")
         top_p = sp.top_p if sp.top_p > 0 else 1.0
         if top_p > 1.0:
-            raise CallError(422, "invalid_value", "top_p must be within (0, 1]", "top_p")
+            raise CallError(400, "invalid_value", "top_p must be within (0, 1]", "top_p")
         return SamplingParams(
             temperature=sp.temperature,
             top_p=top_p,
@@ -374,7 +394,29 @@ class EngineService:
             stop=tuple(sp.stop),
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty or 1.0,
+            min_p=sp.min_p,
+            logit_bias=tuple(sorted(sp.logit_bias.items())),
+            logprobs=min(sp.top_logprobs, 20) if sp.logprobs else -1,
         )
+
+    def _grammar(self, req: pb.GenerateRequest):
+        """Compile the call's structured-output constraint (bounded time; see grammar.py). Mutates the
+        per-model grammar-factory cache."""
+        from services.engine.grammar import GrammarError, GrammarFactory
+
+        rt = self._runtime(req.model)
+        factory = self._grammars.get(req.model)
+        if factory is None:
+            factory = self._grammars[req.model] = GrammarFactory(rt.tokenizer, rt.vocab_size, list(rt.tokenizer.eos_token_ids))
+        c = req.sampling.constraint
+        try:
+            tools = json.loads(req.tools_json) if req.tools_json else []
+            return factory.compile(c.kind, c.json_schema, tools, c.tool_choice, rt.tokenizer.tool_format)
+        except GrammarError as e:
+            raise CallError(400, "invalid_value", str(e), e.param) from None
 
     def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
         which = req.WhichOneof("prompt")
@@ -386,15 +428,17 @@ class EngineService:
             vocab = rt.vocab_size
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
+                raise CallError(400, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
             return ids
         if which == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            msgs = [chat_message_dict(m) for m in req.messages.messages]
+            tools = json.loads(req.tools_json) if req.tools_json else None
             try:
-                return rt.encode_chat(msgs)
+                text = rt.tokenizer.render_chat_template(msgs, tools=tools)
+                return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-                raise CallError(422, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
-        raise CallError(422, "missing_field", "request has no prompt", "prompt")
+                raise CallError(400, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
+        raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     def _fence(self, req: pb.GenerateRequest) -> CallError | None:
         """Issue 17 fencing: a call placed on a lease (resume token) names the epoch of the engine that
@@ -430,8 +474,13 @@ class EngineService:
         try:
             sampling = self._sampling(req.sampling)
             prompt = await asyncio.to_thread(self._tokenize, req)
+            if req.sampling.constraint.kind:
+                sampling = dataclasses.replace(sampling, grammar=await asyncio.to_thread(self._grammar, req))
+            vocab = self._runtime(req.model).vocab_size
+            if any(t >= vocab for t, _ in sampling.logit_bias):
+                raise CallError(400, "invalid_value", f"logit_bias names a token id outside the vocabulary (size {vocab})", "logit_bias")
             if not prompt:
-                raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
+                raise CallError(400, "invalid_value", "prompt is empty after tokenization", "prompt")
             limit = self._runtime(req.model).max_context
             if len(prompt) + sampling.max_tokens > limit:
                 raise CallError(
@@ -443,6 +492,7 @@ class EngineService:
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
+        call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent
@@ -460,11 +510,12 @@ class EngineService:
             if call.span is not None:
                 call.span.set_status(Status(StatusCode.ERROR, str(e)))
                 call.span.end()
-            status = 413 if "context" in type(e).__name__.lower() else 422
+            status = 413 if "context" in type(e).__name__.lower() else 400
             return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
         call.accepted_ns = time.time_ns()
         self._wake.set()
-        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt))))
+        tool_format = self._runtime(req.model).tokenizer.tool_format if req.tools_json else ""
+        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
         self.counters["errors"] += 1

@@ -4,6 +4,7 @@ chat template), and a per-request :class:`IncrementalDecoder` for streaming text
 from __future__ import annotations
 
 import json
+from array import array
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -142,13 +143,35 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template or DEFAULT_CHATML_TEMPLATE)
         return self._template
 
+    @property
+    def supports_tools(self) -> bool:
+        """The template renders ``tools`` itself (else :func:`_tools_fallback` does, in the Hermes format)."""
+        return "tools" in (self.chat_template or "")
+
+    @property
+    def tool_format(self) -> str:
+        """The tool-call format this model's output uses (see ``talaria/tool_parsers.py``)."""
+        from talaria.tool_parsers import detect_format
+
+        return detect_format(self.chat_template) if self.supports_tools else "hermes"
+
     def render_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        """Render the chat template to text (``tools``, ``documents``… may be passed as kwargs)."""
+        """Render the chat template to text (``tools``, ``documents``… may be passed as kwargs).
+
+        Tools are passed to the template as ``transformers``' ``apply_chat_template(tools=...)`` does (a list
+        of OpenAI tool definitions); assistant ``tool_calls`` and ``tool`` messages are passed as the template
+        expects them. A template without tool support gets them rendered by :func:`_tools_fallback`."""
+        tools = kwargs.get("tools")
+        has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if (tools or has_tool_turns) and not self.supports_tools:
+            messages = _tools_fallback(messages, kwargs.pop("tools", None))
+        elif tools is None:
+            kwargs.pop("tools", None)
         return self._compiled_template().render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -171,6 +194,94 @@ class Tokenizer:
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+def align_to_previous(tok: "Tokenizer", previous: Sequence[int] | None, text: str) -> list[int]:
+    """Token ids of the rendered prompt ``text``, reusing ``previous`` (the session's last prompt + output)
+    when their text is a prefix of ``text``.
+
+    Why: a model's output is not always the canonical tokenization of its text (a grammar-constrained call,
+    or a sampled split of a word), so re-tokenizing the history would diverge from the KV the session holds
+    right after the previous prompt. Keeping the generated ids makes the next prompt a prefix extension of
+    what the model produced (issue 13), and the tokens are exactly the ones the KV was computed for."""
+    if previous:
+        prev_text = tok.decode(previous)
+        if prev_text and text.startswith(prev_text) and "\ufffd" not in prev_text:
+            return list(previous) + tok.encode(text[len(prev_text) :], add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+class SessionTokens:
+    """Bounded LRU of each session's last call ids (prompt + output), per model, stored compactly (4 bytes a
+    token: 1024 sessions of 8k tokens are 32 MiB). Mutated by ``put``."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._d: "OrderedDict[tuple[str, str], array]" = OrderedDict()
+
+    def put(self, session_id: str, model: str, ids: list[int]) -> None:
+        key = (session_id, model)
+        self._d[key] = array("I", ids)
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def get(self, session_id: str, model: str) -> list[int] | None:
+        ids = self._d.get((session_id, model)) if session_id else None
+        return list(ids) if ids is not None else None
+
+
+def chat_message_dict(m) -> dict[str, Any]:
+    """A wire ``ChatMessage`` as the dict a chat template reads (tool calls parsed, null content kept null)."""
+    null = not m.has_content and not m.content and bool(m.tool_calls_json)  # an assistant turn of tool calls only
+    d: dict[str, Any] = {"role": m.role, "content": None if null else m.content}
+    if m.name:
+        d["name"] = m.name
+    if m.tool_calls_json:
+        d["tool_calls"] = json.loads(m.tool_calls_json)
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+_FALLBACK_TOOLS_INTRO = (
+    "You can call functions to help answer. Their signatures are listed as JSON inside <tools></tools>:\n<tools>\n"
+)
+_FALLBACK_TOOLS_OUTRO = (
+    "\n</tools>\n\nTo call a function, answer with one block per call, each holding a JSON object with the function's "
+    "name and its arguments:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n</tool_call>"
+)
+
+
+def _tools_fallback(messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]]:
+    """Tools and tool turns as plain messages, for a chat template that cannot render them: the tool list
+    joins the (first) system message, an assistant's calls become ``<tool_call>`` blocks after its text
+    (exactly as ``talaria.tool_parsers.render_call`` writes what the Hermes parser reads, so a turn the
+    model generated re-renders to the same text), a tool result becomes a user turn in ``<tool_response>``."""
+    from talaria.tool_parsers import render_call
+
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "\n".join(render_call(c) for c in m.pop("tool_calls"))
+            m["content"] = (m.get("content") or "") + calls
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"}
+        if m.get("content") is None:
+            m["content"] = ""
+        m.pop("tool_call_id", None)
+        out.append(m)
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        block = _FALLBACK_TOOLS_INTRO + listing + _FALLBACK_TOOLS_OUTRO
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
 
 
 class IncrementalDecoder:

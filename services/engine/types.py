@@ -27,6 +27,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt + generated tokens divided (>0) / multiplied (<0)
+    min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int = -1  # -1 off; k >= 0: the sampled token's log-probability and the k most likely
+
+    @property
+    def shapes_logits(self) -> bool:
+        """The request changes logits before sampling (penalties, bias): it needs its token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -69,3 +81,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the final output
     error: str = ""
+    logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])

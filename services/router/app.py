@@ -22,15 +22,17 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
 from services.router.errors import APIError, CatchAll, unencodable, wire_field
+from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
 from services.router.leases import lease_key
-from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
+from services.router.openai_routes import make_router
+from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -38,17 +40,6 @@ from talaria.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or None
-    msg = err["msg"]
-    if err["type"] == "missing":
-        msg = f"missing required field '{loc}'"
-    elif loc:
-        msg = f"invalid value for '{loc}': {msg}"
-    return APIError(422, msg, code="invalid_value" if err["type"] != "missing" else "missing_field", param=loc)
 
 
 def _put(msg, name: str, value, param: str | None = None) -> None:
@@ -109,22 +100,14 @@ class RouterAPI:
         if max_tokens is None:
             max_tokens = min(DEFAULT_MAX_TOKENS, limit)
         if not 1 <= max_tokens <= limit:
-            raise APIError(422, f"max_tokens must be between 1 and {limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
-        sp = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos)
-        _put(sp, "temperature", req.temperature)
-        _put(sp, "top_p", req.top_p)
-        _put(sp, "top_k", req.top_k)
-        _put(sp, "stop", req.stop_list())
-        if req.seed is not None:
-            sp.has_seed = True
-            _put(sp, "seed", req.seed)
+            raise APIError(400, f"max_tokens must be between 1 and {limit}, got {max_tokens}", code="invalid_value", param="max_tokens")
+        with wire_field("sampling"):  # schemas.py checked the wire bounds; this is the net under it
+            sp = req.sampling_proto(max_tokens)
         g = pb.GenerateRequest(schema_version=SCHEMA_VERSION, request_id=uuid.uuid4().hex, stream=req.stream, sampling=sp)
         _put(g, "model", req.model)
         principal = auth.principal_of(request)  # API key -> tenant (issue 17); the key may not use every model
         auth.KeyRing.authorize_model(principal, req.model)
-        header = request.headers.get("x-session-id")
-        source, session = ("x-session-id", header) if header else ("session_id", req.session_id) if req.session_id else ("user", req.user or "")
-        _put(g, "session_id", auth.scope_session(principal.tenant, session[:256]), source)
+        _put(g, "session_id", auth.scope_session(principal.tenant, req.session_key(request.headers.get("x-session-id"))), "session_id")
         g.tenant = principal.tenant
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
@@ -243,16 +226,19 @@ class RouterAPI:
         view = self.state.registry.instances[call.instance_id]
         alive = lambda: self.state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
         rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
+        out = chat_output(req, placed.first.tool_format) if chat else None  # content vs tool_calls (issue 13)
+        lps = Logprobs(chat, g.sampling.logprobs)
         if g.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            sse = self.sse(call, rid, int(time.time()), g.model, chat, include_usage, alive)
+            sse = self.sse(call, rid, int(time.time()), g.model, chat, include_usage, alive, out, lps)
             return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **placed.headers()})
-        return await self.complete(request, placed, rid, g.model, chat, alive)
+        return await self.complete(request, placed, req, rid, chat, alive, out, lps)
 
-    async def complete(self, request: Request, placed: Placed, rid: str, model: str, chat: bool, alive: Callable[[], bool]) -> Response:
+    async def complete(self, request: Request, placed: Placed, req, rid: str, chat: bool, alive: Callable[[], bool],
+                       out: ChatOutput | None, lps: Logprobs) -> Response:
         """A non-streaming answer. A client that disconnects first cancels the engine work (issue 18 item 3)."""
-        call, created = placed.call, int(time.time())
-        collect = asyncio.ensure_future(self.collect(call, alive))
+        call, created, model = placed.call, int(time.time()), req.model
+        collect = asyncio.ensure_future(self.collect(call, alive, lps))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -271,10 +257,14 @@ class RouterAPI:
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("client disconnected" if gone.done() else "call abandoned")
             await call.close()
+        content = echo_prefix(req) + content
+        if out is not None:
+            out.feed(content)
+            reason = out.finish(reason)[1]
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason, "logprobs": None}
-            if chat
-            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
+            {"index": 0, "message": out.message(), "finish_reason": reason, "logprobs": lps.take()}
+            if out is not None
+            else {"index": 0, "text": content, "finish_reason": reason, "logprobs": lps.take()}
         )
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
         headers = placed.headers()
@@ -288,14 +278,16 @@ class RouterAPI:
         view = self.state.registry.instances.get(call.instance_id)
         return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 
-    async def collect(self, call: EngineCall, alive: Callable[[], bool]) -> tuple[str, str | None, object]:
-        """Read a call to its end: (text, finish reason, usage). Raises APIError on an engine error or loss."""
+    async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs) -> tuple[str, str | None, object]:
+        """Read a call to its end: (text, finish reason, usage); mutates ``lps`` (adds the chunks' logprobs).
+        Raises APIError on an engine error or loss."""
         text, reason, usage = [], None, None
         try:
             async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
                 if c.HasField("error"):
                     raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                 text.append(c.text)
+                lps.add(c.logprobs)
                 if c.finished:
                     reason, usage = c.finish_reason, c.usage
         except EngineUnavailable as e:
@@ -303,7 +295,8 @@ class RouterAPI:
             raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
         return "".join(text), reason, usage
 
-    async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive) -> AsyncIterator[bytes]:
+    async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive,
+                  out: ChatOutput | None = None, lps: Logprobs | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, usage=None, token: str | None = None) -> bytes:
@@ -314,13 +307,16 @@ class RouterAPI:
                 d["resume_token"] = token  # issue 17: the streaming form of the X-Talaria-Resume-Token header
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
-        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+        def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None) -> dict:
+            lp = lps.take() if lps is not None and (text or delta or reason) else None
             if chat:
-                delta = {"role": "assistant"} if first else {}
+                delta = dict(delta or {})
+                if first:
+                    delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
+            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lp}
 
         try:
             if chat:
@@ -330,10 +326,20 @@ class RouterAPI:
                     err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                     yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                     break
-                if c.text:
+                if lps is not None:
+                    lps.add(c.logprobs)
+                if c.text and out is not None:  # tool-call text becomes delta.tool_calls (issue 13)
+                    for d in out.feed(c.text):
+                        yield event([choice(None, None, delta=d)])
+                elif c.text:
                     yield event([choice(c.text, None)])
                 if c.finished:
-                    yield event([choice(None if chat else "", c.finish_reason)], token=self.resume_token(call, c.usage))
+                    reason = c.finish_reason
+                    if out is not None:
+                        deltas, reason = out.finish(reason)
+                        for d in deltas:
+                            yield event([choice(None, None, delta=d)])
+                    yield event([choice(None if chat else "", reason)], token=self.resume_token(call, c.usage))
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"
@@ -351,28 +357,22 @@ class RouterAPI:
     # ----------------------------------------------------------------------------------- handlers
     async def chat(self, request: Request) -> Response:
         data = await self.read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-            texts = [(m.role, m.text()) for m in req.messages]
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        except ValueError as e:
-            raise APIError(422, str(e), code="invalid_value", param="messages") from None
+        if wants_fanout(data):  # n > 1: n calls of this handler (services/router/fanout.py)
+            return await fan_out(request, data, self.chat)
+        req = parse_request(ChatCompletionRequest, data)
         g = self.base_request(request, req, req.effective_max_tokens())
-        msgs = pb.ChatMessages()
-        for i, (role, text) in enumerate(texts):
-            m = msgs.messages.add(role=role)
-            _put(m, "content", text, f"messages.{i}.content")
+        with wire_field("messages"):
+            msgs = req.messages_proto()
         g.messages.CopyFrom(msgs)
-        est = sum(len(t) for _, t in texts) // 4 + 8 * len(texts)
+        _put(g, "tools_json", req.tools_json(), "tools")
+        est = sum(len(m.content) for m in msgs.messages) // 4 + 8 * len(msgs.messages)
         return await self.serve(request, g, req, chat=True, prompt_tokens=est)
 
     async def completions(self, request: Request) -> Response:
         data = await self.read_json(request)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
+        if wants_fanout(data):
+            return await fan_out(request, data, self.completions)
+        req = parse_request(CompletionRequest, data)
         g = self.base_request(request, req, req.effective_max_tokens())
         if isinstance(req.prompt, str):
             _put(g, "text", req.prompt, "prompt")
@@ -460,6 +460,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
 
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
+    app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     return app
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -26,6 +27,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    from .importer import ImportError_, import_model
+
+    out = args.out or os.environ.get("TALARIA_MODELS_DIR") or ".talaria/models"
+    try:
+        path = import_model(args.src, out, name=args.name, gguf_file=args.gguf_file, force=args.force)
+    except ImportError_ as e:
+        print(f"talaria models import: {e}", file=sys.stderr)
+        return 2
+    print(f"imported {path} (serve it: talaria serve {path})")
+    return 0
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``models synth --out DIR [--seed N] [--only NAME ...]`` and ``models list``.
 
@@ -43,6 +57,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list the models the synthesizer knows")
     lst.set_defaults(fn=_cmd_list)
+
+    imp = sub.add_parser("import", help="a GGUF file or Hugging Face checkpoint directory -> a served checkpoint")
+    imp.add_argument("src", help="a .gguf file, a directory with one, a Hugging Face checkpoint directory, or 'smollm2'")
+    imp.add_argument("--out", help="models directory (default $TALARIA_MODELS_DIR or .talaria/models)")
+    imp.add_argument("--name", help="served model name (default: from the source)")
+    imp.add_argument("--gguf-file", help="which GGUF file of a directory holding several")
+    imp.add_argument("--force", action="store_true", help="replace an existing checkpoint of that name")
+    imp.set_defaults(fn=_cmd_import)
     return models
 
 

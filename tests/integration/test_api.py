@@ -145,17 +145,41 @@ def test_malformed_json_is_400(stack):
     assert_error(post(stack, "/v1/chat/completions", b"[1,2]"), 400, "invalid_json")
 
 
-def test_missing_and_invalid_fields_are_422(stack):
-    assert_error(post(stack, "/v1/chat/completions", b'{"model": "tiny-llama"}'), 422, "missing_field")
-    r = post(stack, "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 2}')
-    assert_error(r, 422)
-    assert r.json()["error"]["param"] == "n"
-    assert_error(post(stack, "/v1/completions", b'{"model": "tiny-llama", "prompt": ""}'), 422)
+def test_missing_and_invalid_fields_are_400(stack):
+    """Validation errors are 400 naming the field, as on OpenAI's API (issue 13; was 422)."""
+    assert_error(post(stack, "/v1/chat/completions", b'{"model": "tiny-llama"}'), 400, "missing_field")
+    r = post(stack, "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "best_of": 2}')
+    assert_error(r, 400)
+    assert r.json()["error"]["param"] == "best_of"
+    assert_error(post(stack, "/v1/completions", b'{"model": "tiny-llama", "prompt": ""}'), 400)
 
 
-def test_max_tokens_out_of_range_is_422(client):
+def test_values_the_wire_cannot_carry_are_400_and_keep_the_connection(stack):
+    """Issue 18 item 2: these passed validation and overflowed the protobuf (500 + reset connection)."""
+    msgs = '"messages": [{"role": "user", "content": "x"}], "max_tokens": 2'
+    bodies = [
+        (f'{{"model": "tiny-llama", {msgs}, "top_k": 4294967296}}', "top_k"),
+        (f'{{"model": "tiny-llama", {msgs}, "seed": 9223372036854775808}}', "seed"),
+        (f'{{"model": "tiny-llama", {msgs}, "seed": -9223372036854775809}}', "seed"),
+        (f'{{"model": "tiny-llama", {msgs}, "user": "\\udc80"}}', "user"),
+        (f'{{"model": "tiny-llama", {msgs}, "session_id": "a\\udc80"}}', "session_id"),
+        (f'{{"model": "tiny-llama", {msgs}, "stop": "\\udc80"}}', "stop"),
+        (f'{{"model": "tiny-llama", {msgs}, "tools": "str"}}', "tools"),
+        ('{"model": "tiny-llama", "prompt": [1, 4294967296], "max_tokens": 2}', "prompt"),
+    ]
+    with httpx.Client(base_url=stack.api, timeout=30) as http:
+        for body, param in bodies:
+            path = "/v1/completions" if '"prompt"' in body else "/v1/chat/completions"
+            r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+            assert_error(r, 400)
+            assert r.json()["error"]["param"] == param, (body, r.text)
+        ok = http.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_max_tokens_out_of_range_is_400(client):
     for bad in (0, -3, 100000):
-        with pytest.raises(openai.UnprocessableEntityError) as ei:
+        with pytest.raises(openai.BadRequestError) as ei:
             chat(client, "hi", max_tokens=bad)
         assert ei.value.body["param"] == "max_tokens"
 

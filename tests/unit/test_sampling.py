@@ -78,3 +78,61 @@ def test_distribution_roughly_matches(temp):
         counts[s.sample(logits, ["r"], [p])[0]] += 1
     expect = torch.softmax(logits[0] / temp, -1)
     assert torch.allclose(counts / n, expect, atol=0.04)
+
+
+# ----------------------------------------------------------------- logit shaping (issue 13)
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    from services.engine.sampling import Sampler as S
+
+    logits = torch.zeros(2, 20)
+    logits[:, 3] = 5.0
+    s = S()
+    force = SamplingParams(temperature=0.0, logit_bias=((11, 100.0),))
+    ban = SamplingParams(temperature=0.0, logit_bias=((3, -100.0),))
+    s.add("f", force)
+    s.add("b", ban)
+    toks = s.sample(logits.clone(), ["f", "b"], [force, ban])
+    assert toks[0] == 11 and toks[1] != 3
+
+
+def test_frequency_and_presence_penalties_steer_away_from_repeats():
+    from services.engine.sampling import Sampler as S
+
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 1.0
+    logits[0, 5] = 0.9
+    plain, pen = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    s = S()
+    s.add("p", pen)
+    first = s.sample(logits.clone(), ["p"], [pen])[0]
+    second = s.sample(logits.clone(), ["p"], [pen])[0]
+    assert first == 4 and second == 5  # 4 was generated once: 1.0 - 0.5 < 0.9
+    assert S().sample(logits.clone(), ["x"], [plain]) == [4]
+    pres = SamplingParams(temperature=0.0, presence_penalty=0.2)
+    s.add("q", pres)
+    assert [s.sample(logits.clone(), ["q"], [pres])[0] for _ in range(2)] == [4, 5]
+
+
+def test_repetition_penalty_covers_the_prompt():
+    from services.engine.sampling import Sampler as S
+
+    logits = torch.zeros(1, 10)
+    logits[0, 2] = 2.0
+    logits[0, 6] = 1.5
+    rp = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    s = S()
+    s.add("r", rp, prompt_token_ids=[2])
+    assert s.sample(logits.clone(), ["r"], [rp]) == [6]  # 2.0 / 1.5 < 1.5
+
+
+def test_min_p_drops_unlikely_tokens():
+    from services.engine.sampling import Sampler as S
+
+    logits = torch.tensor([[5.0, 4.9, 0.0, 0.0, 0.0]])
+    p = SamplingParams(temperature=1.0, min_p=0.5, seed=1)
+    s = S()
+    s.add("m", p)
+    draws = {s.sample(logits.clone(), ["m"], [p])[0] for _ in range(200)}
+    assert draws == {0, 1}

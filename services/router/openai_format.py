@@ -1,0 +1,120 @@
+"""Shaping the engine's text stream into OpenAI chat output: content, ``tool_calls``, finish reasons.
+
+Where tool calls are parsed: here, in the router, on the text the engine streams. The engine names the
+model's tool-call format on its ``accepted`` chunk (``TokenChunk.tool_format``, from the chat template), and
+the router runs the matching pure incremental parser from ``talaria/tool_parsers.py``. The same parser
+objects can run inside the engine when the scheduler needs to know of a tool call as it streams (issue 14):
+they hold no router state.
+
+Streaming follows OpenAI: text as ``delta.content``; a call as ``delta.tool_calls[{index, id, type,
+function{name, arguments: ""}}]`` then ``delta.tool_calls[{index, function{arguments: "<more>"}}]``;
+``finish_reason: "tool_calls"`` when the output was calls. Arguments stream as they are generated when the
+output is grammar-constrained to the call format (``eager``); otherwise each call is released once it is
+complete and valid, so an invalid claimed call can still come back as plain text with ``finish_reason``
+``stop`` (never an error).
+"""
+
+from __future__ import annotations
+
+from talaria.tool_parsers import ArgumentsDelta, CallHeader, TextDelta, make_parser
+
+
+class ChatOutput:
+    """One choice's output. ``feed(text)`` -> list of ``delta`` dicts; ``finish(reason)`` -> (deltas, reason).
+
+    Mutates only itself. With ``tool_format`` empty the text passes through unchanged."""
+
+    def __init__(self, tool_format: str = "", eager: bool = False, parallel: bool = True) -> None:
+        self.parser = make_parser(tool_format, eager=eager) if tool_format else None
+        self.parallel = parallel
+        self.content = ""  # content released so far
+        self.calls: list[dict] = []  # finished OpenAI tool calls (non-streaming view)
+
+    def _deltas(self, events) -> list[dict]:
+        out: list[dict] = []
+        for e in events:
+            if isinstance(e, TextDelta):
+                if e.text:
+                    self.content += e.text
+                    out.append({"content": e.text})
+            elif isinstance(e, CallHeader):
+                if e.index > 0 and not self.parallel:
+                    continue
+                out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}]})
+            elif isinstance(e, ArgumentsDelta):
+                if e.index > 0 and not self.parallel:
+                    continue
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+        return out
+
+    def feed(self, text: str) -> list[dict]:
+        if self.parser is None:
+            if text:
+                self.content += text
+                return [{"content": text}]
+            return []
+        return self._deltas(self.parser.feed(text))
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        """Close the output; returns the remaining deltas and the finish reason to report."""
+        if self.parser is None:
+            return [], reason
+        res = self.parser.finish()
+        if not res.tool_calls:  # plain text, or a claimed call that did not parse: the rest as text
+            rest = self.parser.raw[len(self.content) :]
+            self.content += rest
+            return ([{"content": rest}] if rest else []), reason
+        deltas = self._deltas(self.parser.tail_events(res))
+        calls = res.tool_calls if self.parallel else res.tool_calls[:1]
+        self.calls = [c.openai() for c in calls]
+        return deltas, ("tool_calls" if reason == "stop" else reason)
+
+    def message(self) -> dict:
+        """The non-streaming ``message`` after :meth:`finish`."""
+        msg: dict = {"role": "assistant", "content": self.content if (self.content or not self.calls) else None}
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
+
+
+def chat_output(req, tool_format: str) -> ChatOutput:
+    """The output shaper of a chat request (``tool_format`` from the engine's accepted chunk)."""
+    if not req.tools_enabled():
+        return ChatOutput()
+    constrained = req.tool_choice not in (None, "auto")  # required / named: the grammar guarantees the format
+    return ChatOutput(tool_format or "hermes", eager=constrained, parallel=req.parallel_tool_calls is not False)
+
+
+class Logprobs:
+    """Token log-probabilities from the engine's chunks, formatted for chat (``{"content": [...]}``) or
+    completions (``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``). ``add`` queues
+    entries; ``take`` returns the queued ones formatted (None when the call did not ask) and clears them."""
+
+    def __init__(self, chat: bool, enabled: bool) -> None:
+        self.chat, self.enabled = chat, enabled
+        self.pending: list = []
+        self.offset = 0  # completions: text offset of the next token
+
+    def add(self, entries) -> None:
+        if self.enabled:
+            self.pending.extend(entries)
+
+    def take(self) -> dict | None:
+        if not self.enabled:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            def one(t, lp):
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(a.token, a.logprob) for a in e.top]} for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries], "text_offset": offsets}
+
+
+def echo_prefix(req) -> str:
+    """Completions ``echo``: the prompt text before the completion ("" otherwise)."""
+    return req.prompt if getattr(req, "echo", False) and isinstance(req.prompt, str) else ""

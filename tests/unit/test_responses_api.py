@@ -1,0 +1,72 @@
+"""Responses API translation (pure): request -> chat body, chat output -> response / stream events."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.errors import APIError
+from services.router.responses_api import StreamTranslator, from_chat, to_chat
+
+TOOL = {"type": "function", "name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {}}, "strict": True}
+
+
+def test_agents_sdk_shaped_request_translates():
+    body = {
+        "model": "m", "instructions": "Be brief.", "tools": [TOOL], "tool_choice": "auto", "stream": False, "include": [],
+        "input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        ],
+        "max_output_tokens": 50, "parallel_tool_calls": False, "text": {"format": {"type": "json_schema", "name": "X", "schema": {"type": "object"}, "strict": True}},
+    }
+    chat = to_chat(body)
+    assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert chat["messages"][2] == {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert chat["tools"][0]["function"]["name"] == "get_weather" and chat["max_tokens"] == 50 and chat["parallel_tool_calls"] is False
+    assert chat["response_format"]["json_schema"]["name"] == "X"
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+     ({"bogus": 1}, "bogus"), ({"input": [{"type": "reasoning"}]}, "input.0.type"), ({"reasoning": {"effort": "high"}}, "reasoning")],
+)
+def test_unsupported_responses_fields_are_400(extra, param):
+    with pytest.raises(APIError) as ei:
+        to_chat({"model": "m", "input": "hi", **extra})
+    assert ei.value.status == 400 and ei.value.param == param
+
+
+def test_from_chat_text_and_calls():
+    chat = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": "Let me see.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 8}}}
+    r = from_chat({"model": "m"}, chat)
+    assert [o["type"] for o in r["output"]] == ["message", "function_call"]
+    assert r["output"][1]["call_id"] == "call_1" and r["output"][1]["arguments"] == "{\"a\": 1}"
+    assert r["usage"]["input_tokens_details"]["cached_tokens"] == 8 and r["status"] == "completed"
+
+
+def test_stream_translator_event_sequence():
+    tr = StreamTranslator({"model": "m"})
+    evs = tr.start()
+    evs += tr.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    evs += tr.feed({"choices": [{"delta": {"content": "Hi"}}]})
+    evs += tr.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}}]})
+    evs += tr.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]})
+    evs += tr.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    evs += tr.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    evs += tr.finish()
+    types = [e["type"] for e in evs]
+    assert types == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    final = evs[-1]["response"]
+    assert final["output"][1]["arguments"] == "{}" and final["usage"]["total_tokens"] == 5
