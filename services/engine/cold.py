@@ -116,7 +116,7 @@ class ColdEngine:
         self._info: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         for m in self.catalog:
-            self.bank.load(m, self.catalog[m], dtype)
+            self._load_bank(m)
         if arena_bytes is None:
             arena_bytes = align_up(max(self.bank[m].nbytes for m in self.catalog)) + kv_cache_bytes + align_up(runtime_bytes)
         self.arena = Arena(arena_bytes, self.device, runtime_bytes=runtime_bytes)
@@ -153,10 +153,20 @@ class ColdEngine:
             self._refresh_snapshot()
 
     # ------------------------------------------------------------------ catalog (open / close)
+    def _load_bank(self, model: str):
+        """The model's host bank entry, read from its checkpoint if absent. Mutates: the bank; a real load is
+        measured into the switch cost model (the load part of the ``OPEN`` path)."""
+        if model in self.bank:
+            return self.bank[model]
+        t0 = time.perf_counter()
+        e = self.bank.load(model, self.catalog[model], self.dtype)
+        self.costs.observe_load(time.perf_counter() - t0)
+        return e
+
     def _open(self, model: str) -> None:
         if model not in self.catalog:
             raise UnknownModelError(f"model {model!r} is not in this instance's catalog {sorted(self.catalog)}")
-        e = self.bank.load(model, self.catalog[model], self.dtype)
+        e = self._load_bank(model)
         _, g = self.substrate.layout_for(model)  # raises ArenaBudgetError naming the model and bytes
         if model not in self._tokenizers:
             self._tokenizers[model] = Tokenizer.from_dir(self.catalog[model])

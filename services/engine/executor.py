@@ -39,7 +39,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
-from talaria.hashing import model_salt, page_hashes
+from talaria.hashing import model_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -384,13 +384,10 @@ class Engine:
         if entry is None:
             self._session_info.pop(session_id, None)
             return
-        full = len(entry.token_ids) // self.page_size
-        hs = page_hashes(entry.token_ids[: full * self.page_size], self.page_size, self.salt)
         self._session_info[session_id] = {
             "session_id": session_id,
             "committed_tokens": len(entry.token_ids),
-            "full_pages": full,
-            "last_page_hash": hs[-1] if hs else 0,
+            "full_pages": len(entry.token_ids) // self.page_size,
             "num_pages": len(entry.pages),
             "last_use_unix": time.time(),
         }
@@ -441,7 +438,7 @@ class Engine:
         return snap
 
     def session_info(self, session_id: str) -> dict[str, Any] | None:
-        """``committed_tokens``, ``full_pages``, ``last_page_hash`` … of the session's cached entry, or None."""
+        """``committed_tokens``, ``full_pages`` … of the session's cached entry, or None."""
         for s in self._snapshot.get("sessions", []):
             if s["session_id"] == session_id:
                 return dict(s)

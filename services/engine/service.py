@@ -33,6 +33,7 @@ from talaria import otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
+from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
@@ -72,6 +73,8 @@ class _Call:
     accepted_ns: int = 0
     first_token_ns: int = 0
     span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
+    lease_id: str = ""  # the lease the router honoured for this call
+    believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
 
 
 class EngineService:
@@ -261,7 +264,6 @@ class EngineService:
             model=model or self.model,
             committed_tokens=int(info.get("committed_tokens", 0)),
             page_size=self.cfg.page_size,
-            last_page_hash=int(info.get("last_page_hash", 0)),
             full_pages=int(info.get("full_pages", 0)),
         )
 
@@ -306,6 +308,9 @@ class EngineService:
             if call.session_id:
                 attrs[otel.SESSION_ID] = call.session_id
                 attrs[otel.GEN_AI_CONVERSATION_ID] = call.session_id
+                attrs["talaria.router.believed_prefix_tokens"] = call.believed_prefix  # vs cache.read: a stale belief
+            if call.lease_id:
+                attrs["talaria.lease.id"] = call.lease_id
             if ttft is not None:
                 attrs[otel.GEN_AI_SERVER_TTFT] = ttft
             if tpot is not None:
@@ -430,6 +435,8 @@ class EngineService:
             return await self._reject(msg.reply, rid, e)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
         call.arrival_ns = arrival_ns
+        call.lease_id = req.lease_id
+        call.believed_prefix = req.prefix.committed_tokens if req.HasField("prefix") and req.prefix.model == req.model else 0
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent
         if self.telemetry.enabled:
@@ -549,7 +556,10 @@ class EngineService:
         for s in st.get("sessions", []):
             snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
         prof = st.get("profile") or {}
-        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0), switch_by_path=prof.get("switch_by_path", {})))
+        snap.profile.CopyFrom(pb.CostProfile(
+            prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0),
+            switch_costs=costs_to_proto(prof.get("switch_by_path", {})),
+        ))
         self._add_host_kv_state(snap, st)
         return snap
 

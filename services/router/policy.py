@@ -241,10 +241,10 @@ def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     res = inst.models[model]
     if res.active:
         return "active", 0.0
+    if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
+        return "switch", inst.profile.staged_switch_s
     if res.loaded:
         return "switch", inst.profile.switch_s
-    if res.staged:
-        return "switch", inst.profile.staged_switch_s
     return "open", inst.profile.open_s
 
 
