@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -338,30 +338,57 @@ class Engine:
             idx = torch.tensor([last[i] for i in rows], dtype=torch.int64, device=dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             seqs = [sched.scheduled[i].seq for i in rows]
-            return self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs])
+            return self._sample(logits, seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """One token per row; a row whose sampling fails gets its exception instead, so one sequence's bad
+        parameters end that sequence only (issue 18). The batched call is tried first; only when it fails
+        are the rows sampled one by one (each request's generator draws once either way)."""
+        try:
+            return list(self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs]))
+        except Exception:  # noqa: BLE001 - isolate the failing rows below
+            pass
+        out: list[int | Exception] = []
+        for i, s in enumerate(seqs):
+            try:
+                out.append(self.sampler.sample(logits[i : i + 1], [s.request_id], [s.sampling])[0])
+            except Exception as e:  # noqa: BLE001 - this sequence fails, the batch goes on
+                out.append(e)
+        return out
 
     # ------------------------------------------------------------------ postprocess
-    def _postprocess(self, sched: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int | Exception]) -> list[RequestOutput]:
+        """Per sampled sequence: append, detokenize, stop checks. A failure in any of these (or in its
+        sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
         for seq, tok in zip(seqs, sampled):
             st = self._requests[seq.request_id]
-            sp = seq.sampling
-            seq.append_token(tok)
-            self.num_tokens_generated += 1
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
-                outputs.append(self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0]))
-                continue
-            text, hit_stop = st.text.feed(st.decoder.step([tok]))
-            if hit_stop:
-                outputs.append(self._finish(st, FinishReason.STOP, [tok], text))
-            elif seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
-                more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
-                reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
-                outputs.append(self._finish(st, reason, [tok], text + more))
-            else:
-                outputs.append(RequestOutput(seq.request_id, [tok], text))
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                outputs.append(self._advance(st, tok))
+            except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
+                if not st.finished:
+                    out = self._finish(st, FinishReason.ERROR, [], "")
+                    outputs.append(replace(out, error=f"{type(e).__name__}: {e}"))
         return outputs
+
+    def _advance(self, st: _RequestState, tok: int) -> RequestOutput:
+        """Append one sampled token to the sequence, release its text, finish it on a stop or a limit.
+        Mutates: the sequence, its decoder and stop buffer; on finish, see ``_finish``."""
+        seq, sp = st.seq, st.seq.sampling
+        seq.append_token(tok)
+        self.num_tokens_generated += 1
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+            return self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0])
+        text, hit_stop = st.text.feed(st.decoder.step([tok]))
+        if hit_stop:
+            return self._finish(st, FinishReason.STOP, [tok], text)
+        if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
+            more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
+            return self._finish(st, FinishReason.STOP if hit_stop else FinishReason.LENGTH, [tok], text + more)
+        return RequestOutput(seq.request_id, [tok], text)
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
