@@ -370,8 +370,9 @@ class ColdEngine:
         if self.requested == target:
             self.requested = None
         self.costs.observe(rec.path, rec.total_seconds)
-        self.switch_records.append(rec)
-        self._unpublished.append(rec)
+        with self._intake_lock:
+            self.switch_records.append(rec)
+            self._unpublished.append(rec)
         return rec
 
     def switch_to(self, model: str, reason: str = "manual") -> SwitchRecord:
@@ -435,6 +436,11 @@ class ColdEngine:
         self.active = model
 
     # ------------------------------------------------------------------ introspection
+    def recent_switch_records(self, n: int) -> list[SwitchRecord]:
+        """The latest ``n`` switch records, oldest first (any thread)."""
+        with self._intake_lock:
+            return list(self.switch_records)[-n:]
+
     def take_switch_records(self) -> list[SwitchRecord]:
         """Records not yet handed out (the service publishes them on ``.switch``); any thread."""
         with self._intake_lock:

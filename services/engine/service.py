@@ -1,7 +1,8 @@
 """Engine worker process: a thin NATS shell around one executor (``services.engine.executor.Engine``).
 
-Threads: the asyncio loop owns NATS I/O (decode requests, encode chunks, heartbeats); one executor thread
-runs ``engine.step()`` whenever there is work, because a forward pass blocks. The executor's intake
+Threads: the asyncio loop owns NATS I/O (decode requests, encode chunks); one executor thread runs
+``engine.step()`` whenever there is work, because a forward pass blocks; heartbeats go out from their own
+thread, loop and connection (``heartbeat.py``), so neither a long step nor a busy loop can starve them. The executor's intake
 (``add_request``/``abort``) is thread-safe; its outputs come back to the loop through
 ``call_soon_threadsafe`` and are published in order by a single publisher task.
 
@@ -29,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from services.engine.heartbeat import HeartbeatThread
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
@@ -89,6 +91,8 @@ class EngineService:
         self.drain_timeout_s = drain_timeout_s
         self.epoch = time.time_ns()
         self.seq = 0
+        self._seq_lock = threading.Lock()  # snapshot() runs on the heartbeat thread and the loop
+        self._beat: HeartbeatThread | None = None
         self.nc: NATS | None = None
         self.draining = False
         self._calls: dict[str, _Call] = {}
@@ -496,7 +500,7 @@ class EngineService:
             elif req.op == pb.CONTROL_RESUME:
                 self.draining = False
             elif req.op == pb.CONTROL_FLUSH_CACHE:
-                self.engine.flush_cache()
+                await asyncio.to_thread(self.engine.flush_cache)  # waits for the running step: never on the loop
             elif self.multi and req.op == pb.CONTROL_OPEN_MODEL:
                 await asyncio.to_thread(self.engine.open_model, req.model)  # loads the bank copy if closed
                 self._wake.set()
@@ -515,14 +519,17 @@ class EngineService:
 
     # ---------------------------------------------------------------- snapshots
     def snapshot(self) -> pb.InstanceSnapshot:
+        """The instance snapshot (thread-safe: the heartbeat thread and the loop both call it)."""
         st = self.engine.stats()
-        self.seq += 1
+        with self._seq_lock:
+            self.seq += 1
+            seq = self.seq
         snap = pb.InstanceSnapshot(
             schema_version=SCHEMA_VERSION,
             instance_id=self.cfg.id,
             pool=pb.POOL_HOT if self.cfg.pool == "hot" else pb.POOL_COLD,
             epoch=self.epoch,
-            seq=self.seq,
+            seq=seq,
             sent_unix=time.time(),
             heartbeat_period_s=self.cfg.heartbeat_period_s,
             num_running=st.get("num_running", 0),
@@ -540,7 +547,7 @@ class EngineService:
                 snap.models.append(pb.ModelState(**m))
             snap.staging_slack_bytes = st.get("staging_slack_bytes", 0)
             snap.num_switches = st.get("num_switches", 0)
-            for r in list(self.engine.switch_records)[-8:]:
+            for r in self.engine.recent_switch_records(8):
                 snap.switches.append(self._switch_proto(r))
             slots = st.get("slots")
             if slots:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
@@ -577,15 +584,6 @@ class EngineService:
             state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
             snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
 
-    async def _heartbeats(self) -> None:
-
-        assert self.nc is not None
-        while True:
-            try:
-                await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
-            except Exception as e:  # noqa: BLE001 - keep beating through reconnects
-                log.warning("heartbeat not published: %s", e)
-            await asyncio.sleep(self.cfg.heartbeat_period_s)
 
     async def _deadlines(self) -> None:
         while True:
@@ -602,6 +600,8 @@ class EngineService:
             self.telemetry = otel.setup("talaria-engine", self.cfg.id, self.stack.telemetry, self.stack.namespace)
             self._instruments = otel.ServerInstruments(self.telemetry.meter)
         self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
+        if self.multi:  # the initial activation happened before there was a connection: it goes out now, in
+            await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
         self._thread = threading.Thread(target=self._run_executor, name=f"executor-{self.cfg.id}", daemon=True)
         self._thread.start()
         subs = [
@@ -609,7 +609,13 @@ class EngineService:
             await self.nc.subscribe(self.subjects.cancel(self.cfg.id), cb=self._on_cancel),
             await self.nc.subscribe(self.subjects.control(self.cfg.id), cb=self._on_control),
         ]
-        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._heartbeats(), self._deadlines())]
+        await self.nc.flush()  # the subscriptions are in place before the first beat says "serving"
+        self._beat = HeartbeatThread(
+            url, f"engine-{self.cfg.id}-heartbeat", self.stack.nats, self.subjects.heartbeat(self.cfg.id),
+            lambda: self.snapshot().SerializeToString(), self.cfg.heartbeat_period_s,
+        )
+        await asyncio.to_thread(self._beat.start)
+        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._deadlines())]
         print(f"engine {self.cfg.id} serving {', '.join(self.cfg.models) if self.multi else self.model} on {self.cfg.device}", flush=True)
         try:
             await stop.wait()
@@ -619,6 +625,8 @@ class EngineService:
     async def _drain(self, subs, tasks) -> None:
         self.draining = True
         assert self.nc is not None
+        if self._beat is not None:
+            await asyncio.to_thread(self._beat.stop)  # the last beats below come from this loop, in order
         try:
             await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
         except Exception:  # noqa: BLE001
