@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -34,7 +35,7 @@ from services.engine.heartbeat import HeartbeatThread
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
-from talaria.subjects import Subjects
+from talaria.subjects import PROBE_HEADER, Subjects
 from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -42,6 +43,7 @@ from talaria.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+REQUESTER_PROBE_S = 2.0  # how often calls older than this check that their requester still listens
 
 # cold-engine control failures (by class name: the service does not import the executor)
 _CONTROL_ERRORS = {"UnknownModelError": ("model_not_found", 404), "ModelBusyError": ("model_busy", 409), "ArenaBudgetError": ("insufficient_memory", 507)}
@@ -82,13 +84,17 @@ class _Call:
 class EngineService:
     """One serving instance on NATS. ``engine`` is any object with the executor's API (see backend.py)."""
 
-    def __init__(self, stack: StackConfig, cfg: EngineConfig, engine, *, drain_timeout_s: float = 30.0, telemetry: otel.Telemetry | None = None):
+    def __init__(
+        self, stack: StackConfig, cfg: EngineConfig, engine, *, drain_timeout_s: float = 30.0,
+        telemetry: otel.Telemetry | None = None, requester_probe_s: float = REQUESTER_PROBE_S,
+    ):
         self.stack = stack
         self.cfg = cfg
         self.engine = engine
         self.model = cfg.models[0]
         self.subjects = Subjects(stack.namespace)
         self.drain_timeout_s = drain_timeout_s
+        self.requester_probe_s = requester_probe_s
         self.epoch = time.time_ns()
         self.seq = 0
         self._seq_lock = threading.Lock()  # snapshot() runs on the heartbeat thread and the loop
@@ -593,6 +599,26 @@ class EngineService:
                 if call.deadline_wall and now > call.deadline_wall:
                     self._abort(rid, "deadline passed")
 
+    async def _requesters(self) -> None:
+        """Abort calls whose requester is gone (its router died, or it dropped the call without a cancel):
+        every ``requester_probe_s`` each call at least that old probes its reply inbox with a request;
+        NATS answers "no responders" when nobody subscribes to it any more (issue 18 #3)."""
+        while True:
+            await asyncio.sleep(self.requester_probe_s)
+            now = time.monotonic()
+            old = [(rid, c.reply) for rid, c in self._calls.items() if now - c.arrival >= self.requester_probe_s]
+            if old:
+                await asyncio.gather(*(self._probe(rid, reply) for rid, reply in old))
+
+    async def _probe(self, rid: str, reply: str) -> None:
+        assert self.nc is not None
+        try:
+            await self.nc.request(reply, b"", timeout=min(1.0, self.requester_probe_s), headers={PROBE_HEADER: "1"})
+        except NoRespondersError:
+            self._abort(rid, "requester gone: nobody listens on its reply inbox")
+        except Exception:  # noqa: BLE001 - a timeout means someone listens (routers do not answer probes)
+            pass
+
     # ---------------------------------------------------------------- lifecycle
     async def run(self, stop: asyncio.Event, url: str) -> None:
         self._loop = asyncio.get_running_loop()
@@ -615,7 +641,7 @@ class EngineService:
             lambda: self.snapshot().SerializeToString(), self.cfg.heartbeat_period_s,
         )
         await asyncio.to_thread(self._beat.start)
-        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._deadlines())]
+        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._deadlines(), self._requesters())]
         print(f"engine {self.cfg.id} serving {', '.join(self.cfg.models) if self.multi else self.model} on {self.cfg.device}", flush=True)
         try:
             await stop.wait()

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client as NATS
 
-from talaria.subjects import Subjects
+from talaria.subjects import PROBE_HEADER, Subjects
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class EngineCall:
 
     async def start(self) -> None:
         async def on_msg(msg) -> None:
+            if msg.headers and PROBE_HEADER in msg.headers:
+                return  # the engine checking that this inbox still listens (its request sees our interest)
             chunk = pb.TokenChunk()
             try:
                 chunk.ParseFromString(msg.data)

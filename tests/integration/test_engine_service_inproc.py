@@ -16,7 +16,7 @@ from services.engine.executor import Engine
 from services.engine.service import EngineService
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import EmbeddedNats, connect
-from talaria.subjects import Subjects
+from talaria.subjects import PROBE_HEADER, Subjects
 from talaria.v1 import engine_pb2 as pb
 
 SUBJ = Subjects("talaria")
@@ -133,3 +133,36 @@ async def test_first_switch_record_a_subscriber_sees_is_the_switch_it_asked_for(
             assert (rec.from_model, rec.to_model) == models
         finally:
             await nc.close()
+
+
+async def test_a_call_whose_requester_is_gone_is_aborted(synth_models, nats_url):
+    eng = SlowStepEngine(synth_models["tiny-llama"], page_size=4, num_pages=512)
+    eng.step_s = 0.05  # 1000 tokens would take a minute at least
+    cfg = EngineConfig(id="rq0", models=["tiny-llama"], heartbeat_period_s=0.2)
+    svc = EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0, requester_probe_s=0.5)
+    try:
+        with Running(svc, nats_url):
+            nc = await connect(nats_url, "test")
+            router = await connect(nats_url, "router")  # the requester: it will die mid-call
+            try:
+                await until_serving(nc, "rq0")
+                inbox = router.new_inbox()
+                chunks = await router.subscribe(inbox)
+                req = gen("tiny-llama", 1000)
+                await router.publish(SUBJ.generate("rq0"), req.SerializeToString(), reply=inbox)
+                assert pb.TokenChunk.FromString((await chunks.next_msg(30)).data).accepted
+                msg = await chunks.next_msg(30)
+                while msg.headers and PROBE_HEADER in msg.headers:  # a probe of a live inbox is not a chunk
+                    msg = await chunks.next_msg(30)
+                assert pb.TokenChunk.FromString(msg.data).token_ids
+                await router.close()  # the router dies: no cancel is ever sent
+                for _ in range(300):
+                    if not eng.has_unfinished():
+                        break
+                    await asyncio.sleep(0.1)
+                assert not eng.has_unfinished(), "the engine kept generating for a requester that is gone"
+                assert svc.counters["aborted"] == 1
+            finally:
+                await nc.close()
+    finally:
+        eng.step_s = 0.0
