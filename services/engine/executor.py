@@ -39,6 +39,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+from talaria.ewma import ewma
 from talaria.hashing import model_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -421,12 +422,11 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def _record_timing(self, sched: SchedulerOutput, dt: float) -> None:
-        a = 0.2
+        a = 0.2  # 0.0 = not measured yet
         if all(sc.is_decode for sc in sched.scheduled):
-            self._decode_step = dt if not self._decode_step else (1 - a) * self._decode_step + a * dt
+            self._decode_step = ewma(self._decode_step or None, dt, a)
         else:
-            per = dt / max(sched.num_batched_tokens, 1)
-            self._prefill_per_token = per if not self._prefill_per_token else (1 - a) * self._prefill_per_token + a * per
+            self._prefill_per_token = ewma(self._prefill_per_token or None, dt / max(sched.num_batched_tokens, 1), a)
 
     def _refresh_snapshot(self) -> None:
         kv = self.kv

@@ -54,7 +54,8 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.kv.host_tier import Ewma, HostSessions, RestoreDecision, decide_restore
+from services.engine.kv.host_tier import HostSessions, RestoreDecision, decide_restore
+from talaria.ewma import Ewma
 from services.engine.kv.session_cache import common_prefix_len
 from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages
 from services.kvstore.registry import Family, Layout

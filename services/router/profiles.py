@@ -14,11 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.router.policy import CallShape, Profile
+from talaria.ewma import ewma
 from talaria.switch_path import SwitchPath
-
-
-def ewma(old: float | None, sample: float, alpha: float) -> float:
-    return sample if old is None else (1.0 - alpha) * old + alpha * sample
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from talaria.ewma import ewma
 from talaria.switch_path import SwitchPath
 
 from .types import CallView
@@ -72,8 +73,8 @@ class CostModel:
         return CallCost(prefill, restore, c.prompt_tokens - device + c.max_tokens, s)
 
     # ---------------------------------------------------------------- measurements
-    def _ewma(self, old: float, new: float) -> float:
-        return (1 - self.alpha) * old + self.alpha * new
+    def _ewma(self, old: float | None, new: float) -> float:
+        return ewma(old, new, self.alpha)
 
     def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
         """One executed step. Decode-only steps refresh t_D; steps that prefill without restoring refresh the
@@ -94,7 +95,7 @@ class CostModel:
     def observe_switch(self, path: SwitchPath, seconds: float) -> None:
         path = SwitchPath(path)
         old = self._switch.get(path)
-        self._switch[path] = seconds if old is None else self._ewma(old, seconds)
+        self._switch[path] = self._ewma(old, seconds)
 
     def snapshot(self, model: str | None = None) -> dict:
         p = self._p(model) if model else self.default

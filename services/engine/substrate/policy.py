@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from talaria.ewma import ewma
 from talaria.switch_path import SwitchPath
 
 
@@ -88,11 +89,11 @@ class SwitchCostModel:
     def observe(self, path: SwitchPath, seconds: float) -> None:
         """Mutates: the EWMA of ``path``."""
         old = self._switch.get(path)
-        self._switch[path] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self._switch[path] = ewma(old, seconds, self.alpha)
 
     def observe_load(self, seconds: float) -> None:
         """Mutates: the EWMA of loading a checkpoint into the host weight bank."""
-        self._load = seconds if self._load is None else (1 - self.alpha) * self._load + self.alpha * seconds
+        self._load = ewma(self._load, seconds, self.alpha)
 
     @property
     def by_path(self) -> dict[SwitchPath, float]:
