@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from services.engine.executor import DEFAULT_KV_CACHE_BYTES, DuplicateRequestError, Engine, InvalidRequestError, run_to_completion, validate_request
+from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
+from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
@@ -47,31 +48,10 @@ from services.engine.types import EngineRequest, FinishReason, RequestOutput, Sa
 log = logging.getLogger(__name__)
 
 
-class UnknownModelError(InvalidRequestError):
-    """The call names a model this instance does not have loaded."""
-
-
-class ModelBusyError(RuntimeError):
-    """A model cannot be closed while it has unfinished calls."""
-
-
 @dataclass(slots=True)
 class _Shell:
     engine: Engine
     addresses: ShellAddresses
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the service needs to accept a call for a model, active or not."""
-
-    model_id: str
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_context: int
-
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
 class ColdEngine:
@@ -440,6 +420,10 @@ class ColdEngine:
         """The latest ``n`` switch records, oldest first (any thread)."""
         with self._intake_lock:
             return list(self.switch_records)[-n:]
+
+    def take_round_summaries(self) -> list:
+        """Closed slot-scheduler rounds (none: the idle switch rule has no rounds; see slots/)."""
+        return []
 
     def take_switch_records(self) -> list[SwitchRecord]:
         """Records not yet handed out (the service publishes them on ``.switch``); any thread."""

@@ -28,6 +28,16 @@ from typing import Any
 
 import torch
 
+from services.engine.api import (  # noqa: F401 - the error classes are part of this module's interface
+    ContextLengthError,
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingError,
+    ModelInfo,
+    UnknownModelError,
+    UnsupportedOperationError,
+)
 from services.engine.kv.manager import KVManager, cdiv
 from services.engine.kv.allocator import PageAllocator
 from services.engine.model.batch import AttnBatch, KVCache
@@ -43,31 +53,6 @@ from talaria.ewma import ewma
 from talaria.hashing import model_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses at intake."""
-
-
-class EmptyPromptError(InvalidRequestError):
-    pass
-
-
-class ContextLengthError(InvalidRequestError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-        self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
-            f"exceeds the context limit of {max_context} tokens"
-        )
-
-
-class InvalidSamplingError(InvalidRequestError):
-    pass
-
-
-class DuplicateRequestError(InvalidRequestError):
-    pass
 
 
 class StopStringBuffer:
@@ -110,22 +95,25 @@ class StopStringBuffer:
 
 
 def validate_request(req: EngineRequest, max_context: int, vocab_size: int) -> None:
-    """Intake checks shared by every executor front (raises InvalidRequestError subclasses)."""
+    """Intake checks — the only ones: every executor front calls this, the service does not repeat them
+    (raises InvalidRequestError subclasses carrying status, code and the offending field)."""
     sp = req.sampling
     n = len(req.prompt_token_ids)
     if n == 0:
         raise EmptyPromptError(f"request {req.request_id!r}: empty prompt")
     if sp.max_tokens < 1:
-        raise InvalidSamplingError(f"request {req.request_id!r}: max_tokens must be >= 1, got {sp.max_tokens}")
-    if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
-        raise InvalidSamplingError(
-            f"request {req.request_id!r}: invalid sampling (temperature={sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k})"
-        )
+        raise InvalidSamplingError(f"max_tokens must be at least 1, got {sp.max_tokens}", "max_tokens")
+    if not 0.0 <= sp.temperature <= 2.0:
+        raise InvalidSamplingError(f"temperature must be within [0, 2], got {sp.temperature}", "temperature")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise InvalidSamplingError(f"top_p must be within (0, 1], got {sp.top_p}", "top_p")
+    if sp.top_k < 0:
+        raise InvalidSamplingError(f"top_k must be >= 0, got {sp.top_k}", "top_k")
     if n + sp.max_tokens > max_context:
-        raise ContextLengthError(n, sp.max_tokens, max_context)
+        raise ContextLengthError(n, sp.max_tokens, max_context, req.model)
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"request {req.request_id!r}: token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
 
 
 @dataclass(slots=True)
@@ -232,6 +220,30 @@ class Engine:
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
         self._refresh_snapshot()
 
+
+    # ------------------------------------------------------------------ the catalog (of one model)
+    def serves(self, model: str) -> bool:
+        return model == self.model_id
+
+    def info(self, model: str) -> ModelInfo:
+        if model != self.model_id:
+            raise UnknownModelError(f"this instance serves only {self.model_id!r}, not {model!r}")
+        return ModelInfo(self.model_id, self.tokenizer, self.vocab_size, self.max_context)
+
+    def open_model(self, model: str) -> None:
+        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot open another")
+
+    def close_model(self, model: str) -> None:
+        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot close it")
+
+    def take_switch_records(self) -> list:
+        return []
+
+    def recent_switch_records(self, n: int) -> list:
+        return []
+
+    def take_round_summaries(self) -> list:
+        return []
 
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:

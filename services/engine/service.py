@@ -31,33 +31,21 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from services.engine import wire
+from services.engine.api import Executor, ExecutorError, ModelInfo
 from services.engine.heartbeat import HeartbeatThread
+from services.engine.wire import SCHEMA_VERSION, CallError
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import PROBE_HEADER, Subjects
-from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
 REQUESTER_PROBE_S = 2.0  # how often calls older than this check that their requester still listens
 
-# cold-engine control failures (by class name: the service does not import the executor)
-_CONTROL_ERRORS = {"UnknownModelError": ("model_not_found", 404), "ModelBusyError": ("model_busy", 409), "ArenaBudgetError": ("insufficient_memory", 507)}
-
-
-class CallError(Exception):
-    """A call the engine refuses; becomes an error chunk with ``status``."""
-
-    def __init__(self, status: int, code: str, message: str, param: str = ""):
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
-
-    def proto(self) -> cpb.Error:
-        return cpb.Error(code=self.code, message=self.message, http_status=self.status, param=self.param)
 
 
 @dataclass(slots=True)
@@ -82,10 +70,10 @@ class _Call:
 
 
 class EngineService:
-    """One serving instance on NATS. ``engine`` is any object with the executor's API (see backend.py)."""
+    """One serving instance on NATS around an executor (``api.Executor``: the hot Engine or a ColdEngine)."""
 
     def __init__(
-        self, stack: StackConfig, cfg: EngineConfig, engine, *, drain_timeout_s: float = 30.0,
+        self, stack: StackConfig, cfg: EngineConfig, engine: Executor, *, drain_timeout_s: float = 30.0,
         telemetry: otel.Telemetry | None = None, requester_probe_s: float = REQUESTER_PROBE_S,
     ):
         self.stack = stack
@@ -109,7 +97,7 @@ class EngineService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
         self.rounds_closed = 0  # slot scheduler rounds published on .round
-        self.multi = hasattr(engine, "info")  # a cold engine serves several catalog models
+        self.multi = cfg.pool == "cold"  # a cold engine serves several catalog models
         # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
         # queueing (until the first step after intake) from prefill (until the first token).
         self._own_telemetry = telemetry is None
@@ -118,11 +106,11 @@ class EngineService:
         self._step_marks: collections.deque[int] = collections.deque(maxlen=512)
 
     def _serves(self, model: str) -> bool:
-        return self.engine.serves(model) if self.multi else model == self.model
+        return self.engine.serves(model)
 
-    def _runtime(self, model: str):
+    def _runtime(self, model: str) -> ModelInfo:
         """What accepting a call for ``model`` needs: tokenizer, vocab_size, max_context, encode_chat."""
-        return self.engine.info(model) if self.multi else self.engine
+        return self.engine.info(model)
 
     # ---------------------------------------------------------------- executor thread
     def _run_executor(self) -> None:
@@ -141,13 +129,12 @@ class EngineService:
                 continue
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
-            if self.multi:
-                recs = self.engine.take_switch_records()
-                if recs:
-                    self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
-                rounds = self.engine.take_round_summaries() if hasattr(self.engine, "take_round_summaries") else None
-                if rounds:
-                    self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
+            recs = self.engine.take_switch_records()
+            if recs:
+                self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
+            rounds = self.engine.take_round_summaries()
+            if rounds:
+                self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
 
     def _fail_all(self, message: str) -> None:
         self.counters["step_failures"] += 1
@@ -159,42 +146,20 @@ class EngineService:
             self._finish_with_error(rid, CallError(500, "engine_error", message))
 
     # ---------------------------------------------------------------- publishing
-    def _switch_proto(self, r) -> pb.SwitchRecord:
-        ph = r.phase_seconds
-        return pb.SwitchRecord(
-            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, seq=r.seq, from_model=r.from_model, to_model=r.to_model,
-            reason=r.reason, path=r.path, started_unix=r.started_unix, total_seconds=r.total_seconds,
-            save_teardown_seconds=ph[0], open_weights_seconds=ph[1], restore_kv_shell_seconds=ph[2],
-            restore_runtime_seconds=ph[3], publish_seconds=ph[4], weight_bytes=r.weight_bytes, staged_bytes=r.staged_bytes,
-            host_bytes=r.host_bytes, dirty_bytes=r.dirty_bytes, d2d_seconds=r.d2d_seconds, h2d_seconds=r.h2d_seconds,
-            kv_shell_reused=r.kv_shell_reused, runtime_reused=r.runtime_reused,
-        )
-
     async def _publish_switches(self, recs) -> None:
         assert self.nc is not None
         for r in recs:
             try:
-                await self.nc.publish(self.subjects.switch(self.cfg.id), self._switch_proto(r).SerializeToString())
+                await self.nc.publish(self.subjects.switch(self.cfg.id), wire.switch_record(r, self.cfg.id).SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("switch record %s not published: %s", r.seq, e)
-
-    def _round_proto(self, r) -> pb.RoundSummary:
-        """A slot-scheduler ``RoundSummary`` (services/engine/slots/types.py) as its wire message."""
-        return pb.RoundSummary(
-            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, index=r.index, sent_unix=time.time(),
-            wall_s=r.wall_s, active_s=r.active_s, switch_s=r.switch_s, bound_s=r.bound_s, predicted_s=r.predicted_s,
-            shortfall_s=r.shortfall_s, deadline_risk=r.deadline_risk, infeasible=list(r.infeasible),
-            phase_s=dict(r.phase_s), phase_count=dict(r.phase_count), sp_admitted=r.sp_admitted, sp_deferred=r.sp_deferred,
-            sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
-            switch_paths=list(r.switch_paths), flags=dict(r.flags), num_slots=len(r.slots),
-        )
 
     async def _publish_rounds(self, rounds) -> None:
         assert self.nc is not None
         for r in rounds:
             self.rounds_closed += 1
             try:
-                await self.nc.publish(self.subjects.round(self.cfg.id), self._round_proto(r).SerializeToString())
+                await self.nc.publish(self.subjects.round(self.cfg.id), wire.round_summary(r, self.cfg.id).SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("round summary %s not published: %s", r.index, e)
 
@@ -235,12 +200,12 @@ class EngineService:
             if o.usage is not None:
                 chunk.usage.CopyFrom(cpb.Usage(
                     prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens,
-                    cached_tokens=o.usage.cached_tokens, restored_tokens=getattr(o.usage, "restored_tokens", 0),
+                    cached_tokens=o.usage.cached_tokens, restored_tokens=o.usage.restored_tokens,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
         await self._send(call, chunk)
         if o.finished:
-            self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, getattr(o.usage, "restored_tokens", 0))
+            self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
             await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
 
     async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
@@ -262,20 +227,12 @@ class EngineService:
         if call.session_id:
             info = self.engine.session_info(call.session_id)
             if info is not None:
-                hook.prefix.CopyFrom(self._prefix_handle(info, call.model))
+                hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
         assert self.nc is not None
         try:
             await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
-
-    def _prefix_handle(self, info: dict, model: str = "") -> cpb.PrefixHandle:
-        return cpb.PrefixHandle(
-            model=model or self.model,
-            committed_tokens=int(info.get("committed_tokens", 0)),
-            page_size=self.cfg.page_size,
-            full_pages=int(info.get("full_pages", 0)),
-        )
 
     # ---------------------------------------------------------------- tracing (issue 7)
     def _first_step_after(self, t_ns: int) -> int:
@@ -369,37 +326,13 @@ class EngineService:
         asyncio.ensure_future(self._hook(call, reason, None, err.proto(), 0.0))
 
     # ---------------------------------------------------------------- request intake
-    def _sampling(self, sp: pb.SamplingParams) -> SamplingParams:
-        if sp.max_tokens < 1:
-            raise CallError(422, "invalid_value", "max_tokens must be at least 1", "max_tokens")
-        if not 0.0 <= sp.temperature <= 2.0:
-            raise CallError(422, "invalid_value", "temperature must be within [0, 2]", "temperature")
-        top_p = sp.top_p if sp.top_p > 0 else 1.0
-        if top_p > 1.0:
-            raise CallError(422, "invalid_value", "top_p must be within (0, 1]", "top_p")
-        return SamplingParams(
-            temperature=sp.temperature,
-            top_p=top_p,
-            top_k=sp.top_k,
-            seed=sp.seed if sp.has_seed else None,
-            max_tokens=sp.max_tokens,
-            stop=tuple(sp.stop),
-            stop_token_ids=tuple(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
-        )
-
     def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
         which = req.WhichOneof("prompt")
         rt = self._runtime(req.model)
         if which == "text":
             return rt.tokenizer.encode(req.text)
         if which == "token_ids":
-            ids = list(req.token_ids.ids)
-            vocab = rt.vocab_size
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise CallError(422, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
-            return ids
+            return list(req.token_ids.ids)  # the executor checks them against its vocabulary
         if which == "messages":
             msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
             try:
@@ -429,18 +362,8 @@ class EngineService:
         if rid in self._calls:
             return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
         try:
-            sampling = self._sampling(req.sampling)
+            sampling = wire.sampling_params(req.sampling)
             prompt = await asyncio.to_thread(self._tokenize, req)
-            if not prompt:
-                raise CallError(422, "invalid_value", "prompt is empty after tokenization", "prompt")
-            limit = self._runtime(req.model).max_context
-            if len(prompt) + sampling.max_tokens > limit:
-                raise CallError(
-                    413,
-                    "context_length_exceeded",
-                    f"prompt of {len(prompt)} tokens plus max_tokens {sampling.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'",
-                    "messages" if req.WhichOneof("prompt") == "messages" else "prompt",
-                )
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
@@ -458,13 +381,13 @@ class EngineService:
         self.counters["calls"] += 1
         try:
             self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx))
-        except ValueError as e:
+        except ExecutorError as e:  # validation happens here, once (executor.validate_request)
             self._calls.pop(rid, None)
             if call.span is not None:
                 call.span.set_status(Status(StatusCode.ERROR, str(e)))
                 call.span.end()
-            status = 413 if "context" in type(e).__name__.lower() else 422
-            return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
+            param = "messages" if e.param == "prompt" and req.WhichOneof("prompt") == "messages" else e.param
+            return await self._reject(msg.reply, rid, CallError(e.status, e.code, str(e), param))
         call.accepted_ns = time.time_ns()
         self._wake.set()
         await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt))))
@@ -507,18 +430,20 @@ class EngineService:
                 self.draining = False
             elif req.op == pb.CONTROL_FLUSH_CACHE:
                 await asyncio.to_thread(self.engine.flush_cache)  # waits for the running step: never on the loop
-            elif self.multi and req.op == pb.CONTROL_OPEN_MODEL:
+            elif req.op == pb.CONTROL_OPEN_MODEL:
                 await asyncio.to_thread(self.engine.open_model, req.model)  # loads the bank copy if closed
                 self._wake.set()
-            elif self.multi and req.op == pb.CONTROL_CLOSE_MODEL:
+            elif req.op == pb.CONTROL_CLOSE_MODEL:
                 await asyncio.to_thread(self.engine.close_model, req.model)
             else:
                 reply.ok = False
                 reply.error.CopyFrom(cpb.Error(code="unsupported", message=f"control op {pb.ControlOp.Name(req.op)} is not supported by a hot instance", http_status=422))
-        except Exception as e:  # noqa: BLE001
+        except ExecutorError as e:
             reply.ok = False
-            code, status = _CONTROL_ERRORS.get(type(e).__name__, ("bad_message", 400))
-            reply.error.CopyFrom(cpb.Error(code=code, message=str(e), http_status=status))
+            reply.error.CopyFrom(cpb.Error(code=e.code, message=str(e), http_status=e.status, param=e.param))
+        except Exception as e:  # noqa: BLE001 - e.g. an undecodable request
+            reply.ok = False
+            reply.error.CopyFrom(cpb.Error(code="bad_message", message=str(e), http_status=400))
         reply.snapshot.CopyFrom(self.snapshot())
         if msg.reply:
             await msg.respond(reply.SerializeToString())
@@ -530,65 +455,8 @@ class EngineService:
         with self._seq_lock:
             self.seq += 1
             seq = self.seq
-        snap = pb.InstanceSnapshot(
-            schema_version=SCHEMA_VERSION,
-            instance_id=self.cfg.id,
-            pool=pb.POOL_HOT if self.cfg.pool == "hot" else pb.POOL_COLD,
-            epoch=self.epoch,
-            seq=seq,
-            sent_unix=time.time(),
-            heartbeat_period_s=self.cfg.heartbeat_period_s,
-            num_running=st.get("num_running", 0),
-            num_waiting=st.get("num_waiting", 0),
-            kv_usage=st.get("kv_usage", 0.0),
-            kv_pages_total=st.get("kv_pages_total", 0),
-            kv_pages_free=st.get("kv_pages_free", 0),
-            draining=self.draining,
-            device=self.cfg.device,
-            tokens_generated=st.get("tokens_generated", 0),
-            prefix_hit_rate=st.get("prefix_hit_rate", 0.0),
-        )
-        if self.multi:  # every loaded catalog model is served; `active` marks the resident one
-            for m in st.get("models", []):
-                snap.models.append(pb.ModelState(**m))
-            snap.staging_slack_bytes = st.get("staging_slack_bytes", 0)
-            snap.num_switches = st.get("num_switches", 0)
-            for r in self.engine.recent_switch_records(8):
-                snap.switches.append(self._switch_proto(r))
-            slots = st.get("slots")
-            if slots:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
-                snap.deadline_risk = bool(slots.get("deadline_risk"))
-                snap.shortfall_s = float(slots.get("shortfall_s", 0.0))
-                snap.round_remaining_s = float(slots.get("round_remaining_s", 0.0))
-                snap.infeasible.extend(slots.get("infeasible", []))
-                snap.rounds = self.rounds_closed
-        else:
-            snap.models.append(
-                pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
-            )
-        for s in st.get("sessions", []):
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
-        prof = st.get("profile") or {}
-        snap.profile.CopyFrom(pb.CostProfile(
-            prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0),
-            switch_costs=costs_to_proto(prof.get("switch_by_path", {})),
-        ))
-        self._add_host_kv_state(snap, st)
-        return snap
-
-    def _add_host_kv_state(self, snap: pb.InstanceSnapshot, st: dict) -> None:
-        """Sessions whose KV left the device: ``host`` (restorable from the kvstore) or ``missing`` (the
-        store restarted, or is unreachable); plus the measured restore cost per token."""
-        hk = st.get("host_kv")
-        if not hk:
-            return
-        snap.profile.restore_per_token = hk.get("restore_per_token", 0.0)
-        on_device = {s.session_id for s in snap.sessions}
-        for s in hk.get("sessions", []):
-            if s["session_id"] in on_device:
-                continue
-            state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
+        switches = self.engine.recent_switch_records(8)
+        return wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
 
 
     async def _deadlines(self) -> None:
@@ -626,8 +494,8 @@ class EngineService:
             self.telemetry = otel.setup("talaria-engine", self.cfg.id, self.stack.telemetry, self.stack.namespace)
             self._instruments = otel.ServerInstruments(self.telemetry.meter)
         self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
-        if self.multi:  # the initial activation happened before there was a connection: it goes out now, in
-            await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
+        # a cold engine's initial activation happened before there was a connection: it goes out now, in
+        await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
         self._thread = threading.Thread(target=self._run_executor, name=f"executor-{self.cfg.id}", daemon=True)
         self._thread.start()
         subs = [

@@ -45,11 +45,10 @@ class SlottedColdEngine(ColdEngine):
                 prefix, state = common_prefix_len(e.token_ids, req.prompt_token_ids), "device"
         if state == "missing" and sid:
             sh = self.shell(m)
-            hk = getattr(sh, "host_kv", None) if sh is not None else None
-            hs = getattr(hk, "sessions", None)
-            if hs is not None and hasattr(hs, "get"):
-                h = hs.get(sid)
-                if h is not None and getattr(hk, "available", lambda: False)():
+            hk = sh.host_kv if sh is not None else None
+            if hk is not None and hk.available():
+                h = hk.sessions.get(sid)
+                if h is not None:
                     prefix, state = min(h.tokens, len(req.prompt_token_ids)), "host"
         return CallView(
             req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
