@@ -17,7 +17,6 @@ Graceful drain (SIGTERM): stop accepting (new calls get 503 ``draining``), let i
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
@@ -30,10 +29,11 @@ from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from services.engine.types import EngineRequest, FinishReason, RequestOutput
 from services.engine import wire
 from services.engine.api import Executor, ExecutorError, ModelInfo
 from services.engine.heartbeat import HeartbeatThread
+from services.engine.tracing import CallTracer
 from services.engine.wire import SCHEMA_VERSION, CallError
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
@@ -64,7 +64,7 @@ class _Call:
     arrival_ns: int = 0  # wall clock, for spans
     accepted_ns: int = 0
     first_token_ns: int = 0
-    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
+    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by CallTracer.trace)
     lease_id: str = ""  # the lease the router honoured for this call
     believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
 
@@ -102,8 +102,7 @@ class EngineService:
         # queueing (until the first step after intake) from prefill (until the first token).
         self._own_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
-        self._instruments = otel.ServerInstruments(self.telemetry.meter)
-        self._step_marks: collections.deque[int] = collections.deque(maxlen=512)
+        self.tracer = CallTracer(self.telemetry, cfg.id, cfg.pool)
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model)
@@ -120,7 +119,7 @@ class EngineService:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self._step_marks.append(time.time_ns())
+            self.tracer.step_started()
             try:
                 outs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failing step must fail its calls, not the process
@@ -205,7 +204,7 @@ class EngineService:
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
         await self._send(call, chunk)
         if o.finished:
-            self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
+            self.tracer.trace(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
             await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
 
     async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
@@ -234,93 +233,12 @@ class EngineService:
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
 
-    # ---------------------------------------------------------------- tracing (issue 7)
-    def _first_step_after(self, t_ns: int) -> int:
-        """Start of the first executor step that began at or after ``t_ns`` (0 if no longer known)."""
-        marks = list(self._step_marks)
-        if not marks or (marks[0] > t_ns and len(marks) == self._step_marks.maxlen):
-            return 0
-        return next((m for m in marks if m >= t_ns), 0)
-
-    def _trace_call(self, call: _Call, reason: str, usage, error: str | None, restored_tokens: int = 0, message: str = "") -> None:
-        """The engine's spans of one finished call, written after the fact from its timestamps:
-        ``talaria.engine.call`` (child of the router's span) with ``intake`` (decode, tokenize, validate),
-        ``queue`` (until the first executor step after intake), ``prefill`` (until the first token) and
-        ``decode`` (until the end). Never raises."""
-        try:
-            end = time.time_ns()
-            prompt = int(usage.prompt_tokens) if usage is not None else call.prompt_tokens
-            out = int(usage.completion_tokens) if usage is not None else 0
-            cached = int(usage.cached_tokens) if usage is not None else 0
-            ttft = (call.first_token_ns - call.arrival_ns) / 1e9 if call.first_token_ns else None
-            tpot = (end - call.first_token_ns) / 1e9 / (out - 1) if call.first_token_ns and out > 1 else None
-            self._instruments.record(call.model, self.cfg.id, ttft, tpot, (end - call.arrival_ns) / 1e9, prompt, out, error)
-            if not self.telemetry.enabled:
-                return
-            source = "host" if restored_tokens else ("device" if cached else "recompute")
-            attrs = {
-                otel.GEN_AI_OPERATION: "generate",
-                otel.GEN_AI_PROVIDER: "talaria",
-                otel.GEN_AI_REQUEST_MODEL: call.model,
-                otel.GEN_AI_RESPONSE_MODEL: self.model,
-                otel.REQUEST_ID: call.request_id,
-                otel.INSTANCE_ID: self.cfg.id,
-                "talaria.pool": self.cfg.pool,
-                otel.GEN_AI_USAGE_INPUT_TOKENS: prompt,
-                otel.GEN_AI_USAGE_OUTPUT_TOKENS: out,
-                otel.GEN_AI_USAGE_CACHE_READ: cached,
-                otel.GEN_AI_RESPONSE_FINISH_REASONS: [reason or "stop"],
-                otel.KV_SOURCE: source,
-            }
-            if call.session_id:
-                attrs[otel.SESSION_ID] = call.session_id
-                attrs[otel.GEN_AI_CONVERSATION_ID] = call.session_id
-                attrs["talaria.router.believed_prefix_tokens"] = call.believed_prefix  # vs cache.read: a stale belief
-            if call.lease_id:
-                attrs["talaria.lease.id"] = call.lease_id
-            if ttft is not None:
-                attrs[otel.GEN_AI_SERVER_TTFT] = ttft
-            if tpot is not None:
-                attrs[otel.GEN_AI_SERVER_TPOT] = tpot
-            tracer = self.telemetry.tracer
-            span = call.span
-            if span is None:
-                span = tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=call.arrival_ns, attributes=attrs)
-            else:
-                span.set_attributes(attrs)
-            if error:
-                span.set_attribute(otel.ERROR_TYPE, error)
-                span.set_status(Status(StatusCode.ERROR, message or error))
-            ctx = trace.set_span_in_context(span)
-            accepted = call.accepted_ns or call.arrival_ns
-            step = self._first_step_after(accepted) if call.accepted_ns else 0
-            queue_end = min(step, call.first_token_ns or end) if step else accepted
-            phases = [("talaria.engine.intake", call.arrival_ns, accepted, {})]
-            if call.accepted_ns:
-                phases.append(("talaria.engine.queue", accepted, queue_end, {otel.QUEUE_SECONDS: (queue_end - accepted) / 1e9, "talaria.queue.exact": bool(step)}))
-                prefill_end = call.first_token_ns or end
-                phases.append(("talaria.engine.prefill", queue_end, prefill_end, {
-                    otel.GEN_AI_USAGE_INPUT_TOKENS: prompt,
-                    otel.GEN_AI_USAGE_CACHE_READ: cached,
-                    otel.PREFILL_COMPUTED: max(0, prompt - cached),
-                    "talaria.prefill.restored_tokens": int(restored_tokens),
-                    otel.KV_SOURCE: source,
-                    "talaria.kv.device_hit": bool(cached and not restored_tokens),
-                }))
-                if call.first_token_ns:
-                    phases.append(("talaria.engine.decode", call.first_token_ns, end, {otel.GEN_AI_USAGE_OUTPUT_TOKENS: out, **({otel.GEN_AI_SERVER_TPOT: tpot} if tpot is not None else {})}))
-            for name, t0, t1, a in phases:
-                tracer.start_span(name, context=ctx, start_time=t0, attributes=a).end(end_time=max(t0, t1))
-            span.end(end_time=end)
-        except Exception:  # noqa: BLE001 - tracing never breaks serving
-            log.debug("trace of %s not recorded", call.request_id, exc_info=True)
-
     def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
         call = self._calls.pop(rid, None)
         if call is None:
             return
         self.counters["errors"] += 1
-        self._trace_call(call, reason, None, err.code)
+        self.tracer.trace(call, reason, None, err.code)
         chunk = pb.TokenChunk(finished=True, finish_reason=reason, error=err.proto())
         asyncio.ensure_future(self._send(call, chunk))
         asyncio.ensure_future(self._hook(call, reason, None, err.proto(), 0.0))
@@ -414,7 +332,7 @@ class EngineService:
             return
         self.engine.abort(rid)
         self.counters["aborted"] += 1
-        self._trace_call(call, "abort", None, "aborted", message=reason)
+        self.tracer.trace(call, "abort", None, "aborted", message=reason)
         asyncio.ensure_future(self._send(call, pb.TokenChunk(finished=True, finish_reason="abort")))
         asyncio.ensure_future(self._hook(call, "abort", None, None, 0.0))
         log.info("aborted %s: %s", rid, reason)
@@ -492,7 +410,7 @@ class EngineService:
         self._loop = asyncio.get_running_loop()
         if self._own_telemetry:
             self.telemetry = otel.setup("talaria-engine", self.cfg.id, self.stack.telemetry, self.stack.namespace)
-            self._instruments = otel.ServerInstruments(self.telemetry.meter)
+            self.tracer = CallTracer(self.telemetry, self.cfg.id, self.cfg.pool)
         self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
         # a cold engine's initial activation happened before there was a connection: it goes out now, in
         await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
