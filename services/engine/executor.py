@@ -265,6 +265,11 @@ class Engine:
         with self._intake_lock:
             return bool(self._live_ids)
 
+    def pending_requests(self) -> list[EngineRequest]:
+        """Requests queued by ``add_request`` and not yet admitted by a step (a copy; any thread)."""
+        with self._intake_lock:
+            return list(self._pending)
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         with self._step_lock:

@@ -47,7 +47,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
 
     cls, extra = ColdEngine, {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
-        from services.engine.slots.cold_adapter import SlottedColdEngine, policy_from_config
+        from services.engine.slotted import SlottedColdEngine, policy_from_config
 
         cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
     catalog = {}

@@ -8,7 +8,7 @@ then carries out the decision — switch at a slot boundary (the five-phase swit
 exactly the admitted calls to the active shell, run one shell step — and reports measured step and switch
 times back into the scheduler's EWMA profile.
 
-This is the one module of ``slots/`` that touches the executor (and so torch); the policy modules do not.
+``slots/`` is the pure policy; this module (outside it) is the only one that touches the executor for it.
 The cold engine cannot park in-flight calls across a switch, so ``can_park`` is False (Dfin drains).
 """
 
@@ -20,9 +20,7 @@ from services.engine.cold import ColdEngine
 from services.engine.kv.session_cache import common_prefix_len
 from services.engine.types import EngineRequest, RequestOutput
 
-from .scheduler import SlotPolicy, SlotScheduler
-from .costs import CostModel, CostProfile
-from .types import CallView, Decision, InstanceView, ModelView, Phase
+from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
 
 
 class SlottedColdEngine(ColdEngine):
@@ -64,8 +62,7 @@ class SlottedColdEngine(ColdEngine):
             if m == self.active and eng is not None:
                 sch = eng.scheduler
                 seqs = list(sch.running) + list(sch.waiting)
-                with eng._intake_lock:
-                    pending = list(eng._pending)
+                pending = eng.pending_requests()
                 prefilling = sum(1 for s in seqs if s.num_completion_tokens == 0) + len(pending)
                 remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
                 models.append(ModelView(m, len(seqs) + len(pending), prefilling, max(remaining, default=0), queued))
@@ -103,20 +100,7 @@ class SlottedColdEngine(ColdEngine):
                         if r.session_id:
                             self._req_session[r.request_id] = (r.model, r.session_id)
                         eng.add_request(r)
-                before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
-                t0 = self.clock()  # durations on the policy's time base (the injected clock)
-                outs = eng.step()
-                dt = self.clock() - t0
-                prefill, decodes = 0, 0
-                for s in eng.scheduler.running:
-                    delta = s.num_computed_tokens - before.get(s.request_id, 0)
-                    if s.request_id in before and delta == 1:
-                        decodes += 1
-                    else:
-                        prefill += max(delta, 0)
-                decodes += sum(1 for o in outs if o.finished and o.request_id in before)
-                self.slots.observe_step(self.active, prefill, 0, decodes, dt)
-                outputs += outs
+                outputs += self._timed_step(eng)
             for o in outputs:
                 if o.finished:
                     with self._intake_lock:
@@ -128,6 +112,29 @@ class SlottedColdEngine(ColdEngine):
             self._refresh_snapshot()
             self._snapshot["slots"] = self.slots.status(self.clock())
             return outputs
+
+    def _timed_step(self, eng) -> list[RequestOutput]:
+        """One shell step, measured into the slot cost model: decode steps, prefill tokens and the tokens
+        restored from the host KV store at admission (their copy-back runs inside the step), so the restore
+        cost per token is learned from real restores. Mutates: the shell and the cost model."""
+        before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
+        t0 = self.clock()  # durations on the policy's time base (the injected clock)
+        outs = eng.step()
+        dt = self.clock() - t0
+        prefill, restored, decodes = 0, 0, 0
+        for s in eng.scheduler.running:
+            delta = s.num_computed_tokens - before.get(s.request_id, 0)
+            if s.request_id in before and delta == 1:
+                decodes += 1
+            elif s.request_id not in before:
+                restored += s.num_restored_tokens  # admitted this step
+                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)
+            else:
+                prefill += max(delta, 0)
+        decodes += sum(1 for o in outs if o.finished and o.request_id in before)
+        restored += sum(o.usage.restored_tokens for o in outs if o.finished and o.request_id not in before and o.usage is not None)
+        self.slots.observe_step(self.active, prefill, restored, decodes, dt)
+        return outs
 
     def take_round_summaries(self):
         """Round summaries not yet handed out (the service publishes them on ``.round``)."""
