@@ -151,7 +151,7 @@ class ColdEngine:
         if model not in self._tokenizers:
             self._tokenizers[model] = Tokenizer.from_dir(self.catalog[model])
         tok = self._tokenizers[model]
-        self._info[model] = ModelInfo(model, tok, e.config.vocab_size, min(e.config.max_position_embeddings, g.num_pages * self.page_size))
+        self._info[model] = ModelInfo(model, tok, e.config.vocab_size, min(e.config.attention_span, g.num_pages * self.page_size))
         if model not in self.loaded:
             self.loaded.append(model)
 

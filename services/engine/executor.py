@@ -188,12 +188,12 @@ class Engine:
             budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
-                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.max_position_embeddings, page_size))
+                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
         if num_pages < 1:
             raise ValueError(f"KV pool too small: {num_pages} pages")
         self.num_pages = int(num_pages)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
-        self.max_context = min(cfg.max_position_embeddings, self.num_pages * page_size)
+        self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
         self.kv = KVManager(
