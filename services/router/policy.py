@@ -73,6 +73,15 @@ class PolicyParams:
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
 
+    @classmethod
+    def from_config(cls, placement) -> PolicyParams:
+        """The knobs of a ``talaria.config.PlacementConfig``, taken by field name (a knob added to both is
+        wired with no third list); fields the config does not have keep their defaults."""
+        given = {f.name: getattr(placement, f.name) for f in fields(cls) if hasattr(placement, f.name)}
+        if "model_weights_gib" in given:
+            given["model_weights_gib"] = dict(given["model_weights_gib"])
+        return cls(**given)
+
 
 @dataclass(frozen=True, slots=True)
 class Profile:

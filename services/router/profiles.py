@@ -11,7 +11,7 @@ profiles ... using an exponentially weighted moving average"). Pure state, injec
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from services.router.policy import CallShape, Profile
 from talaria.ewma import ewma
@@ -25,6 +25,12 @@ class Defaults:
     restore_per_token: float = 2e-5
     switch_s: float = 0.5
     open_s: float = 5.0
+
+    @classmethod
+    def from_config(cls, placement) -> Defaults:
+        """Cold-start priors from a ``PlacementConfig``: field ``x`` is its ``default_x`` (``_s`` appended to
+        the names that lack the unit)."""
+        return cls(**{f.name: getattr(placement, f"default_{f.name}" + ("" if f.name.endswith("_s") else "_s")) for f in fields(cls)})
 
 
 # Which measured switch path (CostProfile.switch_costs, reported by a cold engine) prices which activation

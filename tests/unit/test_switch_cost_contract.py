@@ -70,3 +70,22 @@ def test_router_learns_the_cold_engines_measured_switch_costs(synth_models):
     res_b = inst.models[B]
     want = prof.staged_switch_s if res_b.staged else prof.switch_s
     assert activation(inst, B) == ("switch", pytest.approx(want))
+
+
+def test_policy_params_and_priors_come_from_the_config_by_field_name():
+    from dataclasses import fields
+
+    from talaria.config import PlacementConfig
+
+    pc = PlacementConfig(
+        policy="least-pressure", admission_unit=2.0, admission_budget_s=7.0, hbm_reserve_fraction=0.1, running_weight=0.7,
+        control_window_s=3.0, hbm_price_s_per_gib=0.2, replica_penalty_s=4.0, model_weights_gib={"m": 2.5},
+        replica_shortlist=3, retry_after_s=9.0, default_prefill_per_token_s=1e-3, default_decode_step_s=0.05,
+        default_restore_per_token_s=1e-5, default_switch_s=0.7, default_open_s=8.0,
+    )
+    p = PolicyParams.from_config(pc)
+    for f in fields(PolicyParams):
+        if hasattr(pc, f.name):
+            assert getattr(p, f.name) == getattr(pc, f.name), f.name
+    assert p.default_weights_gib == PolicyParams().default_weights_gib  # not a config knob
+    assert Defaults.from_config(pc) == Defaults(1e-3, 0.05, 1e-5, 0.7, 8.0)
