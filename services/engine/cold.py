@@ -10,9 +10,9 @@ Calls for every loaded model are accepted at any time; those of inactive models 
 (they hold no pages). Calls of the active model are handed to its shell at once. At each ``step()``:
 
 1. intake (new calls, aborts) is drained;
-2. the switch rule (``IdleSwitchRule`` by default — one small class, replaced by the round scheduler of
-   issue 5) may pick another model: it only switches away from a model with no work, so a switch never
-   interrupts a running sequence;
+2. the switch rule (``IdleSwitchRule``; ``slotted.SlottedColdEngine`` overrides ``step`` with the round
+   scheduler of ``slots/``) may pick another model: it only switches away from a model with no work, so a
+   switch never interrupts a running sequence;
 3. one step of the active shell;
 4. opportunistic staging of the predicted next model into the KV tail (``predict_next``), a few chunks
    per step, while the active model serves.

@@ -1,8 +1,8 @@
 """Switch and staging *policy*: pure functions of a view of the engine, with the clock passed in.
 
 Nothing here touches torch, memory or threads, so the same code runs in the engine, in unit tests and in a
-simulator. The cold-pool round scheduler (issue 5) will replace :class:`IdleSwitchRule`; the engine only
-depends on its one method ``decide(view, now) -> model | None``.
+simulator. :class:`IdleSwitchRule` drives a plain ``ColdEngine`` (``slot_scheduler: false``); the default
+cold engine is ``slotted.SlottedColdEngine``, whose round scheduler is in ``slots/``.
 """
 
 from __future__ import annotations
