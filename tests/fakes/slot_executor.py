@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from talaria.clock import ManualClock
 from talaria.switch_path import SwitchPath
 
-from .costs import CostProfile
-from .scheduler import SlotScheduler
-from .types import CallView, Decision, InstanceView, ModelView, RoundSummary
+from services.engine.slots.costs import CostProfile
+from services.engine.slots.scheduler import SlotScheduler
+from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, RoundSummary
 
 
 @dataclass(slots=True)
