@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kvstore.registry import Layout
+from talaria.kv_layout import Layout
 from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
 from services.kvstore.wire import layout_to_pb
 from talaria import otel
