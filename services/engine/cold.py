@@ -233,25 +233,10 @@ class ColdEngine:
     def serves(self, model: str) -> bool:
         return model in self._info
 
-    # Backend-compatible attributes (the first loaded model's; multi-model callers use ``info(model)``)
     @property
     def model_id(self) -> str:
+        """The default model of a call that names none: the active one (else the first loaded)."""
         return self.active or (self.loaded[0] if self.loaded else "")
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.info(self.model_id).tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info(self.model_id).vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.info(self.model_id).max_context
-
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.info(self.model_id).encode_chat(messages, **kwargs)
 
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
