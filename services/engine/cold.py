@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ from services.engine.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
+
+ALL = object()  # what ``_schedule`` returns to admit every queued call of the active model
 
 
 @dataclass(slots=True)
@@ -264,25 +266,47 @@ class ColdEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """The one step of every cold engine: intake, the switch policy's turn (``_schedule``: may switch,
+        says which queued calls of the active model join its shell), one shell step, bookkeeping, staging.
+        The policy is this class's idle switch rule or, in ``slotted.SlottedColdEngine``, the slot scheduler;
+        they differ only in the ``_schedule`` / ``_admitted`` / ``_step_shell`` / ``_finished`` hooks."""
         with self._step_lock:
             outputs = self._drain_intake()
-            target = self.rule.decide(self._view(), self.clock())
-            if target is not None and target != self.active:
-                self._switch(target, "requested" if target == self.requested else "queued")
-            if self.active is not None:
+            admit = self._schedule()
+            if admit is not None and self.active is not None:
                 eng = self._shells[self.active].engine
                 q = self._queues[self.active]
-                while q:
-                    eng.add_request(q.popleft())
-                if eng.has_unfinished():
-                    outputs += eng.step()
+                for r in [r for r in q if admit is ALL or r.request_id in admit]:
+                    q.remove(r)
+                    self._admitted(r)
+                    eng.add_request(r)
+                outputs += self._step_shell(eng)
             for o in outputs:
                 if o.finished:
-                    with self._intake_lock:
-                        self._live.pop(o.request_id, None)
+                    self._finished(o)
             self._stage()
             self._refresh_snapshot()
             return outputs
+
+    # ------------------------------------------------------------------ the switch policy's hooks
+    def _schedule(self) -> Collection[str] | object | None:
+        """The idle switch rule: switch when it says so, then hand every queued call of the active model to
+        its shell (``ALL``); ``None`` would mean no shell step. Mutates: the active model (via ``_switch``)."""
+        target = self.rule.decide(self._view(), self.clock())
+        if target is not None and target != self.active:
+            self._switch(target, "requested" if target == self.requested else "queued")
+        return ALL
+
+    def _admitted(self, req: EngineRequest) -> None:
+        """A queued call joins the active shell (hook)."""
+
+    def _step_shell(self, eng: Engine) -> list[RequestOutput]:
+        return eng.step() if eng.has_unfinished() else []
+
+    def _finished(self, out: RequestOutput) -> None:
+        """Mutates: the live-call table."""
+        with self._intake_lock:
+            self._live.pop(out.request_id, None)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
         ids = [f"cold-generate-{next(self._gen_ids)}" for _ in prompts_token_ids]

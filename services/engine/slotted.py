@@ -14,6 +14,7 @@ The cold engine cannot park in-flight calls across a switch, so ``can_park`` is 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from services.engine.cold import ColdEngine
@@ -73,45 +74,42 @@ class SlottedColdEngine(ColdEngine):
         frac = {m: self.substrate.staged_fraction(m) for m in self.loaded if m != self.active}
         return InstanceView(self.active, tuple(models), free_tokens, frac, can_park=False)
 
-    # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
-        with self._step_lock:
-            outputs = self._drain_intake()
-            d = self.slots.decide(self.slot_view(), self.clock())
-            if d.switch_to is not None:
-                t0 = self.clock()
-                rec = self._switch(d.switch_to, "slot")
-                self.slots.observe_switch(rec.path, self.clock() - t0)
-                d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
-            elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
-                # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
-                # costs no slot anything; the next call of the requested model starts its slot.
-                t0 = self.clock()
-                rec = self._switch(self.requested, "requested")
-                self.slots.observe_switch(rec.path, self.clock() - t0)
-            self.last_decision = d
-            if d.run_step and self.active is not None:
-                eng = self.shell(self.active)
-                q = self._queues[self.active]
-                if d.admit:
-                    want = set(d.admit)
-                    for r in [r for r in q if r.request_id in want]:
-                        q.remove(r)
-                        if r.session_id:
-                            self._req_session[r.request_id] = (r.model, r.session_id)
-                        eng.add_request(r)
-                outputs += self._timed_step(eng)
-            for o in outputs:
-                if o.finished:
-                    with self._intake_lock:
-                        self._live.pop(o.request_id, None)
-                    ms = self._req_session.pop(o.request_id, None)
-                    if ms is not None:
-                        self._served_sessions.add(ms)
-            self._stage()
-            self._refresh_snapshot()
-            self._snapshot["slots"] = self.slots.status(self.clock())
-            return outputs
+    # ------------------------------------------------------------------ the policy's hooks (ColdEngine.step)
+    def _schedule(self) -> Collection[str] | object | None:
+        """The slot scheduler's decision: switch at a slot boundary (then the new slot opens), or honour a
+        control-plane OPEN_MODEL on an idle instance; returns the queued calls to admit, or None for no step.
+        Mutates: the active model, the scheduler's state and cost model, ``last_decision``."""
+        d = self.slots.decide(self.slot_view(), self.clock())
+        if d.switch_to is not None:
+            t0 = self.clock()
+            rec = self._switch(d.switch_to, "slot")
+            self.slots.observe_switch(rec.path, self.clock() - t0)
+            d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
+        elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
+            # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
+            # costs no slot anything; the next call of the requested model starts its slot.
+            t0 = self.clock()
+            rec = self._switch(self.requested, "requested")
+            self.slots.observe_switch(rec.path, self.clock() - t0)
+        self.last_decision = d
+        return frozenset(d.admit or ()) if d.run_step else None
+
+    def _admitted(self, req: EngineRequest) -> None:
+        if req.session_id:
+            self._req_session[req.request_id] = (req.model, req.session_id)
+
+    def _step_shell(self, eng) -> list[RequestOutput]:
+        return self._timed_step(eng)
+
+    def _finished(self, out: RequestOutput) -> None:
+        super()._finished(out)
+        ms = self._req_session.pop(out.request_id, None)
+        if ms is not None:
+            self._served_sessions.add(ms)
+
+    def _refresh_snapshot(self) -> None:
+        super()._refresh_snapshot()
+        self._snapshot["slots"] = self.slots.status(self.clock())
 
     def _timed_step(self, eng) -> list[RequestOutput]:
         """One shell step, measured into the slot cost model: decode steps, prefill tokens and the tokens
