@@ -55,6 +55,7 @@ from services.router.profiles import Defaults, ProfileBook, ShapeBook
 from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
+from talaria.switch_path import SwitchPath, costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
@@ -200,7 +201,7 @@ class SimWorker:
         snap.profile.CopyFrom(
             pb.CostProfile(
                 prefill_per_token=p.prefill_per_token, decode_step=p.decode_step, restore_per_token=p.restore_per_token,
-                switch_by_path={"resident": p.switch_s, "open": p.open_s},
+                switch_costs=costs_to_proto({SwitchPath.HOST_ONLY: p.switch_s, SwitchPath.OPEN: p.open_s}),
             )
         )
         return snap
@@ -383,7 +384,7 @@ def decision_cost(sizes: list[int], seed: int, repeats: int = 1) -> list[dict]:
                 snap.models.append(pb.ModelState(model=m, loaded=m in loaded, active=m == active))
             for s in range(32):
                 snap.sessions.append(pb.SessionState(session_id=f"s{k}-{s}", model=active, committed_tokens=2000, state=pb.KV_DEVICE))
-            snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=2.5e-4, decode_step=0.03, switch_by_path={"resident": 0.4, "open": 3.0}))
+            snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=2.5e-4, decode_step=0.03, switch_costs=costs_to_proto({SwitchPath.HOST_ONLY: 0.4, SwitchPath.OPEN: 3.0})))
             gw.on_snapshot(snap)
         reqs = [gw.request(f"s{rng.randrange(n)}-{rng.randrange(32)}", rng.choice(catalog), 3000, 128) for _ in range(64)]
         states = [gw.state_for(r)[0] for r in reqs]

@@ -1,7 +1,7 @@
 """``talaria bench sp``: session-prefill (SP) admission on a real cold engine — Talaria vs no-SP vs Round-only.
 
 What is measured
-    One ``SlottedColdEngine`` per configuration (services/engine/slots/cold_adapter.py: the round/slot
+    One ``SlottedColdEngine`` per configuration (services/engine/slotted.py: the round/slot
     scheduler of Talaria §3.4 driving the real multi-model cold engine of services/engine/cold.py) over
     three synthesized models (default tiny-llama, tiny-qwen2, tiny-qwen3) on the CPU, float32, in this one
     process. The same fixed replay (Talaria §5.1) runs on each: ``sessions`` agent sessions spread over the
@@ -141,7 +141,7 @@ def run_sp_bench(*, models_dir=None, sessions: int = 9, depth: int = 5, repeats:
                  ttft_s: float = 1.0, tpot_s: float = 0.05, gamma: float = 0.8, threads: int | None = 1, say=print) -> dict:
     import torch
 
-    from services.engine.slots.cold_adapter import SlottedColdEngine
+    from services.engine.slotted import SlottedColdEngine
 
     if threads:
         torch.set_num_threads(threads)

@@ -11,7 +11,9 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.hook.completed                CompletionHook
     <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
     <ns>.kvstore.<store>.stats         KvStoreStatsRecord (periodic; read by the telemetry service)
-    <ns>.inbox.<router>.<id>           reply inboxes of one router process
+    <ns>.inbox.<router>.<id>           reply inboxes of one router process; the engine probes an inbox
+                                       (a request carrying the PROBE_HEADER header) to find out whether its
+                                       requester still listens: "no responders" = gone, abort the call
 
 Instance ids and namespaces are NATS tokens: no dots, spaces or wildcards.
 """
@@ -25,6 +27,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 DEFAULT_NAMESPACE = "talaria"
 LEASE_BUCKET = "leases"
+PROBE_HEADER = "Talaria-Probe"  # a liveness probe on a reply inbox: not a chunk, ignore it
 
 
 def check_token(value: str, what: str = "token") -> str:

@@ -10,9 +10,9 @@ Calls for every loaded model are accepted at any time; those of inactive models 
 (they hold no pages). Calls of the active model are handed to its shell at once. At each ``step()``:
 
 1. intake (new calls, aborts) is drained;
-2. the switch rule (``IdleSwitchRule`` by default — one small class, replaced by the round scheduler of
-   issue 5) may pick another model: it only switches away from a model with no work, so a switch never
-   interrupts a running sequence;
+2. the switch rule (``IdleSwitchRule``; ``slotted.SlottedColdEngine`` overrides ``step`` with the round
+   scheduler of ``slots/``) may pick another model: it only switches away from a model with no work, so a
+   switch never interrupts a running sequence;
 3. one step of the active shell;
 4. opportunistic staging of the predicted next model into the KV tail (``predict_next``), a few chunks
    per step, while the active model serves.
@@ -28,14 +28,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.engine.executor import DEFAULT_KV_CACHE_BYTES, DuplicateRequestError, Engine, InvalidRequestError, run_to_completion, validate_request
+from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
+from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
@@ -46,32 +47,13 @@ from services.engine.types import EngineRequest, FinishReason, RequestOutput, Sa
 
 log = logging.getLogger(__name__)
 
-
-class UnknownModelError(InvalidRequestError):
-    """The call names a model this instance does not have loaded."""
-
-
-class ModelBusyError(RuntimeError):
-    """A model cannot be closed while it has unfinished calls."""
+ALL = object()  # what ``_schedule`` returns to admit every queued call of the active model
 
 
 @dataclass(slots=True)
 class _Shell:
     engine: Engine
     addresses: ShellAddresses
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the service needs to accept a call for a model, active or not."""
-
-    model_id: str
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_context: int
-
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
 class ColdEngine:
@@ -116,7 +98,7 @@ class ColdEngine:
         self._info: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         for m in self.catalog:
-            self.bank.load(m, self.catalog[m], dtype)
+            self._load_bank(m)
         if arena_bytes is None:
             arena_bytes = align_up(max(self.bank[m].nbytes for m in self.catalog)) + kv_cache_bytes + align_up(runtime_bytes)
         self.arena = Arena(arena_bytes, self.device, runtime_bytes=runtime_bytes)
@@ -153,15 +135,25 @@ class ColdEngine:
             self._refresh_snapshot()
 
     # ------------------------------------------------------------------ catalog (open / close)
+    def _load_bank(self, model: str):
+        """The model's host bank entry, read from its checkpoint if absent. Mutates: the bank; a real load is
+        measured into the switch cost model (the load part of the ``OPEN`` path)."""
+        if model in self.bank:
+            return self.bank[model]
+        t0 = time.perf_counter()
+        e = self.bank.load(model, self.catalog[model], self.dtype)
+        self.costs.observe_load(time.perf_counter() - t0)
+        return e
+
     def _open(self, model: str) -> None:
         if model not in self.catalog:
             raise UnknownModelError(f"model {model!r} is not in this instance's catalog {sorted(self.catalog)}")
-        e = self.bank.load(model, self.catalog[model], self.dtype)
+        e = self._load_bank(model)
         _, g = self.substrate.layout_for(model)  # raises ArenaBudgetError naming the model and bytes
         if model not in self._tokenizers:
             self._tokenizers[model] = Tokenizer.from_dir(self.catalog[model])
         tok = self._tokenizers[model]
-        self._info[model] = ModelInfo(model, tok, e.config.vocab_size, min(e.config.max_position_embeddings, g.num_pages * self.page_size))
+        self._info[model] = ModelInfo(model, tok, e.config.vocab_size, min(e.config.attention_span, g.num_pages * self.page_size))
         if model not in self.loaded:
             self.loaded.append(model)
 
@@ -243,25 +235,10 @@ class ColdEngine:
     def serves(self, model: str) -> bool:
         return model in self._info
 
-    # Backend-compatible attributes (the first loaded model's; multi-model callers use ``info(model)``)
     @property
     def model_id(self) -> str:
+        """The default model of a call that names none: the active one (else the first loaded)."""
         return self.active or (self.loaded[0] if self.loaded else "")
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.info(self.model_id).tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info(self.model_id).vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.info(self.model_id).max_context
-
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.info(self.model_id).encode_chat(messages, **kwargs)
 
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
@@ -289,25 +266,47 @@ class ColdEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """The one step of every cold engine: intake, the switch policy's turn (``_schedule``: may switch,
+        says which queued calls of the active model join its shell), one shell step, bookkeeping, staging.
+        The policy is this class's idle switch rule or, in ``slotted.SlottedColdEngine``, the slot scheduler;
+        they differ only in the ``_schedule`` / ``_admitted`` / ``_step_shell`` / ``_finished`` hooks."""
         with self._step_lock:
             outputs = self._drain_intake()
-            target = self.rule.decide(self._view(), self.clock())
-            if target is not None and target != self.active:
-                self._switch(target, "requested" if target == self.requested else "queued")
-            if self.active is not None:
+            admit = self._schedule()
+            if admit is not None and self.active is not None:
                 eng = self._shells[self.active].engine
                 q = self._queues[self.active]
-                while q:
-                    eng.add_request(q.popleft())
-                if eng.has_unfinished():
-                    outputs += eng.step()
+                for r in [r for r in q if admit is ALL or r.request_id in admit]:
+                    q.remove(r)
+                    self._admitted(r)
+                    eng.add_request(r)
+                outputs += self._step_shell(eng)
             for o in outputs:
                 if o.finished:
-                    with self._intake_lock:
-                        self._live.pop(o.request_id, None)
+                    self._finished(o)
             self._stage()
             self._refresh_snapshot()
             return outputs
+
+    # ------------------------------------------------------------------ the switch policy's hooks
+    def _schedule(self) -> Collection[str] | object | None:
+        """The idle switch rule: switch when it says so, then hand every queued call of the active model to
+        its shell (``ALL``); ``None`` would mean no shell step. Mutates: the active model (via ``_switch``)."""
+        target = self.rule.decide(self._view(), self.clock())
+        if target is not None and target != self.active:
+            self._switch(target, "requested" if target == self.requested else "queued")
+        return ALL
+
+    def _admitted(self, req: EngineRequest) -> None:
+        """A queued call joins the active shell (hook)."""
+
+    def _step_shell(self, eng: Engine) -> list[RequestOutput]:
+        return eng.step() if eng.has_unfinished() else []
+
+    def _finished(self, out: RequestOutput) -> None:
+        """Mutates: the live-call table."""
+        with self._intake_lock:
+            self._live.pop(out.request_id, None)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
         ids = [f"cold-generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
@@ -360,8 +359,9 @@ class ColdEngine:
         if self.requested == target:
             self.requested = None
         self.costs.observe(rec.path, rec.total_seconds)
-        self.switch_records.append(rec)
-        self._unpublished.append(rec)
+        with self._intake_lock:
+            self.switch_records.append(rec)
+            self._unpublished.append(rec)
         return rec
 
     def switch_to(self, model: str, reason: str = "manual") -> SwitchRecord:
@@ -425,6 +425,15 @@ class ColdEngine:
         self.active = model
 
     # ------------------------------------------------------------------ introspection
+    def recent_switch_records(self, n: int) -> list[SwitchRecord]:
+        """The latest ``n`` switch records, oldest first (any thread)."""
+        with self._intake_lock:
+            return list(self.switch_records)[-n:]
+
+    def take_round_summaries(self) -> list:
+        """Closed slot-scheduler rounds (none: the idle switch rule has no rounds; see slots/)."""
+        return []
+
     def take_switch_records(self) -> list[SwitchRecord]:
         """Records not yet handed out (the service publishes them on ``.switch``); any thread."""
         with self._intake_lock:

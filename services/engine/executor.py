@@ -18,18 +18,27 @@ snapshot refreshed after every step, so they never wait for a forward.
 
 from __future__ import annotations
 
-import dataclasses
 
 import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.engine.api import (  # noqa: F401 - the error classes are part of this module's interface
+    ContextLengthError,
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingError,
+    ModelInfo,
+    UnknownModelError,
+    UnsupportedOperationError,
+)
 from services.engine.kv.manager import KVManager, cdiv
 from services.engine.kv.allocator import PageAllocator
 from services.engine.model.batch import AttnBatch, KVCache
@@ -41,34 +50,10 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
-from talaria.hashing import model_salt, page_hashes, tenant_salt
+from talaria.ewma import ewma
+from talaria.hashing import model_salt, tenant_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses at intake."""
-
-
-class EmptyPromptError(InvalidRequestError):
-    pass
-
-
-class ContextLengthError(InvalidRequestError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-        self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
-            f"exceeds the context limit of {max_context} tokens"
-        )
-
-
-class InvalidSamplingError(InvalidRequestError):
-    pass
-
-
-class DuplicateRequestError(InvalidRequestError):
-    pass
 
 
 class StopStringBuffer:
@@ -111,22 +96,27 @@ class StopStringBuffer:
 
 
 def validate_request(req: EngineRequest, max_context: int, vocab_size: int) -> None:
-    """Intake checks shared by every executor front (raises InvalidRequestError subclasses)."""
+    """Intake checks — the only ones: every executor front calls this, the service does not repeat them
+    (raises InvalidRequestError subclasses carrying status, code and the offending field)."""
     sp = req.sampling
     n = len(req.prompt_token_ids)
     if n == 0:
         raise EmptyPromptError(f"request {req.request_id!r}: empty prompt")
     if sp.max_tokens < 1:
-        raise InvalidSamplingError(f"request {req.request_id!r}: max_tokens must be >= 1, got {sp.max_tokens}")
-    if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
-        raise InvalidSamplingError(
-            f"request {req.request_id!r}: invalid sampling (temperature={sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k})"
-        )
+        raise InvalidSamplingError(f"max_tokens must be at least 1, got {sp.max_tokens}", "max_tokens")
+    if not 0.0 <= sp.temperature <= 2.0:
+        raise InvalidSamplingError(f"temperature must be within [0, 2], got {sp.temperature}", "temperature")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise InvalidSamplingError(f"top_p must be within (0, 1], got {sp.top_p}", "top_p")
+    if sp.top_k < 0:
+        raise InvalidSamplingError(f"top_k must be >= 0, got {sp.top_k}", "top_k")
     if n + sp.max_tokens > max_context:
-        raise ContextLengthError(n, sp.max_tokens, max_context)
+        raise ContextLengthError(n, sp.max_tokens, max_context, req.model)
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"request {req.request_id!r}: token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
+    if any(not 0 <= t < vocab_size for t, _ in sp.logit_bias):
+        raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary (size {vocab_size})", "logit_bias")
 
 
 @dataclass(slots=True)
@@ -201,12 +191,12 @@ class Engine:
             budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
-                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.max_position_embeddings, page_size))
+                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
         if num_pages < 1:
             raise ValueError(f"KV pool too small: {num_pages} pages")
         self.num_pages = int(num_pages)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
-        self.max_context = min(cfg.max_position_embeddings, self.num_pages * page_size)
+        self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
         self.kv = KVManager(
@@ -234,6 +224,30 @@ class Engine:
         self._refresh_snapshot()
 
 
+    # ------------------------------------------------------------------ the catalog (of one model)
+    def serves(self, model: str) -> bool:
+        return model == self.model_id
+
+    def info(self, model: str) -> ModelInfo:
+        if model != self.model_id:
+            raise UnknownModelError(f"this instance serves only {self.model_id!r}, not {model!r}")
+        return ModelInfo(self.model_id, self.tokenizer, self.vocab_size, self.max_context)
+
+    def open_model(self, model: str) -> None:
+        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot open another")
+
+    def close_model(self, model: str) -> None:
+        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot close it")
+
+    def take_switch_records(self) -> list:
+        return []
+
+    def recent_switch_records(self, n: int) -> list:
+        return []
+
+    def take_round_summaries(self) -> list:
+        return []
+
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue ``req``; it is admitted at the next ``step()``. Raises InvalidRequestError."""
@@ -253,6 +267,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         with self._intake_lock:
             return bool(self._live_ids)
+
+    def pending_requests(self) -> list[EngineRequest]:
+        """Requests queued by ``add_request`` and not yet admitted by a step (a copy; any thread)."""
+        with self._intake_lock:
+            return list(self._pending)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -341,32 +360,59 @@ class Engine:
             idx = torch.tensor([last[i] for i in rows], dtype=torch.int64, device=dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             seqs = [sched.scheduled[i].seq for i in rows]
-            return self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs])
+            return self._sample(logits, seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """One token per row; a row whose sampling fails gets its exception instead, so one sequence's bad
+        parameters end that sequence only (issue 18). The batched call is tried first; only when it fails
+        are the rows sampled one by one (each request's generator draws once either way)."""
+        try:
+            return list(self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs]))
+        except Exception:  # noqa: BLE001 - isolate the failing rows below
+            pass
+        out: list[int | Exception] = []
+        for i, s in enumerate(seqs):
+            try:
+                out.append(self.sampler.sample(logits[i : i + 1], [s.request_id], [s.sampling])[0])
+            except Exception as e:  # noqa: BLE001 - this sequence fails, the batch goes on
+                out.append(e)
+        return out
 
     # ------------------------------------------------------------------ postprocess
-    def _postprocess(self, sched: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int | Exception]) -> list[RequestOutput]:
+        """Per sampled sequence: append, detokenize, stop checks. A failure in any of these (or in its
+        sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
         for seq, tok in zip(seqs, sampled):
             st = self._requests[seq.request_id]
-            sp = seq.sampling
-            seq.append_token(tok)
-            self.num_tokens_generated += 1
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
-                outputs.append(self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0]))
-                continue
-            text, hit_stop = st.text.feed(st.decoder.step([tok]))
-            if hit_stop:
-                outputs.append(self._finish(st, FinishReason.STOP, [tok], text))
-            elif seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
-                more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
-                reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
-                outputs.append(self._finish(st, reason, [tok], text + more))
-            else:
-                outputs.append(RequestOutput(seq.request_id, [tok], text))
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                outputs.append(self._advance(st, tok))
+            except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
+                if not st.finished:
+                    out = self._finish(st, FinishReason.ERROR, [], "")
+                    outputs.append(replace(out, error=f"{type(e).__name__}: {e}"))
         if self.sampler.wants_logprobs:
-            outputs = [dataclasses.replace(o, logprobs=self.sampler.pop_logprobs(o.request_id)) for o in outputs]
+            outputs = [replace(o, logprobs=self.sampler.pop_logprobs(o.request_id)) for o in outputs]
         return outputs
+
+    def _advance(self, st: _RequestState, tok: int) -> RequestOutput:
+        """Append one sampled token to the sequence, release its text, finish it on a stop or a limit.
+        Mutates: the sequence, its decoder and stop buffer; on finish, see ``_finish``."""
+        seq, sp = st.seq, st.seq.sampling
+        seq.append_token(tok)
+        self.num_tokens_generated += 1
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+            return self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0])
+        text, hit_stop = st.text.feed(st.decoder.step([tok]))
+        if hit_stop:
+            return self._finish(st, FinishReason.STOP, [tok], text)
+        if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
+            more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
+            return self._finish(st, FinishReason.STOP if hit_stop else FinishReason.LENGTH, [tok], text + more)
+        return RequestOutput(seq.request_id, [tok], text)
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
@@ -389,25 +435,21 @@ class Engine:
         if entry is None:
             self._session_info.pop(session_id, None)
             return
-        full = len(entry.token_ids) // self.page_size
-        hs = page_hashes(entry.token_ids[: full * self.page_size], self.page_size, self.salt if salt is None else salt)
         self._session_info[session_id] = {
             "session_id": session_id,
             "committed_tokens": len(entry.token_ids),
-            "full_pages": full,
-            "last_page_hash": hs[-1] if hs else 0,
+            "full_pages": len(entry.token_ids) // self.page_size,
             "num_pages": len(entry.pages),
             "last_use_unix": time.time(),
         }
 
     # ------------------------------------------------------------------ introspection
     def _record_timing(self, sched: SchedulerOutput, dt: float) -> None:
-        a = 0.2
+        a = 0.2  # 0.0 = not measured yet
         if all(sc.is_decode for sc in sched.scheduled):
-            self._decode_step = dt if not self._decode_step else (1 - a) * self._decode_step + a * dt
+            self._decode_step = ewma(self._decode_step or None, dt, a)
         else:
-            per = dt / max(sched.num_batched_tokens, 1)
-            self._prefill_per_token = per if not self._prefill_per_token else (1 - a) * self._prefill_per_token + a * per
+            self._prefill_per_token = ewma(self._prefill_per_token or None, dt / max(sched.num_batched_tokens, 1), a)
 
     def _refresh_snapshot(self) -> None:
         kv = self.kv
@@ -446,7 +488,7 @@ class Engine:
         return snap
 
     def session_info(self, session_id: str) -> dict[str, Any] | None:
-        """``committed_tokens``, ``full_pages``, ``last_page_hash`` … of the session's cached entry, or None."""
+        """``committed_tokens``, ``full_pages`` … of the session's cached entry, or None."""
         for s in self._snapshot.get("sessions", []):
             if s["session_id"] == session_id:
                 return dict(s)

@@ -54,12 +54,13 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.kv.host_tier import Ewma, HostSessions, RestoreDecision, decide_restore
+from services.engine.kv.host_tier import HostSessions, RestoreDecision, decide_restore
 from services.engine.kv.session_cache import common_prefix_len
-from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages
-from services.kvstore.registry import Family, Layout
+from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages  # the store's public client
 from services.kvstore.transfer import MooncakeEndpoint
 from talaria import otel
+from talaria.ewma import Ewma
+from talaria.kv_layout import Family, Layout
 
 log = logging.getLogger(__name__)
 

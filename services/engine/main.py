@@ -47,7 +47,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
 
     cls, extra = ColdEngine, {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
-        from services.engine.slots.cold_adapter import SlottedColdEngine, policy_from_config
+        from services.engine.slotted import SlottedColdEngine, policy_from_config
 
         cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
     catalog = {}
@@ -83,8 +83,8 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
     ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without.
     ``tracer`` (the engine process's) records the tier's restore / checkpoint spans."""
     kvs = stack.kvstore
-    cold = hasattr(engine, "attach_host_kv_factory")
-    if not (cfg.host_kv and kvs.enabled) or not (cold or hasattr(engine, "attach_host_kv")):
+    cold = cfg.pool == "cold"
+    if not (cfg.host_kv and kvs.enabled):
         return False
     if not kvs.port:
         log.warning("engine %s: host_kv is on but kvstore.port is 0 (only `talaria up` fills it in); serving without", cfg.id)

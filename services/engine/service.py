@@ -1,7 +1,8 @@
 """Engine worker process: a thin NATS shell around one executor (``services.engine.executor.Engine``).
 
-Threads: the asyncio loop owns NATS I/O (decode requests, encode chunks, heartbeats); one executor thread
-runs ``engine.step()`` whenever there is work, because a forward pass blocks. The executor's intake
+Threads: the asyncio loop owns NATS I/O (decode requests, encode chunks); one executor thread runs
+``engine.step()`` whenever there is work, because a forward pass blocks; heartbeats go out from their own
+thread, loop and connection (``heartbeat.py``), so neither a long step nor a busy loop can starve them. The executor's intake
 (``add_request``/``abort``) is thread-safe; its outputs come back to the loop through
 ``call_soon_threadsafe`` and are published in order by a single publisher task.
 
@@ -16,7 +17,6 @@ Graceful drain (SIGTERM): stop accepting (new calls get 503 ``draining``), let i
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
@@ -26,36 +26,29 @@ import uuid
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from services.engine import wire
+from services.engine.api import Executor, ExecutorError, ModelInfo
+from services.engine.heartbeat import HeartbeatThread
+from services.engine.tracing import CallTracer
+from services.engine.wire import SCHEMA_VERSION, CallError
 from talaria import otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
-from talaria.subjects import Subjects
+from talaria.subjects import PROBE_HEADER, Subjects
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+REQUESTER_PROBE_S = 2.0  # how often calls older than this check that their requester still listens
 
-# cold-engine control failures (by class name: the service does not import the executor)
-_CONTROL_ERRORS = {"UnknownModelError": ("model_not_found", 404), "ModelBusyError": ("model_busy", 409), "ArenaBudgetError": ("insufficient_memory", 507)}
-
-
-class CallError(Exception):
-    """A call the engine refuses; becomes an error chunk with ``status``."""
-
-    def __init__(self, status: int, code: str, message: str, param: str = ""):
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
-
-    def proto(self) -> cpb.Error:
-        return cpb.Error(code=self.code, message=self.message, http_status=self.status, param=self.param)
 
 
 @dataclass(slots=True)
@@ -74,23 +67,31 @@ class _Call:
     arrival_ns: int = 0  # wall clock, for spans
     accepted_ns: int = 0
     first_token_ns: int = 0
+    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by CallTracer.trace)
     last_sent: float = 0.0  # monotonic time of the last chunk published on the reply inbox (keepalives)
-    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by _trace_call)
     token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
+    lease_id: str = ""  # the lease the router honoured for this call
+    believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
 
 
 class EngineService:
-    """One serving instance on NATS. ``engine`` is any object with the executor's API (see backend.py)."""
+    """One serving instance on NATS around an executor (``api.Executor``: the hot Engine or a ColdEngine)."""
 
-    def __init__(self, stack: StackConfig, cfg: EngineConfig, engine, *, drain_timeout_s: float = 30.0, telemetry: otel.Telemetry | None = None):
+    def __init__(
+        self, stack: StackConfig, cfg: EngineConfig, engine: Executor, *, drain_timeout_s: float = 30.0,
+        telemetry: otel.Telemetry | None = None, requester_probe_s: float = REQUESTER_PROBE_S,
+    ):
         self.stack = stack
         self.cfg = cfg
         self.engine = engine
         self.model = cfg.models[0]
         self.subjects = Subjects(stack.namespace)
         self.drain_timeout_s = drain_timeout_s
+        self.requester_probe_s = requester_probe_s
         self.epoch = time.time_ns()
         self.seq = 0
+        self._seq_lock = threading.Lock()  # snapshot() runs on the heartbeat thread and the loop
+        self._beat: HeartbeatThread | None = None
         self.nc: NATS | None = None
         self.draining = False
         self._calls: dict[str, _Call] = {}
@@ -101,22 +102,21 @@ class EngineService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
         self.rounds_closed = 0  # slot scheduler rounds published on .round
-        self.multi = hasattr(engine, "info")  # a cold engine serves several catalog models
+        self.multi = cfg.pool == "cold"  # a cold engine serves several catalog models
         # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
         # queueing (until the first step after intake) from prefill (until the first token).
         self._own_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
-        self._instruments = otel.ServerInstruments(self.telemetry.meter)
-        self._step_marks: collections.deque[int] = collections.deque(maxlen=512)
+        self.tracer = CallTracer(self.telemetry, cfg.id, cfg.pool)
         self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
 
     def _serves(self, model: str) -> bool:
-        return self.engine.serves(model) if self.multi else model == self.model
+        return self.engine.serves(model)
 
-    def _runtime(self, model: str):
+    def _runtime(self, model: str) -> ModelInfo:
         """What accepting a call for ``model`` needs: tokenizer, vocab_size, max_context, encode_chat."""
-        return self.engine.info(model) if self.multi else self.engine
+        return self.engine.info(model)
 
     # ---------------------------------------------------------------- executor thread
     def _run_executor(self) -> None:
@@ -126,7 +126,7 @@ class EngineService:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self._step_marks.append(time.time_ns())
+            self.tracer.step_started()
             try:
                 outs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failing step must fail its calls, not the process
@@ -135,13 +135,12 @@ class EngineService:
                 continue
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
-            if self.multi:
-                recs = self.engine.take_switch_records()
-                if recs:
-                    self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
-                rounds = self.engine.take_round_summaries() if hasattr(self.engine, "take_round_summaries") else None
-                if rounds:
-                    self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
+            recs = self.engine.take_switch_records()
+            if recs:
+                self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
+            rounds = self.engine.take_round_summaries()
+            if rounds:
+                self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
 
     def _fail_all(self, message: str) -> None:
         self.counters["step_failures"] += 1
@@ -153,43 +152,20 @@ class EngineService:
             self._finish_with_error(rid, CallError(500, "engine_error", message))
 
     # ---------------------------------------------------------------- publishing
-    def _switch_proto(self, r) -> pb.SwitchRecord:
-        ph = r.phase_seconds
-        return pb.SwitchRecord(
-            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, seq=r.seq, from_model=r.from_model, to_model=r.to_model,
-            reason=r.reason, path=r.path, started_unix=r.started_unix, total_seconds=r.total_seconds,
-            save_teardown_seconds=ph[0], open_weights_seconds=ph[1], restore_kv_shell_seconds=ph[2],
-            restore_runtime_seconds=ph[3], publish_seconds=ph[4], weight_bytes=r.weight_bytes, staged_bytes=r.staged_bytes,
-            host_bytes=r.host_bytes, dirty_bytes=r.dirty_bytes, d2d_seconds=r.d2d_seconds, h2d_seconds=r.h2d_seconds,
-            kv_shell_reused=r.kv_shell_reused, runtime_reused=r.runtime_reused,
-        )
-
     async def _publish_switches(self, recs) -> None:
         assert self.nc is not None
         for r in recs:
             try:
-                await self.nc.publish(self.subjects.switch(self.cfg.id), self._switch_proto(r).SerializeToString())
+                await self.nc.publish(self.subjects.switch(self.cfg.id), wire.switch_record(r, self.cfg.id).SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("switch record %s not published: %s", r.seq, e)
-
-    def _round_proto(self, r) -> pb.RoundSummary:
-        """A slot-scheduler ``RoundSummary`` (services/engine/slots/types.py) as its wire message."""
-        return pb.RoundSummary(
-            schema_version=SCHEMA_VERSION, instance_id=self.cfg.id, index=r.index, sent_unix=time.time(),
-            wall_s=r.wall_s, active_s=r.active_s, switch_s=r.switch_s, bound_s=r.bound_s, predicted_s=r.predicted_s,
-            shortfall_s=r.shortfall_s, deadline_risk=r.deadline_risk, infeasible=list(r.infeasible),
-            phase_s=dict(r.phase_s), phase_count=dict(r.phase_count), sp_admitted=r.sp_admitted, sp_deferred=r.sp_deferred,
-            sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
-            switch_paths=list(r.switch_paths), flags=dict(r.flags), num_slots=len(r.slots),
-            sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
-        )
 
     async def _publish_rounds(self, rounds) -> None:
         assert self.nc is not None
         for r in rounds:
             self.rounds_closed += 1
             try:
-                await self.nc.publish(self.subjects.round(self.cfg.id), self._round_proto(r).SerializeToString())
+                await self.nc.publish(self.subjects.round(self.cfg.id), wire.round_summary(r, self.cfg.id).SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("round summary %s not published: %s", r.index, e)
 
@@ -237,16 +213,16 @@ class EngineService:
             if o.usage is not None:
                 chunk.usage.CopyFrom(cpb.Usage(
                     prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens,
-                    cached_tokens=o.usage.cached_tokens, restored_tokens=getattr(o.usage, "restored_tokens", 0),
+                    cached_tokens=o.usage.cached_tokens, restored_tokens=o.usage.restored_tokens,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
         await self._send(call, chunk)
         if o.finished:
-            self._trace_call(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, getattr(o.usage, "restored_tokens", 0))
+            self.tracer.trace(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
             await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
 
     def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
-        """Sampler log-probabilities as wire entries, each token decoded alone."""
+        """Sampler log-probabilities as wire entries, each token decoded alone (mutates ``chunk``)."""
         tok = self._runtime(model).tokenizer
         for tid, lp, alts in entries:
             e = chunk.logprobs.add(token_id=tid, token=tok.decode([tid]), logprob=lp)
@@ -272,135 +248,32 @@ class EngineService:
         if call.session_id:
             info = self.engine.session_info(call.session_id)
             if info is not None:
-                hook.prefix.CopyFrom(self._prefix_handle(info, call.model))
+                hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
         assert self.nc is not None
         try:
             await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
 
-    def _prefix_handle(self, info: dict, model: str = "") -> cpb.PrefixHandle:
-        return cpb.PrefixHandle(
-            model=model or self.model,
-            committed_tokens=int(info.get("committed_tokens", 0)),
-            page_size=self.cfg.page_size,
-            last_page_hash=int(info.get("last_page_hash", 0)),
-            full_pages=int(info.get("full_pages", 0)),
-        )
-
-    # ---------------------------------------------------------------- tracing (issue 7)
-    def _first_step_after(self, t_ns: int) -> int:
-        """Start of the first executor step that began at or after ``t_ns`` (0 if no longer known)."""
-        marks = list(self._step_marks)
-        if not marks or (marks[0] > t_ns and len(marks) == self._step_marks.maxlen):
-            return 0
-        return next((m for m in marks if m >= t_ns), 0)
-
-    def _trace_call(self, call: _Call, reason: str, usage, error: str | None, restored_tokens: int = 0, message: str = "") -> None:
-        """The engine's spans of one finished call, written after the fact from its timestamps:
-        ``talaria.engine.call`` (child of the router's span) with ``intake`` (decode, tokenize, validate),
-        ``queue`` (until the first executor step after intake), ``prefill`` (until the first token) and
-        ``decode`` (until the end). Never raises."""
-        try:
-            end = time.time_ns()
-            prompt = int(usage.prompt_tokens) if usage is not None else call.prompt_tokens
-            out = int(usage.completion_tokens) if usage is not None else 0
-            cached = int(usage.cached_tokens) if usage is not None else 0
-            ttft = (call.first_token_ns - call.arrival_ns) / 1e9 if call.first_token_ns else None
-            tpot = (end - call.first_token_ns) / 1e9 / (out - 1) if call.first_token_ns and out > 1 else None
-            self._instruments.record(call.model, self.cfg.id, ttft, tpot, (end - call.arrival_ns) / 1e9, prompt, out, error)
-            if not self.telemetry.enabled:
-                return
-            source = "host" if restored_tokens else ("device" if cached else "recompute")
-            attrs = {
-                otel.GEN_AI_OPERATION: "generate",
-                otel.GEN_AI_PROVIDER: "talaria",
-                otel.GEN_AI_REQUEST_MODEL: call.model,
-                otel.GEN_AI_RESPONSE_MODEL: self.model,
-                otel.REQUEST_ID: call.request_id,
-                otel.INSTANCE_ID: self.cfg.id,
-                "talaria.pool": self.cfg.pool,
-                otel.GEN_AI_USAGE_INPUT_TOKENS: prompt,
-                otel.GEN_AI_USAGE_OUTPUT_TOKENS: out,
-                otel.GEN_AI_USAGE_CACHE_READ: cached,
-                otel.GEN_AI_RESPONSE_FINISH_REASONS: [reason or "stop"],
-                otel.KV_SOURCE: source,
-            }
-            if call.session_id:
-                attrs[otel.SESSION_ID] = call.session_id
-                attrs[otel.GEN_AI_CONVERSATION_ID] = call.session_id
-            if ttft is not None:
-                attrs[otel.GEN_AI_SERVER_TTFT] = ttft
-            if tpot is not None:
-                attrs[otel.GEN_AI_SERVER_TPOT] = tpot
-            tracer = self.telemetry.tracer
-            span = call.span
-            if span is None:
-                span = tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=call.arrival_ns, attributes=attrs)
-            else:
-                span.set_attributes(attrs)
-            if error:
-                span.set_attribute(otel.ERROR_TYPE, error)
-                span.set_status(Status(StatusCode.ERROR, message or error))
-            ctx = trace.set_span_in_context(span)
-            accepted = call.accepted_ns or call.arrival_ns
-            step = self._first_step_after(accepted) if call.accepted_ns else 0
-            queue_end = min(step, call.first_token_ns or end) if step else accepted
-            phases = [("talaria.engine.intake", call.arrival_ns, accepted, {})]
-            if call.accepted_ns:
-                phases.append(("talaria.engine.queue", accepted, queue_end, {otel.QUEUE_SECONDS: (queue_end - accepted) / 1e9, "talaria.queue.exact": bool(step)}))
-                prefill_end = call.first_token_ns or end
-                phases.append(("talaria.engine.prefill", queue_end, prefill_end, {
-                    otel.GEN_AI_USAGE_INPUT_TOKENS: prompt,
-                    otel.GEN_AI_USAGE_CACHE_READ: cached,
-                    otel.PREFILL_COMPUTED: max(0, prompt - cached),
-                    "talaria.prefill.restored_tokens": int(restored_tokens),
-                    otel.KV_SOURCE: source,
-                    "talaria.kv.device_hit": bool(cached and not restored_tokens),
-                }))
-                if call.first_token_ns:
-                    phases.append(("talaria.engine.decode", call.first_token_ns, end, {otel.GEN_AI_USAGE_OUTPUT_TOKENS: out, **({otel.GEN_AI_SERVER_TPOT: tpot} if tpot is not None else {})}))
-            for name, t0, t1, a in phases:
-                tracer.start_span(name, context=ctx, start_time=t0, attributes=a).end(end_time=max(t0, t1))
-            span.end(end_time=end)
-        except Exception:  # noqa: BLE001 - tracing never breaks serving
-            log.debug("trace of %s not recorded", call.request_id, exc_info=True)
-
     def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
         call = self._calls.pop(rid, None)
         if call is None:
             return
         self.counters["errors"] += 1
-        self._trace_call(call, reason, None, err.code)
+        self.tracer.trace(call, reason, None, err.code)
         chunk = pb.TokenChunk(finished=True, finish_reason=reason, error=err.proto())
         asyncio.ensure_future(self._send(call, chunk))
         asyncio.ensure_future(self._hook(call, reason, None, err.proto(), 0.0))
 
     # ---------------------------------------------------------------- request intake
-    def _sampling(self, sp: pb.SamplingParams) -> SamplingParams:
-        if sp.max_tokens < 1:
-            raise CallError(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
-        if not 0.0 <= sp.temperature <= 2.0:
-            raise CallError(400, "invalid_value", "temperature must be within [0, 2]", "temperature")
-        top_p = sp.top_p if sp.top_p > 0 else 1.0
-        if top_p > 1.0:
-            raise CallError(400, "invalid_value", "top_p must be within (0, 1]", "top_p")
-        return SamplingParams(
-            temperature=sp.temperature,
-            top_p=top_p,
-            top_k=sp.top_k,
-            seed=sp.seed if sp.has_seed else None,
-            max_tokens=sp.max_tokens,
-            stop=tuple(sp.stop),
-            stop_token_ids=tuple(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty or 1.0,
-            min_p=sp.min_p,
-            logit_bias=tuple(sorted(sp.logit_bias.items())),
-            logprobs=min(sp.top_logprobs, 20) if sp.logprobs else -1,
-        )
+    def _intake(self, req: pb.GenerateRequest) -> tuple[SamplingParams, list[int]]:
+        """Decode, tokenize and compile the call's constraint (runs on a worker thread; raises CallError).
+        Range checks are the executor's (``validate_request``)."""
+        sampling = wire.sampling_params(req.sampling)
+        prompt = self._tokenize(req)
+        if req.sampling.constraint.kind:
+            sampling = dataclasses.replace(sampling, grammar=self._grammar(req))
+        return sampling, prompt
 
     def _grammar(self, req: pb.GenerateRequest):
         """Compile the call's structured-output constraint (bounded time; see grammar.py). Mutates the
@@ -424,12 +297,7 @@ class EngineService:
         if which == "text":
             return rt.tokenizer.encode(req.text)
         if which == "token_ids":
-            ids = list(req.token_ids.ids)
-            vocab = rt.vocab_size
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise CallError(400, "invalid_value", f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
-            return ids
+            return list(req.token_ids.ids)  # the executor checks them against its vocabulary
         if which == "messages":
             msgs = [chat_message_dict(m) for m in req.messages.messages]
             tools = json.loads(req.tools_json) if req.tools_json else None
@@ -472,28 +340,14 @@ class EngineService:
         if rid in self._calls:
             return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
         try:
-            sampling = self._sampling(req.sampling)
-            prompt = await asyncio.to_thread(self._tokenize, req)
-            if req.sampling.constraint.kind:
-                sampling = dataclasses.replace(sampling, grammar=await asyncio.to_thread(self._grammar, req))
-            vocab = self._runtime(req.model).vocab_size
-            if any(t >= vocab for t, _ in sampling.logit_bias):
-                raise CallError(400, "invalid_value", f"logit_bias names a token id outside the vocabulary (size {vocab})", "logit_bias")
-            if not prompt:
-                raise CallError(400, "invalid_value", "prompt is empty after tokenization", "prompt")
-            limit = self._runtime(req.model).max_context
-            if len(prompt) + sampling.max_tokens > limit:
-                raise CallError(
-                    413,
-                    "context_length_exceeded",
-                    f"prompt of {len(prompt)} tokens plus max_tokens {sampling.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'",
-                    "messages" if req.WhichOneof("prompt") == "messages" else "prompt",
-                )
+            sampling, prompt = await asyncio.to_thread(self._intake, req)
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
         call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns
+        call.lease_id = req.lease_id
+        call.believed_prefix = req.prefix.committed_tokens if req.HasField("prefix") and req.prefix.model == req.model else 0
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent
         if self.telemetry.enabled:
@@ -505,13 +359,13 @@ class EngineService:
         self.counters["calls"] += 1
         try:
             self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant))
-        except ValueError as e:
+        except ExecutorError as e:  # validation happens here, once (executor.validate_request)
             self._calls.pop(rid, None)
             if call.span is not None:
                 call.span.set_status(Status(StatusCode.ERROR, str(e)))
                 call.span.end()
-            status = 413 if "context" in type(e).__name__.lower() else 400
-            return await self._reject(msg.reply, rid, CallError(status, "invalid_request", str(e)))
+            param = "messages" if e.param == "prompt" and req.WhichOneof("prompt") == "messages" else e.param
+            return await self._reject(msg.reply, rid, CallError(e.status, e.code, str(e), param))
         call.accepted_ns = time.time_ns()
         self._wake.set()
         tool_format = self._runtime(req.model).tokenizer.tool_format if req.tools_json else ""
@@ -539,7 +393,7 @@ class EngineService:
             return
         self.engine.abort(rid)
         self.counters["aborted"] += 1
-        self._trace_call(call, "abort", None, "aborted", message=reason)
+        self.tracer.trace(call, "abort", None, "aborted", message=reason)
         asyncio.ensure_future(self._send(call, pb.TokenChunk(finished=True, finish_reason="abort")))
         asyncio.ensure_future(self._hook(call, "abort", None, None, 0.0))
         log.info("aborted %s: %s", rid, reason)
@@ -554,93 +408,35 @@ class EngineService:
             elif req.op == pb.CONTROL_RESUME:
                 self.draining = False
             elif req.op == pb.CONTROL_FLUSH_CACHE:
-                self.engine.flush_cache()
-            elif self.multi and req.op == pb.CONTROL_OPEN_MODEL:
+                await asyncio.to_thread(self.engine.flush_cache)  # waits for the running step: never on the loop
+            elif req.op == pb.CONTROL_OPEN_MODEL:
                 await asyncio.to_thread(self.engine.open_model, req.model)  # loads the bank copy if closed
                 self._wake.set()
-            elif self.multi and req.op == pb.CONTROL_CLOSE_MODEL:
+            elif req.op == pb.CONTROL_CLOSE_MODEL:
                 await asyncio.to_thread(self.engine.close_model, req.model)
             else:
                 reply.ok = False
                 reply.error.CopyFrom(cpb.Error(code="unsupported", message=f"control op {pb.ControlOp.Name(req.op)} is not supported by a hot instance", http_status=422))
-        except Exception as e:  # noqa: BLE001
+        except ExecutorError as e:
             reply.ok = False
-            code, status = _CONTROL_ERRORS.get(type(e).__name__, ("bad_message", 400))
-            reply.error.CopyFrom(cpb.Error(code=code, message=str(e), http_status=status))
+            reply.error.CopyFrom(cpb.Error(code=e.code, message=str(e), http_status=e.status, param=e.param))
+        except Exception as e:  # noqa: BLE001 - e.g. an undecodable request
+            reply.ok = False
+            reply.error.CopyFrom(cpb.Error(code="bad_message", message=str(e), http_status=400))
         reply.snapshot.CopyFrom(self.snapshot())
         if msg.reply:
             await msg.respond(reply.SerializeToString())
 
     # ---------------------------------------------------------------- snapshots
     def snapshot(self) -> pb.InstanceSnapshot:
+        """The instance snapshot (thread-safe: the heartbeat thread and the loop both call it)."""
         st = self.engine.stats()
-        self.seq += 1
-        snap = pb.InstanceSnapshot(
-            schema_version=SCHEMA_VERSION,
-            instance_id=self.cfg.id,
-            pool=pb.POOL_HOT if self.cfg.pool == "hot" else pb.POOL_COLD,
-            epoch=self.epoch,
-            seq=self.seq,
-            sent_unix=time.time(),
-            heartbeat_period_s=self.cfg.heartbeat_period_s,
-            num_running=st.get("num_running", 0),
-            num_waiting=st.get("num_waiting", 0),
-            kv_usage=st.get("kv_usage", 0.0),
-            kv_pages_total=st.get("kv_pages_total", 0),
-            kv_pages_free=st.get("kv_pages_free", 0),
-            draining=self.draining,
-            device=self.cfg.device,
-            tokens_generated=st.get("tokens_generated", 0),
-            prefix_hit_rate=st.get("prefix_hit_rate", 0.0),
-        )
-        if self.multi:  # every loaded catalog model is served; `active` marks the resident one
-            for m in st.get("models", []):
-                snap.models.append(pb.ModelState(**m))
-            snap.staging_slack_bytes = st.get("staging_slack_bytes", 0)
-            snap.num_switches = st.get("num_switches", 0)
-            for r in list(self.engine.switch_records)[-8:]:
-                snap.switches.append(self._switch_proto(r))
-            slots = st.get("slots")
-            if slots:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
-                snap.deadline_risk = bool(slots.get("deadline_risk"))
-                snap.shortfall_s = float(slots.get("shortfall_s", 0.0))
-                snap.round_remaining_s = float(slots.get("round_remaining_s", 0.0))
-                snap.infeasible.extend(slots.get("infeasible", []))
-                snap.rounds = self.rounds_closed
-        else:
-            snap.models.append(
-                pb.ModelState(model=self.model, loaded=True, active=True, max_context=self.engine.max_context, num_running=snap.num_running, num_waiting=snap.num_waiting)
-            )
-        for s in st.get("sessions", []):
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
-        prof = st.get("profile") or {}
-        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0), switch_by_path=prof.get("switch_by_path", {})))
-        self._add_host_kv_state(snap, st)
-        return snap
+        with self._seq_lock:
+            self.seq += 1
+            seq = self.seq
+        switches = self.engine.recent_switch_records(8)
+        return wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
 
-    def _add_host_kv_state(self, snap: pb.InstanceSnapshot, st: dict) -> None:
-        """Sessions whose KV left the device: ``host`` (restorable from the kvstore) or ``missing`` (the
-        store restarted, or is unreachable); plus the measured restore cost per token."""
-        hk = st.get("host_kv")
-        if not hk:
-            return
-        snap.profile.restore_per_token = hk.get("restore_per_token", 0.0)
-        on_device = {s.session_id for s in snap.sessions}
-        for s in hk.get("sessions", []):
-            if s["session_id"] in on_device:
-                continue
-            state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
-            snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or self.model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))
-
-    async def _heartbeats(self) -> None:
-
-        assert self.nc is not None
-        while True:
-            try:
-                await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
-            except Exception as e:  # noqa: BLE001 - keep beating through reconnects
-                log.warning("heartbeat not published: %s", e)
-            await asyncio.sleep(self.cfg.heartbeat_period_s)
 
     async def _deadlines(self) -> None:
         while True:
@@ -667,13 +463,35 @@ class EngineService:
             except Exception as e:  # noqa: BLE001 - a lost client must not stop the loop
                 log.debug("keepalive to %s failed: %s", call.reply, e)
 
+    async def _requesters(self) -> None:
+        """Abort calls whose requester is gone (its router died, or it dropped the call without a cancel):
+        every ``requester_probe_s`` each call at least that old probes its reply inbox with a request;
+        NATS answers "no responders" when nobody subscribes to it any more (issue 18 #3)."""
+        while True:
+            await asyncio.sleep(self.requester_probe_s)
+            now = time.monotonic()
+            old = [(rid, c.reply) for rid, c in self._calls.items() if now - c.arrival >= self.requester_probe_s]
+            if old:
+                await asyncio.gather(*(self._probe(rid, reply) for rid, reply in old))
+
+    async def _probe(self, rid: str, reply: str) -> None:
+        assert self.nc is not None
+        try:
+            await self.nc.request(reply, b"", timeout=min(1.0, self.requester_probe_s), headers={PROBE_HEADER: "1"})
+        except NoRespondersError:
+            self._abort(rid, "requester gone: nobody listens on its reply inbox")
+        except Exception:  # noqa: BLE001 - a timeout means someone listens (routers do not answer probes)
+            pass
+
     # ---------------------------------------------------------------- lifecycle
     async def run(self, stop: asyncio.Event, url: str) -> None:
         self._loop = asyncio.get_running_loop()
         if self._own_telemetry:
             self.telemetry = otel.setup("talaria-engine", self.cfg.id, self.stack.telemetry, self.stack.namespace)
-            self._instruments = otel.ServerInstruments(self.telemetry.meter)
+            self.tracer = CallTracer(self.telemetry, self.cfg.id, self.cfg.pool)
         self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
+        # a cold engine's initial activation happened before there was a connection: it goes out now, in
+        await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
         self._thread = threading.Thread(target=self._run_executor, name=f"executor-{self.cfg.id}", daemon=True)
         self._thread.start()
         subs = [
@@ -681,7 +499,13 @@ class EngineService:
             await self.nc.subscribe(self.subjects.cancel(self.cfg.id), cb=self._on_cancel),
             await self.nc.subscribe(self.subjects.control(self.cfg.id), cb=self._on_control),
         ]
-        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._heartbeats(), self._deadlines())]
+        await self.nc.flush()  # the subscriptions are in place before the first beat says "serving"
+        self._beat = HeartbeatThread(
+            url, f"engine-{self.cfg.id}-heartbeat", self.stack.nats, self.subjects.heartbeat(self.cfg.id),
+            lambda: self.snapshot().SerializeToString(), self.cfg.heartbeat_period_s,
+        )
+        await asyncio.to_thread(self._beat.start)
+        tasks = [asyncio.create_task(t) for t in (self._publisher(), self._deadlines(), self._requesters())]
         print(f"engine {self.cfg.id} serving {', '.join(self.cfg.models) if self.multi else self.model} on {self.cfg.device}", flush=True)
         try:
             await stop.wait()
@@ -691,6 +515,8 @@ class EngineService:
     async def _drain(self, subs, tasks) -> None:
         self.draining = True
         assert self.nc is not None
+        if self._beat is not None:
+            await asyncio.to_thread(self._beat.stop)  # the last beats below come from this loop, in order
         try:
             await self.nc.publish(self.subjects.heartbeat(self.cfg.id), self.snapshot().SerializeToString())
         except Exception:  # noqa: BLE001

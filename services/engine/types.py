@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+# Temperatures below this sample greedily: dividing logits by a denormal temperature overflows to inf/nan
+# (issue 18: ``temperature=1e-45`` crashed the sampler), and any temperature this small is argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS or a stop string/token
     LENGTH = "length"  # max_tokens reached (or the context limit)
@@ -19,7 +24,7 @@ class FinishReason(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) => greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 => disabled
     seed: int | None = None  # per-request generator seed; None => engine-derived from request id
@@ -42,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(slots=True)

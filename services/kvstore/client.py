@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kvstore.auth import call_metadata
-from services.kvstore.registry import Layout
+from talaria.kv_layout import Layout
 from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
 from services.kvstore.wire import layout_to_pb
 from talaria import otel

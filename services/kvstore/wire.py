@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from services.kvstore.registry import BlockView, Family, Layout
+from services.kvstore.registry import BlockView
+from talaria.kv_layout import Family, Layout
 from talaria.v1 import kvstore_pb2 as pb
 
 FAMILY_TO_PB = {Family.MHA: pb.ATTENTION_MHA, Family.MLA: pb.ATTENTION_MLA, Family.RECURRENT: pb.ATTENTION_RECURRENT}

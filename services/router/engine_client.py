@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client as NATS
 
-from talaria.subjects import Subjects
+from talaria.subjects import PROBE_HEADER, Subjects
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class EngineCall:
 
     async def start(self) -> None:
         async def on_msg(msg) -> None:
+            if msg.headers and PROBE_HEADER in msg.headers:
+                return  # the engine checking that this inbox still listens (its request sees our interest)
             if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
                 self.no_responders = True  # NATS: nobody subscribes to the engine's generate subject
                 self._queue.put_nowait(None)

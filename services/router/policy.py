@@ -73,6 +73,15 @@ class PolicyParams:
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
 
+    @classmethod
+    def from_config(cls, placement) -> PolicyParams:
+        """The knobs of a ``talaria.config.PlacementConfig``, taken by field name (a knob added to both is
+        wired with no third list); fields the config does not have keep their defaults."""
+        given = {f.name: getattr(placement, f.name) for f in fields(cls) if hasattr(placement, f.name)}
+        if "model_weights_gib" in given:
+            given["model_weights_gib"] = dict(given["model_weights_gib"])
+        return cls(**given)
+
 
 @dataclass(frozen=True, slots=True)
 class Profile:
@@ -237,14 +246,20 @@ def kv_state_on(inst: InstanceState, req: CallRequest, session: SessionView | No
     return "none", 0
 
 
+def queue_pressure(inst: InstanceState, admission_unit: float, running_weight: float, leases: int) -> float:
+    """Calls ahead of a new one, in units of a mean call (Eq. 1's dR_req): waiting + forwarded since the
+    snapshot + ``admission_unit`` per live lease + ``running_weight`` per running call."""
+    return inst.waiting + inst.overlay_calls + admission_unit * leases + running_weight * inst.running
+
+
 def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     res = inst.models[model]
     if res.active:
         return "active", 0.0
+    if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
+        return "switch", inst.profile.staged_switch_s
     if res.loaded:
         return "switch", inst.profile.switch_s
-    if res.staged:
-        return "switch", inst.profile.staged_switch_s
     return "open", inst.profile.open_s
 
 
@@ -258,8 +273,7 @@ def _terms(inst: InstanceState, state: PlacementState) -> list:
     if state.lease is not None and state.lease.instance_id == inst.instance_id and leases > 0:
         leases -= 1  # the lease reserved for this very call is not queue ahead of it
     mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
-    pressure = inst.waiting + inst.overlay_calls + p.admission_unit * leases + p.running_weight * inst.running
-    queue_s = mean_call_s * pressure
+    queue_s = mean_call_s * queue_pressure(inst, p.admission_unit, p.running_weight, leases)
     delta_r = queue_s + suffix * prof.prefill_per_token + req.expected_decode * prof.decode_step
     if kv_source == "device" or kv_source == "none":
         c_kv = 0.0
@@ -402,7 +416,7 @@ class InstanceIndex:
                     self.kv_sessions.setdefault(key, set()).add(iid)
         au, rw, reserve, price = self.key
         prof = inst.profile
-        pressure = inst.waiting + inst.overlay_calls + au * inst.overlay_leases + rw * inst.running
+        pressure = queue_pressure(inst, au, rw, inst.overlay_leases)
         calls = inst.running + inst.waiting + inst.overlay_calls
         cap = inst.kv_pages_total * (1.0 - reserve)
         mu = price / max(0.05, 1.0 - inst.kv_usage)

@@ -10,13 +10,12 @@ profiles ... using an exponentially weighted moving average"). Pure state, injec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from services.router.policy import CallShape, Profile
-
-
-def ewma(old: float | None, sample: float, alpha: float) -> float:
-    return sample if old is None else (1.0 - alpha) * old + alpha * sample
+from talaria.ewma import ewma
+from talaria.switch_path import SwitchPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +26,21 @@ class Defaults:
     switch_s: float = 0.5
     open_s: float = 5.0
 
+    @classmethod
+    def from_config(cls, placement) -> Defaults:
+        """Cold-start priors from a ``PlacementConfig``: field ``x`` is its ``default_x`` (``_s`` appended to
+        the names that lack the unit)."""
+        return cls(**{f.name: getattr(placement, f"default_{f.name}" + ("" if f.name.endswith("_s") else "_s")) for f in fields(cls)})
 
-# Keys of CostProfile.switch_by_path the cold pool reports (issue 3); first one present wins.
-SWITCH_KEYS = ("resident", "switch", "d2d")
-STAGED_KEYS = ("staged", "partial", "d2d")
-OPEN_KEYS = ("open", "h2d", "full")
+
+# Which measured switch path (CostProfile.switch_costs, reported by a cold engine) prices which activation
+# of policy.activation(); the first path measured wins. A loaded model with nothing staged switches host-only;
+# a staged one moves (some of) its chunks device-to-device; a model not loaded is first read into the bank.
+ACTIVATION_PATHS: dict[str, tuple[SwitchPath, ...]] = {
+    "switch_s": (SwitchPath.HOST_ONLY,),
+    "staged_switch_s": (SwitchPath.FULL_STAGED, SwitchPath.PARTIAL),
+    "open_s": (SwitchPath.OPEN,),
+}
 
 
 class ProfileBook:
@@ -40,14 +49,18 @@ class ProfileBook:
         self.alpha = alpha
         self._v: dict[str, dict[str, float]] = {}
 
-    def observe(self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float, switch_by_path: dict[str, float]) -> None:
-        """Fold one snapshot's measured profile in; zero means "not measured" and is skipped."""
+    def observe(
+        self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
+        switch_costs: Mapping[SwitchPath, float],
+    ) -> None:
+        """Fold one snapshot's measured profile in; zero means "not measured" and is skipped.
+        Mutates: the instance's EWMAs."""
         cur = self._v.setdefault(instance_id, {})
         samples = {"prefill_per_token": prefill_per_token, "decode_step": decode_step, "restore_per_token": restore_per_token}
-        for name, keys in (("switch_s", SWITCH_KEYS), ("staged_switch_s", STAGED_KEYS), ("open_s", OPEN_KEYS)):
-            for k in keys:
-                if switch_by_path.get(k, 0.0) > 0:
-                    samples[name] = switch_by_path[k]
+        for name, paths in ACTIVATION_PATHS.items():
+            for path in paths:
+                if switch_costs.get(path, 0.0) > 0:
+                    samples[name] = switch_costs[path]
                     break
         for k, v in samples.items():
             if v > 0:

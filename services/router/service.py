@@ -148,20 +148,7 @@ def on_nats_state(state: RouterState, what: str) -> None:
 
 
 def policy_params(cfg: StackConfig) -> PolicyParams:
-    pc = cfg.router.placement
-    return PolicyParams(
-        policy=pc.policy,
-        admission_unit=pc.admission_unit,
-        admission_budget_s=pc.admission_budget_s,
-        hbm_reserve_fraction=pc.hbm_reserve_fraction,
-        running_weight=pc.running_weight,
-        control_window_s=pc.control_window_s,
-        hbm_price_s_per_gib=pc.hbm_price_s_per_gib,
-        replica_penalty_s=pc.replica_penalty_s,
-        model_weights_gib=dict(pc.model_weights_gib),
-        retry_after_s=pc.retry_after_s,
-        replica_shortlist=pc.replica_shortlist,
-    )
+    return PolicyParams.from_config(cfg.router.placement)
 
 
 def make_state(cfg: StackConfig) -> RouterState:
@@ -172,7 +159,7 @@ def make_state(cfg: StackConfig) -> RouterState:
                         miss_limit_s=rc.heartbeat_miss_limit_s, dead_after_s=rc.engine_dead_after_s)
     sessions = SessionTable(clock)
     table = LeaseTable()
-    defaults = Defaults(pc.default_prefill_per_token_s, pc.default_decode_step_s, pc.default_restore_per_token_s, pc.default_switch_s, pc.default_open_s)
+    defaults = Defaults.from_config(pc)
     gateway = Gateway(
         policy_params(cfg),
         registry,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17talaria/v1/common.proto\x12\ntalaria.v1\"J\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\r\x12\r\n\x05param\x18\x04 \x01(\t\"v\n\x0cPrefixHandle\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x16\n\x0elast_page_hash\x18\x04 \x01(\x04\x12\x12\n\nfull_pages\x18\x05 \x01(\r\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0frestored_tokens\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17talaria/v1/common.proto\x12\ntalaria.v1\"J\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\r\x12\r\n\x05param\x18\x04 \x01(\t\"t\n\x0cPrefixHandle\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nfull_pages\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05R\x0elast_page_hash\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0frestored_tokens\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR']._serialized_start=39
   _globals['_ERROR']._serialized_end=113
   _globals['_PREFIXHANDLE']._serialized_start=115
-  _globals['_PREFIXHANDLE']._serialized_end=233
-  _globals['_USAGE']._serialized_start=235
-  _globals['_USAGE']._serialized_end=340
+  _globals['_PREFIXHANDLE']._serialized_end=231
+  _globals['_USAGE']._serialized_start=233
+  _globals['_USAGE']._serialized_end=338
 # @@protoc_insertion_point(module_scope)

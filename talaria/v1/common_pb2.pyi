@@ -17,18 +17,16 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., http_status: _Optional[int] = ..., param: _Optional[str] = ...) -> None: ...
 
 class PrefixHandle(_message.Message):
-    __slots__ = ("model", "committed_tokens", "page_size", "last_page_hash", "full_pages")
+    __slots__ = ("model", "committed_tokens", "page_size", "full_pages")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    LAST_PAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     FULL_PAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     committed_tokens: int
     page_size: int
-    last_page_hash: int
     full_pages: int
-    def __init__(self, model: _Optional[str] = ..., committed_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., last_page_hash: _Optional[int] = ..., full_pages: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., committed_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., full_pages: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "restored_tokens")

@@ -21,6 +21,14 @@ class KvState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_HOST: _ClassVar[KvState]
     KV_MISSING: _ClassVar[KvState]
 
+class SwitchPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWITCH_PATH_UNSPECIFIED: _ClassVar[SwitchPath]
+    SWITCH_PATH_FULL_STAGED: _ClassVar[SwitchPath]
+    SWITCH_PATH_PARTIAL: _ClassVar[SwitchPath]
+    SWITCH_PATH_HOST_ONLY: _ClassVar[SwitchPath]
+    SWITCH_PATH_OPEN: _ClassVar[SwitchPath]
+
 class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CONTROL_OP_UNSPECIFIED: _ClassVar[ControlOp]
@@ -36,6 +44,11 @@ KV_STATE_UNSPECIFIED: KvState
 KV_DEVICE: KvState
 KV_HOST: KvState
 KV_MISSING: KvState
+SWITCH_PATH_UNSPECIFIED: SwitchPath
+SWITCH_PATH_FULL_STAGED: SwitchPath
+SWITCH_PATH_PARTIAL: SwitchPath
+SWITCH_PATH_HOST_ONLY: SwitchPath
+SWITCH_PATH_OPEN: SwitchPath
 CONTROL_OP_UNSPECIFIED: ControlOp
 CONTROL_DRAIN: ControlOp
 CONTROL_RESUME: ControlOp
@@ -194,7 +207,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "queue_seconds", "ttft_seconds", "keepalive", "tool_format", "logprobs")
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +219,6 @@ class TokenChunk(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -222,12 +234,11 @@ class TokenChunk(_message.Message):
     usage: _common_pb2.Usage
     error: _common_pb2.Error
     instance_id: str
-    queue_seconds: float
     ttft_seconds: float
     keepalive: bool
     tool_format: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., queue_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("schema_version", "request_id", "reason")
@@ -299,24 +310,25 @@ class ModelState(_message.Message):
     num_waiting: int
     def __init__(self, model: _Optional[str] = ..., loaded: _Optional[bool] = ..., active: _Optional[bool] = ..., staged: _Optional[bool] = ..., max_context: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
 
+class SwitchCost(_message.Message):
+    __slots__ = ("path", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: SwitchPath
+    seconds: float
+    def __init__(self, path: _Optional[_Union[SwitchPath, str]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class CostProfile(_message.Message):
-    __slots__ = ("prefill_per_token", "decode_step", "restore_per_token", "switch_by_path")
-    class SwitchByPathEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: float
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    __slots__ = ("prefill_per_token", "decode_step", "restore_per_token", "switch_costs")
     PREFILL_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    SWITCH_BY_PATH_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_COSTS_FIELD_NUMBER: _ClassVar[int]
     prefill_per_token: float
     decode_step: float
     restore_per_token: float
-    switch_by_path: _containers.ScalarMap[str, float]
-    def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_by_path: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    switch_costs: _containers.RepeatedCompositeFieldContainer[SwitchCost]
+    def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_costs: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
     __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible")

@@ -22,7 +22,7 @@ def test_generate_request_round_trip():
         model="m",
         messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
         sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, max_tokens=7, stop=["\n"], has_seed=True, seed=3),
-        prefix=cpb.PrefixHandle(model="m", committed_tokens=40, page_size=16, last_page_hash=2**62, full_pages=2),
+        prefix=cpb.PrefixHandle(model="m", committed_tokens=40, page_size=16, full_pages=2),
         trace_context={"traceparent": "00-abc-def-01"},
     )
     back = pb.GenerateRequest.FromString(req.SerializeToString())

@@ -11,7 +11,7 @@ from services.engine.slots import CallView, CostModel, CostProfile, InstanceView
 from services.engine.slots.admission import SpLimits, select_sp, sp_ineligible_reason
 from services.engine.slots.budget import eq4_holds, plan_round, reserved_iterations
 from services.engine.slots.costs import expected_path
-from services.engine.slots.fake import CallSpec, FakeExecutor, SessionSpec, simulate
+from tests.fakes.slot_executor import CallSpec, FakeExecutor, SessionSpec, simulate
 from talaria.clock import ManualClock
 
 TRUTH = CostProfile(prefill_per_token=1e-4, decode_step=0.01, restore_per_token=1e-5,

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.executor import Engine
 from services.engine.slots import Phase, SlotPolicy
-from services.engine.slots.cold_adapter import SlottedColdEngine
+from services.engine.slotted import SlottedColdEngine
 from services.engine.types import EngineRequest, SamplingParams
 
 PAGE = 4
@@ -145,7 +145,7 @@ def test_round_only_matches_too_and_never_sp(synth_models, specs, ref):
 
 def test_ablation_switches_from_engine_config():
     from talaria.config import EngineConfig
-    from services.engine.slots.cold_adapter import policy_from_config
+    from services.engine.slotted import policy_from_config
 
     off = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], sp=False, host_kv=False, d2d_staging=False))
     assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}

@@ -8,7 +8,7 @@ what it decides with, so the decision can be tested and reused by the router's s
   fixed control overhead (lookup + unpin round trips) plus ``n · restore_per_token``; recomputing costs
   ``n · prefill_per_token``. Both are EWMA-refreshed measurements of this engine; priors stand in until
   the first sample. The decision carries its cost breakdown so it can be logged and asserted.
-* :class:`Ewma` — the refresh rule.
+* the refresh rule is the project's one EWMA (``talaria.ewma.Ewma``).
 * :class:`HostSessions` — which sessions this engine has checkpointed, how far, into which store epoch,
   so the instance snapshot can say *host* (restorable from the store) or *missing* (the store restarted
   or is unreachable) for sessions whose device entry is gone.
@@ -38,21 +38,6 @@ def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: 
         return RestoreDecision(True, tokens, restore_s, recompute_s, "restore is cheaper")
     return RestoreDecision(False, tokens, restore_s, recompute_s, "recompute is cheaper")
 
-
-class Ewma:
-    """Exponentially weighted moving average; ``value`` is the prior until the first sample."""
-
-    __slots__ = ("alpha", "value", "samples")
-
-    def __init__(self, prior: float, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.value = prior
-        self.samples = 0
-
-    def add(self, x: float) -> float:
-        self.value = x if self.samples == 0 else (1 - self.alpha) * self.value + self.alpha * x
-        self.samples += 1
-        return self.value
 
 
 @dataclass(slots=True)

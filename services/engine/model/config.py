@@ -7,9 +7,12 @@ Qwen3ForCausalLM; the architectural differences are flags (``qkv_bias``, ``o_bia
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -60,11 +63,21 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None  # parsed for information; not applied by the model
+    sliding_window: int | None = None  # not applied by the model: the context is capped to it (attention_span)
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # "float32" | "float16" | "bfloat16" | None
+
+    @property
+    def attention_span(self) -> int:
+        """The longest context this model is served with. The forward uses full attention, which equals
+        sliding-window attention as long as the context fits in the window, so a model with a window
+        shorter than its positions is capped to the window (``from_dict`` warns) instead of silently
+        attending further than it was trained to."""
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -129,8 +142,14 @@ class ModelConfig:
         dtype = _DTYPE_NAMES.get(str(dtype_raw).replace("torch.", "")) if dtype_raw else None
 
         sliding = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             sliding = None
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        if sliding and int(sliding) < max_pos:
+            log.warning(
+                "%s: sliding_window %d < max_position_embeddings %d; sliding-window attention is not implemented, "
+                "so the context is capped to %d tokens", arch, int(sliding), max_pos, int(sliding),
+            )
 
         return cls(
             architecture=arch,
@@ -150,7 +169,7 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             sliding_window=int(sliding) if sliding else None,
             eos_token_id=eos_t,
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),

@@ -7,7 +7,6 @@
 | ``budget.py`` | Eq. 3-5: protected decode d_m, round bound γ·T_TTFT, prefill pool, shortfall |
 | ``admission.py`` | P admission and SP eligibility / bounded SP batches / SP gain (benefit vs harm, issue 12) |
 | ``scheduler.py`` | ``SlotScheduler.decide(view, now)``: rounds, slots, phases, summaries |
-| ``fake.py`` | profile-driven fake executor + virtual-clock closed-loop driver |
 
 No module here imports torch or does I/O; the clock is whatever ``now`` the caller passes.
 """

@@ -3,7 +3,7 @@ profiles, not constants"; the switch estimate follows staging coverage, §3.5).
 
 Four quantities, per model where they depend on the model: prefill seconds per token, decode-step
 seconds, restore seconds per token (host KV → device), switch seconds by load path
-(``full_staged`` / ``partial`` / ``host_only``). An injected :class:`CostProfile` seeds them; every
+(``talaria.switch_path.SwitchPath``, the wire enum the router prices activation with). An injected :class:`CostProfile` seeds them; every
 executed step and switch refreshes them.
 """
 
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from talaria.ewma import ewma
+from talaria.switch_path import SwitchPath
+
 from .types import CallView
 
-PATHS = ("full_staged", "partial", "host_only")
+PATHS = (SwitchPath.FULL_STAGED, SwitchPath.PARTIAL, SwitchPath.HOST_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +24,7 @@ class CostProfile:
     prefill_per_token: float = 2e-4
     decode_step: float = 0.02
     restore_per_token: float = 2e-5
-    switch_by_path: dict[str, float] = field(default_factory=lambda: {"full_staged": 0.1, "partial": 0.5, "host_only": 1.0})
+    switch_by_path: dict[SwitchPath, float] = field(default_factory=lambda: {SwitchPath.FULL_STAGED: 0.1, SwitchPath.PARTIAL: 0.5, SwitchPath.HOST_ONLY: 1.0})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ class CostModel:
         self.alpha = alpha
         self.default = default or CostProfile()
         self._models: dict[str, CostProfile] = dict(per_model or {})
-        self._switch: dict[str, float] = dict(self.default.switch_by_path)
+        self._switch: dict[SwitchPath, float] = {SwitchPath(k): v for k, v in self.default.switch_by_path.items()}
 
     def _p(self, model: str) -> CostProfile:
         return self._models.get(model, self.default)
@@ -54,10 +57,10 @@ class CostModel:
     def restore_per_token(self, model: str) -> float:
         return self._p(model).restore_per_token
 
-    def switch(self, path: str) -> float:
+    def switch(self, path: SwitchPath) -> float:
         if path in self._switch:
             return self._switch[path]
-        return self._switch.get("host_only", max(self._switch.values(), default=0.0))
+        return self._switch.get(SwitchPath.HOST_ONLY, max(self._switch.values(), default=0.0))
 
     def call(self, c: CallView, host_kv: bool = True) -> CallCost:
         """Predicted prefill + restore of a queued call (its prefix reused from device, or restored from
@@ -70,8 +73,8 @@ class CostModel:
         return CallCost(prefill, restore, c.prompt_tokens - device + c.max_tokens, s)
 
     # ---------------------------------------------------------------- measurements
-    def _ewma(self, old: float, new: float) -> float:
-        return (1 - self.alpha) * old + self.alpha * new
+    def _ewma(self, old: float | None, new: float) -> float:
+        return ewma(old, new, self.alpha)
 
     def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
         """One executed step. Decode-only steps refresh t_D; steps that prefill without restoring refresh the
@@ -89,9 +92,10 @@ class CostModel:
             p = replace(p, restore_per_token=self._ewma(p.restore_per_token, max(rest, 0.0) / restore_tokens))
         self._models[model] = p
 
-    def observe_switch(self, path: str, seconds: float) -> None:
+    def observe_switch(self, path: SwitchPath, seconds: float) -> None:
+        path = SwitchPath(path)
         old = self._switch.get(path)
-        self._switch[path] = seconds if old is None else self._ewma(old, seconds)
+        self._switch[path] = self._ewma(old, seconds)
 
     def snapshot(self, model: str | None = None) -> dict:
         p = self._p(model) if model else self.default
@@ -101,13 +105,13 @@ class CostModel:
         }
 
 
-def expected_path(staged_fraction: float | None, d2d_staging: bool) -> str:
+def expected_path(staged_fraction: float | None, d2d_staging: bool) -> SwitchPath:
     """The load path a switch to a model is expected to take (Talaria §3.5): without D2D staging always
     host-only; with it, by how much of the target is staged (unknown: assume staged, the engine stages the
     predicted next model while the active one serves)."""
     if not d2d_staging:
-        return "host_only"
+        return SwitchPath.HOST_ONLY
     f = 1.0 if staged_fraction is None else staged_fraction
     if f >= 1.0:
-        return "full_staged"
-    return "host_only" if f <= 0.0 else "partial"
+        return SwitchPath.FULL_STAGED
+    return SwitchPath.HOST_ONLY if f <= 0.0 else SwitchPath.PARTIAL

@@ -5,7 +5,7 @@ right after a switch) with a snapshot of the instance and the injected clock's t
 :class:`Decision` and keeps only policy state (the open round and slot, time accounting, the cost model).
 The executor carries the decision out and reports what it measured (``observe_step``/``observe_switch``),
 which refreshes the EWMA cost profile. Nothing here touches torch, memory, threads or I/O, so the same code
-runs in the cold engine, in unit tests and in the simulator (``slots/fake.py``).
+runs in the cold engine, in unit tests and in the simulator (the test fake ``tests/fakes/slot_executor.py``).
 
 Rounds and slots. Each model with work gets one slot per round, in rotation order; the instance switches
 only at slot boundaries. A slot is ``P → D1 → (SP → D)* → Dfin``:

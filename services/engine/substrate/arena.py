@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.api import ExecutorError
+
 ALIGN = 512  # bytes; every region and every tensor view starts on this boundary
 
 
@@ -28,8 +30,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
-class ArenaBudgetError(MemoryError):
+class ArenaBudgetError(ExecutorError, MemoryError):
     """A model does not fit in the arena."""
+
+    status = 507
+    code = "insufficient_memory"
 
     def __init__(self, model: str, needed: int, capacity: int, detail: str = "") -> None:
         self.model, self.needed, self.capacity = model, needed, capacity

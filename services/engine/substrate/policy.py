@@ -1,13 +1,16 @@
 """Switch and staging *policy*: pure functions of a view of the engine, with the clock passed in.
 
 Nothing here touches torch, memory or threads, so the same code runs in the engine, in unit tests and in a
-simulator. The cold-pool round scheduler (issue 5) will replace :class:`IdleSwitchRule`; the engine only
-depends on its one method ``decide(view, now) -> model | None``.
+simulator. :class:`IdleSwitchRule` drives a plain ``ColdEngine`` (``slot_scheduler: false``); the default
+cold engine is ``slotted.SlottedColdEngine``, whose round scheduler is in ``slots/``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from talaria.ewma import ewma
+from talaria.switch_path import SwitchPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,28 +66,46 @@ def plan_staging(num_chunks: int, staged: set[int], free_slots: int, budget: int
     return out
 
 
-def classify_path(num_chunks: int, d2d_chunks: int) -> str:
+def classify_path(num_chunks: int, d2d_chunks: int) -> SwitchPath:
     if num_chunks and d2d_chunks == num_chunks:
-        return "full_staged"
+        return SwitchPath.FULL_STAGED
     if d2d_chunks == 0:
-        return "host_only"
-    return "partial"
+        return SwitchPath.HOST_ONLY
+    return SwitchPath.PARTIAL
 
 
 class SwitchCostModel:
     """EWMA of measured switch seconds per load path (reported in the snapshot's cost profile) and an
-    estimate for a switch given its expected staged fraction (Talaria §3.4: S_{m→m'} from staging coverage)."""
+    estimate for a switch given its expected staged fraction (Talaria §3.4: S_{m→m'} from staging coverage).
+
+    ``OPEN`` (a model that is not loaded) is the measured bank load plus the host-only switch, so it is
+    derived, never observed directly: ``observe_load`` records the load part."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self.by_path: dict[str, float] = {}
+        self._switch: dict[SwitchPath, float] = {}
+        self._load: float | None = None
 
-    def observe(self, path: str, seconds: float) -> None:
-        old = self.by_path.get(path)
-        self.by_path[path] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+    def observe(self, path: SwitchPath, seconds: float) -> None:
+        """Mutates: the EWMA of ``path``."""
+        old = self._switch.get(path)
+        self._switch[path] = ewma(old, seconds, self.alpha)
+
+    def observe_load(self, seconds: float) -> None:
+        """Mutates: the EWMA of loading a checkpoint into the host weight bank."""
+        self._load = ewma(self._load, seconds, self.alpha)
+
+    @property
+    def by_path(self) -> dict[SwitchPath, float]:
+        """Measured seconds per path (``OPEN`` once a load and a host-only switch were measured)."""
+        out = dict(self._switch)
+        host = self._switch.get(SwitchPath.HOST_ONLY)
+        if self._load is not None and host is not None:
+            out[SwitchPath.OPEN] = self._load + host
+        return out
 
     def estimate(self, staged_fraction: float) -> float | None:
-        full, host = self.by_path.get("full_staged"), self.by_path.get("host_only")
+        full, host = self._switch.get(SwitchPath.FULL_STAGED), self._switch.get(SwitchPath.HOST_ONLY)
         if full is None or host is None:
             return full if host is None else host
         f = min(max(staged_fraction, 0.0), 1.0)

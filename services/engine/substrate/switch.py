@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from services.engine.model.batch import KVCache
+from talaria.switch_path import SwitchPath
 
 from .arena import Arena, ArenaBudgetError, Layout, align_up
 from .bank import BankEntry, WeightBank
@@ -43,7 +44,7 @@ class SwitchRecord:
     from_model: str
     to_model: str
     reason: str
-    path: str  # "full_staged" | "partial" | "host_only"
+    path: SwitchPath
     started_unix: float
     total_seconds: float
     phase_seconds: tuple[float, float, float, float, float]  # in PHASES order
@@ -64,7 +65,7 @@ class SwitchRecord:
 
 @dataclass(frozen=True, slots=True)
 class OpenResult:
-    path: str
+    path: SwitchPath
     staged_bytes: int
     host_bytes: int
     dirty_bytes: int

@@ -19,10 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from talaria.clock import ManualClock
+from talaria.switch_path import SwitchPath
 
-from .costs import CostProfile
-from .scheduler import SlotScheduler
-from .types import CallView, Decision, InstanceView, ModelView, RoundSummary
+from services.engine.slots.costs import CostProfile
+from services.engine.slots.scheduler import SlotScheduler
+from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, RoundSummary
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ class FakeExecutor:
                 if self.host_kv:
                     self.host[(src, sid)] = n
             self.device.clear()
-        path = "full_staged" if self.d2d_staging else "host_only"
+        path = SwitchPath.FULL_STAGED if self.d2d_staging else SwitchPath.HOST_ONLY
         secs = self.truth(target).switch_by_path[path]
         self.active = target
         self.switch_log.append((src or "", target, path, secs))

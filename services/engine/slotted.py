@@ -8,21 +8,20 @@ then carries out the decision — switch at a slot boundary (the five-phase swit
 exactly the admitted calls to the active shell, run one shell step — and reports measured step and switch
 times back into the scheduler's EWMA profile.
 
-This is the one module of ``slots/`` that touches the executor (and so torch); the policy modules do not.
+``slots/`` is the pure policy; this module (outside it) is the only one that touches the executor for it.
 The cold engine cannot park in-flight calls across a switch, so ``can_park`` is False (Dfin drains).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from services.engine.cold import ColdEngine
 from services.engine.kv.session_cache import common_prefix_len
 from services.engine.types import EngineRequest, RequestOutput
 
-from .scheduler import SlotPolicy, SlotScheduler
-from .costs import CostModel, CostProfile
-from .types import CallView, Decision, InstanceView, ModelView, Phase
+from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
 
 
 class SlottedColdEngine(ColdEngine):
@@ -45,11 +44,10 @@ class SlottedColdEngine(ColdEngine):
                 prefix, state = common_prefix_len(e.token_ids, req.prompt_token_ids), "device"
         if state == "missing" and sid:
             sh = self.shell(m)
-            hk = getattr(sh, "host_kv", None) if sh is not None else None
-            hs = getattr(hk, "sessions", None)
-            if hs is not None and hasattr(hs, "get"):
-                h = hs.get(sid)
-                if h is not None and getattr(hk, "available", lambda: False)():
+            hk = sh.host_kv if sh is not None else None
+            if hk is not None and hk.available():
+                h = hk.sessions.get(sid)
+                if h is not None:
                     prefix, state = min(h.tokens, len(req.prompt_token_ids)), "host"
         return CallView(
             req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
@@ -65,8 +63,7 @@ class SlottedColdEngine(ColdEngine):
             if m == self.active and eng is not None:
                 sch = eng.scheduler
                 seqs = list(sch.running) + list(sch.waiting)
-                with eng._intake_lock:
-                    pending = list(eng._pending)
+                pending = eng.pending_requests()
                 prefilling = sum(1 for s in seqs if s.num_completion_tokens == 0) + len(pending)
                 remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
                 models.append(ModelView(m, len(seqs) + len(pending), prefilling, max(remaining, default=0), queued))
@@ -77,58 +74,65 @@ class SlottedColdEngine(ColdEngine):
         frac = {m: self.substrate.staged_fraction(m) for m in self.loaded if m != self.active}
         return InstanceView(self.active, tuple(models), free_tokens, frac, can_park=False)
 
-    # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
-        with self._step_lock:
-            outputs = self._drain_intake()
-            d = self.slots.decide(self.slot_view(), self.clock())
-            if d.switch_to is not None:
-                t0 = self.clock()
-                rec = self._switch(d.switch_to, "slot")
-                self.slots.observe_switch(rec.path, self.clock() - t0)
-                d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
-            elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
-                # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
-                # costs no slot anything; the next call of the requested model starts its slot.
-                t0 = self.clock()
-                rec = self._switch(self.requested, "requested")
-                self.slots.observe_switch(rec.path, self.clock() - t0)
-            self.last_decision = d
-            if d.run_step and self.active is not None:
-                eng = self.shell(self.active)
-                q = self._queues[self.active]
-                if d.admit:
-                    want = set(d.admit)
-                    for r in [r for r in q if r.request_id in want]:
-                        q.remove(r)
-                        if r.session_id:
-                            self._req_session[r.request_id] = (r.model, r.session_id)
-                        eng.add_request(r)
-                before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
-                t0 = self.clock()  # durations on the policy's time base (the injected clock)
-                outs = eng.step()
-                dt = self.clock() - t0
-                prefill, decodes = 0, 0
-                for s in eng.scheduler.running:
-                    delta = s.num_computed_tokens - before.get(s.request_id, 0)
-                    if s.request_id in before and delta == 1:
-                        decodes += 1
-                    else:
-                        prefill += max(delta, 0)
-                decodes += sum(1 for o in outs if o.finished and o.request_id in before)
-                self.slots.observe_step(self.active, prefill, 0, decodes, dt)
-                outputs += outs
-            for o in outputs:
-                if o.finished:
-                    with self._intake_lock:
-                        self._live.pop(o.request_id, None)
-                    ms = self._req_session.pop(o.request_id, None)
-                    if ms is not None:
-                        self._served_sessions.add(ms)
-            self._stage()
-            self._refresh_snapshot()
-            self._snapshot["slots"] = self.slots.status(self.clock())
-            return outputs
+    # ------------------------------------------------------------------ the policy's hooks (ColdEngine.step)
+    def _schedule(self) -> Collection[str] | object | None:
+        """The slot scheduler's decision: switch at a slot boundary (then the new slot opens), or honour a
+        control-plane OPEN_MODEL on an idle instance; returns the queued calls to admit, or None for no step.
+        Mutates: the active model, the scheduler's state and cost model, ``last_decision``."""
+        d = self.slots.decide(self.slot_view(), self.clock())
+        if d.switch_to is not None:
+            t0 = self.clock()
+            rec = self._switch(d.switch_to, "slot")
+            self.slots.observe_switch(rec.path, self.clock() - t0)
+            d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
+        elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
+            # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
+            # costs no slot anything; the next call of the requested model starts its slot.
+            t0 = self.clock()
+            rec = self._switch(self.requested, "requested")
+            self.slots.observe_switch(rec.path, self.clock() - t0)
+        self.last_decision = d
+        return frozenset(d.admit or ()) if d.run_step else None
+
+    def _admitted(self, req: EngineRequest) -> None:
+        if req.session_id:
+            self._req_session[req.request_id] = (req.model, req.session_id)
+
+    def _step_shell(self, eng) -> list[RequestOutput]:
+        return self._timed_step(eng)
+
+    def _finished(self, out: RequestOutput) -> None:
+        super()._finished(out)
+        ms = self._req_session.pop(out.request_id, None)
+        if ms is not None:
+            self._served_sessions.add(ms)
+
+    def _refresh_snapshot(self) -> None:
+        super()._refresh_snapshot()
+        self._snapshot["slots"] = self.slots.status(self.clock())
+
+    def _timed_step(self, eng) -> list[RequestOutput]:
+        """One shell step, measured into the slot cost model: decode steps, prefill tokens and the tokens
+        restored from the host KV store at admission (their copy-back runs inside the step), so the restore
+        cost per token is learned from real restores. Mutates: the shell and the cost model."""
+        before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
+        t0 = self.clock()  # durations on the policy's time base (the injected clock)
+        outs = eng.step()
+        dt = self.clock() - t0
+        prefill, restored, decodes = 0, 0, 0
+        for s in eng.scheduler.running:
+            delta = s.num_computed_tokens - before.get(s.request_id, 0)
+            if s.request_id in before and delta == 1:
+                decodes += 1
+            elif s.request_id not in before:
+                restored += s.num_restored_tokens  # admitted this step
+                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)
+            else:
+                prefill += max(delta, 0)
+        decodes += sum(1 for o in outs if o.finished and o.request_id in before)
+        restored += sum(o.usage.restored_tokens for o in outs if o.finished and o.request_id not in before and o.usage is not None)
+        self.slots.observe_step(self.active, prefill, restored, decodes, dt)
+        return outs
 
     def take_round_summaries(self):
         """Round summaries not yet handed out (the service publishes them on ``.round``)."""

@@ -1,0 +1,168 @@
+"""The engine service in-process on a real nats-server and real tiny models (no router, no LocalStack):
+heartbeats that a long step cannot starve (issue 18 #9, issue 12 #4), switch records in order from the
+first subscriber's point of view (issue 18 #13), and calls whose requester is gone (issue 18 #3)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+
+from services.engine.cold import ColdEngine
+from services.engine.executor import Engine
+from services.engine.service import EngineService
+from talaria.config import EngineConfig, StackConfig
+from talaria.natsutil import EmbeddedNats, connect
+from talaria.subjects import PROBE_HEADER, Subjects
+from talaria.v1 import engine_pb2 as pb
+
+SUBJ = Subjects("talaria")
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    with EmbeddedNats() as n:
+        yield n.url
+
+
+class Running:
+    """An EngineService running in its own thread and event loop (as in its process)."""
+
+    def __init__(self, service: EngineService, url: str) -> None:
+        self.service = service
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._up = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main(url)), daemon=True)
+        self._thread.start()
+
+    async def _main(self, url: str) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._up.set()
+        await self.service.run(self._stop, url)
+
+    def __enter__(self) -> "Running":
+        assert self._up.wait(60), "engine service loop did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+class SlowStepEngine(Engine):
+    """A real engine whose steps take ``step_s`` (a long forward), holding the step lock like a real one."""
+
+    step_s = 0.0
+    in_step = threading.Event()
+
+    def step(self):
+        with self._step_lock:
+            if self.step_s:
+                self.in_step.set()
+                time.sleep(self.step_s)
+            return super().step()
+
+
+async def until_serving(nc, instance: str) -> None:
+    """Wait until the instance answers on its control subject (its subscriptions are in place)."""
+    req = pb.ControlRequest(schema_version=1, op=pb.CONTROL_RESUME).SerializeToString()
+    for _ in range(120):
+        try:
+            await nc.request(SUBJ.control(instance), req, timeout=0.5)
+            return
+        except Exception:  # noqa: BLE001 - not subscribed yet
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{instance} never answered")
+
+
+def gen(model: str, max_tokens: int = 4, **kw) -> pb.GenerateRequest:
+    sp = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(schema_version=1, request_id=uuid.uuid4().hex, model=model, text="hello there", sampling=sp, **kw)
+
+
+async def test_heartbeats_keep_their_period_through_a_long_step_and_a_blocking_control(synth_models, nats_url):
+    eng = SlowStepEngine(synth_models["tiny-llama"], page_size=4, num_pages=64)
+    cfg = EngineConfig(id="hb0", models=["tiny-llama"], heartbeat_period_s=0.1)
+    with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        beats = await nc.subscribe(SUBJ.heartbeat("hb0"))
+        try:
+            await until_serving(nc, "hb0")
+            eng.step_s = 4.0
+            inbox = nc.new_inbox()
+            chunks = await nc.subscribe(inbox)
+            await nc.publish(SUBJ.generate("hb0"), gen("tiny-llama", 1).SerializeToString(), reply=inbox)
+            assert await asyncio.to_thread(eng.in_step.wait, 30)
+            t0 = time.time()
+            # FLUSH_CACHE waits for the running step; it must not hold up anything else meanwhile
+            control = asyncio.ensure_future(nc.request(SUBJ.control("hb0"), pb.ControlRequest(schema_version=1, op=pb.CONTROL_FLUSH_CACHE).SerializeToString(), timeout=60))
+            while time.time() < t0 + 3.0:
+                await asyncio.sleep(0.1)
+            eng.step_s = 0.0
+            assert pb.ControlReply.FromString((await control).data).ok
+            sent: list[float] = []
+            while not sent or sent[-1] < t0 + 3.0:  # beats go on; read those sent up to the end of the window
+                sent.append(pb.InstanceSnapshot.FromString((await beats.next_msg(30)).data).sent_unix)
+            during = [t for t in sent if t0 + 0.5 <= t <= t0 + 3.0]
+            # ~25 are due in those 2.5 s; with the beats on the service loop, none went out
+            assert len(during) >= 5, f"{len(during)} heartbeats sent during a 4 s step (all sent: {len(sent)})"
+            assert pb.TokenChunk.FromString((await chunks.next_msg(30)).data).accepted
+        finally:
+            await nc.close()
+
+
+async def test_first_switch_record_a_subscriber_sees_is_the_switch_it_asked_for(synth_models, nats_url):
+    models = ("tiny-llama", "tiny-qwen2")
+    ce = ColdEngine({m: synth_models[m] for m in models}, page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
+    cfg = EngineConfig(id="sw0", pool="cold", models=list(models), heartbeat_period_s=0.1)
+    with Running(EngineService(StackConfig(), cfg, ce, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        try:
+            await until_serving(nc, "sw0")
+            switches = await nc.subscribe(SUBJ.switch("sw0"))  # a subscriber that joins a serving instance
+            req = pb.ControlRequest(schema_version=1, op=pb.CONTROL_OPEN_MODEL, model=models[1])
+            assert pb.ControlReply.FromString((await nc.request(SUBJ.control("sw0"), req.SerializeToString(), timeout=60)).data).ok
+            rec = pb.SwitchRecord.FromString((await switches.next_msg(30)).data)
+            # before the fix the initial activation ('', tiny-llama), made before the service connected,
+            # was published at the first step — i.e. to whoever subscribed before the first call
+            assert (rec.from_model, rec.to_model) == models
+        finally:
+            await nc.close()
+
+
+async def test_a_call_whose_requester_is_gone_is_aborted(synth_models, nats_url):
+    eng = SlowStepEngine(synth_models["tiny-llama"], page_size=4, num_pages=512)
+    eng.step_s = 0.05  # 1000 tokens would take a minute at least
+    cfg = EngineConfig(id="rq0", models=["tiny-llama"], heartbeat_period_s=0.2)
+    svc = EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0, requester_probe_s=0.5)
+    try:
+        with Running(svc, nats_url):
+            nc = await connect(nats_url, "test")
+            router = await connect(nats_url, "router")  # the requester: it will die mid-call
+            try:
+                await until_serving(nc, "rq0")
+                inbox = router.new_inbox()
+                chunks = await router.subscribe(inbox)
+                req = gen("tiny-llama", 1000)
+                await router.publish(SUBJ.generate("rq0"), req.SerializeToString(), reply=inbox)
+                assert pb.TokenChunk.FromString((await chunks.next_msg(30)).data).accepted
+                msg = await chunks.next_msg(30)
+                while msg.headers and PROBE_HEADER in msg.headers:  # a probe of a live inbox is not a chunk
+                    msg = await chunks.next_msg(30)
+                assert pb.TokenChunk.FromString(msg.data).token_ids
+                await router.close()  # the router dies: no cancel is ever sent
+                for _ in range(300):
+                    if not eng.has_unfinished():
+                        break
+                    await asyncio.sleep(0.1)
+                assert not eng.has_unfinished(), "the engine kept generating for a requester that is gone"
+                assert svc.counters["aborted"] == 1
+            finally:
+                await nc.close()
+    finally:
+        eng.step_s = 0.0
