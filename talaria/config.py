@@ -53,6 +53,7 @@ class EngineConfig(_Strict):
     session_cache_entries: int = Field(256, ge=0)
     heartbeat_period_s: float = Field(0.5, gt=0)
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
+    requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
     torch_threads: int | None = Field(None, ge=1)
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
     arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")

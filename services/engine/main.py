@@ -131,6 +131,6 @@ async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyn
         engine = await asyncio.to_thread(build_engine, stack, cfg)
         await asyncio.to_thread(attach_host_kv, stack, cfg, engine, tel.tracer)
 
-        await EngineService(stack, cfg, engine, telemetry=tel).run(stop, url)
+        await EngineService(stack, cfg, engine, telemetry=tel, requester_probe_s=cfg.requester_probe_s).run(stop, url)
     finally:
         await asyncio.to_thread(tel.shutdown)  # bounded by telemetry.export_timeout_s

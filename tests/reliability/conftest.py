@@ -126,7 +126,8 @@ def rel_models_dir(synth_models):
 def shared_stack(rel_models_dir):
     cfg = stack_config(
         rel_models_dir,
-        [engine("rel-a", MODEL, max_num_seqs=8), engine("rel-b", MODEL, max_num_seqs=8)],
+        # requester probes every 0.5 s: an orphaned call is stopped well before it could finish on its own
+        [engine("rel-a", MODEL, max_num_seqs=8, requester_probe_s=0.5), engine("rel-b", MODEL, max_num_seqs=8, requester_probe_s=0.5)],
         max_tokens_limit=2048,
     )
     s = start_stack(cfg)

@@ -64,7 +64,7 @@ async def test_engines_stop_the_calls_of_a_dead_router(shared_stack, tmp_path):
         def call(s: str) -> None:
             try:
                 httpx.post(f"{r.api}/v1/completions", timeout=120, headers={"X-Session-ID": s},
-                           json={"model": MODEL, "prompt": "orphan", "max_tokens": 1024, "ignore_eos": True})
+                           json={"model": MODEL, "prompt": "orphan", "max_tokens": 2000, "ignore_eos": True})
             except httpx.HTTPError:
                 pass
 

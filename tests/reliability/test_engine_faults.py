@@ -62,7 +62,10 @@ def test_a_frozen_engine_is_suspect_and_its_stream_survives(fault_stack):
     assert s.started.wait(60)
     fault_stack.kill(s.instance, signal.SIGSTOP)
     try:
-        wait_until(lambda: health(fault_stack)["instances"][s.instance]["state"] == "suspect", timeout=30, every=0.2)
+        # suspect in /health, and the state change recorded by the router's sweep (it runs every 0.25 s:
+        # without waiting for it, a quick thaw could undo the state before it is counted)
+        wait_until(lambda: (h := health(fault_stack))["instances"][s.instance]["state"] == "suspect"
+                   and h["counters"].get("instance_suspect", 0) > before, timeout=30, every=0.2)
         r = httpx.post(f"{fault_stack.api}/v1/completions", json={"model": MODEL, "prompt": "meanwhile", "max_tokens": 2}, timeout=60)
         other = r.headers.get("x-talaria-instance")
     finally:

@@ -10,7 +10,7 @@ import pytest
 
 from services.engine.slots import CallView, CostModel, CostProfile, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
 from services.engine.slots.admission import SpGain, SpLimits, select_sp
-from services.engine.slots.fake import CallSpec, FakeExecutor, SessionSpec, simulate
+from tests.fakes.slot_executor import CallSpec, FakeExecutor, SessionSpec, simulate
 from talaria.clock import ManualClock
 
 # slow prefill, cheap switches: the regime where SP inside a slot can cost other models more than it saves
@@ -149,11 +149,9 @@ def test_round_summary_reasons_travel_on_the_wire_and_into_the_report():
     others = tuple(_call(f"b{i}", model="b", prompt=60, prefix=0, state="missing", cont=False, arrival=0.01) for i in range(8))
     _mid_slot(sched, _call("a1", prompt=900), others)
     r = _close(sched)
-    from types import SimpleNamespace
+    from services.engine import wire
 
-    from services.engine.service import EngineService
-
-    msg = EngineService._round_proto(SimpleNamespace(cfg=SimpleNamespace(id="e0")), r)  # the engine's encoder
+    msg = wire.round_summary(r, "e0")  # the engine's encoder
     back = pb.RoundSummary.FromString(msg.SerializeToString())
     d = MessageToDict(back, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     d["kind"] = "round"
