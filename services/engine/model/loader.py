@@ -60,8 +60,10 @@ def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    fuse: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model from ``path/config.json`` and copy in every tensor from its safetensors file(s)."""
+    """Build the model from ``path/config.json`` and copy in every tensor from its safetensors file(s);
+    with ``fuse`` (default) fuse its projections (see ``LlamaForCausalLM.fuse_projections``)."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     torch_dtype = _resolve_dtype(dtype, config)
@@ -102,6 +104,8 @@ def load_model(
         raise ValueError(f"missing tensors in checkpoint {path}: {missing}")
     model.eval()
     model.requires_grad_(False)
+    if fuse:
+        model.fuse_projections()  # q/k/v and gate/up as one matmul each; parameters become views
     return model, config
 
 
