@@ -9,16 +9,21 @@ from talaria.config import EngineConfig, StackConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+def torch_threads(cfg: EngineConfig) -> int:
+    """Intra-op threads: ``torch_threads`` from config, default every core this process may run on."""
+    import os
+
+    return cfg.torch_threads or len(os.sched_getaffinity(0))
 
 
 def build_engine(stack: StackConfig, cfg: EngineConfig):
     import torch
 
     from services.engine.executor import Engine
+    from services.engine.model.loader import engine_dtype
 
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    torch.set_num_threads(torch_threads(cfg))
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"engine {cfg.id}: device {cfg.device!r} requested but CUDA is not available")
     if cfg.pool == "cold":
@@ -29,7 +34,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
     return Engine(
         str(path),
         device=cfg.device,
-        dtype=getattr(torch, _DTYPES[cfg.dtype]),
+        dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
         kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,
         max_num_seqs=cfg.max_num_seqs,
@@ -44,6 +49,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     import torch
 
     from services.engine.cold import ColdEngine
+    from services.engine.model.loader import engine_dtype
 
     cls, extra = ColdEngine, {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
@@ -64,7 +70,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         catalog,
         **extra,
         device=cfg.device,
-        dtype=getattr(torch, _DTYPES[cfg.dtype]),
+        dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
         arena_bytes=arena,
         kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,

@@ -366,3 +366,50 @@ def test_bf16_within_tolerance_of_fp32(synth_models, name):
     assert got.dtype == torch.float32
     assert (got - ref).abs().max().item() <= BF16_MAX_ABS
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= BF16_TOP1
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_engine_batched_greedy_equals_hf_generate(synth_models, name):
+    """The whole engine (scheduler, chunked prefill mixed with decodes, batched attention, sampler) against
+    transformers' greedy generate() run one prompt at a time."""
+    from services.engine.executor import Engine
+    from services.engine.types import SamplingParams
+
+    _, _, hf = _models(synth_models, name)
+    prompts = [_prompt(n, 40 + n).tolist() for n in (5, 23, 11, 37)]
+    n_new = 10
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    # a 16-token budget: prompts are chunked across steps and share steps with other sequences' decodes
+    engine = Engine(synth_models[name], dtype=torch.float32, page_size=4, num_pages=128, max_num_batched_tokens=16)
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))
+    assert got == refs
+    engine.check_integrity()
+
+
+def test_auto_dtype_follows_the_cpu_flags():
+    from services.engine.model.loader import auto_dtype, cpu_has_bf16, engine_dtype
+
+    with_bf16 = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n"
+    without = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n"
+    assert cpu_has_bf16(with_bf16) and not cpu_has_bf16(without) and not cpu_has_bf16("")
+    assert auto_dtype("cpu", with_bf16) == torch.bfloat16
+    assert auto_dtype("cpu", without) == torch.float32
+    assert engine_dtype("float32", "cpu") == torch.float32 and engine_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError):
+        engine_dtype("int8", "cpu")
+
+
+def test_engine_config_defaults_auto_dtype_and_all_cores():
+    import os
+
+    from services.engine.main import torch_threads
+    from talaria.config import EngineConfig
+
+    cfg = EngineConfig(id="e0", models=["m"])
+    assert cfg.dtype == "auto"
+    assert torch_threads(cfg) == len(os.sched_getaffinity(0))
+    assert torch_threads(EngineConfig(id="e0", models=["m"], torch_threads=1, dtype="float32")) == 1
