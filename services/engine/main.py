@@ -9,6 +9,8 @@ from talaria.config import EngineConfig, StackConfig
 
 log = logging.getLogger(__name__)
 
+SWITCH_INTERVAL_S = 0.0005
+
 
 def torch_threads(cfg: EngineConfig) -> int:
     """Intra-op threads: ``torch_threads`` from config, default every core this process may run on."""
@@ -123,8 +125,14 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
 
 
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
+    import sys
+
     from services.engine.service import EngineService
     from talaria import otel
+
+    # The step thread holds the GIL between torch ops; the loop thread that publishes tokens would wait up to
+    # the default 5 ms switch interval for it. 0.5 ms bounds that wait (see streaming.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     # one Telemetry for the process: the service's call spans and the host KV tier's spans share it
     tel = otel.setup("talaria-engine", cfg.id, stack.telemetry, stack.namespace)
