@@ -49,6 +49,9 @@ def add_cli(subparsers) -> None:
     e.add_argument("--new-tokens", type=int, default=64, help="generated tokens per sequence (default 64)")
     e.add_argument("--threads", type=int, default=1,
                    help="torch threads for both sides (default 1: robust on a shared machine; 0 = torch's default)")
+    e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/compute dtype of both sides (default float32; auto = bf16 where the device computes it natively)")
+    e.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; e.g. cuda:0)")
     e.set_defaults(fn=_engine)
 
     r = bs.add_parser("router", help="per-call latency: in-process Engine vs NATS to an engine process vs router HTTP API")
