@@ -66,6 +66,7 @@ def add_cli(subparsers) -> None:
     _common(k, "tiny-llama", 3)
     k.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="prefix lengths in tokens (default 1024 4096 16384)")
     k.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    k.add_argument("--device", default="cpu", help="torch device of the engine (default cpu; e.g. cuda:0)")
     k.set_defaults(fn=_kvstore)
 
 
@@ -75,7 +76,14 @@ def add_cli(subparsers) -> None:
     sw.add_argument("--switches", type=int, default=10, help="measured switches per path per repetition (default 10)")
     sw.add_argument("--chunk-kb", type=int, default=4096, help="weight chunk size in KiB (default 4096)")
     sw.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
+    sw.add_argument("--device", default="cpu", help="torch device of the engine (default cpu; e.g. cuda:0)")
     sw.set_defaults(fn=lambda a: __import__("bench.switch_bench", fromlist=["main"]).main(a))
+
+    from bench.peer import add_args as _peer_args
+
+    pe = bs.add_parser("peer", help="the same workloads on Talaria and another OpenAI-compatible server (e.g. vLLM-CPU), interleaved: TTFT, decode tok/s, agent-session SCT")
+    _peer_args(pe)
+    pe.set_defaults(fn=lambda a: __import__("bench.peer", fromlist=["main"]).main(a))
 
     from bench.router_policy_bench import add_args as _placement_args
 
