@@ -13,7 +13,7 @@ What is measured
       ``add_request`` and driven with ``step()`` (the whole batch is prefilled in one step:
       ``max_num_batched_tokens >= batch * prompt_len``). The prefix cache is flushed before every run so
       no run reuses KV from an earlier one (HF has no cross-call cache either).
-    * HF: ``model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` with an all-ones
+    * HF: ``model.generate(do_sample=False, max_new_tokens=N, eos_token_id=None)`` with an all-ones
       attention mask and a timing streamer (a ``BaseStreamer`` that only records ``perf_counter()`` at
       every ``put``: the first put is the prompt, the second the first generated token).
 
@@ -99,7 +99,7 @@ def _run_hf(hf, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            eos_token_id=None,  # EOS not special (as ignore_eos on our side); min_new_tokens would mask it instead
             pad_token_id=0,
             streamer=streamer,
         )
