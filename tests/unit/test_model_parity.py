@@ -413,3 +413,22 @@ def test_engine_config_defaults_auto_dtype_and_all_cores():
     assert cfg.dtype == "auto"
     assert torch_threads(cfg) == len(os.sched_getaffinity(0))
     assert torch_threads(EngineConfig(id="e0", models=["m"], torch_threads=1, dtype="float32")) == 1
+
+
+def test_packed_prefill_splits_into_bounded_groups_and_stays_exact(synth_models, monkeypatch):
+    """A bound on the packed mask (MAX_PACKED_SCORES) splits the prefill sequences into several packed
+    calls; results are unchanged."""
+    from services.engine.model import llama
+
+    ours, cfg, _ = _models(synth_models, "tiny-llama")
+    seqs = [_prompt(n, 60 + n) for n in (30, 20, 25)]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    chunks = [(ids, 0, pages, len(ids)) for ids, pages in zip(seqs, tables)]
+    one = ours.compute_logits(_run(ours, allocate_kv_cache(cfg, 8, PAGE), chunks))
+    assert llama._split_packed([0, 1, 2], [30, 20, 25], [30, 20, 25]) == [[0, 1, 2]]
+    monkeypatch.setattr(llama, "MAX_PACKED_SCORES", 50 * 50)  # seq 0+1 fit (50 x 50), seq 2 does not
+    assert llama._split_packed([0, 1, 2], [30, 20, 25], [30, 20, 25]) == [[0, 1], [2]]
+    calls = _count_sdpa(monkeypatch)
+    split = ours.compute_logits(_run(ours, allocate_kv_cache(cfg, 8, PAGE), chunks))
+    assert calls[0] == 2 * cfg.num_hidden_layers
+    _assert_close(split, one)

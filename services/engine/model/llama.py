@@ -21,7 +21,9 @@ Design notes
     packed ``[Tp]`` against their packed contexts ``[Sp]`` with a block-diagonal causal mask
     (query of sequence ``i`` at absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and
     ``pos(j) <= p``), one gather and one SDPA call. A lone full prefill (nothing cached) uses
-    ``is_causal`` with no mask.
+    ``is_causal`` with no mask. The packed mask is ``Tp x Sp``: when that would exceed
+    ``MAX_PACKED_SCORES`` (large GPU batches), the prefill sequences are split into as few packed
+    groups as keep each under the bound, so memory stays bounded.
 
   Every index and mask is built once per forward in :class:`_AttnPlan` (vectorized, no Python loop per
   layer or per token) and reused by all layers.
@@ -146,7 +148,7 @@ class Attention(nn.Module):
             o = self._attend(q, layer_k, layer_v, plan.single)
         else:
             o = torch.empty_like(q)
-            for g in (plan.decode, plan.prefill):
+            for g in plan.groups:
                 o.index_copy_(0, g.q_index, self._attend(q.index_select(0, g.q_index), layer_k, layer_v, g))
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -241,7 +243,7 @@ class _AttnPlan:
     ``single`` is set when one group holds every query in flat order (no gather/scatter of queries).
     """
 
-    __slots__ = ("slot_mapping", "decode", "prefill", "single")
+    __slots__ = ("slot_mapping", "groups", "single")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device) -> None:
         cu = batch.cu_q
@@ -260,9 +262,10 @@ class _AttnPlan:
         self.slot_mapping = batch.slot_mapping.to(device=device, dtype=torch.long)
         dec = [i for i in range(B) if q_lens[i] == 1]
         pre = [i for i in range(B) if q_lens[i] > 1]
-        self.decode = _decode_group(dec, cu, ctx, batch.block_tables, page_size, device) if dec else None
-        self.prefill = _prefill_group(pre, cu, ctx, batch.block_tables, page_size, device) if pre else None
-        self.single = self.decode if not pre else (self.prefill if not dec else None)
+        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device)] if dec else []
+        self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device)
+                        for part in _split_packed(pre, q_lens, ctx)]
+        self.single = self.groups[0] if len(self.groups) == 1 else None
 
 
 def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
@@ -283,6 +286,25 @@ def _decode_group(rows, cu, ctx, tables, page_size, device) -> _Group:
         mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
     q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
     return _Group(True, q_index, slots, mask)
+
+
+MAX_PACKED_SCORES = 1 << 25  # Tp x Sp mask entries of one packed prefill group (32 Mi)
+
+
+def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[list[int]]:
+    """Consecutive runs of ``rows`` whose packed ``sum(q) * sum(ctx)`` stays <= MAX_PACKED_SCORES (a row
+    over the bound alone gets its own group)."""
+    parts: list[list[int]] = []
+    sq = sk = 0
+    for i in rows:
+        if parts and parts[-1] and (sq + q_lens[i]) * (sk + ctx[i]) > MAX_PACKED_SCORES:
+            parts.append([])
+            sq = sk = 0
+        if not parts:
+            parts.append([])
+        parts[-1].append(i)
+        sq, sk = sq + q_lens[i], sk + ctx[i]
+    return parts
 
 
 def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
