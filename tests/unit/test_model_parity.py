@@ -292,11 +292,15 @@ def _count_sdpa(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("layout", ["auto", "packed", "padded"])
 @pytest.mark.parametrize("name", ARCHS)
-def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, name, monkeypatch):
+def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, name, layout, monkeypatch):
     """Decodes + several prefill chunks (fresh, cached-prefix continuation, 1-token chunk) in ONE forward:
     at most two attention calls per layer (single-token group + packed multi-token group), and every
     row equal to running that sequence alone."""
+    from services.engine.model import llama
+
+    monkeypatch.setattr(llama, "PREFILL_LAYOUT", layout)
     ours, cfg, _ = _models(synth_models, name)
     seqs = [_prompt(n, 20 + i) for i, n in enumerate((29, 41, 18, 33, 7))]
     cached = [0, 20, 17, 32, 0]  # tokens already in the cache before the mixed step
@@ -319,12 +323,19 @@ def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, nam
         row += n
 
 
-def test_pure_decode_and_lone_prefill_are_one_call_per_layer(synth_models, monkeypatch):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_pure_decode_and_lone_prefill_are_one_call_per_layer(synth_models, layout, monkeypatch):
+    from services.engine.model import llama
+
+    monkeypatch.setattr(llama, "PREFILL_LAYOUT", layout)
     ours, cfg, _ = _models(synth_models, "tiny-llama")
     kv = allocate_kv_cache(cfg, num_pages=8, page_size=PAGE)
     calls = _count_sdpa(monkeypatch)
-    _run(ours, kv, [(_prompt(20, 1), 0, [0, 1], 20), (_prompt(9, 2), 0, [2], 9)])
-    assert calls[0] == cfg.num_hidden_layers  # two prefills: one packed call
+    two = [(_prompt(20, 1), 0, [0, 1], 20), (_prompt(9, 2), 0, [2], 9)]
+    h = _run(ours, kv, two)
+    assert calls[0] == cfg.num_hidden_layers  # two prefills: one packed or padded call
+    alone = [ours.compute_logits(_run(ours, allocate_kv_cache(cfg, 8, PAGE), [c])) for c in two]
+    _assert_close(ours.compute_logits(h), torch.cat(alone))
     calls[0] = 0
     _run(ours, kv, [(_prompt(1, 3), 20, [0, 1], 21), (_prompt(1, 4), 9, [2], 10)])
     assert calls[0] == cfg.num_hidden_layers  # two decodes: one padded call
@@ -432,3 +443,18 @@ def test_packed_prefill_splits_into_bounded_groups_and_stays_exact(synth_models,
     split = ours.compute_logits(_run(ours, allocate_kv_cache(cfg, 8, PAGE), chunks))
     assert calls[0] == 2 * cfg.num_hidden_layers
     _assert_close(split, one)
+
+
+def test_equal_fresh_prompts_take_the_padded_causal_layout(synth_models, monkeypatch):
+    """Several fresh prompts of one length (a batch of new calls): one padded call with plain causal
+    attention, no mask; exact against running each alone."""
+    from services.engine.model import llama
+
+    ours, cfg, _ = _models(synth_models, "tiny-qwen3")
+    chunks = [(_prompt(24, 70 + i), 0, [2 * i, 2 * i + 1], 24) for i in range(3)]
+    plan = llama._AttnPlan(AttnBatch([0, 24, 48, 72], [24] * 3, [c[2] for c in chunks], torch.zeros(72, dtype=torch.long)),
+                           PAGE, 72, torch.device("cpu"))
+    assert plan.single is not None and plan.single.kind == "padded" and plan.single.mask is None
+    h = _run(ours, allocate_kv_cache(cfg, 8, PAGE), chunks)
+    alone = [ours.compute_logits(_run(ours, allocate_kv_cache(cfg, 8, PAGE), [c])) for c in chunks]
+    _assert_close(ours.compute_logits(h), torch.cat(alone))

@@ -145,18 +145,34 @@ class Attention(nn.Module):
         layer_v.index_copy_(0, plan.slot_mapping, v.to(layer_v.dtype))
 
         if plan.single is not None:  # one group covers the whole flat batch, in order
-            o = self._attend(q, layer_k, layer_v, plan.single)
+            o = self._attend(q, layer_k, layer_v, plan.single, whole=True)
         else:
             o = torch.empty_like(q)
             for g in plan.groups:
-                o.index_copy_(0, g.q_index, self._attend(q.index_select(0, g.q_index), layer_k, layer_v, g))
+                o.index_copy_(0, g.q_index, self._attend(q, layer_k, layer_v, g, whole=False))
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
-    def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group") -> torch.Tensor:
-        """Attention of one query group (see the module notes): ``q`` ``[Tg, H, D]`` -> ``[Tg, H, D]``."""
+    def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group", whole: bool) -> torch.Tensor:
+        """Attention of one query group (see the module notes): ``q`` is the step's ``[T, H, D]`` queries
+        (``whole``: the group is all of them, in order); returns the group's ``[Tg, H, D]`` outputs in
+        ``g.q_index`` order. Reads the KV pool, writes nothing."""
         gqa = self.num_heads != self.num_kv_heads
         KVH, D = self.num_kv_heads, self.head_dim
-        if g.decode:
+        if g.q_src is not None:  # padded layout: [Bp * Qmax] rows gathered (padding repeats a real row)
+            q = q.index_select(0, g.q_src)
+        elif not whole:
+            q = q.index_select(0, g.q_index)
+        if g.kind == "padded":
+            B, L = g.slots.shape
+            Q = q.shape[0] // B
+            kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
+            vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q.view(B, Q, self.num_heads, D).transpose(1, 2), kc, vc, attn_mask=g.mask, is_causal=g.mask is None,
+                scale=self.scale, enable_gqa=gqa,
+            )
+            return o.transpose(1, 2).reshape(B * Q, self.num_heads, D).index_select(0, g.out_pos)
+        if g.kind == "decode":
             B, L = g.slots.shape
             kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
             vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
@@ -229,12 +245,17 @@ class _Backbone(nn.Module):
 
 
 class _Group:
-    """The queries of one attention call: their flat indices, context slots and mask (see module notes)."""
+    """The queries of one attention call (see module notes). ``kind``: ``decode`` (one query per
+    sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask) or
+    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask). ``q_index``: flat
+    indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
+    row, and the padded rows holding the real queries in ``q_index`` order."""
 
-    __slots__ = ("decode", "q_index", "slots", "mask")
+    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos")
 
-    def __init__(self, decode: bool, q_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None) -> None:
-        self.decode, self.q_index, self.slots, self.mask = decode, q_index, slots, mask
+    def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None) -> None:
+        self.kind, self.q_index, self.slots, self.mask, self.q_src, self.out_pos = kind, q_index, slots, mask, q_src, out_pos
 
 
 class _AttnPlan:
@@ -285,7 +306,7 @@ def _decode_group(rows, cu, ctx, tables, page_size, device) -> _Group:
     if min(lens) != L:
         mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
     q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
-    return _Group(True, q_index, slots, mask)
+    return _Group("decode", q_index, slots, mask)
 
 
 MAX_PACKED_SCORES = 1 << 25  # Tp x Sp mask entries of one packed prefill group (32 Mi)
@@ -307,9 +328,38 @@ def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[li
     return parts
 
 
+PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
+
+
 def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
+    """Multi-token queries of ``rows`` as one group: padded when ``Bp * Qmax * Lmax`` is smaller than the
+    packed ``sum(q) * sum(ctx)`` (e.g. several fresh prompts of similar length), packed otherwise."""
     lens = [ctx[i] for i in rows]
     q_lens = [cu[i + 1] - cu[i] for i in rows]
+    layout = PREFILL_LAYOUT
+    if layout == "auto":
+        layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
+    if layout == "padded":
+        return _padded_group(rows, q_lens, lens, cu, tables, page_size, device)
+    return _packed_group(rows, q_lens, lens, cu, tables, page_size, device)
+
+
+def _padded_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
+    B, L, Q = len(rows), slots.shape[1], max(q_lens)
+    nq = torch.tensor(q_lens, device=device)
+    local = torch.minimum(torch.arange(Q, device=device)[None, :], nq[:, None] - 1)  # pad rows repeat the last query
+    q_src = (torch.tensor([cu[i] for i in rows], device=device)[:, None] + local).reshape(-1)
+    out_pos = torch.cat([torch.arange(b * Q, b * Q + q, dtype=torch.long) for b, q in enumerate(q_lens)]).to(device)
+    q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
+    mask = None  # every sequence a fresh prompt of the same length: plain causal
+    if not all(q == Q and n == Q for q, n in zip(q_lens, lens)):
+        q_pos = (torch.tensor(lens, device=device) - nq)[:, None] + local  # absolute position of each row
+        mask = (torch.arange(L, device=device)[None, None, :] <= q_pos[:, :, None])[:, None]
+    return _Group("padded", q_index, slots, mask, q_src, out_pos)
+
+
+def _packed_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
     padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
     L = padded.shape[1]
     valid = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
@@ -326,7 +376,7 @@ def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
         q_local = torch.arange(q_seq.shape[0], device=device) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
         q_pos = q_first + q_local
         mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    return _Group(False, q_index, slots, mask)
+    return _Group("packed", q_index, slots, mask)
 
 
 class LlamaForCausalLM(nn.Module):
