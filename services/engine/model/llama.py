@@ -17,11 +17,13 @@ Design notes
 
   - *single-token queries* (decodes, and 1-token prefill chunks): one padded ``[B, Lmax]`` gather of
     their context K/V and one SDPA call with a key-padding mask;
-  - *multi-token queries* (prefill chunks, mixed in the same forward as the decodes): their queries are
-    packed ``[Tp]`` against their packed contexts ``[Sp]`` with a block-diagonal causal mask
-    (query of sequence ``i`` at absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and
-    ``pos(j) <= p``), one gather and one SDPA call. A lone full prefill (nothing cached) uses
-    ``is_causal`` with no mask. The packed mask is ``Tp x Sp``: when that would exceed
+  - *multi-token queries* (prefill chunks, mixed in the same forward as the decodes): one gather and
+    one SDPA call in whichever layout has the smaller score area: *packed* -- queries ``[Tp]`` against
+    the concatenated contexts ``[Sp]`` with a block-diagonal causal mask (query of sequence ``i`` at
+    absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and ``pos(j) <= p``); or *padded* --
+    ``[Bp, Qmax]`` queries against ``[Bp, Lmax]`` keys with a per-sequence causal mask (padding rows
+    repeat a real query and are dropped). Equal fresh prompts and a lone fresh prompt use ``is_causal``
+    with no mask. The packed mask is ``Tp x Sp``: when that would exceed
     ``MAX_PACKED_SCORES`` (large GPU batches), the prefill sequences are split into as few packed
     groups as keep each under the bound, so memory stays bounded.
 
