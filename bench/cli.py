@@ -55,6 +55,9 @@ def add_cli(subparsers) -> None:
     e.add_argument("--new-tokens", type=int, default=64, help="generated tokens per sequence (default 64)")
     e.add_argument("--threads", type=int, default=1,
                    help="torch threads for both sides (default 1: robust on a shared machine; 0 = torch's default)")
+    e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/compute dtype of both sides (default float32; auto = bf16 where the device computes it natively)")
+    e.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; e.g. cuda:0)")
     e.set_defaults(fn=_engine)
 
     r = bs.add_parser("router", help="per-call latency: in-process Engine vs NATS to an engine process vs router HTTP API")
@@ -69,6 +72,7 @@ def add_cli(subparsers) -> None:
     _common(k, "tiny-llama", 3)
     k.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="prefix lengths in tokens (default 1024 4096 16384)")
     k.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    k.add_argument("--device", default="cpu", help="torch device of the engine (default cpu; e.g. cuda:0)")
     k.set_defaults(fn=_kvstore)
 
 
@@ -87,7 +91,14 @@ def add_cli(subparsers) -> None:
     sw.add_argument("--switches", type=int, default=10, help="measured switches per path per repetition (default 10)")
     sw.add_argument("--chunk-kb", type=int, default=4096, help="weight chunk size in KiB (default 4096)")
     sw.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
+    sw.add_argument("--device", default="cpu", help="torch device of the engine (default cpu; e.g. cuda:0)")
     sw.set_defaults(fn=lambda a: __import__("bench.switch_bench", fromlist=["main"]).main(a))
+
+    from bench.peer import add_args as _peer_args
+
+    pe = bs.add_parser("peer", help="the same workloads on Talaria and another OpenAI-compatible server (e.g. vLLM-CPU), interleaved: TTFT, decode tok/s, agent-session SCT")
+    _peer_args(pe)
+    pe.set_defaults(fn=lambda a: __import__("bench.peer", fromlist=["main"]).main(a))
 
     from bench.router_policy_bench import add_args as _placement_args
 

@@ -1,8 +1,9 @@
 """``talaria bench engine``: decode throughput of Talaria's ``Engine`` vs Hugging Face ``generate()``.
 
 What is measured
-    Both implementations load the same synthesized checkpoint (default ``small-llama``) in float32 on the
-    CPU, in this one process, with the same torch thread count (default 1: on a small shared machine a
+    Both implementations load the same synthesized checkpoint (default ``small-llama``) in the same dtype
+    (``--dtype``, default float32; ``auto`` = the engine's choice, bf16 on AVX512-BF16/AMX CPUs) on the
+    same device (``--device``, default cpu), in this one process, with the same torch thread count (default 1: on a small shared machine a
     multi-threaded torch loses most of its time to other processes' load at every parallel region, which
     makes the comparison meaningless; ``--threads 0`` keeps torch's default). For each batch size (default 1 and 8)
     they generate greedily from the same prompts (``batch`` random token sequences of ``prompt_len``
@@ -12,7 +13,7 @@ What is measured
       ``add_request`` and driven with ``step()`` (the whole batch is prefilled in one step:
       ``max_num_batched_tokens >= batch * prompt_len``). The prefix cache is flushed before every run so
       no run reuses KV from an earlier one (HF has no cross-call cache either).
-    * HF: ``model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` with an all-ones
+    * HF: ``model.generate(do_sample=False, max_new_tokens=N, eos_token_id=None)`` with an all-ones
       attention mask and a timing streamer (a ``BaseStreamer`` that only records ``perf_counter()`` at
       every ``put``: the first put is the prompt, the second the first generated token).
 
@@ -88,7 +89,8 @@ def _run_ours(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> di
 def _run_hf(hf, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     import torch
 
-    ids = torch.tensor(prompts, dtype=torch.int64)
+    dev = hf.device
+    ids = torch.tensor(prompts, dtype=torch.int64, device=dev)
     streamer = _TimingStreamer()
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -97,10 +99,12 @@ def _run_hf(hf, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            eos_token_id=None,  # EOS not special (as ignore_eos on our side); min_new_tokens would mask it instead
             pad_token_id=0,
             streamer=streamer,
         )
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         t1 = time.perf_counter()
     # times[0]: prompt, times[1]: first generated token (after prefill), times[-1]: last token.
     t_first = streamer.times[1] if len(streamer.times) > 1 else t1
@@ -129,6 +133,8 @@ def run_engine_bench(
     repeats: int = 5,
     threads: int | None = 1,
     seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
     say=print,
 ) -> dict[str, Any]:
     import torch
@@ -145,14 +151,18 @@ def run_engine_bench(
         torch.set_num_threads(threads)
     try:
         n_threads = torch.get_num_threads()
-        say(f"loading {model} from {path} (float32, cpu, {n_threads} torch threads) ...")
+        from services.engine.model.loader import engine_dtype
+
+        torch_dtype = engine_dtype(dtype, device)
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        say(f"loading {model} from {path} ({dtype_name}, {device}, {n_threads} torch threads) ...")
         engine = Engine(
-            path, device="cpu", dtype=torch.float32, model_id=model,
+            path, device=device, dtype=torch_dtype, model_id=model,
             max_num_seqs=max(32, max(batches)),
             max_num_batched_tokens=max(512, max(batches) * prompt_len),
         )
         transformers.utils.logging.disable_progress_bar()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
         vocab = engine.vocab_size
         rows: list[dict[str, Any]] = []
         for b in batches:
@@ -191,8 +201,8 @@ def run_engine_bench(
         "bench": "engine",
         "model": model,
         "models_dir": str(mdir),
-        "dtype": "float32",
-        "device": "cpu",
+        "dtype": dtype_name,
+        "device": device,
         "torch_threads": n_threads,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -205,7 +215,7 @@ def run_engine_bench(
 
 def render(result: dict[str, Any]) -> str:
     head = (
-        f"engine bench: {result['model']} fp32 cpu, {result['torch_threads']} torch threads, prompt {result['prompt_len']} "
+        f"engine bench: {result['model']} {result['dtype']} {result['device']} (both sides), {result['torch_threads']} torch threads, prompt {result['prompt_len']} "
         f"+ {result['new_tokens']} new tokens, greedy, EOS ignored; median of {result['repeats']} "
         f"(transformers {result['transformers']}, torch {result['torch']})"
     )
@@ -231,5 +241,7 @@ def main(args) -> int:
         repeats=args.repeats,
         threads=args.threads,
         seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
     )
     return emit(result, render(result), args.json)

@@ -73,7 +73,8 @@ def _ttft(engine, rid: str, prompt: list[int], session: str) -> tuple[float, int
 
 
 def run_kvstore_bench(
-    models_dir: str | None, model: str, lengths: list[int], repeats: int, seed: int, threads: int | None, say=print
+    models_dir: str | None, model: str, lengths: list[int], repeats: int, seed: int, threads: int | None, say=print,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     import torch
 
@@ -91,7 +92,7 @@ def run_kvstore_bench(
     path = long_context_copy(base / model, base / f"{model}-{LONG_CONTEXT // 1024}k")
     page = 16
     max_len = max(lengths)
-    engine = Engine(path, page_size=page, num_pages=(max_len // page) * 2 + 64, max_num_batched_tokens=2048, model_id=model)
+    engine = Engine(path, device=device, page_size=page, num_pages=(max_len // page) * 2 + 64, max_num_batched_tokens=2048, model_id=model)
     page_bytes = 2 * engine.config.num_hidden_layers * page * engine.config.num_key_value_heads * engine.config.head_dim * engine.dtype.itemsize
     need = (max_len // page + 1) * page_bytes
     store = KvStoreServer(KvStoreConfig(capacity_mb=max(64, 2 * need // 2**20 + 16), slab_kb=max(4, page_bytes // 1024)))
@@ -173,5 +174,6 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(args) -> int:
-    result = run_kvstore_bench(args.models_dir, args.model or DEFAULT_MODEL, args.lengths, args.repeats, args.seed, args.threads)
+    result = run_kvstore_bench(args.models_dir, args.model or DEFAULT_MODEL, args.lengths, args.repeats, args.seed, args.threads,
+                               device=getattr(args, "device", "cpu"))
     return emit(result, render(result), args.json)

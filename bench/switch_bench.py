@@ -110,8 +110,9 @@ def main(args) -> int:
     w = max(probe.load(m, models_dir / m).nbytes for m in (args.src, args.model))
     del probe
     kv_bytes = 2 * w + (16 << 20)
-    ce = ColdEngine({args.src: models_dir / args.src, args.model: models_dir / args.model}, page_size=16, kv_cache_bytes=kv_bytes, chunk_bytes=chunk, initial=args.src)
-    engine_kw = dict(page_size=16, kv_cache_bytes=kv_bytes)
+    device = getattr(args, "device", "cpu")
+    ce = ColdEngine({args.src: models_dir / args.src, args.model: models_dir / args.model}, page_size=16, kv_cache_bytes=kv_bytes, chunk_bytes=chunk, initial=args.src, device=device)
+    engine_kw = dict(page_size=16, kv_cache_bytes=kv_bytes, device=device)
     wb = ce.bank[args.model].nbytes
     say(f"switch {args.src} -> {args.model}: {wb / 2**20:.1f} MiB of weights in {ce.bank[args.model].num_chunks} chunks of {args.chunk_kb} KiB; arena {ce.arena.capacity / 2**20:.0f} MiB; torch threads {torch.get_num_threads()}")
     run_once(ce, engine_kw, args.src, args.model, 2)  # warm-up

@@ -45,7 +45,8 @@ class EngineConfig(_Strict):
     pool: Literal["hot", "cold"] = "hot"
     models: list[str] = Field(min_length=1, description="catalog model names (directories under models_dir)")
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on a CPU with AVX512-BF16/AMX or a bf16 CUDA device, else float32 (fp16 on old CUDA)")
     page_size: int = Field(16, ge=1, le=1024)
     kv_cache_mb: int = Field(256, ge=1)
     max_num_seqs: int = Field(32, ge=1)
@@ -54,7 +55,7 @@ class EngineConfig(_Strict):
     heartbeat_period_s: float = Field(0.5, gt=0)
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None => every core the engine may run on")
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
     arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")
     arena_fraction: float = Field(0.9, gt=0, le=1, description="cold on CUDA with arena_mb unset: fraction of free device memory")

@@ -321,7 +321,7 @@ class Engine:
         return outputs
 
     # ------------------------------------------------------------------ forward
-    def _execute(self, sched: SchedulerOutput) -> list[int]:
+    def _execute(self, sched: SchedulerOutput) -> list[int | Exception]:
         """Run copies + one forward; returns the sampled token per ``sample`` entry, in batch order."""
         P = self.page_size
         kv = self.kv_cache
@@ -330,7 +330,26 @@ class Engine:
             for layer in range(len(kv.k)):
                 kv.k[layer][d : d + op.num_rows].copy_(kv.k[layer][s : s + op.num_rows])
                 kv.v[layer][d : d + op.num_rows].copy_(kv.v[layer][s : s + op.num_rows])
-        input_ids: list[int] = []
+        flat, cu_q, context_lens, block_tables = self._flat_batch(sched)
+        T = cu_q[-1]
+        rows = [i for i, sc in enumerate(sched.scheduled) if sc.sample]
+        # one host tensor (ids | positions | slots | sampled rows), one transfer to the device
+        flat += [cu_q[i + 1] - 1 for i in rows]
+        step = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        batch = AttnBatch(cu_q, context_lens, block_tables, step[2 * T : 3 * T])
+        with torch.inference_mode():
+            hidden = self.model.forward(step[:T], step[T : 2 * T], batch, kv)
+            if not rows:
+                return []
+            logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
+            seqs = [sched.scheduled[i].seq for i in rows]
+            return self._sample(logits, seqs)
+
+    def _flat_batch(self, sched: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """The step's flat token axis as one int list ``ids + positions + slots`` (each ``T`` long), plus
+        ``cu_q``, context lengths and block tables (see model/batch.py). Reads the sequences, mutates nothing."""
+        P = self.page_size
+        ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_q = [0]
@@ -338,29 +357,17 @@ class Engine:
         block_tables: list[list[int]] = []
         for sc in sched.scheduled:
             seq, start, end = sc.seq, sc.start, sc.start + sc.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            pages = seq.pages
+            ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [seq.pages[p // P] * P + p % P for p in range(start, end)]
-            cu_q.append(len(input_ids))
+            if end - start == 1:
+                slots.append(pages[start // P] * P + start % P)
+            else:
+                slots += [pages[p // P] * P + p % P for p in range(start, end)]
+            cu_q.append(len(ids))
             context_lens.append(end)
-            block_tables.append(seq.pages[: cdiv(end, P)])
-        dev = self.device
-        batch = AttnBatch(cu_q, context_lens, block_tables, torch.tensor(slots, dtype=torch.int64, device=dev))
-        rows = [i for i, sc in enumerate(sched.scheduled) if sc.sample]
-        with torch.inference_mode():
-            hidden = self.model.forward(
-                torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev),
-                batch,
-                kv,
-            )
-            if not rows:
-                return []
-            last = batch.last_token_indices()
-            idx = torch.tensor([last[i] for i in rows], dtype=torch.int64, device=dev)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            seqs = [sched.scheduled[i].seq for i in rows]
-            return self._sample(logits, seqs)
+            block_tables.append(pages[: cdiv(end, P)])
+        return ids + positions + slots, cu_q, context_lens, block_tables
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """One token per row; a row whose sampling fails gets its exception instead, so one sequence's bad

@@ -9,16 +9,23 @@ from talaria.config import EngineConfig, StackConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+SWITCH_INTERVAL_S = 0.0005
+
+
+def torch_threads(cfg: EngineConfig) -> int:
+    """Intra-op threads: ``torch_threads`` from config, default every core this process may run on."""
+    import os
+
+    return cfg.torch_threads or len(os.sched_getaffinity(0))
 
 
 def build_engine(stack: StackConfig, cfg: EngineConfig):
     import torch
 
     from services.engine.executor import Engine
+    from services.engine.model.loader import engine_dtype
 
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    torch.set_num_threads(torch_threads(cfg))
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"engine {cfg.id}: device {cfg.device!r} requested but CUDA is not available")
     if cfg.pool == "cold":
@@ -29,7 +36,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
     return Engine(
         str(path),
         device=cfg.device,
-        dtype=getattr(torch, _DTYPES[cfg.dtype]),
+        dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
         kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,
         max_num_seqs=cfg.max_num_seqs,
@@ -44,6 +51,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     import torch
 
     from services.engine.cold import ColdEngine
+    from services.engine.model.loader import engine_dtype
 
     cls, extra = ColdEngine, {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
@@ -64,7 +72,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         catalog,
         **extra,
         device=cfg.device,
-        dtype=getattr(torch, _DTYPES[cfg.dtype]),
+        dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
         arena_bytes=arena,
         kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,
@@ -122,8 +130,14 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
 
 
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
+    import sys
+
     from services.engine.service import EngineService
     from talaria import otel
+
+    # The step thread holds the GIL between torch ops; the loop thread that publishes tokens would wait up to
+    # the default 5 ms switch interval for it. 0.5 ms bounds that wait (see streaming.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     # one Telemetry for the process: the service's call spans and the host KV tier's spans share it
     tel = otel.setup("talaria-engine", cfg.id, stack.telemetry, stack.namespace)

@@ -31,6 +31,7 @@ from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.engine.streaming import next_coalesced
 from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
@@ -100,7 +101,7 @@ class EngineService:
         self._stop_thread = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0}
+        self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0, "coalesced_steps": 0}
         self.rounds_closed = 0  # slot scheduler rounds published on .round
         self.multi = cfg.pool == "cold"  # a cold engine serves several catalog models
         # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
@@ -171,7 +172,10 @@ class EngineService:
 
     async def _publisher(self) -> None:
         while True:
-            outs: list[RequestOutput] = await self._out.get()
+            # a lagging publisher folds every step already queued into one chunk per call (streaming.py)
+            outs, steps = await next_coalesced(self._out)
+            if steps > 1:
+                self.counters["coalesced_steps"] += steps - 1
             for o in outs:
                 await self._publish_output(o)
 

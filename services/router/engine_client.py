@@ -71,6 +71,8 @@ class EngineCall:
         await self.nc.flush()
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
+        if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)
+            return self._queue.get_nowait()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

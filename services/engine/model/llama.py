@@ -5,14 +5,35 @@ Design notes
 * One class, :class:`LlamaForCausalLM`, covers the four architectures through :class:`ModelConfig` flags
   (q/k/v bias for Qwen2, per-head q/k RMSNorm for Qwen3). Module/parameter names mirror the Hugging Face
   checkpoint names, so loading is a 1:1 copy.
+* Fused projections (:meth:`LlamaForCausalLM.fuse_projections`, called by the loader): q/k/v and gate/up are
+  concatenated into one weight each, and the original ``q_proj.weight`` … parameters become *views* into
+  the fused tensor, so memory does not grow, parameter names stay checkpoint names, and an in-place copy
+  into a named parameter (the cold pool's bank) updates the fused weight too. A model that is not fused
+  (e.g. bound onto arena memory by ``substrate.bank.bind_model``) runs the same math with three matmuls.
 * ``forward`` runs a *flat* batch (see :mod:`services.engine.model.batch`). All linear layers, norms and
-  RoPE run on the whole ``[T, ...]`` flat batch; only attention loops over sequences.
+  RoPE run on the whole ``[T, ...]`` flat batch. Attention is batched too (Talaria issue 20 §2, the
+  varlen "packed" prefill of FlashAttention-2 §3 / vLLM's chunked prefill): a step has at most two
+  attention calls per layer, whatever its number of sequences:
+
+  - *single-token queries* (decodes, and 1-token prefill chunks): one padded ``[B, Lmax]`` gather of
+    their context K/V and one SDPA call with a key-padding mask;
+  - *multi-token queries* (prefill chunks, mixed in the same forward as the decodes): one gather and
+    one SDPA call in whichever layout has the smaller score area: *packed* -- queries ``[Tp]`` against
+    the concatenated contexts ``[Sp]`` with a block-diagonal causal mask (query of sequence ``i`` at
+    absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and ``pos(j) <= p``); or *padded* --
+    ``[Bp, Qmax]`` queries against ``[Bp, Lmax]`` keys with a per-sequence causal mask (padding rows
+    repeat a real query and are dropped). Equal fresh prompts and a lone fresh prompt use ``is_causal``
+    with no mask. The packed mask is ``Tp x Sp``: when that would exceed
+    ``MAX_PACKED_SCORES`` (large GPU batches), the prefill sequences are split into as few packed
+    groups as keep each under the bound, so memory stays bounded.
+
+  Every index and mask is built once per forward in :class:`_AttnPlan` (vectorized, no Python loop per
+  layer or per token) and reused by all layers.
 * Side effects: for every layer ``l`` the model writes the new tokens' K (after RoPE) and V into
-  ``kv.k[l]`` / ``kv.v[l]`` at the rows in ``batch.slot_mapping``. Nothing else is mutated: no page is
-  allocated, no other slot is written, and model parameters are read-only.
-* Attention of sequence ``i``: its context K/V (``context_lens[i]`` tokens) is gathered from its pages with
-  one precomputed slot-index tensor (built once per forward, reused by every layer); its new queries are the
-  last ``q_len`` positions of that context, so the causal mask is ``key <= context_len - q_len + query``.
+  ``kv.k[l]`` / ``kv.v[l]`` at the rows in ``batch.slot_mapping`` (in place in the paged pool, before the
+  layer's attention reads them). Nothing else is mutated: no page is allocated, no other slot is written,
+  and model parameters are read-only (the RoPE cos/sin table is a cache filled on first use per
+  device/dtype).
 * RoPE positions come from the caller (``positions``), never inferred from the cache.
 """
 
@@ -35,10 +56,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # fp32 normalization, cast back, then the weight (the order of the HF reference implementation)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -77,6 +97,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
@@ -88,6 +109,18 @@ class Attention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(); q/k/v weights are then views into it
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v into one weight (and bias); rebind the three parameters as views into it."""
+        self.qkv_weight, self.qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
     def forward(
         self,
@@ -99,9 +132,10 @@ class Attention(nn.Module):
         plan: "_AttnPlan",
     ) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -112,38 +146,63 @@ class Attention(nn.Module):
         layer_k.index_copy_(0, plan.slot_mapping, k.to(layer_k.dtype))
         layer_v.index_copy_(0, plan.slot_mapping, v.to(layer_v.dtype))
 
+        if plan.single is not None:  # one group covers the whole flat batch, in order
+            o = self._attend(q, layer_k, layer_v, plan.single, whole=True)
+        else:
+            o = torch.empty_like(q)
+            for g in plan.groups:
+                o.index_copy_(0, g.q_index, self._attend(q, layer_k, layer_v, g, whole=False))
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group", whole: bool) -> torch.Tensor:
+        """Attention of one query group (see the module notes): ``q`` is the step's ``[T, H, D]`` queries
+        (``whole``: the group is all of them, in order); returns the group's ``[Tg, H, D]`` outputs in
+        ``g.q_index`` order. Reads the KV pool, writes nothing."""
         gqa = self.num_heads != self.num_kv_heads
-        if plan.decode_slots is not None:
-            # Pure decode step of several sequences: one padded gather and one attention call for the
-            # whole batch (padding masked out) instead of a Python loop over sequences.
-            B, L = plan.decode_slots.shape
-            kc = layer_k.index_select(0, plan.decode_slots.view(-1)).view(B, L, self.num_kv_heads, self.head_dim).to(q.dtype)
-            vc = layer_v.index_select(0, plan.decode_slots.view(-1)).view(B, L, self.num_kv_heads, self.head_dim).to(q.dtype)
+        KVH, D = self.num_kv_heads, self.head_dim
+        if g.q_src is not None:  # padded layout: [Bp * Qmax] rows gathered (padding repeats a real row)
+            q = q.index_select(0, g.q_src)
+        elif not whole:
+            q = q.index_select(0, g.q_index)
+        if g.kind == "padded":
+            B, L = g.slots.shape
+            Q = q.shape[0] // B
+            kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
+            vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
-                q.view(B, self.num_heads, 1, self.head_dim), kc.transpose(1, 2), vc.transpose(1, 2),
-                attn_mask=plan.decode_mask, scale=self.scale, enable_gqa=gqa,
+                q.view(B, Q, self.num_heads, D).transpose(1, 2), kc, vc, attn_mask=g.mask, is_causal=g.mask is None,
+                scale=self.scale, enable_gqa=gqa,
             )
-            return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        for i, (start, end) in enumerate(plan.q_ranges):
-            if end == start:
-                continue
-            idx = plan.ctx_slots[i]
-            ctx_len = idx.shape[0]
-            kc = layer_k.index_select(0, idx).to(q.dtype)  # [C, KVH, D]
-            vc = layer_v.index_select(0, idx).to(q.dtype)
-            qi = q[start:end].transpose(0, 1)  # [H, Q, D]
+            return o.transpose(1, 2).reshape(B * Q, self.num_heads, D).index_select(0, g.out_pos)
+        if g.kind == "decode":
+            B, L = g.slots.shape
+            kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
+            vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
-                qi,
-                kc.transpose(0, 1),
-                vc.transpose(0, 1),
-                attn_mask=plan.masks[i],
-                is_causal=plan.masks[i] is None and (end - start) == ctx_len and ctx_len > 1,
-                scale=self.scale,
-                enable_gqa=gqa,
+                q.view(B, self.num_heads, 1, D), kc, vc, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa
             )
-            out[start:end] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+            return o.view(B, self.num_heads, D)
+        kc = layer_k.index_select(0, g.slots).transpose(0, 1).to(q.dtype)  # [KVH, S, D]
+        vc = layer_v.index_select(0, g.slots).transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kc, vc, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=gqa
+        )
+        return o.transpose(0, 1)
+
+
+def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ``[sum(out), in]`` (and bias) from ``linears``; their parameters become row views of it."""
+    weight = torch.cat([m.weight.detach() for m in linears], dim=0)
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears], dim=0) if has_bias else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class MLP(nn.Module):
@@ -152,9 +211,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate gate/up into one weight; rebind both parameters as views into it."""
+        self.gate_up_weight, self.gate_up_bias = _fuse_linears((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -178,45 +246,139 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class _AttnPlan:
-    """Per-forward precomputation shared by all layers: slot indices and masks per sequence."""
+class _Group:
+    """The queries of one attention call (see module notes). ``kind``: ``decode`` (one query per
+    sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask) or
+    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask). ``q_index``: flat
+    indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
+    row, and the padded rows holding the real queries in ``q_index`` order."""
 
-    __slots__ = ("slot_mapping", "q_ranges", "ctx_slots", "masks", "decode_slots", "decode_mask")
+    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos")
+
+    def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None) -> None:
+        self.kind, self.q_index, self.slots, self.mask, self.q_src, self.out_pos = kind, q_index, slots, mask, q_src, out_pos
+
+
+class _AttnPlan:
+    """Per-forward precomputation shared by all layers: KV write slots and the (at most two) query groups.
+
+    ``single`` is set when one group holds every query in flat order (no gather/scatter of queries).
+    """
+
+    __slots__ = ("slot_mapping", "groups", "single")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device) -> None:
         cu = batch.cu_q
-        if len(cu) != batch.num_seqs + 1 or cu[0] != 0 or cu[-1] != num_tokens:
-            raise ValueError(f"cu_q {cu} inconsistent with {batch.num_seqs} sequences and {num_tokens} tokens")
+        B = batch.num_seqs
+        if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != num_tokens:
+            raise ValueError(f"cu_q {cu} inconsistent with {B} sequences and {num_tokens} tokens")
         if batch.slot_mapping.shape != (num_tokens,):
             raise ValueError(f"slot_mapping shape {tuple(batch.slot_mapping.shape)} != ({num_tokens},)")
+        q_lens = [cu[i + 1] - cu[i] for i in range(B)]
+        ctx = batch.context_lens
+        for i in range(B):
+            if q_lens[i] > ctx[i]:
+                raise ValueError(f"sequence {i}: {q_lens[i]} new tokens exceed context_len {ctx[i]}")
+            if len(batch.block_tables[i]) * page_size < ctx[i]:
+                raise ValueError(f"sequence {i}: {len(batch.block_tables[i])} pages cannot hold {ctx[i]} tokens")
         self.slot_mapping = batch.slot_mapping.to(device=device, dtype=torch.long)
-        self.q_ranges = [(cu[i], cu[i + 1]) for i in range(batch.num_seqs)]
-        offs = torch.arange(page_size, dtype=torch.long)
-        self.ctx_slots: list[torch.Tensor] = []
-        self.masks: list[torch.Tensor | None] = []
-        for i in range(batch.num_seqs):
-            ctx = batch.context_lens[i]
-            q_len = cu[i + 1] - cu[i]
-            if q_len > ctx:
-                raise ValueError(f"sequence {i}: {q_len} new tokens exceed context_len {ctx}")
-            pages = batch.block_tables[i]
-            if len(pages) * page_size < ctx:
-                raise ValueError(f"sequence {i}: {len(pages)} pages cannot hold {ctx} tokens")
-            slots = (torch.tensor(pages, dtype=torch.long)[:, None] * page_size + offs).reshape(-1)[:ctx]
-            self.ctx_slots.append(slots.to(device))
-            if q_len <= 1 or q_len == ctx:
-                self.masks.append(None)  # single query sees everything; full prefill uses is_causal
-            else:
-                qpos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
-                self.masks.append(torch.arange(ctx, device=device)[None, :] <= qpos)
-        # A step where every sequence decodes one token: padded [B, Lmax] slot table + key mask.
-        self.decode_slots: torch.Tensor | None = None
-        self.decode_mask: torch.Tensor | None = None
-        if batch.num_seqs > 1 and num_tokens == batch.num_seqs:
-            lens = [t.shape[0] for t in self.ctx_slots]
-            L = max(lens)
-            self.decode_slots = torch.nn.utils.rnn.pad_sequence(self.ctx_slots, batch_first=True, padding_value=0)
-            self.decode_mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+        dec = [i for i in range(B) if q_lens[i] == 1]
+        pre = [i for i in range(B) if q_lens[i] > 1]
+        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device)] if dec else []
+        self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device)
+                        for part in _split_packed(pre, q_lens, ctx)]
+        self.single = self.groups[0] if len(self.groups) == 1 else None
+
+
+def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """Padded ``[n, Lmax]`` flat slots of the first ``lens[i]`` tokens of each block table (pad slot 0)."""
+    L = max(lens)
+    width = -(-L // page_size)
+    padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+    slots = (padded[:, :, None] * page_size + torch.arange(page_size)).reshape(len(tables), -1)[:, :L].contiguous()
+    return slots.to(device)
+
+
+def _decode_group(rows, cu, ctx, tables, page_size, device) -> _Group:
+    lens = [ctx[i] for i in rows]
+    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
+    L = slots.shape[1]
+    mask = None
+    if min(lens) != L:
+        mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+    q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
+    return _Group("decode", q_index, slots, mask)
+
+
+MAX_PACKED_SCORES = 1 << 25  # Tp x Sp mask entries of one packed prefill group (32 Mi)
+
+
+def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[list[int]]:
+    """Consecutive runs of ``rows`` whose packed ``sum(q) * sum(ctx)`` stays <= MAX_PACKED_SCORES (a row
+    over the bound alone gets its own group)."""
+    parts: list[list[int]] = []
+    sq = sk = 0
+    for i in rows:
+        if parts and parts[-1] and (sq + q_lens[i]) * (sk + ctx[i]) > MAX_PACKED_SCORES:
+            parts.append([])
+            sq = sk = 0
+        if not parts:
+            parts.append([])
+        parts[-1].append(i)
+        sq, sk = sq + q_lens[i], sk + ctx[i]
+    return parts
+
+
+PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
+
+
+def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
+    """Multi-token queries of ``rows`` as one group: padded when ``Bp * Qmax * Lmax`` is smaller than the
+    packed ``sum(q) * sum(ctx)`` (e.g. several fresh prompts of similar length), packed otherwise."""
+    lens = [ctx[i] for i in rows]
+    q_lens = [cu[i + 1] - cu[i] for i in rows]
+    layout = PREFILL_LAYOUT
+    if layout == "auto":
+        layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
+    if layout == "padded":
+        return _padded_group(rows, q_lens, lens, cu, tables, page_size, device)
+    return _packed_group(rows, q_lens, lens, cu, tables, page_size, device)
+
+
+def _padded_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
+    B, L, Q = len(rows), slots.shape[1], max(q_lens)
+    nq = torch.tensor(q_lens, device=device)
+    local = torch.minimum(torch.arange(Q, device=device)[None, :], nq[:, None] - 1)  # pad rows repeat the last query
+    q_src = (torch.tensor([cu[i] for i in rows], device=device)[:, None] + local).reshape(-1)
+    out_pos = torch.cat([torch.arange(b * Q, b * Q + q, dtype=torch.long) for b, q in enumerate(q_lens)]).to(device)
+    q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
+    mask = None  # every sequence a fresh prompt of the same length: plain causal
+    if not all(q == Q and n == Q for q, n in zip(q_lens, lens)):
+        q_pos = (torch.tensor(lens, device=device) - nq)[:, None] + local  # absolute position of each row
+        mask = (torch.arange(L, device=device)[None, None, :] <= q_pos[:, :, None])[:, None]
+    return _Group("padded", q_index, slots, mask, q_src, out_pos)
+
+
+def _packed_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
+    L = padded.shape[1]
+    valid = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    slots = padded[valid]  # packed contexts, sequence after sequence
+    q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
+    mask = None
+    if len(rows) > 1 or q_lens[0] != lens[0]:
+        nq, nk = torch.tensor(q_lens, device=device), torch.tensor(lens, device=device)
+        q_seq = torch.repeat_interleave(torch.arange(len(rows), device=device), nq)
+        k_seq = torch.repeat_interleave(torch.arange(len(rows), device=device), nk)
+        k_pos = torch.arange(L, device=device).expand(len(rows), L)[valid]
+        # absolute position of each query: context_len - q_len + its index within the chunk
+        q_first = torch.repeat_interleave(nk - nq, nq)
+        q_local = torch.arange(q_seq.shape[0], device=device) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
+        q_pos = q_first + q_local
+        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return _Group("packed", q_index, slots, mask)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,16 +390,27 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope_table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = positions.device
-        inv = self._inv_freq.get(dev)
-        if inv is None:
-            inv = self._inv_freq[dev] = self._inv_freq_cpu.to(dev)
-        freqs = positions.float()[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up of every layer (memory-neutral: the old parameters become views)."""
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, D]`` for ``positions`` (all ``<= max_pos``), gathered from a per-device/dtype table
+        of positions ``[0, n)`` built on first use and regrown (doubling) when a longer context arrives."""
+        key = (positions.device, dtype)
+        table = self._rope_table.get(key)
+        if table is None or table[0].shape[0] <= max_pos:
+            n = min(max(4096, 1 << max_pos.bit_length()), max(self.config.max_position_embeddings, max_pos + 1))
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self._inv_freq_cpu[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._rope_table[key] = (emb.cos().to(positions.device, dtype), emb.sin().to(positions.device, dtype))
+        cos, sin = table
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -260,7 +433,8 @@ class LlamaForCausalLM(nn.Module):
         positions = positions.to(dev)
         plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, h.dtype)
+        max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
+        cos, sin = self._rope(positions, h.dtype, max_pos)
         for l, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv.k[l], kv.v[l], plan)
         return self.model.norm(h)

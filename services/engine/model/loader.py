@@ -21,6 +21,39 @@ from .llama import LlamaForCausalLM
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 flags in /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def auto_dtype(device: str | torch.device, cpuinfo: str | None = None) -> torch.dtype:
+    """The engine's compute dtype for ``dtype: auto``: bfloat16 where the device computes it natively (a
+    CUDA device with bf16 support, a CPU with AVX512-BF16/AMX), float32 otherwise."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16(cpuinfo) else torch.float32
+
+
+def engine_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """Config dtype name (``auto``, ``float32``, ``bfloat16``, ``float16``) -> torch dtype for ``device``."""
+    if name == "auto":
+        return auto_dtype(device)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}")
+    return _DTYPES[name]
+
+
 def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -60,8 +93,10 @@ def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    fuse: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model from ``path/config.json`` and copy in every tensor from its safetensors file(s)."""
+    """Build the model from ``path/config.json`` and copy in every tensor from its safetensors file(s);
+    with ``fuse`` (default) fuse its projections (see ``LlamaForCausalLM.fuse_projections``)."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     torch_dtype = _resolve_dtype(dtype, config)
@@ -102,6 +137,8 @@ def load_model(
         raise ValueError(f"missing tensors in checkpoint {path}: {missing}")
     model.eval()
     model.requires_grad_(False)
+    if fuse:
+        model.fuse_projections()  # q/k/v and gate/up as one matmul each; parameters become views
     return model, config
 
 

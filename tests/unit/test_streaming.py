@@ -1,0 +1,45 @@
+"""The engine's token path: step outputs already queued are folded into one output per call."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.engine.streaming import coalesce_outputs, next_coalesced
+from services.engine.types import FinishReason, RequestOutput, Usage
+
+
+def test_coalesce_merges_per_request_in_order_and_keeps_the_terminal_fields():
+    usage = Usage(5, 3, 0)
+    steps = [
+        [RequestOutput("a", [1], "x"), RequestOutput("b", [7], "p")],
+        [RequestOutput("b", [8], "q"), RequestOutput("a", [2], "y")],
+        [RequestOutput("a", [3], "z", True, FinishReason.LENGTH, usage), RequestOutput("c", [9], "")],
+    ]
+    out = coalesce_outputs(steps)
+    assert [o.request_id for o in out] == ["a", "b", "c"]
+    a, b, c = out
+    assert (a.new_token_ids, a.new_text, a.finished, a.finish_reason, a.usage) == ([1, 2, 3], "xyz", True, FinishReason.LENGTH, usage)
+    assert (b.new_token_ids, b.new_text, b.finished) == ([7, 8], "pq", False)
+    assert (c.new_token_ids, c.new_text) == ([9], "")
+    assert steps[0][0].new_token_ids == [1]  # inputs untouched
+
+
+def test_next_coalesced_takes_everything_queued_but_never_waits_for_more():
+    async def scenario():
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait([RequestOutput("a", [1], "x")])
+        outs, steps = await next_coalesced(q)  # reader keeps up: one step, passed through as is
+        assert steps == 1 and outs[0].new_token_ids == [1]
+        for t in (2, 3, 4):  # reader lagged three steps behind
+            q.put_nowait([RequestOutput("a", [t], str(t))])
+        outs, steps = await next_coalesced(q)
+        assert steps == 3 and len(outs) == 1 and outs[0].new_token_ids == [2, 3, 4] and outs[0].new_text == "234"
+        assert q.empty()
+        waiter = asyncio.ensure_future(next_coalesced(q))
+        await asyncio.sleep(0)
+        assert not waiter.done()  # nothing queued: it waits for the next step
+        q.put_nowait([RequestOutput("a", [5], "")])
+        outs, steps = await asyncio.wait_for(waiter, 10)
+        assert steps == 1 and outs[0].new_token_ids == [5]
+
+    asyncio.run(scenario())
