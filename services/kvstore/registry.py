@@ -144,7 +144,11 @@ class ValuePerByte:
     """JointServe §3.2: avoided recovery per byte, ``p̂ · ĉ / s`` (lowest evicted first).
 
     ``ĉ``: recompute cost of the page, ``page_size · (1 + page_index · page_size / context_scale)``
-    token-units (prefill of late tokens attends over more context). ``p̂``: reuse likelihood,
+    token-units (prefill of late tokens attends over more context), each token-unit weighted by the model's
+    KV bytes per token: a model's prefill work per token grows with its KV width and layer count as its KV
+    bytes do, so a model with wider KV is neither cheaper to recompute nor worth less per byte (issue 18
+    item 7: pricing token-units per byte evicted the newest sessions of the model with the widest KV — 3x
+    the bytes — before older ones of the others). ``p̂``: reuse likelihood,
     ``(1 + hits) · 2^(-age / half_life_s)``. ``s``: bytes held.
     """
 
@@ -157,7 +161,8 @@ class ValuePerByte:
         cost = ps * (1.0 + b.page_index * ps / self.context_scale)
         age = max(0.0, now - b.last_access)
         p = (1 + b.hits) * math.pow(2.0, -age / self.half_life_s)
-        return p * cost / max(1, b.layout.page_bytes)
+        bytes_per_token = b.layout.page_bytes / ps
+        return p * cost * bytes_per_token / max(1, b.layout.page_bytes)
 
 
 POLICIES: dict[str, Callable[[], object]] = {"lru": LRU, "value_per_byte": ValuePerByte}
