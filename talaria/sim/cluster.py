@@ -83,6 +83,7 @@ class RunResult:
     end_s: float
     wall_s: float
     decide_us: list[float]
+    policy_us: list[float]
     instances: dict[str, dict[str, Any]]
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -115,7 +116,8 @@ class Simulation:
         self._seq = 0
         self._busy: dict[str, bool] = {i: False for i in self.instances}
         self._rounds: list[Any] = []
-        self._decide_us: list[float] = []
+        self._decide_us: list[float] = []  # gateway decide: state refresh + policy (+ a raced retry)
+        self._policy_us: list[float] = []  # policy.decide alone (Gateway._decide_ns delta)
         self._trace: dict[str, Any] = {"router": [], "slots": {i: [] for i in self.instances}} if cfg.record else {}
         self._left = sum(len(s.calls) for s in sessions)
 
@@ -169,8 +171,9 @@ class Simulation:
         Mutates the gateway (commit), the lease store and the chosen instance's queue."""
         s, k, req = payload
         gw = self.gateway
-        t0 = time.perf_counter_ns()
+        t0, p0 = time.perf_counter_ns(), gw._decide_ns
         d, rev = gw.decide(req)
+        self._policy_us.append((gw._decide_ns - p0) / 1e3)
         if d.lease == "hit":
             assert rev is not None
             if not self.leases.consume_now(req.session_id, req.model, rev):
@@ -310,7 +313,7 @@ class Simulation:
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]
         return RunResult(self.cfg.name, calls, sct, self.gateway.metrics(), self._rounds, switches, self.clock.now(), wall,
-                         self._decide_us, inst, self._trace)
+                         self._decide_us, self._policy_us, inst, self._trace)
 
 
 def _hot(slot: SlotPolicy) -> SlotPolicy:

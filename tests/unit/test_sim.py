@@ -203,3 +203,15 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     assert got["comparison"]["of"] >= 10
     assert (tmp_path / "tp8" / "sct_cdf.png").exists() and (tmp_path / "router" / "report.md").exists()
     assert s["tp8"] == got["tp8"]
+
+
+def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
+    from talaria.sim.scale import cluster, run_scale
+
+    specs, catalog, weights = cluster(20, 8)
+    hot = [s for s in specs if s.pool == "hot"]
+    assert len(specs) == 20 and hot and all(len(s.catalog) == 1 for s in hot)
+    assert weights[0] > weights[-1] and hot[0].catalog[0] == catalog[0]
+    s = run_scale(tmp_path, profile=str(TP8), instances=6, models=4, sessions=12, base_sessions=12, say=lambda m: None)
+    assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] >= s["policy_p99_us"] > 0
+    assert json.loads((tmp_path / "scale.json").read_text())["instances"] == 6
