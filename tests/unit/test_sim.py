@@ -215,3 +215,18 @@ def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
     s = run_scale(tmp_path, profile=str(TP8), instances=6, models=4, sessions=12, base_sessions=12, say=lambda m: None)
     assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] >= s["policy_p99_us"] > 0
     assert json.loads((tmp_path / "scale.json").read_text())["instances"] == 6
+
+
+def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
+    from bench.workloads import write_jsonl
+    from bench.workloads.synthetic import SynthParams, generate
+    from talaria.sim.cli import main
+
+    w = generate(SynthParams(sessions=4, models=("qwen3-235b", "glm5-nvfp4"), seed=1, max_depth=4))
+    write_jsonl(w, tmp_path / "w.jsonl")
+    assert main(["sim", "run", "--workload", str(tmp_path / "w.jsonl"), "--profile", str(TP8), "--configs", "Talaria,Round-only",
+                 "--out", str(tmp_path / "out"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["Talaria", "Round-only"]
+    assert all(r["calls"] == w.num_calls for r in rows)
+    assert rows[1]["sct_p50_vs_base"] == 1.0 and (tmp_path / "out" / "report.md").exists()
