@@ -132,8 +132,10 @@ class Simulation:
 
     def run(self) -> RunResult:
         t0 = time.perf_counter()
-        for iid in self.instances:
-            self._heartbeat(iid)
+        n = len(self.instances)
+        for j, iid in enumerate(self.instances):  # every instance reports at t=0, then on its own phase
+            self._publish(iid)
+            self._push((j + 1) * self.cfg.heartbeat_s / n, "heartbeat", iid)
         for s in self.sessions:
             if s.calls:
                 s.calls[0].intended = s.start_s
@@ -196,11 +198,14 @@ class Simulation:
         self._kick(d.instance_id)
 
     def _heartbeat(self, iid: str) -> None:
+        self._publish(iid)
+        self._push(self.clock.now() + self.cfg.heartbeat_s, "heartbeat", iid)
+
+    def _publish(self, iid: str) -> None:
         snap = self.snapshot(iid)
         self.gateway.on_snapshot(snap)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "snapshot": snap.SerializeToString()})
-        self._push(self.clock.now() + self.cfg.heartbeat_s, "heartbeat", iid)
 
     def snapshot(self, iid: str) -> pb.InstanceSnapshot:
         """The heartbeat the engine service would publish for this instance (engine/service.py layout)."""
