@@ -63,6 +63,7 @@ class SimConfig:
     decode_quantum: int = 1
     record: bool = False
     max_sim_s: float = 1e7
+    stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
 
 
 @dataclass(slots=True)
@@ -143,10 +144,13 @@ class Simulation:
         handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive, "retry": self._place, "done": self._done, "heartbeat": self._heartbeat,
         }
+        self._progress = 0.0
         while self._heap and self._left > 0:
             t, _, kind, payload = heapq.heappop(self._heap)
             if t > self.cfg.max_sim_s:
                 raise RuntimeError(f"simulation passed {self.cfg.max_sim_s} s with {self._left} calls unfinished")
+            if t - self._progress > self.cfg.stall_s:
+                raise RuntimeError(f"no call finished for {self.cfg.stall_s} simulated s ({self._left} unfinished): a stalled instance")
             self.clock.advance(max(0.0, t - self.clock.now()))
             handlers[kind](payload)
         if self._left:
@@ -287,6 +291,7 @@ class Simulation:
             if self.cfg.record:
                 self._trace["slots"][iid].append(("step", inst.active or "", *obs))
             for c in what.finished:
+                self._progress = now
                 inst.keep(c, now)
                 self._hook(c)
                 self._left -= 1

@@ -121,14 +121,19 @@ class SimInstance:
         return True
 
     def _open(self, model: str, now: float) -> None:
-        if self.max_loaded and len(self.loaded) >= self.max_loaded:
-            idle = [m for m in self.loaded if m != self.active and not self.queues[m] and (self.active != m)]
-            if idle:
-                victim = min(idle, key=lambda m: self.last_work.get(m, 0.0))
-                self.loaded.remove(victim)
-                for sid in [s for (m, s) in self.seen if m == victim]:
-                    self.seen.discard((victim, sid))
         self.loaded.append(model)
+        self.last_work[model] = now
+        self._shrink(keep=model)
+
+    def _shrink(self, keep: str | None = None) -> None:
+        """Close idle models (no queue, not active, not ``keep``) beyond ``max_loaded``, least recently used first."""
+        while self.max_loaded and len(self.loaded) > self.max_loaded:
+            idle = [m for m in self.loaded if m not in (self.active, keep) and not self.queues[m]]
+            if not idle:
+                return
+            victim = min(idle, key=lambda m: self.last_work.get(m, 0.0))
+            self.loaded.remove(victim)
+            self.seen = {(m, s) for (m, s) in self.seen if m != victim}
 
     # ------------------------------------------------------------------ views
     def _kv_capacity_tokens(self) -> int:
@@ -213,6 +218,7 @@ class SimInstance:
         self.device.clear()
         self.previous, self.active = self.active, target
         self.staging = None
+        self._shrink()
         secs = sum(phases)
         self.switches.append({"t": now, "from": self.previous or "", "to": target, "path": path, "seconds": secs, "staged_fraction": frac})
         self.switch_s += secs

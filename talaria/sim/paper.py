@@ -37,8 +37,8 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
     "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False},
 }
 OUTPUT_SCALE = 0.1
-TP8_START_GAP_S = 30.0
-ROUTER_START_GAP_S = 0.5  # "high load" (§5.3): a session starts every 0.5 s
+TP8_START_GAP_S = 60.0
+ROUTER_START_GAP_S = 2.0  # "high load" (§5.3): a session starts every 2 s (not published)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)  # §5.4
 
 PAPER: dict[str, Any] = {

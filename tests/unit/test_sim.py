@@ -145,7 +145,7 @@ def test_slot_decisions_replay_identically_into_a_fresh_scheduler():
 
 
 def test_replay_detects_a_diverging_scheduler():
-    """The replay check can fail: a scheduler that is not told about switches decides differently."""
+    """The replay check can fail: a scheduler that is not told what steps cost decides differently."""
     sim = Simulation(paper.tp8_config(load(TP8), "Talaria", {}, record=True), sessions(6, 4, models=paper.TP8_MODELS))
     sim.run()
     inst = sim.instances["tp8-0"]
@@ -154,8 +154,8 @@ def test_replay_detects_a_diverging_scheduler():
     for ev in sim._trace["slots"]["tp8-0"]:
         if ev[0] == "decide":
             diverged |= fresh.decide(ev[2], ev[1]) != ev[3]
-        elif ev[0] == "step":
-            fresh.observe_step(*ev[1:])  # switches withheld
+        elif ev[0] == "switch":
+            fresh.observe_switch(ev[1], ev[2])  # step measurements withheld
     assert diverged
 
 
