@@ -3,7 +3,8 @@
 What is measured (each number in the output says how, in its ``cite``):
 
 * prefill: a fresh prompt of each length in ``--lengths`` (prefix cache flushed), time to the first
-  token through ``Engine.step()``; fitted as ``t = k * n**p`` (``talaria.sim.profile.fit_power``);
+  token through ``Engine.step()`` with the engine's default chunked-prefill budget (as served); fitted
+  as ``t = k * n**p`` (``talaria.sim.profile.fit_power``);
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
   first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
 * restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.before_admit``)
@@ -88,8 +89,12 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
 
     from services.engine.executor import Engine
 
+    from talaria.config import EngineConfig
+
+    # the serving engine's chunked-prefill budget (the matrix runs the default), so long prompts are
+    # measured as they are served: in chunks whose attention grows with the context
     engine = Engine(path, device="cpu", dtype=torch.float32, model_id=name, max_num_seqs=max(32, max(batches)),
-                    max_num_batched_tokens=max(max(lengths), max(batches) * max(contexts)))
+                    max_num_batched_tokens=EngineConfig.model_fields["max_num_batched_tokens"].default)
     rng = random.Random(seed)
     vocab = engine.vocab_size
     pts = []
@@ -224,7 +229,7 @@ def main(args) -> int:
 def add_args(p) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), help="catalog (default: the bench matrix's three models)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024], help="prefill lengths (default 64 256 1024)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="prefill lengths (default 128 512 2048)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batch sizes (default 1 4)")
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 512], help="decode contexts (default 64 512)")
     p.add_argument("--restore-tokens", type=int, default=1024, help="host KV restore probe length (0: skip)")
