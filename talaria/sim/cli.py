@@ -29,7 +29,8 @@ def _run(args) -> int:
     if args.workload:
         w = read_jsonl(args.workload)
     elif args.mooncake:
-        w = import_mooncake(MooncakeParams(path=args.mooncake))
+        w = import_mooncake(MooncakeParams(path=args.mooncake, sessions=args.sessions, models=tuple(args.models.split(",")), seed=args.seed,
+                                           length_scale=1.0, time_scale=1.0, max_prompt=131072, max_output=4096, vocab=32000))  # full scale
     else:
         w = workload.full_scale(args.sessions, args.seed, args.models.split(","))
     sessions_of = lambda: workload.from_workload(w)  # noqa: E731 - fresh call objects per configuration
