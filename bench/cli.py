@@ -129,3 +129,8 @@ def add_cli(subparsers) -> None:
     mx = bs.add_parser("matrix", help="the paper's ablations and router policies side by side: one local stack per configuration, same workload")
     _matrix_args(mx)
     mx.set_defaults(fn=lambda a: __import__("bench.matrix", fromlist=["main"]).main(a))
+    from bench.profile_bench import add_args as _profile_args
+
+    pf = bs.add_parser("profile", help="measure a simulator profile (talaria-profile/1) from a real engine here")
+    _profile_args(pf)
+    pf.set_defaults(fn=lambda a: __import__("bench.profile_bench", fromlist=["main"]).main(a))

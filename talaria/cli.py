@@ -1,4 +1,4 @@
-"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``telemetry``, ``models``, ``health``, ``proto``, ``bench``."""
+"""The ``talaria`` command: ``up``, ``router``, ``engine``, ``telemetry``, ``models``, ``health``, ``proto``, ``bench``, ``sim``."""
 
 from __future__ import annotations
 
@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_cli = None
     if add_bench_cli is not None:
         add_bench_cli(sub)
+    from talaria.sim.cli import add_cli as add_sim_cli
+
+    add_sim_cli(sub)
     return p
 
 

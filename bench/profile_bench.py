@@ -1,0 +1,240 @@
+"""``talaria bench profile``: measure a simulator profile (``talaria-profile/1``) from a real engine here.
+
+What is measured (each number in the output says how, in its ``cite``):
+
+* prefill: a fresh prompt of each length in ``--lengths`` (prefix cache flushed), time to the first
+  token through ``Engine.step()`` with the engine's default chunked-prefill budget (as served); fitted
+  as ``t = k * n**p`` (``talaria.sim.profile.fit_power``);
+* decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
+  first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
+* restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.before_admit``)
+  on a ``--restore-tokens`` prefix, its restore step time / tokens;
+* switch phases: a real ``ColdEngine`` over the models, ``full_staged`` (target staged first) and
+  ``host_only`` switches; medians of the five recorded phases;
+* sizes: weight bytes from the weight bank, KV bytes per token from the model config; HBM/host sizes of
+  the ``bench matrix`` stack (two cold engines, ``kv_cache_mb`` 64, kvstore 1 GiB); knobs from
+  ``EngineConfig`` defaults (the matrix's slot scheduler).
+
+Medians over ``--repeats``; print ``/proc/loadavg`` beside the result: on this shared machine every
+number moves with the load.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import ensure_models
+
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # the bench matrix's catalog
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split(" ")[0]
+    except OSError:
+        return "n/a"
+
+
+def _first_token_s(engine, prompt: list[int], rid: str) -> float:
+    from services.engine.types import EngineRequest, SamplingParams
+
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    engine.add_request(EngineRequest(rid, list(prompt), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)))
+    while True:
+        for o in engine.step():
+            if o.new_token_ids:  # max_tokens=1: the request is finished too
+                return time.perf_counter() - t0
+
+
+def _decode_step_s(engine, prompts: list[list[int]], new: int, tag: str) -> float:
+    from services.engine.types import EngineRequest, SamplingParams
+
+    engine.flush_cache()
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(EngineRequest(rid, list(p), sp))
+    got = {r: 0 for r in ids}
+    pending, t_first, steps = set(ids), None, 0
+    while pending:
+        outs = engine.step()
+        if t_first is not None:
+            steps += 1
+        for o in outs:
+            got[o.request_id] += len(o.new_token_ids)
+            if o.finished:
+                pending.discard(o.request_id)
+        if t_first is None and all(got.values()):
+            t_first = time.perf_counter()
+    return (time.perf_counter() - (t_first or time.perf_counter())) / max(1, steps)
+
+
+def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
+    import numpy as np
+
+    sol, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    return tuple(max(0.0, float(x)) for x in sol)  # type: ignore[return-value]
+
+
+def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats: int, seed: int, say) -> dict[str, Any]:
+    import torch
+
+    from services.engine.executor import Engine
+
+    from talaria.config import EngineConfig
+
+    # the serving engine's chunked-prefill budget (the matrix runs the default), so long prompts are
+    # measured as they are served: in chunks whose attention grows with the context
+    engine = Engine(path, device="cpu", dtype=torch.float32, model_id=name, max_num_seqs=max(32, max(batches)),
+                    max_num_batched_tokens=EngineConfig.model_fields["max_num_batched_tokens"].default)
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    pts = []
+    for n in lengths:
+        prompt = [rng.randrange(3, vocab) for _ in range(n)]
+        _first_token_s(engine, prompt, f"warm-{n}")
+        pts.append((n, statistics.median(_first_token_s(engine, prompt, f"p{n}-{r}") for r in range(repeats))))
+    k, p = _fit(pts)
+    rows, ys = [], []
+    for b in batches:
+        for ctx in contexts:
+            prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(b)]
+            ys.append(statistics.median(_decode_step_s(engine, prompts, 9, f"d{b}-{ctx}-{r}") for r in range(repeats)))
+            rows.append((1.0, float(b), float(b * ctx)))
+    base, per_seq, per_ctx = _lstsq(rows, ys)
+    cfg = engine.config
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
+    say(f"  {name}: prefill {[(n, round(t, 4)) for n, t in pts]} -> k={k:.3g} p={p:.3f}; decode base {base * 1e3:.2f} ms, "
+        f"+{per_seq * 1e3:.3f} ms/seq, +{per_ctx * 1e9:.2f} ms per 1M ctx tokens")
+    del engine
+    gc.collect()
+    return {"prefill_points": pts, "prefill_k": k, "prefill_p": p, "decode_base_s": base, "decode_per_seq_s": per_seq,
+            "decode_per_ctx_token_s": per_ctx, "kv_bytes_per_token": kv}
+
+
+def _fit(pts):
+    from talaria.sim.profile import fit_power
+
+    return fit_power(pts)
+
+
+def measure_switch(models_dir: Path, models: tuple[str, ...], switches: int, say) -> tuple[dict[str, float], dict[str, int]]:
+    from bench.switch_bench import _stage
+    from services.engine.cold import ColdEngine
+    from services.engine.substrate.bank import WeightBank
+
+    chunk = 4096 * 1024
+    probe = WeightBank(chunk, pin=False)
+    sizes = {m: probe.load(m, models_dir / m).nbytes for m in models}
+    del probe
+    ce = ColdEngine({m: models_dir / m for m in models}, page_size=16, kv_cache_bytes=2 * max(sizes.values()) + (16 << 20), chunk_bytes=chunk, initial=models[0])
+    recs: dict[str, list[tuple[float, ...]]] = {"full_staged": [], "host_only": []}
+    src, dst = models[0], models[1]
+    try:
+        for i in range(switches + 1):
+            for path in recs:
+                if ce.active != src:
+                    ce.switch_to(src)
+                ce.substrate.area.discard()
+                if path == "full_staged":
+                    _stage(ce, dst, ce.bank[dst].num_chunks)
+                rec = ce.switch_to(dst)
+                if i and rec.path == path:  # the first round warms up
+                    recs[path].append(rec.phase_seconds)
+    finally:
+        ce.substrate.copier.close()
+    med = {p: [statistics.median(r[j] for r in v) for j in range(5)] for p, v in recs.items() if v}
+    h, f = med["host_only"], med.get("full_staged", med["host_only"])
+    out = {"save_teardown_s": h[0], "open_h2d_s": h[1], "open_d2d_s": f[1], "restore_kv_shell_s": h[2], "restore_runtime_s": h[3], "publish_s": h[4]}
+    say(f"  switch {src}->{dst}: host_only {sum(h) * 1e3:.1f} ms, full_staged {sum(f) * 1e3:.1f} ms")
+    return out, sizes
+
+
+def measure_restore(models_dir: Path, model: str, tokens: int, seed: int, say) -> float:
+    from bench.kvstore_bench import run_kvstore_bench
+
+    r = run_kvstore_bench(str(models_dir), model, [tokens], 1, seed, 1, say=lambda m: None)
+    row = r["rows"][0]
+    say(f"  restore {tokens} tokens: {row['restore_step_s'] * 1e3:.1f} ms (recompute TTFT {row['recompute_ttft_s'] * 1e3:.1f} ms)")
+    return row["restore_step_s"] / tokens
+
+
+def build_profile(args, say=print) -> dict[str, Any]:
+    import torch
+
+    from talaria.config import EngineConfig, KvStoreConfig
+
+    torch.set_num_threads(args.threads)
+    models = tuple(args.models)
+    mdir = ensure_models(args.models_dir, list(models), say=say)
+    say(f"measuring {', '.join(models)} on cpu, {torch.get_num_threads()} torch threads, loadavg {_loadavg()}")
+    how = f"measured here by `talaria bench profile` (cpu, float32, {args.threads} torch thread(s), median of {args.repeats}, loadavg {_loadavg()})"
+    per = {m: measure_model(mdir / m, m, lengths=args.lengths, batches=args.batches, contexts=args.contexts, repeats=args.repeats, seed=args.seed, say=say) for m in models}
+    switch, sizes = measure_switch(mdir, models, args.switches, say)
+    restore = measure_restore(mdir, models[0], args.restore_tokens, args.seed, say) if args.restore_tokens else 0.0
+
+    def c(v: float, what: str) -> dict[str, Any]:
+        return {"value": v, "cite": f"{what}; {how}"}
+
+    ec, kc = EngineConfig.model_fields, KvStoreConfig.model_fields
+    kv_mb = 64  # bench matrix base_stack
+    models_out = {}
+    for m, r in per.items():
+        models_out[m] = {
+            "prefill_k": c(r["prefill_k"], f"fit of first-token times {r['prefill_points']}"), "prefill_p": c(r["prefill_p"], "same fit"),
+            "decode_base_s": c(r["decode_base_s"], "least squares over batch x context grid"),
+            "decode_per_seq_s": c(r["decode_per_seq_s"], "same fit"), "decode_per_ctx_token_s": c(r["decode_per_ctx_token_s"], "same fit"),
+            "restore_per_token_s": c(restore, f"bench kvstore restore step of {args.restore_tokens} tokens ({models[0]})"),
+            "weights_gib": c(sizes[m] / 2**30, "weight bank bytes"), "kv_bytes_per_token": c(r["kv_bytes_per_token"], "2 x layers x KV heads x head dim x 4 B"),
+        }
+    max_w = max(sizes.values()) / 2**30
+    return {
+        "format": "talaria-profile/1", "name": "measured-here",
+        "source": {"command": "talaria bench profile", "models": list(models), "loadavg": _loadavg(), "measured_unix": f"{time.time():.0f}"},
+        "instance": {
+            "hbm_gib": c(max_w + kv_mb / 1024, "bench matrix engine: largest catalog model + kv_cache_mb 64 (EngineConfig arena default on CPU)"),
+            "arena_fraction": c(1.0, "CPU arena holds exactly weights + KV"),
+            "host_kv_gib": c(kc["capacity_mb"].default / 1024, "KvStoreConfig.capacity_mb default"),
+            "page_tokens": c(ec["page_size"].default, "EngineConfig.page_size default"),
+            "max_batched_tokens": c(ec["max_num_batched_tokens"].default, "EngineConfig.max_num_batched_tokens default"),
+        },
+        "switch": {k: c(v, "median phase of real ColdEngine switches") for k, v in switch.items()},
+        "models": models_out,
+        "knobs": {
+            "ttft_s": c(ec["slot_ttft_s"].default, "EngineConfig.slot_ttft_s default"), "tpot_s": c(ec["slot_tpot_s"].default, "EngineConfig.slot_tpot_s default"),
+            "gamma": c(ec["slot_gamma"].default, "EngineConfig.slot_gamma default"), "tau_s": c(1.0, "PlacementConfig.lease_ttl_s default"),
+        },
+    }
+
+
+def main(args) -> int:
+    prof = build_profile(args)
+    text = yaml.safe_dump(prof, sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out} (loadavg {_loadavg()})")
+    else:
+        print(text)
+    return 0
+
+
+def add_args(p) -> None:
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="catalog (default: the bench matrix's three models)")
+    p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="prefill lengths (default 128 512 2048)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batch sizes (default 1 4)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 512], help="decode contexts (default 64 512)")
+    p.add_argument("--restore-tokens", type=int, default=1024, help="host KV restore probe length (0: skip)")
+    p.add_argument("--switches", type=int, default=3, help="measured switches per path (default 3)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the profile YAML here (default: stdout)")

@@ -1,0 +1,112 @@
+"""``talaria sim``: run | paper | scale (see talaria/sim/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_TP8 = "profiles/paper-tp8.yaml"
+DEFAULT_TP4 = "profiles/paper-tp4-router.yaml"
+
+
+def paper_output_scale() -> float:
+    from .paper import OUTPUT_SCALE
+
+    return OUTPUT_SCALE
+
+
+def _run(args) -> int:
+    from bench.workloads import read_jsonl
+    from bench.workloads.mooncake import MooncakeParams, import_mooncake
+
+    from . import paper, report, workload
+    from .cluster import InstanceSpec, SimConfig, Simulation
+    from .profile import load
+
+    prof = load(args.profile)
+    if args.workload:
+        w = read_jsonl(args.workload)
+    elif args.mooncake:
+        w = import_mooncake(MooncakeParams(path=args.mooncake, sessions=args.sessions, models=tuple(args.models.split(",")), seed=args.seed,
+                                           length_scale=1.0, time_scale=1.0, max_prompt=131072, max_output=4096, vocab=32000))  # full scale
+    else:
+        w = workload.full_scale(args.sessions, args.seed, args.models.split(","))
+    sessions_of = lambda: workload.from_workload(w)  # noqa: E731 - fresh call objects per configuration
+    models = tuple(w.models())
+    specs = tuple(InstanceSpec(f"sim-{i}", "cold", models) for i in range(args.instances))
+    rows = []
+    for name in args.configs.split(","):
+        flags = paper.CONFIGS[name]
+        cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **flags), tau_s=float(prof.knobs.get("tau_s", 1.0)))
+        rows.append(report.summarize(Simulation(cfg, sessions_of()).run()))
+    out = Path(args.out)
+    report.write(out, rows, {"profile": args.profile, "workload": args.workload or args.mooncake or "synthetic full scale"}, "Simulated run")
+    if args.json:
+        print(json.dumps([report.lean(s) for s in rows], indent=2, default=str))
+    else:
+        print(report.table(rows))
+    return 0
+
+
+def _paper(args) -> int:
+    from .paper import run_paper
+
+    s = run_paper(Path(args.out), tp8_profile=args.profile, router_profile=args.router_profile, seed=args.seed,
+                  configs=args.configs.split(",") if args.configs else None, say=lambda m: print(m, file=sys.stderr),
+                  output_scale=args.output_scale, start_gap_s=args.start_gap, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else ())
+    print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
+    return 0
+
+
+def _scale(args) -> int:
+    from .scale import run_scale
+
+    s = run_scale(Path(args.out), profile=args.profile, instances=args.instances, models=args.models, sessions=args.sessions,
+                  seed=args.seed, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(s, indent=2, default=str))
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("sim", help="discrete-event simulator: the real policies under a virtual clock")
+    ps = p.add_subparsers(dest="sim_cmd", required=True)
+    r = ps.add_parser("run", help="simulate a replay workload on N cold instances, configurations side by side")
+    r.add_argument("--profile", default=DEFAULT_TP8)
+    r.add_argument("--workload", help="talaria-replay/1 JSONL")
+    r.add_argument("--mooncake", help="a Mooncake trace (bench/workloads/mooncake.py)")
+    r.add_argument("--sessions", type=int, default=10, help="synthetic sessions (full scale) when no workload is given")
+    r.add_argument("--models", default="qwen3-235b,glm5-nvfp4,qwen3.5-122b-a10b")
+    r.add_argument("--instances", type=int, default=1)
+    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,Round-only")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="sim-out")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=_run)
+    pp = ps.add_parser("paper", help="reproduce the paper's TP=8 replay and router experiment; writes OUT/summary.json")
+    pp.add_argument("--out", required=True)
+    pp.add_argument("--profile", default=DEFAULT_TP8)
+    pp.add_argument("--router-profile", default=DEFAULT_TP4)
+    pp.add_argument("--configs", help="subset of the TP=8 configurations (default all five)")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
+    pp.add_argument("--start-gap", type=float, default=60.0, help="seconds between session starts of the TP=8 replay (not published)")
+    pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
+    pp.add_argument("--json", action="store_true", help="print the whole summary")
+    pp.set_defaults(fn=_paper)
+    sc = ps.add_parser("scale", help="hot/cold cluster past one machine (placement decision cost, sim speed)")
+    sc.add_argument("--out", default="sim-scale")
+    sc.add_argument("--profile", default=DEFAULT_TP8)
+    sc.add_argument("--instances", type=int, default=1000)
+    sc.add_argument("--models", type=int, default=100)
+    sc.add_argument("--sessions", type=int, default=10000)
+    sc.add_argument("--seed", type=int, default=0)
+    sc.set_defaults(fn=_scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="talaria")
+    add_cli(ap.add_subparsers(dest="cmd", required=True))
+    args = ap.parse_args(argv)
+    return int(args.fn(args) or 0)

@@ -1,0 +1,358 @@
+"""One simulated serving instance: the *mechanism* side of an engine, driven by the real slot scheduler.
+
+Design NOTE (Talaria §3.4-§3.5, §4.2-§4.4). The policy is ``services.engine.slots.SlotScheduler``
+unchanged: at every decode boundary the instance builds the scheduler's ``InstanceView``, calls
+``decide(view, now)`` and carries the decision out, charging time from the profile (``profile.py``) and
+reporting what it "measured" through ``observe_step``/``observe_switch``, exactly like the cold engine.
+Staging picks its target with ``services.engine.substrate.policy.predict_next`` (the engine's staging
+policy) and the load path is ``classify``-ed from the staged fraction like the engine's switch. Host KV goes
+through the real ``services.kvstore.registry.HostKVRegistry`` (reserve/commit on checkpoint, agreed-prefix
+lookup on restore, its eviction under capacity). What is simulated is only the mechanism: a step's
+duration, device KV capacity, staged bytes growing at the H2D rate in the arena's free tail.
+
+Device KV: the active model's finished sessions keep their KV on device until a switch releases the
+active KV region (Talaria §4.2) or device memory runs out (least recently used first); with ``host_kv``
+every finished call is checkpointed to the host registry (free in time: asynchronous D2H, §4.3).
+
+Cold instances have a set of *loaded* models (in rotation); a call for another catalog model opens it
+(``max_loaded`` bounds the set; an idle model leaves first). Hot instances pin one model (``endless``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.slots import CostModel, CostProfile, SlotPolicy, SlotScheduler
+from services.engine.slots.types import CallView, Decision, InstanceView, ModelView
+from services.engine.substrate.policy import EngineView, classify_path, predict_next
+from services.kvstore.registry import Family, HostKVRegistry, Layout
+
+from .profile import GIB, Profile
+
+PATH_CHUNKS = 100  # staged fraction resolution when classifying a switch's load path
+
+
+@dataclass(slots=True)
+class SimCall:
+    """One call of the workload as the simulator runs it (times in simulated seconds)."""
+
+    request_id: str
+    session_id: str
+    index: int
+    model: str
+    prompt_tokens: int
+    prefix_tokens: int  # tokens shared with the session's previous prompt
+    output_tokens: int
+    gap_s: float  # tool gap before this call (capped)
+    intended: float = 0.0  # schedule-aware enqueue time (§5.1)
+    instance: str = ""
+    arrival: float = 0.0  # reached the instance
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prefill_left: int = 0
+    restore_left: int = 0
+    cached: int = 0  # prompt tokens not recomputed
+    restored: int = 0  # of those, restored from host
+    kv_source: str = "none"  # device | host | recompute | none
+    decoded: int = 0
+    continuation: bool = False
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    seconds: float
+    first_tokens: list[SimCall] = field(default_factory=list)
+    finished: list[SimCall] = field(default_factory=list)
+
+
+class SimInstance:
+    """Mechanism state of one instance. Mutated only through ``submit``/``begin``/``complete``."""
+
+    def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
+                 host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
+                 decode_quantum: int = 1) -> None:
+        self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
+        self.catalog = list(catalog)
+        self.loaded: list[str] = list(loaded if loaded is not None else catalog)
+        self.max_loaded = max_loaded
+        self.quantum = max(1, decode_quantum)
+        m0 = self.loaded[0] if self.loaded else None
+        c0 = profile.model(m0 or "")
+        seed = CostProfile(
+            prefill_per_token=c0.prefill_per_token_at(8192), decode_step=c0.decode_s(1, 0),
+            restore_per_token=c0.restore_per_token_s,
+            switch_by_path={"full_staged": profile.switch.total(1.0), "partial": profile.switch.total(0.5), "host_only": profile.switch.total(0.0)},
+        )
+        self.seed_costs = seed  # what the scheduler starts from (tests replay with the same)
+        self.scheduler = SlotScheduler(policy, CostModel(seed))
+        self.active: str | None = m0
+        self.previous: str | None = None
+        self.queues: dict[str, list[SimCall]] = {m: [] for m in self.catalog}
+        self.batch: list[SimCall] = []
+        self.device: dict[str, tuple[str, int]] = {}  # session -> (model, committed tokens) on device (active model)
+        self.seen: set[tuple[str, str]] = set()  # (model, session) served here
+        self.last_work: dict[str, float] = {}
+        self.host = host
+        self.pages: dict[tuple[str, str], list[int]] = {}  # (model, session) -> page hash chain
+        self._hash_ctr = 0
+        self.staging: tuple[str, float] | None = None  # (model, started)
+        self.busy_until: float | None = None
+        self.pending: Decision | None = None
+        self.switches: list[dict] = []
+        self.rounds: list = []
+        self.steps = 0
+        self.step_s = 0.0
+        self.switch_s = 0.0
+        self.epoch = 1
+        self.seq = 0
+
+    # ------------------------------------------------------------------ intake
+    def submit(self, c: SimCall, now: float) -> bool:
+        """Queue a call; opens its model when not loaded (cold). Returns False if the model cannot be served."""
+        if c.model not in self.loaded:
+            if self.pool == "hot" or c.model not in self.catalog:
+                return False
+            self._open(c.model, now)
+        c.instance, c.arrival = self.iid, now
+        c.continuation = (c.model, c.session_id) in self.seen
+        self.queues[c.model].append(c)
+        self.last_work[c.model] = now
+        return True
+
+    def _open(self, model: str, now: float) -> None:
+        self.loaded.append(model)
+        self.last_work[model] = now
+        self._shrink(keep=model)
+
+    def _shrink(self, keep: str | None = None) -> None:
+        """Close idle models (no queue, not active, not ``keep``) beyond ``max_loaded``, least recently used first."""
+        while self.max_loaded and len(self.loaded) > self.max_loaded:
+            idle = [m for m in self.loaded if m not in (self.active, keep) and not self.queues[m]]
+            if not idle:
+                return
+            victim = min(idle, key=lambda m: self.last_work.get(m, 0.0))
+            self.loaded.remove(victim)
+            self.seen = {(m, s) for (m, s) in self.seen if m != victim}
+
+    # ------------------------------------------------------------------ views
+    def _kv_capacity_tokens(self) -> int:
+        c = self.profile.model(self.active or "")
+        free = self.profile.arena_bytes - c.weight_bytes
+        return max(0, free // max(1, c.kv_bytes_per_token))
+
+    def _kv_used_tokens(self) -> int:
+        return sum(c.prompt_tokens + c.decoded for c in self.batch) + sum(t for _, t in self.device.values())
+
+    def host_tokens(self, model: str, session: str) -> int:
+        if self.host is None or not self.policy.host_kv:
+            return 0
+        chain = self.pages.get((model, session))
+        if not chain:
+            return 0
+        n, _ = self.host.agreed_pages(self._layout(model), chain)
+        return n * self.profile.page_tokens
+
+    def prefix_of(self, c: SimCall) -> tuple[int, str]:
+        got = self.device.get(c.session_id)
+        if got is not None and got[0] == c.model and c.model == self.active:
+            return min(got[1], c.prefix_tokens), "device"
+        n = min(self.host_tokens(c.model, c.session_id), c.prefix_tokens)
+        if n > 0:
+            return n, "host"
+        return 0, "missing"
+
+    def view(self, now: float) -> InstanceView:
+        mvs = []
+        for m in self.loaded:
+            queued = []
+            for c in self.queues[m]:
+                n, where = self.prefix_of(c)
+                queued.append(CallView(c.request_id, m, c.arrival, c.prompt_tokens, c.output_tokens, c.session_id, n, where, c.continuation))
+            batch = self.batch if m == self.active else []
+            mvs.append(ModelView(
+                m, running=len(batch), prefilling=sum(1 for c in batch if c.prefill_left > 0 or c.restore_left > 0),
+                max_remaining_decode=max((c.output_tokens - c.decoded for c in batch), default=0), queued=tuple(queued),
+            ))
+        free = max(0, self._kv_capacity_tokens() - self._kv_used_tokens())
+        staged = {m: self.staged_fraction(m, now) for m in self.loaded if m != self.active}
+        return InstanceView(self.active, tuple(mvs), free, staged)
+
+    def engine_view(self) -> EngineView:
+        queued = {m: len(q) for m, q in self.queues.items() if q and m != self.active}
+        oldest = {m: q[0].arrival for m, q in self.queues.items() if q and m != self.active}
+        busy = bool(self.batch) or bool(self.active and self.queues.get(self.active))
+        return EngineView(self.active, busy, queued, oldest, None, self.previous, tuple(self.loaded))
+
+    # ------------------------------------------------------------------ staging (§4.4)
+    def _slack_bytes(self) -> int:
+        c = self.profile.model(self.active or "")
+        return max(0, self.profile.arena_bytes - c.weight_bytes - self._kv_used_tokens() * c.kv_bytes_per_token)
+
+    def restage(self, now: float) -> None:
+        """Pick the staging target with the engine's ``predict_next``; a new target restarts staging."""
+        if not self.policy.d2d_staging or self.pool == "hot":
+            self.staging = None
+            return
+        target = predict_next(self.engine_view(), now)
+        if target is None:
+            self.staging = None
+        elif self.staging is None or self.staging[0] != target:
+            self.staging = (target, now)
+
+    def staged_fraction(self, model: str, now: float) -> float:
+        if not self.policy.d2d_staging or self.staging is None or self.staging[0] != model:
+            return 0.0
+        w = self.profile.model(model).weight_bytes
+        written = (now - self.staging[1]) * self.profile.h2d_bytes_per_s(model)
+        return max(0.0, min(1.0, min(written, self._slack_bytes()) / max(1, w)))
+
+    # ------------------------------------------------------------------ actions
+    def switch(self, target: str, now: float) -> tuple[str, float, tuple[float, ...]]:
+        """Release the active KV region (to host with host_kv), open ``target``; returns (path, seconds, phases)."""
+        assert not self.batch, "switch with calls in flight"
+        frac = self.staged_fraction(target, now)
+        d2d_chunks = int(frac * PATH_CHUNKS + 1e-9)
+        path = classify_path(PATH_CHUNKS, d2d_chunks)
+        phases = self.profile.switch.phases(d2d_chunks / PATH_CHUNKS)
+        self.device.clear()
+        self.previous, self.active = self.active, target
+        self.staging = None
+        self._shrink()
+        secs = sum(phases)
+        self.switches.append({"t": now, "from": self.previous or "", "to": target, "path": path, "seconds": secs, "staged_fraction": frac})
+        self.switch_s += secs
+        return path, secs, phases
+
+    def admit(self, ids: tuple[str, ...], now: float) -> None:
+        q = self.queues[self.active] if self.active else []
+        by_id = {c.request_id: c for c in q}
+        for rid in ids:
+            c = by_id[rid]
+            q.remove(c)
+            n, where = self.prefix_of(c)
+            reuse = min(n, c.prompt_tokens - 1)
+            if where == "device":
+                self.device.pop(c.session_id, None)
+                c.cached, c.kv_source = reuse, "device"
+            elif where == "host" and reuse > 0:
+                c.restore_left, c.cached, c.restored, c.kv_source = reuse, reuse, reuse, "host"
+            else:
+                reuse = 0
+                c.kv_source = "recompute" if c.prefix_tokens > 0 else "none"
+            c.prefill_left = c.prompt_tokens - reuse
+            c.admitted_at = now
+            self.batch.append(c)
+
+    def step(self, now: float) -> StepOutcome:
+        """One executor step: decoders get ``quantum`` tokens (1 unless coarsened), prefills share the
+        token budget, restores complete. Returns the duration and the calls that got first tokens / ended."""
+        cm = self.profile.model(self.active or "")
+        decoders = [c for c in self.batch if c.prefill_left == 0 and c.restore_left == 0]
+        dec = {id(c) for c in decoders}
+        k = self.quantum if decoders and all(c.prefill_left == 0 and c.restore_left == 0 for c in self.batch) else 1
+        if decoders:
+            k = min(k, min(c.output_tokens - c.decoded for c in decoders))
+        budget = self.profile.max_batched_tokens - len(decoders)
+        secs = 0.0
+        prefill = restore = 0
+        for c in self.batch:
+            if id(c) in dec:
+                continue
+            if c.restore_left:
+                secs += c.restore_left * cm.restore_per_token_s
+                restore += c.restore_left
+                c.restore_left = 0
+            n = min(c.prefill_left, max(budget, 0))
+            done_before = c.prompt_tokens - c.prefill_left
+            secs += cm.prefill_s(done_before, n)
+            c.prefill_left -= n
+            prefill += n
+            budget -= n
+        if decoders:
+            ctx = sum(c.prompt_tokens + c.decoded for c in decoders)
+            secs += k * cm.decode_s(len(decoders), ctx)
+        out = StepOutcome(secs)
+        t = now + secs
+        for c in list(self.batch):
+            if id(c) in dec or (c.prefill_left == 0 and c.restore_left == 0):
+                c.decoded += k if id(c) in dec else 1
+                if c.first_token_at is None:
+                    c.first_token_at = t
+                    out.first_tokens.append(c)
+                if c.decoded >= c.output_tokens:
+                    c.finished_at = t
+                    self.batch.remove(c)
+                    out.finished.append(c)
+        self.steps += 1
+        self.step_s += secs
+        self._obs = (prefill, restore, len(decoders), secs / k if k > 1 else secs)
+        return out
+
+    def observed(self) -> tuple[int, int, int, float]:
+        return self._obs
+
+    # ------------------------------------------------------------------ KV bookkeeping
+    def _layout(self, model: str) -> Layout:
+        c = self.profile.model(model)
+        pb = c.kv_bytes_per_token * self.profile.page_tokens
+        return Layout(model, 0, 1, self.profile.page_tokens, "bf16", Family.MHA, (pb,), pb)
+
+    def keep(self, c: SimCall, now: float) -> None:
+        """A call finished: its session's KV stays on device (LRU-bounded) and is checkpointed to host."""
+        committed = c.prompt_tokens + c.decoded
+        self.seen.add((c.model, c.session_id))
+        self.last_work[c.model] = now
+        if c.model == self.active:
+            self.device.pop(c.session_id, None)
+            self.device[c.session_id] = (c.model, committed)
+            cap = self._kv_capacity_tokens()
+            while self.device and self._kv_used_tokens() > cap:
+                self.device.pop(next(iter(self.device)))
+        if self.host is not None and self.policy.host_kv:
+            self._checkpoint(c)
+
+    def _checkpoint(self, c: SimCall) -> None:
+        key = (c.model, c.session_id)
+        chain = self.pages.get(key, [])
+        keep_pages = min(len(chain), c.prefix_tokens // self.profile.page_tokens)
+        chain = chain[:keep_pages]
+        full = c.prompt_tokens // self.profile.page_tokens  # generated tokens are not part of the next prompt
+        while len(chain) < full:
+            self._hash_ctr += 1
+            chain.append(hash((self.iid, c.session_id, self._hash_ctr)) & ((1 << 63) - 1))
+        self.pages[key] = chain
+        if chain:
+            assert self.host is not None
+            res = self.host.reserve(self._layout(c.model), chain)
+            if res.lease_id:
+                self.host.commit(res.lease_id, [b.block_id for b in res.blocks])
+
+    # ------------------------------------------------------------------ telemetry
+    @property
+    def running(self) -> int:
+        return len(self.batch)
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def kv_usage(self) -> float:
+        cap = self._kv_capacity_tokens()
+        return min(1.0, self._kv_used_tokens() / cap) if cap else 0.0
+
+    def kv_pages_total(self) -> int:
+        return self._kv_capacity_tokens() // self.profile.page_tokens
+
+    def sessions(self) -> list[tuple[str, str, int, str]]:
+        """(session, model, committed tokens, "device" | "host") this instance can reuse."""
+        out = [(s, m, t, "device") for s, (m, t) in self.device.items()]
+        if self.host is not None and self.policy.host_kv:
+            on_dev = {s for s, _ in self.device.items()}
+            for (m, s), chain in self.pages.items():
+                if s in on_dev and self.device[s][0] == m:
+                    continue
+                n = self.host_tokens(m, s)
+                if n > 0:
+                    out.append((s, m, n, "host"))
+        return out

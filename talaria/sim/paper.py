@@ -1,0 +1,188 @@
+"""``talaria sim paper``: both of the paper's experiments under the simulator, against its numbers.
+
+* TP=8 fixed replay (Talaria §5.1-5.2, §5.5-5.6): one cold TP=8 instance serving three >100B models, 30
+  model-sessions / 960 calls (``workload.paper_tp8``), five configurations: Talaria, no-SP, no-HKVR,
+  H2D-only, Round-only (the ablation switches of ``SlotPolicy``).
+* Router experiment (§5.3-5.4): two cold TP=4 workers, 120 calls / 30 model-sessions at high load, router
+  policies ``full`` and ``least-pressure`` (and ``session-sticky``), plus the tau sweep of §5.4.
+
+Two workload parameters are not published and are set here, stated in ``summary.json``: completion-token
+lengths (the generator assumes p50 300; ``OUTPUT_SCALE`` shortens them) and session start spacing
+(``TP8_START_GAP_S``; the paper's replay has ~5 sessions in flight on average: 30 sessions, SCT p50 189 s,
+1632 s of rounds, §5.6).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from services.engine.slots import SlotPolicy
+from services.router.policy import PolicyParams
+
+from . import report, workload
+from .cluster import InstanceSpec, SimConfig, Simulation
+from .profile import Profile, load
+
+TP8_MODELS = ("qwen3-235b", "glm5-nvfp4", "qwen3.5-122b-a10b")  # §5.1
+ROUTER_MODELS = ("qwen3-32b", "qwen2.5-32b-instruct", "qwen3.5-35b-a3b")  # §5.1 (TP=4 router testbed)
+CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
+    "Talaria": {},
+    "no-SP": {"sp": False},
+    "no-HKVR": {"host_kv": False},
+    "H2D-only": {"d2d_staging": False},
+    "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False},
+}
+OUTPUT_SCALE = 0.1
+TP8_START_GAP_S = 60.0
+ROUTER_START_GAP_S = 2.0  # "high load" (§5.3): a session starts every 2 s (not published)
+TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)  # §5.4
+
+PAPER: dict[str, Any] = {
+    "tp8": {  # §5.2 (Fig. 6-7), §5.5 (Fig. 11), HKVR paragraph of §5.2
+        "Talaria": {"sct_p50_s": 189.0, "sct_p95_s": 867.0, "ttft_p50_s": 0.55, "ttft_p95_s": 14.17},
+        "no-SP": {"sct_p50_s": 623.0, "ttft_p50_s": 4.60, "ttft_p95_s": 20.5},
+        "no-HKVR": {"sct_p50_s": 486.0, "ttft_p95_s": 26.33},
+        "H2D-only": {"sct_p50_s": 194.0, "sct_p95_s": 933.0},
+        "Round-only": {"sct_p50_s": 1000.0, "sct_p95_s": 2296.0, "ttft_p50_s": 13.44},
+    },
+    "tp8_ratios": {"sct_p50_round_only_over_talaria": 5.3, "sct_p95_round_only_over_talaria": 2.6},
+    "switch": {"talaria_switch_share": 0.346, "h2d_only_switch_share": 0.517, "talaria_rounds": 200, "round_only_rounds": 339},
+    "router": {  # §5.3, high load
+        "full": {"avoidable_opens": 1, "ttft_p95_s": 5.28},
+        "least-pressure": {"avoidable_opens": 37, "ttft_p95_s": 8.07},
+        "session-sticky": {"avoidable_opens": 5, "ttft_p95_s": 6.23},
+    },
+    "tau_sweep": {  # §5.4
+        "0.0": {"same_instance_return_rate": 0.562, "model_opens": 33, "returning_ttft_p50_s": 1.51, "returning_ttft_p95_s": 2.11},
+        "1.0": {"same_instance_return_rate": 0.677, "model_opens": 47, "returning_ttft_p50_s": 0.99, "returning_ttft_p95_s": 1.91},
+        "5.0": {"same_instance_return_rate": 0.792, "model_opens": 56},
+    },
+}
+
+
+def slot_policy(profile: Profile, **flags: bool) -> SlotPolicy:
+    k = profile.knobs
+    fields = ("ttft_s", "tpot_s", "gamma", "sp_max_batch", "sp_max_tokens")
+    return SlotPolicy(**{f: k[f] for f in fields if f in k}, **flags)
+
+
+def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False) -> SimConfig:
+    return SimConfig(name, profile, (InstanceSpec("tp8-0", "cold", TP8_MODELS),), slot=slot_policy(profile, **flags),
+                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record)
+
+
+def router_config(profile: Profile, policy: str, tau: float | None = None) -> SimConfig:
+    k = profile.knobs
+    ml = int(k.get("max_loaded", 2))
+    specs = (InstanceSpec("tp4-0", "cold", ROUTER_MODELS, ROUTER_MODELS[:ml], ml), InstanceSpec("tp4-1", "cold", ROUTER_MODELS, ROUTER_MODELS[-ml:], ml))
+    gib = {m: profile.model(m).weights_gib for m in ROUTER_MODELS}
+    return SimConfig(f"{policy}" if tau is None else f"tau={tau:g}", profile, specs, slot=slot_policy(profile),
+                     params=PolicyParams(policy=policy, model_weights_gib=gib), tau_s=float(k.get("tau_s", 1.0)) if tau is None else tau)
+
+
+def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: float = OUTPUT_SCALE, start_gap_s: float = TP8_START_GAP_S) -> list[dict[str, Any]]:
+    rows = []
+    for name in configs:
+        sessions = workload.paper_tp8(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
+        r = Simulation(tp8_config(profile, name, CONFIGS[name]), sessions).run()
+        s = report.summarize(r)
+        say(f"tp8 {name:10s} SCT p50 {s['sct_p50_s']:.0f} s p95 {s['sct_p95_s']:.0f} s TTFT p95 {s['ttft_p95_s']:.2f} s ({r.wall_s:.0f} s wall)")
+        rows.append(s)
+    return rows
+
+
+def run_router(profile: Profile, policies: list[str], seed: int, say, taus: tuple[float, ...] = TAUS, output_scale: float = OUTPUT_SCALE) -> tuple[list[dict], list[dict]]:
+    rows, sweep = [], []
+    for pol in policies:
+        sessions = workload.router_subset(ROUTER_MODELS, seed=seed, output_scale=output_scale, start_gap_s=ROUTER_START_GAP_S)
+        s = report.summarize(Simulation(router_config(profile, pol), sessions).run())
+        say(f"router {pol:15s} avoidable opens {s['avoidable_opens']} TTFT p95 {s['ttft_p95_s']:.2f} s")
+        rows.append(s)
+    for tau in taus:
+        sessions = workload.router_subset(ROUTER_MODELS, seed=seed, output_scale=output_scale, start_gap_s=ROUTER_START_GAP_S)
+        s = report.summarize(Simulation(router_config(profile, "full", tau), sessions).run())
+        say(f"tau {tau:g}: same-instance returns {s['router']['same_instance_return_rate']} opens {s['router']['model_opens']}")
+        sweep.append(s)
+    return rows, sweep
+
+
+NOTES = (  # the closing note: which assumptions differ from the paper's setting, and why they matter
+    "Unpublished workload: completion lengths (generator p50 300 x output_scale), session start spacing and the "
+    "SWE-Bench prompt growth come from the synthetic generator, not the paper's Claude Code trace; SCT scales with both.",
+    "Unpublished costs: decode step, restore bandwidth, T_TPOT and the GLM5 size are assumptions (profiles/paper-tp8.yaml); "
+    "T_TPOT sets d_m (Eq. 4) and so how much of each round prefill and SP may use.",
+    "Round-only: every return recomputes its prefix at the §2.1 cost (4.3 s per 25K tokens); ~900 recomputes exceed "
+    "what one simulated instance can serve inside the replay window, so Round-only saturates and its SCT grows with the "
+    "backlog instead of settling near 1000 s. The paper's 4.3 s is a TTFT at p50 (it includes queueing), so the pure "
+    "prefill cost is likely lower; a lower prefill curve moves Round-only out of saturation.",
+    "No parking: this codebase's slot scheduler drains in-flight calls in Dfin (it cannot park a sequence across a "
+    "switch); the paper's engine may differ.",
+    "Router testbed: the paper's TP=4 worker costs are unpublished (profiles/paper-tp4-router.yaml is derived); an "
+    "'open' here is a model not in the worker's rotation (one resident model per worker), and least-pressure's avoidable "
+    "opens depend on how often models close, which the paper does not describe.",
+)
+
+
+def _within(ours: float, paper: float, tol: float = 0.15) -> bool:
+    return math.isfinite(ours) and paper > 0 and abs(ours - paper) / paper <= tol
+
+
+def compare(tp8: dict[str, dict], router: dict[str, dict]) -> dict[str, Any]:
+    """Per published number: ours, paper's, relative error, within 15 %; and the ablation ordering."""
+    checks = []
+    for sec, ours in (("tp8", tp8), ("router", router)):
+        for name, nums in PAPER[sec].items():
+            for k, v in nums.items():
+                o = ours.get(name, {}).get(k)
+                if o is None:
+                    continue
+                checks.append({"what": f"{sec}.{name}.{k}", "ours": o, "paper": v, "rel_err": (o - v) / v if v else None, "within_15pct": _within(o, v)})
+    order_paper = sorted(PAPER["tp8"], key=lambda n: PAPER["tp8"][n]["sct_p50_s"])
+    order_ours = sorted((n for n in order_paper if n in tp8), key=lambda n: tp8[n]["sct_p50_s"])
+    return {"checks": checks, "within_15pct": sum(c["within_15pct"] for c in checks), "of": len(checks),
+            "sct_p50_order_paper": order_paper, "sct_p50_order_ours": order_ours, "same_order": order_ours == [n for n in order_paper if n in tp8]}
+
+
+def run_paper(out: Path, *, tp8_profile: str, router_profile: str, seed: int = 0, configs: list[str] | None = None,
+              policies: list[str] | None = None, say=print, output_scale: float = OUTPUT_SCALE,
+              start_gap_s: float = TP8_START_GAP_S, taus: tuple[float, ...] = TAUS) -> dict[str, Any]:
+    """Run both experiments; write ``out/summary.json`` (the issue's contract) and the reports. Returns the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    p8, p4 = load(tp8_profile), load(router_profile)
+    rows = run_tp8(p8, configs or list(CONFIGS), seed, say, output_scale, start_gap_s)
+    rrows, sweep = run_router(p4, policies or ["full", "least-pressure", "session-sticky"], seed, say, taus, output_scale)
+    report.write(out / "tp8", rows, {"profile": tp8_profile, "seed": seed, "output_scale": output_scale, "start_gap_s": start_gap_s}, "Simulated TP=8 fixed replay (Talaria §5.1-5.2)")
+    report.write(out / "router", rrows + sweep, {"profile": router_profile, "seed": seed, "start_gap_s": ROUTER_START_GAP_S}, "Simulated router experiment (Talaria §5.3-5.4)")
+    tp8 = {s["name"]: {"sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"], "ttft_p95_s": s["ttft_p95_s"]} for s in rows}
+    router = {s["name"]: {"avoidable_opens": s["avoidable_opens"], "ttft_p95_s": s["ttft_p95_s"]} for s in rrows}
+    detail = {s["name"]: report.lean(s) for s in rows}
+    cmp_in = {n: {**tp8[n], "ttft_p50_s": detail[n]["ttft_p50_s"]} for n in tp8}
+    summary = {
+        "tp8": tp8,
+        "router": router,
+        "paper": PAPER,
+        "tau_sweep": {f"{float(s['name'].split('=')[1]):.1f}": {
+            "same_instance_return_rate": s["router"]["same_instance_return_rate"], "model_opens": s["router"]["model_opens"],
+            "returning_ttft_p50_s": s["ttft_returning_p50_s"], "returning_ttft_p95_s": s["ttft_returning_p95_s"]} for s in sweep},
+        "comparison": compare(cmp_in, router),
+        "assumptions": {"output_scale": output_scale, "tp8_start_gap_s": start_gap_s, "router_start_gap_s": ROUTER_START_GAP_S,
+                        "tp8_profile": tp8_profile, "router_profile": router_profile, "seed": seed},
+    }
+    summary["closing_note"] = {
+        "not_within_15pct": [c["what"] for c in summary["comparison"]["checks"] if not c["within_15pct"]],
+        "ablation_order_same": summary["comparison"]["same_order"],
+        "why": list(NOTES),
+    }
+    if "Talaria" in detail and "Round-only" in detail:
+        t, b = detail["Talaria"], detail["Round-only"]
+        summary["tp8_ratios"] = {"sct_p50_round_only_over_talaria": b["sct_p50_s"] / t["sct_p50_s"], "sct_p95_round_only_over_talaria": b["sct_p95_s"] / t["sct_p95_s"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def replace_knobs(profile: Profile, **kw: Any) -> Profile:
+    return replace(profile, knobs={**profile.knobs, **kw})

@@ -1,0 +1,232 @@
+"""The simulator (talaria/sim): profiles, the replay of recorded policy inputs into fresh policy objects
+(the simulated router and slot scheduler decide exactly as the real ones), ablation behaviour and the
+``summary.json`` contract of ``talaria sim paper``. Small virtual-clock runs only (seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.engine.slots import CostModel, SlotScheduler
+from services.router.gateway import Gateway, PoolSpec
+from services.router.leases import LeaseTable, MemoryLeases
+from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
+from services.router.registry import Registry
+from services.router.sessions import SessionTable
+from talaria.clock import ManualClock
+from talaria.sim import paper, report
+from talaria.sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
+from talaria.sim.instance import SimCall
+from talaria.sim.profile import ProfileError, from_dict, load, uncited
+from talaria.v1 import engine_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+TP8 = ROOT / "profiles" / "paper-tp8.yaml"
+TP4 = ROOT / "profiles" / "paper-tp4-router.yaml"
+MODELS = paper.ROUTER_MODELS
+
+
+def sessions(n: int = 9, calls: int = 4, start_gap: float = 0.3, models=MODELS) -> list[SimSession]:
+    """Growing prompts (each call extends the previous one), short outputs, sub-second tool gaps."""
+    out = []
+    for i in range(n):
+        sid = f"s{i}"
+        cs, prompt = [], 0
+        for k in range(calls):
+            prefix = prompt
+            prompt = prompt + 2000 + 500 * ((i + k) % 3)
+            cs.append(SimCall("", sid, k, models[i % len(models)], prompt, prefix, 8 + (i * 7 + k) % 13, 0.0 if k == 0 else 0.2 + 0.1 * (k % 3)))
+        out.append(SimSession(sid, i * start_gap, cs))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ profiles
+@pytest.mark.parametrize("path", [TP8, TP4])
+def test_paper_profiles_cite_every_number(path):
+    raw = yaml.safe_load(path.read_text())
+    assert uncited(raw) == []
+    load(path)
+
+
+def test_uncited_finds_a_bare_number():
+    assert uncited({"a": {"value": 1, "cite": "§2"}, "b": 2, "c": {"value": 3, "cite": " "}}) == ["b", "c"]
+
+
+def test_paper_profile_reproduces_published_points():
+    p = load(TP8)
+    m = p.model("qwen3-235b")
+    assert m.prefill_s(0, 25_000) == pytest.approx(4.3, rel=1e-6)  # §2.1
+    assert m.prefill_s(0, 100_000) == pytest.approx(10.9, rel=1e-6)  # §2.1
+    assert p.switch.total(1.0) == pytest.approx(0.106, abs=1e-6)  # §5.6 full D2D p50
+    assert p.switch.total(0.0) == pytest.approx(1.497, abs=1e-6)  # §5.6 H2D-only p50
+    assert m.prefill_s(10_000, 5_000) == pytest.approx(m.prefill_s(0, 15_000) - m.prefill_s(0, 10_000))
+
+
+def test_profile_rejects_bad_input():
+    raw = yaml.safe_load(TP8.read_text())
+    with pytest.raises(ProfileError):
+        from_dict({**raw, "format": "other"})
+    bad = dict(raw)
+    bad["models"] = {"x": {"nonsense": 1}}
+    with pytest.raises(ProfileError, match="unknown fields"):
+        from_dict(bad)
+
+
+# ------------------------------------------------------------------------- same decisions as real ones
+def _two_workers(record: bool, policy: str = "full") -> SimConfig:
+    cfg = paper.router_config(load(TP4), policy)
+    return SimConfig(cfg.name, cfg.profile, cfg.instances, slot=cfg.slot, params=cfg.params, tau_s=cfg.tau_s, record=record)
+
+
+def _fresh_gateway(sim: Simulation, clock: ManualClock) -> tuple[Gateway, MemoryLeases]:
+    cfg = sim.cfg
+    table = LeaseTable()
+    d = sim.gateway.profiles.defaults
+    gw = Gateway(cfg.params, Registry(clock, miss_limit=3.0, stale_after=2.0, wall=clock.now), SessionTable(clock), table, clock.now,
+                 profiles=ProfileBook(Defaults(d.prefill_per_token, d.decode_step, d.restore_per_token, d.switch_s, d.open_s)),
+                 shapes=ShapeBook(), demand=DemandMeter(), tau_s=cfg.tau_s,
+                 pools={s.iid: PoolSpec(s.pool, s.catalog, cfg.profile.page_tokens) for s in cfg.instances})
+    return gw, MemoryLeases(table)
+
+
+def test_router_decisions_replay_identically_into_a_fresh_gateway():
+    sim = Simulation(_two_workers(record=True), sessions())
+    res = sim.run()
+    trace = res.trace["router"]
+    places = [e for e in trace if "place" in e]
+    assert len(places) >= 36
+    assert {e["decision"].reason for e in places} >= {"cost", "lease"}  # both paths of Algorithm 1 exercised
+    clock = ManualClock()
+    gw, leases = _fresh_gateway(sim, clock)
+    same = 0
+    for e in trace:
+        clock.advance(e["t"] - clock.now())
+        if "snapshot" in e:
+            gw.on_snapshot(pb.InstanceSnapshot.FromString(e["snapshot"]))
+        elif "hook" in e:
+            lease = gw.on_hook(pb.CompletionHook.FromString(e["hook"]))
+            assert (lease is not None) == e["lease"]
+            if lease is not None:
+                leases.install_now(lease)
+        elif "arrival" in e:
+            gw.arrival(e["arrival"])
+        else:
+            req = e["place"]
+            d, rev = gw.decide(req)
+            if d.lease == "hit" or (d.lease != "none" and rev is not None):
+                leases.consume_now(req.session_id, req.model, rev)
+            assert d == e["decision"]
+            same += 1
+            if d.instance_id is not None:
+                gw.commit(req, d)
+    assert same == len(places)
+    assert gw.stats["avoidable_cold_opens"] == res.router["avoidable_cold_opens"]
+
+
+def test_slot_decisions_replay_identically_into_a_fresh_scheduler():
+    sim = Simulation(_two_workers(record=True), sessions())
+    sim.run()
+    checked = 0
+    for iid, inst in sim.instances.items():
+        fresh = SlotScheduler(inst.policy, CostModel(inst.seed_costs))
+        for ev in sim._trace["slots"][iid]:
+            if ev[0] == "decide":
+                _, now, view, d = ev
+                assert fresh.decide(view, now) == d
+                checked += 1
+            elif ev[0] == "switch":
+                fresh.observe_switch(ev[1], ev[2])
+            else:
+                fresh.observe_step(*ev[1:])
+    assert checked > 100
+
+
+def test_replay_detects_a_diverging_scheduler():
+    """The replay check can fail: a scheduler that is not told what steps cost decides differently."""
+    sim = Simulation(paper.tp8_config(load(TP8), "Talaria", {}, record=True), sessions(6, 4, models=paper.TP8_MODELS))
+    sim.run()
+    inst = sim.instances["tp8-0"]
+    fresh = SlotScheduler(inst.policy, CostModel(inst.seed_costs))
+    diverged = False
+    for ev in sim._trace["slots"]["tp8-0"]:
+        if ev[0] == "decide":
+            diverged |= fresh.decide(ev[2], ev[1]) != ev[3]
+        elif ev[0] == "switch":
+            fresh.observe_switch(ev[1], ev[2])  # step measurements withheld
+    assert diverged
+
+
+# --------------------------------------------------------------------------------- ablation behaviour
+def _tp8(name: str):
+    cfg = paper.tp8_config(load(TP8), name, paper.CONFIGS[name])
+    return report.summarize(Simulation(cfg, sessions(9, 4, models=paper.TP8_MODELS)).run())
+
+
+def test_ablations_change_what_the_mechanisms_allow():
+    tal, round_only, no_hkvr, h2d = _tp8("Talaria"), _tp8("Round-only"), _tp8("no-HKVR"), _tp8("H2D-only")
+    for s in (tal, round_only, no_hkvr, h2d):
+        assert s["calls"] == 36 and s["sessions"] == 9
+    assert tal["kv_hits"]["host"] > 0
+    assert round_only["kv_hits"]["host"] == 0 and round_only["kv_hits"]["recompute"] > 0 and round_only["sp_admitted"] == 0
+    assert no_hkvr["kv_hits"]["host"] == 0
+    assert set(h2d["switch_paths"]) == {"host_only"} and set(round_only["switch_paths"]) == {"host_only"}
+    assert "full_staged" in tal["switch_paths"]
+    assert round_only["sct_p50_s"] > tal["sct_p50_s"]
+
+
+def test_router_policies_differ_on_avoidable_opens():
+    full = report.summarize(Simulation(_two_workers(False, "full"), sessions()).run())
+    lp = report.summarize(Simulation(_two_workers(False, "least-pressure"), sessions()).run())
+    assert full["router"]["lease_hits"] > 0 and lp["router"]["lease_hits"] == 0
+    assert full["avoidable_opens"] <= lp["avoidable_opens"]
+
+
+# ------------------------------------------------------------------------------- summary.json contract
+def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
+    from talaria.sim import workload
+
+    monkeypatch.setattr(workload, "paper_tp8", lambda models, **kw: sessions(6, 3, models=models))
+    monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
+    s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None)
+    got = json.loads((tmp_path / "summary.json").read_text())
+    assert set(got["tp8"]) == {"Talaria", "no-SP", "no-HKVR", "H2D-only", "Round-only"}
+    for v in got["tp8"].values():
+        assert set(v) == {"sct_p50_s", "sct_p95_s", "ttft_p95_s"} and v["sct_p50_s"] > 0
+    assert {"full", "least-pressure"} <= set(got["router"])
+    for v in got["router"].values():
+        assert set(v) == {"avoidable_opens", "ttft_p95_s"}
+    assert got["paper"]["tp8"]["Round-only"]["sct_p50_s"] == 1000.0 and got["paper"]["router"]["least-pressure"]["avoidable_opens"] == 37
+    assert set(got["tau_sweep"]) == {"0.0", "1.0"}
+    assert got["comparison"]["of"] >= 10
+    assert (tmp_path / "tp8" / "sct_cdf.png").exists() and (tmp_path / "router" / "report.md").exists()
+    assert s["tp8"] == got["tp8"]
+
+
+def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
+    from talaria.sim.scale import cluster, run_scale
+
+    specs, catalog, weights = cluster(20, 8)
+    hot = [s for s in specs if s.pool == "hot"]
+    assert len(specs) == 20 and hot and all(len(s.catalog) == 1 for s in hot)
+    assert weights[0] > weights[-1] and hot[0].catalog[0] == catalog[0]
+    s = run_scale(tmp_path, profile=str(TP8), instances=6, models=4, sessions=12, base_sessions=12, say=lambda m: None)
+    assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] >= s["policy_p99_us"] > 0
+    assert json.loads((tmp_path / "scale.json").read_text())["instances"] == 6
+
+
+def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
+    from bench.workloads import write_jsonl
+    from bench.workloads.synthetic import SynthParams, generate
+    from talaria.sim.cli import main
+
+    w = generate(SynthParams(sessions=4, models=("qwen3-235b", "glm5-nvfp4"), seed=1, max_depth=4))
+    write_jsonl(w, tmp_path / "w.jsonl")
+    assert main(["sim", "run", "--workload", str(tmp_path / "w.jsonl"), "--profile", str(TP8), "--configs", "Talaria,Round-only",
+                 "--out", str(tmp_path / "out"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["Talaria", "Round-only"]
+    assert all(r["calls"] == w.num_calls for r in rows)
+    assert rows[1]["sct_p50_vs_base"] == 1.0 and (tmp_path / "out" / "report.md").exists()
