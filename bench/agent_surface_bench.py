@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
 from pathlib import Path
 

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.router.errors import APIError
+from services.router.openai_routes import inner_request
 
 MAX_N = 16
 
@@ -54,20 +55,12 @@ def _sub_bodies(data: dict) -> list[dict]:
 
 
 def _inner(request: Request, body: dict, drop_session_header: bool) -> Request:
-    scope = dict(request.scope)
+    """One sub-call's request: ``body`` as its JSON, the outer client's disconnects passed through; calls
+    after the first drop ``X-Session-ID`` (only choice 0 keeps the session)."""
+    inner = inner_request(request, request.scope["path"], json.dumps(body).encode())
     if drop_session_header:
-        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-session-id"]
-    sent = False
-    raw = json.dumps(body).encode()
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await request.receive()
-
-    return Request(scope, receive)
+        inner.scope["headers"] = [(k, v) for k, v in inner.scope["headers"] if k.lower() != b"x-session-id"]
+    return inner
 
 
 def _sum_usage(usages: list[dict]) -> dict:

@@ -33,7 +33,7 @@ def _endpoint(app: FastAPI, path: str):
     raise RuntimeError(f"no POST {path} route")
 
 
-def _inner_request(request: Request, path: str, body: bytes) -> StarletteRequest:
+def inner_request(request: Request, path: str, body: bytes) -> StarletteRequest:
     """A request for another route of this app with ``body``; disconnects of the outer client pass through."""
     scope = dict(request.scope)
     scope["path"] = path
@@ -100,7 +100,7 @@ def make_router(state, app: FastAPI) -> APIRouter:
     async def responses(request: Request) -> Response:
         body = await _body(request)
         chat_body = responses_api.to_chat(body)
-        inner = _inner_request(request, "/v1/chat/completions", json.dumps(chat_body).encode())
+        inner = inner_request(request, "/v1/chat/completions", json.dumps(chat_body).encode())
         resp = await _endpoint(app, "/v1/chat/completions")(inner)
         if not isinstance(resp, StreamingResponse):
             return JSONResponse(responses_api.from_chat(body, json.loads(resp.body)), headers=_talaria_headers(resp))

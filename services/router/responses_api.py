@@ -11,7 +11,6 @@ items are 400 naming the field: there is no response store here.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any

@@ -34,6 +34,7 @@ from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
+from talaria.switch_path import SwitchPath, costs_to_proto
 
 from .instance import SimCall, SimInstance
 from .profile import GIB, Profile
@@ -217,16 +218,15 @@ class Simulation:
         inst.seq += 1
         now = self.clock.now()
         cost = inst.scheduler.costs.snapshot(inst.active)
-        by_path = dict(cost["switch_by_path"])
-        # Adapter: the router's ProfileBook reads "switch"/"open" keys (profiles.SWITCH_KEYS/OPEN_KEYS).
-        by_path.setdefault("switch", by_path.get("full_staged", 0.0))
-        by_path.setdefault("open", by_path.get("host_only", 0.0))
+        by_path = dict(cost["switch_by_path"])  # SwitchPath values -> seconds, as the engine's wire.instance_snapshot
+        # the simulated weight bank holds every catalog model: opening one is a host-only switch
+        by_path.setdefault(SwitchPath.OPEN, by_path.get(SwitchPath.HOST_ONLY, 0.0))
         snap = pb.InstanceSnapshot(
             schema_version=1, instance_id=iid, pool=pb.POOL_COLD if inst.pool == "cold" else pb.POOL_HOT, epoch=inst.epoch,
             seq=inst.seq, sent_unix=now, heartbeat_period_s=self.cfg.heartbeat_s, num_running=inst.running, num_waiting=inst.waiting,
             kv_usage=inst.kv_usage(), kv_pages_total=inst.kv_pages_total(),
             profile=pb.CostProfile(prefill_per_token=cost["prefill_per_token"], decode_step=cost["decode_step"],
-                                   restore_per_token=cost["restore_per_token"], switch_by_path=by_path),
+                                   restore_per_token=cost["restore_per_token"], switch_costs=costs_to_proto(by_path)),
         )
         staged = inst.staging[0] if inst.staging else None
         for m in inst.loaded:

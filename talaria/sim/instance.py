@@ -27,7 +27,7 @@ from services.engine.slots.types import CallView, Decision, InstanceView, ModelV
 from services.engine.substrate.policy import EngineView, classify_path, predict_next
 from services.kvstore.registry import Family, HostKVRegistry, Layout
 
-from .profile import GIB, Profile
+from .profile import Profile
 
 PATH_CHUNKS = 100  # staged fraction resolution when classifying a switch's load path
 
