@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,14 @@ def find_nats_server() -> str:
 
 
 _PASSWORD_ENV = "TALARIA_NATS_PASSWORD"
+# nats-server parses the value of an environment-variable reference as a config token: a value that starts with
+# a digit is read as a number (and refused), punctuation can end the token. Only this shape is safe.
+_SAFE_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9_]{7,}")
+
+
+def generate_password() -> str:
+    """A random NATS password of the shape nats-server reads back intact (a letter, then 48 hex digits)."""
+    return "p" + secrets.token_hex(24)
 
 
 def auth_url(url: str, user: str, password: str) -> str:
@@ -91,6 +100,9 @@ class EmbeddedNats:
     def __init__(self, host: str = "127.0.0.1", port: int = -1, store_dir: str | None = None, user: str | None = None, password: str | None = None):
         if bool(user) != bool(password):
             raise ValueError("EmbeddedNats needs both user and password, or neither")
+        if password and not _SAFE_PASSWORD.fullmatch(password):
+            raise ValueError("the embedded NATS password must be a letter followed by at least 7 letters, digits or '_' "
+                             "(nats-server reads other values back as numbers or cuts them); see generate_password()")
         self.host = host
         self.port = port
         self._store_dir = store_dir

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from talaria.config import NatsConfig, StackConfig, dump_config
-from talaria.natsutil import EmbeddedNats, auth_url, die_with_parent
+from talaria.natsutil import EmbeddedNats, auth_url, die_with_parent, generate_password
 
 
 def _say(msg: str) -> None:
@@ -155,7 +155,7 @@ class LocalStack:
         cfg, env = self.cfg, {}
         if embedded:
             env["TALARIA__NATS__USER"] = "talaria"
-            env["TALARIA__NATS__PASSWORD"] = secrets.token_urlsafe(24)
+            env["TALARIA__NATS__PASSWORD"] = generate_password()  # a shape nats-server reads back intact
         if cfg.kvstore.auth_token is None:
             env["TALARIA__KVSTORE__AUTH_TOKEN"] = secrets.token_urlsafe(24)
         if cfg.router.auth.resume_secret is None:

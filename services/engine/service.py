@@ -35,7 +35,7 @@ from services.engine.streaming import next_coalesced
 from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
-from services.engine.api import Executor, ExecutorError, ModelInfo
+from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
 from services.engine.heartbeat import HeartbeatThread
 from services.engine.tracing import CallTracer
 from services.engine.wire import SCHEMA_VERSION, CallError
@@ -338,8 +338,6 @@ class EngineService:
             return await self._reject(msg.reply, req.request_id, fenced)
         if not self._serves(req.model):
             return await self._reject(msg.reply, req.request_id, CallError(404, "model_not_found", f"instance {self.cfg.id} does not serve model '{req.model}'", "model"))
-        if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
-            return await self._reject(msg.reply, req.request_id, CallError(429, "overloaded", f"instance {self.cfg.id} has {len(self._calls)} calls in flight"))
         rid = req.request_id or uuid.uuid4().hex
         if rid in self._calls:
             return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
@@ -347,6 +345,13 @@ class EngineService:
             sampling, prompt = await asyncio.to_thread(self._intake, req)
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
+        if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
+            # a call that can never fit is 413 even now: a client retrying a 429 would loop forever (issue 18 #4)
+            limit = self._runtime(req.model).max_context
+            err = (CallError(413, "context_length_exceeded", str(ContextLengthError(len(prompt), sampling.max_tokens, limit, req.model)), "prompt")
+                   if len(prompt) + sampling.max_tokens > limit else
+                   CallError(429, "overloaded", f"instance {self.cfg.id} has {len(self._calls)} calls in flight"))
+            return await self._reject(msg.reply, rid, err)
         call = _Call(rid, msg.reply, req.session_id, req.model, time.time(), time.monotonic(), req.deadline_unix, len(prompt))
         call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns

@@ -166,3 +166,38 @@ async def test_a_call_whose_requester_is_gone_is_aborted(synth_models, nats_url)
                 await nc.close()
     finally:
         eng.step_s = 0.0
+
+
+async def test_a_full_engine_still_answers_413_for_a_prompt_that_can_never_fit(synth_models, nats_url):
+    """Issue 18 #4: with its queue full the engine answered 429 before it looked at the prompt, so a client that
+    retries 429 looped forever on a prompt over the context. Over the context is 413 first; a fitting call
+    is still 429 while the queue is full."""
+    eng = SlowStepEngine(synth_models["tiny-llama"], page_size=4, num_pages=512)
+    eng.step_s = 0.05
+    cfg = EngineConfig(id="full0", models=["tiny-llama"], heartbeat_period_s=0.2, max_queue=1, max_num_seqs=1)
+    try:
+        with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+            nc = await connect(nats_url, "test")
+            try:
+                await until_serving(nc, "full0")
+                for _ in range(2):  # one running, one queued: the engine is full
+                    inbox = nc.new_inbox()
+                    sub = await nc.subscribe(inbox)
+                    await nc.publish(SUBJ.generate("full0"), gen("tiny-llama", 1000).SerializeToString(), reply=inbox)
+                    assert pb.TokenChunk.FromString((await sub.next_msg(30)).data).accepted
+                    await sub.unsubscribe()
+
+                async def answer(req: pb.GenerateRequest) -> pb.TokenChunk:
+                    msg = await nc.request(SUBJ.generate("full0"), req.SerializeToString(), timeout=30)
+                    return pb.TokenChunk.FromString(msg.data)
+
+                huge = gen("tiny-llama", 4)
+                huge.text = "hello world " * 5000
+                c = await answer(huge)
+                assert c.error.http_status == 413 and c.error.code == "context_length_exceeded", c.error
+                c = await answer(gen("tiny-llama", 4))
+                assert c.error.http_status == 429 and c.error.code == "overloaded", c.error
+            finally:
+                await nc.close()
+    finally:
+        eng.step_s = 0.0
