@@ -144,5 +144,5 @@ def policy_from_config(cfg) -> SlotPolicy:
     """The slot policy of an ``EngineConfig`` (talaria/config.py): targets, margin and ablation switches."""
     return SlotPolicy(
         ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
-        d2d_staging=cfg.d2d_staging, endless=cfg.pool == "hot",
+        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, endless=cfg.pool == "hot",
     )

@@ -184,3 +184,13 @@ def test_on_random_three_model_workloads_gated_sp_never_loses_to_no_sp():
         worst_ungated = max(worst_ungated, mean_sct(sp_gain_check=False) / nosp)
     assert worst_ungated > 1.04  # the loss the check removes is real on these workloads
     assert worst_gated <= 1.0 + 1e-9
+
+
+def test_the_engine_config_knob_reaches_the_slot_policy():
+    """``engines[].sp_gain_check`` (the matrix's SP-ungated row) switches the check off in the running policy."""
+    from services.engine.slotted import policy_from_config
+    from talaria.config import EngineConfig
+
+    on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"]))
+    off = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], sp_gain_check=False))
+    assert on.sp_gain_check and not off.sp_gain_check
