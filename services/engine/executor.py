@@ -429,7 +429,7 @@ class Engine:
         self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
-            self._record_session(seq.session_id, seq.salt)
+            self._record_session(seq.session_id)
         self.sampler.remove(seq.request_id)
         del self._requests[seq.request_id]
         with self._intake_lock:
@@ -437,7 +437,7 @@ class Engine:
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
 
-    def _record_session(self, session_id: str, salt: int | None = None) -> None:
+    def _record_session(self, session_id: str) -> None:
         entry = self.kv.sessions.peek(session_id)
         if entry is None:
             self._session_info.pop(session_id, None)
