@@ -24,7 +24,9 @@ def test_one_bad_sampling_request_fails_only_itself(shared_stack):
     figs, lock, results = Figures(), threading.Lock(), []
 
     def stream(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
+        # long enough that all 8 are still running together when the bad request arrives, however fast the
+        # engines are (at 300 tokens an idle machine finished some before the 8th started)
+        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 1200, "ignore_eos": True, "stream": True, "temperature": 0}
         errs = []
         with httpx.Client(timeout=120) as c, c.stream("POST", f"{shared_stack.api}/v1/completions", json=body) as r:
             for line in r.iter_lines():
