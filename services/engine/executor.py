@@ -47,7 +47,7 @@ from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.ewma import ewma
@@ -268,6 +268,15 @@ class Engine:
         with self._intake_lock:
             return bool(self._live_ids)
 
+    @property
+    def prefill_per_token(self) -> float:
+        """Measured prefill seconds per token (0.0 = not measured yet; any thread)."""
+        return self._prefill_per_token
+
+    def restoring_sequences(self) -> list[Sequence]:
+        """Sequences held by the host KV tier while their prefix is restored (executor thread)."""
+        return self.host_kv.restoring_sequences() if self.host_kv is not None else []
+
     def pending_requests(self) -> list[EngineRequest]:
         """Requests queued by ``add_request`` and not yet admitted by a step (a copy; any thread)."""
         with self._intake_lock:
@@ -276,8 +285,11 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         with self._step_lock:
-            if self.host_kv is not None:
-                self.host_kv.poll()  # transfer pins of finished device->host checkpoint copies
+            hk = self.host_kv
+            if hk is not None:
+                hk.poll()  # checkpoint pins back; restores advance (reserve pages, publish landed ones)
+                for seq in hk.take_ready():  # restored (or declined): joins the batch now
+                    self.scheduler.add(seq)
             outputs = self._drain_intake()
 
             sched = self.scheduler.schedule()
@@ -286,6 +298,8 @@ class Engine:
                 sampled = self._execute(sched)
                 self._record_timing(sched, time.perf_counter() - t0)
                 outputs += self._postprocess(sched, sampled)
+            elif hk is not None and hk.num_restoring and not outputs:
+                hk.wait_restore(0.005)  # nothing to run but restores in flight: wait for one, do not spin
             self.num_steps += 1
             self._refresh_snapshot()
             return outputs
@@ -309,8 +323,8 @@ class Engine:
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
-            if self.host_kv is not None:
-                seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
+            if self.host_kv is not None and self.host_kv.begin_restore(seq):
+                continue  # its prefix is being restored off this thread; it joins the batch when its pages are in
             self.scheduler.add(seq)
 
         outputs = []
@@ -424,9 +438,12 @@ class Engine:
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
         st.finished = True
-        if self.host_kv is not None and seq.session_id:
-            self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
-        self.scheduler.finish(seq, cache=True)
+        if self.host_kv is not None and self.host_kv.cancel_restore(seq.request_id):
+            seq.status = SequenceStatus.FINISHED  # ended while restoring: it holds no pages
+        else:
+            if self.host_kv is not None and seq.session_id:
+                self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
+            self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
             self._record_session(seq.session_id)
@@ -468,7 +485,7 @@ class Engine:
         self._snapshot = {
             "model_id": self.model_id,
             "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting + len(self._pending),
+            "num_waiting": self.scheduler.num_waiting + len(self._pending) + (self.host_kv.num_restoring if self.host_kv is not None else 0),
             "kv_pages_total": total,
             "kv_pages_free": free,
             "kv_pages_used": total - free,

@@ -62,7 +62,7 @@ class SlottedColdEngine(ColdEngine):
             queued = tuple(self._call_view(r, eng) for r in self._queues.get(m, ()))
             if m == self.active and eng is not None:
                 sch = eng.scheduler
-                seqs = list(sch.running) + list(sch.waiting)
+                seqs = list(sch.running) + list(sch.waiting) + eng.restoring_sequences()
                 pending = eng.pending_requests()
                 prefilling = sum(1 for s in seqs if s.num_completion_tokens == 0) + len(pending)
                 remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
@@ -112,26 +112,28 @@ class SlottedColdEngine(ColdEngine):
         self._snapshot["slots"] = self.slots.status(self.clock())
 
     def _timed_step(self, eng) -> list[RequestOutput]:
-        """One shell step, measured into the slot cost model: decode steps, prefill tokens and the tokens
-        restored from the host KV store at admission (their copy-back runs inside the step), so the restore
-        cost per token is learned from real restores. Mutates: the shell and the cost model."""
+        """One shell step, measured into the slot cost model (decode steps, prefill tokens), and the real
+        host KV restores that ended meanwhile (they run off the executor thread, so their cost is their
+        own measured transfer time, not a share of a step): the restore cost per token is learned from
+        real restores. Mutates: the shell and the cost model."""
         before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
         t0 = self.clock()  # durations on the policy's time base (the injected clock)
         outs = eng.step()
         dt = self.clock() - t0
-        prefill, restored, decodes = 0, 0, 0
+        prefill, decodes = 0, 0
         for s in eng.scheduler.running:
             delta = s.num_computed_tokens - before.get(s.request_id, 0)
             if s.request_id in before and delta == 1:
                 decodes += 1
             elif s.request_id not in before:
-                restored += s.num_restored_tokens  # admitted this step
-                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)
+                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)  # admitted this step
             else:
                 prefill += max(delta, 0)
         decodes += sum(1 for o in outs if o.finished and o.request_id in before)
-        restored += sum(o.usage.restored_tokens for o in outs if o.finished and o.request_id not in before and o.usage is not None)
-        self.slots.observe_step(self.active, prefill, restored, decodes, dt)
+        self.slots.observe_step(self.active, prefill, 0, decodes, dt)  # restores are not inside the step
+        if eng.host_kv is not None:
+            for tokens, seconds in eng.host_kv.take_restore_samples():
+                self.slots.observe_restore(self.active, tokens, seconds)
         return outs
 
     def take_round_summaries(self):

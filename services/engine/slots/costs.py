@@ -92,6 +92,13 @@ class CostModel:
             p = replace(p, restore_per_token=self._ewma(p.restore_per_token, max(rest, 0.0) / restore_tokens))
         self._models[model] = p
 
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        """One real host KV restore of ``tokens`` tokens that took ``seconds`` (it runs off the executor
+        thread, beside the steps): refreshes the restore cost per token."""
+        if tokens > 0:
+            p = self._p(model)
+            self._models[model] = replace(p, restore_per_token=self._ewma(p.restore_per_token, seconds / tokens))
+
     def observe_switch(self, path: SwitchPath, seconds: float) -> None:
         path = SwitchPath(path)
         old = self._switch.get(path)

@@ -164,6 +164,9 @@ class SlotScheduler:
     def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
         self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
 
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        self.costs.observe_restore(model, tokens, seconds)
+
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)
         self._observed_path = path
