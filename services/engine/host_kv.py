@@ -61,6 +61,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
+from services.engine.api import SessionInfo
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.manager import RestoreReservation
 from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages  # the store's public client
@@ -607,6 +608,11 @@ class HostKV:
                 "sessions": sessions,
                 **self.counters,
             }
+
+    def session_infos(self, model: str) -> list[SessionInfo]:
+        """Sessions this engine checkpointed: ``host`` (restorable) or ``missing`` (any thread)."""
+        available = self.available()
+        return [SessionInfo(s.session_id, state, s.tokens, model, 0, s.last_use_unix) for s, state in self.index.states(available)]
 
     def close(self) -> None:
         if self._closed:

@@ -251,7 +251,7 @@ class EngineService:
             hook.error.CopyFrom(error)
         if call.session_id:
             info = self.engine.session_info(call.session_id)
-            if info is not None:
+            if info is not None and info.where == "device":
                 hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
         assert self.nc is not None
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from services.engine.api import SlotStats
 from services.engine.cold import ColdEngine
 from services.engine.kv.session_cache import common_prefix_len
 from services.engine.types import EngineRequest, RequestOutput
@@ -32,6 +33,7 @@ class SlottedColdEngine(ColdEngine):
         self.last_decision: Decision | None = None
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
+        self._slots_now: SlotStats | None = None
         super().__init__(catalog, **kw)
 
     # ------------------------------------------------------------------ the view
@@ -107,9 +109,13 @@ class SlottedColdEngine(ColdEngine):
         if ms is not None:
             self._served_sessions.add(ms)
 
-    def _refresh_snapshot(self) -> None:
-        super()._refresh_snapshot()
-        self._snapshot["slots"] = self.slots.status(self.clock())
+    def _refresh_gauges(self) -> None:
+        super()._refresh_gauges()
+        st = self.slots.status(self.clock())  # the pure policy is not thread-safe: read at step boundaries
+        self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]), int(st["rounds"]))
+
+    def _slot_stats(self) -> SlotStats | None:
+        return self._slots_now
 
     def _timed_step(self, eng) -> list[RequestOutput]:
         """One shell step, measured into the slot cost model (decode steps, prefill tokens), and the real
