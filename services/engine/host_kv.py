@@ -400,6 +400,24 @@ class HostKV:
         self._restore_jobs.put(job)
         return True
 
+    def restore_blocking(self, seq, timeout: float = 120.0) -> int:
+        """Run one restore of ``seq`` (never scheduled) to its end, pumping ``poll`` on the calling thread,
+        which must be the executor thread or hold the engine idle. For benches that time the restore alone
+        (``bench kvstore``). Returns pages restored; their radix path is released (they stay cached)."""
+        if not self.begin_restore(seq):
+            return 0
+        deadline = time.monotonic() + timeout
+        while seq.request_id in self._restoring:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"restore of {seq.request_id} did not end within {timeout}s")
+            self.wait_restore(0.01)
+            self.poll()
+        self._ready.remove(seq)
+        if seq.kv_hold:
+            self.engine.kv.release_hold(seq.kv_hold)
+            seq.kv_hold = []
+        return seq.num_restored_tokens // self.engine.page_size
+
     def cancel_restore(self, request_id: str) -> bool:
         """The call ended while its restore runs (abort): the restore completes (its pages are published,
         they hold valid KV) but the call is not handed back. Returns whether it was restoring."""
