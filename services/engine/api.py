@@ -98,7 +98,7 @@ class ModelInfo:
     """What the service needs to accept a call for a model, active or not."""
 
     model_id: str
-    tokenizer: Any  # services.engine.tokenizer.Tokenizer
+    tokenizer: Any  # talaria.tokenizer.Tokenizer
     vocab_size: int
     max_context: int
 

@@ -43,7 +43,7 @@ from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
 from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
-from services.engine.tokenizer import Tokenizer
+from talaria.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.tokenizer import IncrementalDecoder, Tokenizer
+from talaria.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt

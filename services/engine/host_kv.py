@@ -64,8 +64,7 @@ from opentelemetry.trace import Tracer
 from services.engine.api import SessionInfo
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.manager import RestoreReservation
-from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages  # the store's public client
-from services.kvstore.transfer import MooncakeEndpoint
+from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from talaria import otel
 from talaria.ewma import Ewma
 from talaria.kv_layout import Family, Layout

@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.streaming import next_coalesced
-from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
+from talaria.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
 from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
