@@ -40,7 +40,8 @@ from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
-from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
+from services.engine.substrate.policy import EngineView, IdleSwitchRule, predict_next
+from talaria.switch_path import SwitchCostModel
 from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
 from talaria.tokenizer import Tokenizer
