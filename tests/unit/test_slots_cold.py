@@ -151,4 +151,3 @@ def test_ablation_switches_from_engine_config():
     assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}
     on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], slot_ttft_s=3.0, slot_gamma=0.5))
     assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True} and on.ttft_s == 3.0 and on.gamma == 0.5
-    assert policy_from_config(EngineConfig(id="h", models=["a"])).endless  # a hot instance: one endless slot

@@ -56,7 +56,7 @@ class SlotPolicy:
     d2d_staging: bool = True
     sp_max_batch: int = 8
     sp_max_tokens: int = 4096
-    endless: bool = False  # hot pool: one model, no end of slot
+    endless: bool = False  # one model, no end of slot: the simulator's hot instances (talaria/sim); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
 
     def __post_init__(self) -> None:
