@@ -196,6 +196,10 @@ class HostKV:
         self._restorer = threading.Thread(target=self._run_restores, name=f"host-kv-restore-{self.owner}", daemon=True)
         self._restorer.start()
 
+    def host_index(self) -> StoreIndex | None:
+        """The KV manager's ``HostIndex`` port while the store is available (None while it is down)."""
+        return self.index if not self._closed and self.available() else None
+
     @property
     def sessions(self):
         """Sessions checkpointed by this engine (``kv.host_tier.HostSessions``)."""

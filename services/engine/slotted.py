@@ -19,7 +19,6 @@ from typing import Any
 
 from services.engine.api import SlotStats
 from services.engine.cold import ColdEngine
-from services.engine.kv.session_cache import common_prefix_len
 from services.engine.types import EngineRequest, RequestOutput
 
 from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
@@ -40,17 +39,10 @@ class SlottedColdEngine(ColdEngine):
     def _call_view(self, req: EngineRequest, active_engine) -> CallView:
         m, sid = req.model, req.session_id
         prefix, state = 0, "missing"
-        if sid and active_engine is not None and m == self.active:
-            e = active_engine.kv.sessions.peek(sid)
-            if e is not None:
-                prefix, state = common_prefix_len(e.token_ids, req.prompt_token_ids), "device"
-        if state == "missing" and sid:
-            sh = self.shell(m)
-            hk = sh.host_kv if sh is not None else None
-            if hk is not None and hk.available():
-                h = hk.sessions.get(sid)
-                if h is not None:
-                    prefix, state = min(h.tokens, len(req.prompt_token_ids)), "host"
+        sh = (active_engine if m == self.active else None) or self.shell(m)
+        if sid and sh is not None:  # the KV manager answers where the prefix is (device, host via its index)
+            hk = sh.host_kv
+            state, prefix = sh.kv.session_prefix(sid, req.prompt_token_ids, hk.host_index() if hk is not None else None, device=m == self.active)
         return CallView(
             req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
             (m, sid) in self._served_sessions,

@@ -100,6 +100,11 @@ class StoreIndex:
             known = hashes[start] in self._stored
         return len(hashes) - start if (session_id or known) else 0
 
+    def session_tokens(self, session_id: str) -> int:
+        with self._lock:
+            s = self.sessions.get(session_id)
+        return s.tokens if s is not None else 0
+
     # ------------------------------------------------------------ updates (mutate the index)
     def saw_epoch(self, epoch: int) -> bool:
         """The store replied with ``epoch``; a new one means it restarted: forget what the old one held.

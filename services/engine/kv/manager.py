@@ -80,6 +80,9 @@ class HostIndex(Protocol):
     def restorable_pages(self, hashes: Sequence[int], start: int, session_id: str) -> int:
         """How many of ``hashes[start:]`` the store may hold (an upper bound; its lookup is the truth)."""
 
+    def session_tokens(self, session_id: str) -> int:
+        """Tokens of ``session_id`` checkpointed into the store (0: none known)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreReservation:
@@ -166,6 +169,17 @@ class KVManager:
         n = min(radix_n, cap)
         k = cdiv(n, P)
         return PrefixMatch(n, tuple(radix_pages[:k]), tuple(hashes[:k]), False, n % P != 0, device, host_n)
+
+    def session_prefix(self, session_id: str, token_ids: Sequence[int], host: HostIndex | None = None, device: bool = True) -> tuple[str, int]:
+        """Where the reusable prefix of a session's next prompt is, and how long: ``("device", n)`` from the
+        session cache (when ``device``), else ``("host", n)`` from the host index, else ``("missing", 0)``.
+        Read-only (the slot scheduler's view asks this for every queued call)."""
+        if device:
+            entry = self.sessions.peek(session_id)
+            if entry is not None:
+                return "device", common_prefix_len(entry.token_ids, list(token_ids))
+        n = host.session_tokens(session_id) if host is not None else 0
+        return ("host", min(n, len(token_ids))) if n > 0 else ("missing", 0)
 
     # ---------------------------------------------------------------- host restores
     def reserve_restore(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str, k: int) -> RestoreReservation | None:
