@@ -15,7 +15,9 @@ from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from services.kvstore.server import KvStoreServer
 from services.kvstore.transfer import MooncakeEndpoint
-from talaria.config import KvStoreConfig
+from services.engine import wire
+from talaria.config import EngineConfig, KvStoreConfig
+from talaria.v1 import engine_pb2
 
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -260,7 +262,13 @@ def test_slow_restore_never_stalls_running_decodes(synth_models, store, mooncake
     hk = tier(e, store.address, mooncake)
     out1, _ = call(e, "slow-1", p, "slow")
     assert e.drain_checkpoints(timeout=10)
+    assert e.session_info("slow").where == "device"
     e.flush_cache()
+    info = e.session_info("slow")  # the device entry is gone: the typed answer says the KV is in the store
+    assert info is not None and info.where == "host" and info.committed_tokens == (len(p) + len(out1) - 1) // PAGE * PAGE
+    snap = wire.instance_snapshot(EngineConfig(id="e0", models=[e.model_id]), e.stats(), [], epoch=1, seq=1, draining=False, rounds=0)
+    assert [(x.session_id, x.state) for x in snap.sessions] == [("slow", engine_pb2.KV_HOST)]
+    assert snap.profile.restore_per_token == hk.restore_per_token.value > 0
 
     gate, entered = threading.Event(), threading.Event()
     real_read = host_kv_mod.read_pages
