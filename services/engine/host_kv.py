@@ -465,7 +465,8 @@ class HostKV:
                 job = self._to_executor.popleft()
             if job.stage == "reserve":
                 seq = job.seq
-                job.res = self.engine.kv.reserve_restore(seq.token_ids, job.hashes, seq.session_id, job.k)
+                # the device prefix may have changed since the lookup: reserve against what the store agreed to
+                job.res = self.engine.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
                 job.stage = "transfer"
                 self._restore_jobs.put(job)
             else:
@@ -549,7 +550,8 @@ class HostKV:
             "talaria.kv.decision_reason": decision.reason,
         })
         if not decision.restore:
-            self.counters["restores_declined"] += 1
+            with self._lock:
+                self.counters["restores_declined"] += 1
             self._unpin(reply.lease_id, False)
             job.outcome = "recompute"
             return self._post(job, "publish")
@@ -579,6 +581,7 @@ class HostKV:
         k = len(pages)
         base = len(res.chain)
         blocks = list(reply.blocks[base : base + k])
+        assert len(blocks) == k, f"reservation of {k} pages beyond {base} but the store agreed to {reply.pages}"
         t1 = time.perf_counter()
         try:
             for i in range(0, k, self.staging_pages):

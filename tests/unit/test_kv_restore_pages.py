@@ -91,3 +91,18 @@ def test_cancel_gives_everything_back_and_reserve_evicts_other_entries_only():
     assert kv.num_restoring_pages == 0 and kv.num_free_pages == 6 - kv.radix.num_pages
     kv.check_integrity()
     assert kv.reserve_restore(toks, hashes, "", 0) is None
+
+
+def test_reserve_never_reaches_past_what_the_source_agreed_to():
+    """The device prefix may grow between the store's lookup and the reservation (another call of the session
+    finished): the reservation is bounded by the hashes the store agreed to, never beyond."""
+    kv = manager(12)
+    toks = list(range(70, 90))  # 5 full pages
+    hashes = kv.extend_hashes([], toks)
+    kv.sessions.put("s", toks[:13], kv.allocator.allocate(4))  # the session entry holds 3 full pages (+1 partial)
+    assert kv.reserve_restore(toks, hashes[:2], "s", 10) is None  # the store agreed to 2 pages: nothing to restore
+    res = kv.reserve_restore(toks, hashes[:4], "s", 10)
+    assert res is not None and len(res.chain) == 3 and len(res.pages) == 1
+    kv.check_integrity()
+    kv.cancel_restore(res)
+    kv.check_integrity()

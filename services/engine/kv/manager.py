@@ -184,7 +184,8 @@ class KVManager:
     # ---------------------------------------------------------------- host restores
     def reserve_restore(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str, k: int) -> RestoreReservation | None:
         """Hold the device part of the prefix and allocate up to ``k`` fresh pages for the next full pages
-        (``hashes`` = the prompt's full-page hashes), evicting other cache entries if needed.
+        (``hashes`` = the full-page hashes the source can provide, a prefix of the prompt's), evicting other
+        cache entries if needed.
 
         Mutates: allocator references (one per held and fresh page), the caches (eviction). Returns None
         when nothing beyond the device prefix can be restored (no pages, or the device already holds it)."""
@@ -193,7 +194,7 @@ class KVManager:
         entry = self.sessions.peek(session_id) if session_id else None
         chain = list(radix_pages)
         if entry is not None:
-            sess_full = min(common_prefix_len(list(token_ids), entry.token_ids) // P, len(entry.pages))
+            sess_full = min(common_prefix_len(list(token_ids), entry.token_ids) // P, len(entry.pages), len(hashes))
             if sess_full > len(chain):
                 chain += entry.pages[len(chain) : sess_full]
         k = min(k, len(hashes) - len(chain))
