@@ -220,6 +220,7 @@ class Decision:
     instance_id: str | None
     policy: str
     reason: str  # "lease" | "cost" | "least-pressure" | "sticky" | "round-robin" | "overload" | "no-instance"
+    #             (the gateway rewrites a decision as "start-now" or "late": services/router/gateway.py)
     lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid"
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
