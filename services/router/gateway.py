@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from services.router.leases import LeaseTable
 from services.router.policy import (
     CallRequest,
+    calls_on,
     Decision,
     InstanceIndex,
     InstanceState,
@@ -388,7 +389,7 @@ class Gateway:
             st = self._cur.get(c.instance_id)
             if st is None or c.reject != "stale" or not st.healthy:
                 continue
-            key = (st.waiting + st.overlay_calls + st.running, c.instance_id)
+            key = (calls_on(st), c.instance_id)
             if best is None or key < best[0]:
                 best = (key, c)
         if best is None:
