@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from services.router.leases import LeaseTable
 from services.router.policy import (
     CallRequest,
-    calls_on,
     Decision,
     InstanceIndex,
     InstanceState,
@@ -37,6 +36,7 @@ from services.router.policy import (
     PlacementState,
     PolicyParams,
     SessionView,
+    calls_on,
     decide,
 )
 from services.router.profiles import DemandMeter, ProfileBook, ShapeBook
