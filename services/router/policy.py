@@ -200,19 +200,23 @@ _tuple_new = tuple.__new__
 
 
 def cost_breakdown(
-    *, instance_id: str, delta_r: float, c_kv: float, c_act: float, total: float, queue_s: float, kv_source: str, act: str,
-    fresh_replica: bool, predicted_ttft_s: float, pages_needed: int, eq2_gain: float | None = None,
-    eq2_threshold: float | None = None, reject: str = "",
+    *, instance_id: str, delta_r: float, c_kv: float, c_act: float, queue_s: float, kv_source: str, act: str,
+    predicted_ttft_s: float, pages_needed: int, eq2_gain: float | None = None, eq2_threshold: float | None = None,
+    reject: str = "",
 ) -> CostBreakdown:
-    """Build a ``CostBreakdown`` by field name (keyword-only; about twice as fast as the named tuple's own
-    keyword constructor, which matters once per candidate per decision)."""
+    """Build a ``CostBreakdown`` by field name (keyword-only; ``total`` = Eq. 1's sum and ``fresh_replica`` =
+    the model must be opened, derived here). About twice as fast as the named tuple's own keyword
+    constructor, which matters once per candidate per decision."""
     return _tuple_new(CostBreakdown, (
-        instance_id, delta_r, c_kv, c_act, total, queue_s, kv_source, act, fresh_replica, predicted_ttft_s, pages_needed,
-        eq2_gain, eq2_threshold, reject,
+        instance_id, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, kv_source, act, act == "open", predicted_ttft_s,
+        pages_needed, eq2_gain, eq2_threshold, reject,
     ))
 
 
-assert CostBreakdown._fields == cost_breakdown.__code__.co_varnames[: len(CostBreakdown._fields)], "cost_breakdown follows the field order"
+assert CostBreakdown._fields == (
+    "instance_id", "delta_r", "c_kv", "c_act", "total", "queue_s", "kv_source", "act", "fresh_replica", "predicted_ttft_s",
+    "pages_needed", "eq2_gain", "eq2_threshold", "reject",
+), "cost_breakdown builds the fields in this order"
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,9 +341,8 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
         elif pages_total > 0 and pages_needed > cap - calls * -(-call_tokens // page):
             reject = "memory"
     return cost_breakdown(
-        instance_id=iid, delta_r=delta_r, c_kv=c_kv, c_act=c_act, total=delta_r + c_kv + c_act, queue_s=queue_s,
-        kv_source=kv_source, act=act, fresh_replica=act == "open", predicted_ttft_s=ttft, pages_needed=pages_needed,
-        reject=reject,
+        instance_id=iid, delta_r=delta_r, c_kv=c_kv, c_act=c_act, queue_s=queue_s, kv_source=kv_source, act=act,
+        predicted_ttft_s=ttft, pages_needed=pages_needed, reject=reject,
     )
 
 
@@ -390,9 +393,9 @@ def _eq2(costs: Sequence[CostBreakdown], mus: Sequence[float], state: PlacementS
             gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - (c.delta_r + c.c_kv))
             threshold = c.c_act + mu * d_w + p.replica_penalty_s
             c = cost_breakdown(
-                instance_id=c.instance_id, delta_r=c.delta_r, c_kv=c.c_kv, c_act=c.c_act, total=c.total, queue_s=c.queue_s,
-                kv_source=c.kv_source, act=c.act, fresh_replica=True, predicted_ttft_s=c.predicted_ttft_s,
-                pages_needed=c.pages_needed, eq2_gain=gain, eq2_threshold=threshold, reject="" if gain > threshold else "eq2",
+                instance_id=c.instance_id, delta_r=c.delta_r, c_kv=c.c_kv, c_act=c.c_act, queue_s=c.queue_s,
+                kv_source=c.kv_source, act=c.act, predicted_ttft_s=c.predicted_ttft_s, pages_needed=c.pages_needed,
+                eq2_gain=gain, eq2_threshold=threshold, reject="" if gain > threshold else "eq2",
             )
         out.append(c)
     return out
