@@ -12,6 +12,7 @@ from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
+import math
 import time
 
 SCHEMA_VERSION = 1
@@ -83,6 +84,18 @@ def round_summary(r, instance_id: str) -> pb.RoundSummary:
         sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
         switch_paths=[str(x) for x in r.switch_paths], flags=dict(r.flags), num_slots=len(r.slots),
         sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
+        token_deadlines=token_deadline_stats(r.deadlines), cold_scheduler="token_deadlines" if r.flags.get("token_deadlines") else "rounds",
+    )
+
+
+def token_deadline_stats(st) -> pb.TokenDeadlineStats | None:
+    """A ``slots.deadlines.DeadlineStats`` as its wire message (None stays unset); +inf bucket bound -> 0."""
+    if st is None:
+        return None
+    return pb.TokenDeadlineStats(
+        tokens=st.tokens, tokens_on_time=st.tokens_on_time, first_tokens=st.first_tokens, first_on_time=st.first_on_time,
+        gap_p50_s=st.gap_p50_s, gap_p90_s=st.gap_p90_s, gap_p99_s=st.gap_p99_s, gap_max_s=st.gap_max_s,
+        gap_bucket_le_s=[b if math.isfinite(b) else 0.0 for b in st.gap_buckets_s], gap_bucket_count=list(st.gap_counts),
     )
 
 
@@ -122,6 +135,11 @@ def instance_snapshot(cfg: EngineConfig, st: dict, switches: list, *, epoch: int
             snap.round_remaining_s = float(slots.get("round_remaining_s", 0.0))
             snap.infeasible.extend(slots.get("infeasible", []))
             snap.rounds = rounds
+            dl = slots.get("token_deadlines") or {}
+            snap.deadline_attainment = float(dl.get("attainment", 1.0))
+            snap.ttft_attainment = float(dl.get("ttft_attainment", 1.0))
+            snap.gap_p99_s = float(dl.get("gap_p99_s", 0.0))
+            snap.cold_scheduler = str(slots.get("mode", "rounds"))
     else:
         snap.models.append(
             pb.ModelState(model=model, loaded=True, active=True, max_context=st.get("max_context", 0), num_running=snap.num_running, num_waiting=snap.num_waiting)
