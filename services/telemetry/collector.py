@@ -244,6 +244,11 @@ class Collector:
                 "draining": s.draining,
                 "models": [x.model for x in s.models if x.active],
             }
+            if s.cold_scheduler:  # issue 16: per-token deadline attainment since the engine epoch began
+                self.instances[inst].update({
+                    "cold_scheduler": s.cold_scheduler, "deadline_attainment": s.deadline_attainment,
+                    "ttft_attainment": s.ttft_attainment, "gap_p99_s": s.gap_p99_s,
+                })
             if self.record_heartbeats:
                 self._write("heartbeat", now, _msg_dict(s))
         for rec in getattr(s, "switches", ()):  # switch records embedded in the snapshot (issue 3)
@@ -359,6 +364,12 @@ class Collector:
             wall = _num(d, "wall_seconds", "wall_s", "wall")
             if wall:
                 m.round_wall.labels(inst).observe(wall)
+            td = d.get("token_deadlines")
+            if isinstance(td, dict) and (_num(td, "tokens") or _num(td, "first_tokens")):  # issue 16
+                for token, n, ok in (("first", "first_tokens", "first_on_time"), ("later", "tokens", "tokens_on_time")):
+                    m.deadline_tokens.labels(inst, token, "true").inc(_num(td, ok))
+                    m.deadline_tokens.labels(inst, token, "false").inc(max(0.0, _num(td, n) - _num(td, ok)))
+                m.gap_p99.labels(inst).set(_num(td, "gap_p99_s"))
             for how, keys in (("restore", ("restore_seconds", "restore_s")), ("recompute", ("recompute_seconds", "recompute_s"))):
                 v = _num(d, *keys)
                 if v:
