@@ -79,6 +79,7 @@ class ColdEngine:
         clock: Callable[[], float] = time.monotonic,
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
+        residency: Any = None,
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -94,6 +95,7 @@ class ColdEngine:
         self.rule = rule or IdleSwitchRule()
         self.costs = SwitchCostModel()
         self.staging_chunks_per_step = staging_chunks_per_step
+        self.residency = residency  # issue 16: a cold_residency.ResidencyDriver (unified_residency), else None
         self.bank = WeightBank(chunk_bytes)
         self._info: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -343,6 +345,9 @@ class ColdEngine:
 
     # ------------------------------------------------------------------ staging
     def _stage(self) -> None:
+        if self.residency is not None:  # issue 16: a unified residency plan decides what stays staged
+            self._staging_busy = self.residency.step(self, self.clock())
+            return
         target = predict_next(self._view(), self.clock())
         if target is not None:
             self.substrate.stage(target, self.staging_chunks_per_step)
@@ -474,6 +479,8 @@ class ColdEngine:
             agg = dict(tiers.get(self.active) or next(iter(tiers.values())))
             agg["sessions"] = [dict(x, model=m) for m, t in tiers.items() for x in t.get("sessions", [])]
             snap["host_kv"] = agg
+        if self.residency is not None:
+            snap["residency"] = self.residency.snapshot()
         prof = dict(st.get("profile") or {})
         prof["switch_by_path"] = dict(self.costs.by_path)
         snap["profile"] = prof

@@ -19,7 +19,8 @@ Design NOTE.
   multiple-choice knapsack solved by a value-scaling dynamic program (§3.4): values are rounded to units of
   ``ε·L/n`` (``L`` = best of the density-greedy fill and the best single option, ``n`` = classes) and for each
   rounded value the smallest-size plan is kept, so the result is within ``(1 − ε)`` of the best estimated
-  value while sizes stay exact (the budget is never exceeded).
+  value while sizes stay exact (the budget is never exceeded); capacity the rounding left unused is then
+  filled by extending options, best value per byte first (§3.4 "filling later fitting objects may add value").
 * The plan (§4.2) is a differential: the target set, and actions relative to current residency — ``load``
   (a group not on the device), ``restore`` (a prefix with a host copy), ``release`` (resident, not kept, a
   host copy exists) or ``offload`` (resident KV without a host copy: write back before release). Plans are
@@ -149,19 +150,34 @@ def _classes(cands: list[ResidencyObject]) -> list[list[_Option]]:
 
 
 def _lower_bound(classes: list[list[_Option]], cap: int) -> float:
-    """L = max(density-greedy fill over per-class increments, best single fitting option)."""
+    """L = max(density-greedy over whole options, at most one per class, best single fitting option): the
+    value of a feasible legal set, so a true lower bound of the optimum."""
     best_single = max((o.value for c in classes for o in c if o.size <= cap), default=0.0)
-    incs = []
-    for c in classes:
-        for a, b in zip(c, c[1:]):
-            incs.append(((b.value - a.value) / max(b.size - a.size, 1), b.size - a.size, b.value - a.value))
-    incs.sort(key=lambda t: -t[0])
-    used, g = 0, 0.0
-    for _, s, v in incs:
-        if used + s > cap:
-            break
-        used, g = used + s, g + v
+    opts = sorted(((o.value / max(o.size, 1), i, o) for i, c in enumerate(classes) for o in c[1:]), key=lambda t: (-t[0], t[1]))
+    used, g, taken = 0, 0.0, set()
+    for _, i, o in opts:
+        if i not in taken and used + o.size <= cap:
+            used, g = used + o.size, g + o.value
+            taken.add(i)
     return max(best_single, g)
+
+
+def _fill(classes: list[list[_Option]], chosen: list[int], cap: int) -> list[int]:
+    """Use residual capacity the rounding left: extend a class's option to a larger legal one that still fits,
+    best value gained per extra byte first (never lowers the value)."""
+    used = sum(classes[i][k].size for i, k in enumerate(chosen))
+    while True:
+        best = None
+        for i, k in enumerate(chosen):
+            for k2 in range(k + 1, len(classes[i])):
+                extra = classes[i][k2].size - classes[i][k].size
+                gain = classes[i][k2].value - classes[i][k].value
+                if gain > 0 and used + extra <= cap and (best is None or gain / max(extra, 1) > best[0]):
+                    best = (gain / max(extra, 1), i, k2, extra)
+        if best is None:
+            return chosen
+        _, i, k2, extra = best
+        chosen[i], used = k2, used + extra
 
 
 def select(cands: list[ResidencyObject], capacity: int, epsilon: float = 0.05, max_states: int = 20000) -> tuple[frozenset, float, float]:
@@ -176,22 +192,24 @@ def select(cands: list[ResidencyObject], capacity: int, epsilon: float = 0.05, m
         return frozenset(), 0.0, 0.0
     total = sum(max(o.value for o in c) for c in classes)
     unit = max(epsilon * lower / len(classes), total / max_states)
-    # rounded value -> (size, value, keys): the smallest-size plan reaching that rounded value
-    states: dict[int, tuple[int, float, tuple]] = {0: (0, 0.0, ())}
+    # rounded value -> (size, value, choice per class): the smallest-size plan reaching that rounded value
+    states: dict[int, tuple[int, float, tuple[int, ...]]] = {0: (0, 0.0, ())}
     for opts in classes:
-        nxt = dict(states)
-        for rv, (sz, val, keys) in states.items():
-            for o in opts[1:]:
+        nxt: dict[int, tuple[int, float, tuple[int, ...]]] = {}
+        for rv, (sz, val, ch) in states.items():
+            for k, o in enumerate(opts):
                 s2 = sz + o.size
                 if s2 > capacity:
                     break  # options are prefixes/keeps of growing size
                 r2 = rv + int(o.value / unit)
                 cur = nxt.get(r2)
                 if cur is None or s2 < cur[0] or (s2 == cur[0] and val + o.value > cur[1]):
-                    nxt[r2] = (s2, val + o.value, keys + o.keys)
+                    nxt[r2] = (s2, val + o.value, ch + (k,))
         states = nxt
-    _, val, keys = max(states.values(), key=lambda t: (t[1], -t[0]))
-    return frozenset(keys), val, lower
+    _, _, ch = max(states.values(), key=lambda t: (t[1], -t[0]))
+    chosen = _fill(classes, list(ch), capacity)
+    keys = tuple(key for i, k in enumerate(chosen) for key in classes[i][k].keys)
+    return frozenset(keys), sum(classes[i][k].value for i, k in enumerate(chosen)), lower
 
 
 # ---------------------------------------------------------------------- the manager
@@ -308,6 +326,11 @@ class ReuseSignals:
 
     def session_ended(self, session: str, now: float) -> None:
         self._sess_last[session] = now
+
+    def touch_session(self, session: str, last_use: float) -> None:
+        """The session was last used at ``last_use`` (e.g. its device cache entry's time); keeps the latest."""
+        if last_use > self._sess_last.get(session, float("-inf")):
+            self._sess_last[session] = last_use
 
     def model_reuse(self, model: str, queued: int, requested: bool, now: float) -> float:
         if queued or requested:

@@ -37,7 +37,7 @@ def instances(draw):
     return objs, draw(st.integers(0, 600)) * 1024
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(instances())
 def test_a_plan_never_exceeds_the_budget_and_keeps_protected_state(inst):
     objs, budget = inst
@@ -79,7 +79,7 @@ def _brute(objs, cap):
     return best
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(instances())
 def test_selection_is_within_epsilon_of_the_brute_force_optimum(inst):
     objs, budget = inst

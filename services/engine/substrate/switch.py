@@ -161,6 +161,30 @@ class MemorySubstrate:
             a.stage(target, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
         return len(todo)
 
+    def stage_plan(self, targets: dict[str, list[int]], budget: int) -> int:
+        """Carry out a residency plan's weight part (issue 16): staged chunks not in ``targets`` (model ->
+        chunk indices to keep staged, in priority order) are released, missing ones are staged, at most
+        ``budget`` new chunks per call. Returns chunks started."""
+        a, alloc = self.area, self.allocator
+        if a is None or alloc is None:
+            return 0
+        a.poll()
+        keep = {(m, j) for m, js in targets.items() if m in self.bank for j in js}
+        if any((c.model, c.index) not in keep for c in a.chunks.values()):
+            a.discard_keys(keep)
+        started = 0
+        for m, js in targets.items():
+            if m not in self.bank or started >= budget:
+                continue
+            e = self.bank[m]
+            have = {i for (mm, i), c in a.by_index.items() if mm == m and c.state is not ChunkState.DIRTY}
+            todo = [j for j in js if j not in have][: budget - started]
+            slots = a.free_slots(alloc.is_used, align_up(e.nbytes))
+            for j, s in zip(todo, slots):
+                a.stage(m, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
+                started += 1
+        return started
+
     def staging_pending(self, target: str | None) -> bool:
         """Work left for the stager: writes in flight, or chunks of ``target`` not staged with room to."""
         a, alloc = self.area, self.allocator
