@@ -80,6 +80,8 @@ class ColdEngine:
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
         residency: Any = None,
+        partial_layers: bool = False,
+        transfer: Any = None,
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -107,6 +109,7 @@ class ColdEngine:
         self.substrate = MemorySubstrate(self.arena, self.bank, page_size=page_size, staging=staging, staging_max_fraction=staging_max_fraction)
         # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
         self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
+        self.streamer = self._make_streamer(transfer) if partial_layers else None  # issue 16: streaming hot-swap
         self.protocol = SwitchProtocol(self.substrate, self, before_kv_release=())
         self.protocol.before_kv_release = self.before_kv_release  # the same list: callers may append later
         self._shells: dict[str, _Shell] = {}
@@ -135,6 +138,26 @@ class ColdEngine:
         with self._step_lock:
             self._switch(first, "initial")
             self._refresh_snapshot()
+
+    def _make_streamer(self, transfer):
+        """Partial-layer residency (JointServe §4.4): every copy goes through one transfer scheduler; a switch
+        copies a startup prefix of layer groups and streams the rest during the first prefill
+        (streaming_swap.py). Mutates: the substrate's copier and streamer, the switch barriers."""
+        from services.engine.streaming_swap import HotSwapStreamer, stream_copy
+        from services.engine.substrate.transfer import ScheduledCopier, TransferScheduler
+
+        tr = transfer or TransferScheduler(copy_fn=stream_copy)
+        self.substrate.copier = ScheduledCopier(tr, self.device)
+        st = HotSwapStreamer(self.bank, self.arena.bytes, tr, prefill_per_token=self._prefill_per_token,
+                             expected_tokens=lambda m: sum(len(r.prompt_token_ids) for r in self._queues.get(m, ())))
+        self.substrate.streamer = st
+        self.before_kv_release.append(st.wait)
+        return st
+
+    def _prefill_per_token(self, model: str) -> float:
+        sh = self._shells.get(model)
+        v = ((sh.engine.stats().get("profile") or {}).get("prefill_per_token") if sh is not None else None)
+        return v or 1e-4  # prior until the model's shell measured a prefill
 
     # ------------------------------------------------------------------ catalog (open / close)
     def _load_bank(self, model: str):
@@ -345,6 +368,9 @@ class ColdEngine:
 
     # ------------------------------------------------------------------ staging
     def _stage(self) -> None:
+        if self.streamer is not None and self.streamer.gate is not None and not self.streamer.gate.done():
+            self._staging_busy = True  # the channel is streaming the active model's groups: no prefetch now
+            return
         if self.residency is not None:  # issue 16: a unified residency plan decides what stays staged
             self._staging_busy = self.residency.step(self, self.clock())
             return
@@ -359,6 +385,8 @@ class ColdEngine:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
         rec = self.protocol.run(src, target, reason)
+        if self.streamer is not None:  # later layer groups are still streaming: gate the forward on them
+            self.streamer.attach(target, self._shells[target].engine.model)
         if src is not None:
             self.previous = src
         if self.requested == target:
@@ -481,6 +509,8 @@ class ColdEngine:
             snap["host_kv"] = agg
         if self.residency is not None:
             snap["residency"] = self.residency.snapshot()
+        if self.streamer is not None:
+            snap["streaming"] = self.streamer.snapshot()
         prof = dict(st.get("profile") or {})
         prof["switch_by_path"] = dict(self.costs.by_path)
         snap["profile"] = prof

@@ -87,6 +87,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         session_cache_entries=cfg.session_cache_entries,
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,
+        partial_layers=cfg.partial_layers,
     )
 
 

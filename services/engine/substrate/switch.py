@@ -107,6 +107,9 @@ class MemorySubstrate:
         self.staging_max_fraction = staging_max_fraction
         self.area: StagingArea | None = None
         self.allocator: StagingAwareAllocator | None = None  # of the active model
+        # issue 16 (partial_layers): streams a model's later layer groups after phase 2 instead of copying
+        # them in it (``streaming_swap.HotSwapStreamer``: first_streamed_chunk(model) / start(model, chunks))
+        self.streamer = None
 
     # ------------------------------------------------------------------ layout
     def layout_for(self, model: str) -> tuple[Layout, KVGeometry]:
@@ -241,13 +244,20 @@ class MemorySubstrate:
         self.copier.barrier()
         t1 = time.perf_counter()
         host = 0
+        first_streamed = self.streamer.first_streamed_chunk(target) if self.streamer is not None else None
+        later: list[int] = []
         for j in range(e.num_chunks):
             if j in d2d_set:
+                continue
+            if first_streamed is not None and j >= first_streamed:
+                later.append(j)  # copied after publish, while prefill runs on the groups before it
                 continue
             lo, hi = e.chunk_range(j)
             self.copier.copy(arena.bytes(lo, hi), e.chunk(j))
             host += hi - lo
         self.copier.barrier()
+        if first_streamed is not None:
+            self.streamer.start(target, later)
         t2 = time.perf_counter()
         staged = sum(e.chunk_range(j)[1] - e.chunk_range(j)[0] for j in d2d)
         return OpenResult(classify_path(e.num_chunks, len(d2d)), staged, host, dirty, t1 - t0, t2 - t1, tuple(sorted(d2d)))
