@@ -212,6 +212,10 @@ class DeadlineTracker:
         st, self._window = self._window.stats(), _Window()
         return st
 
+    def reset_totals(self) -> None:
+        """Start the since-start totals afresh (benchmarks, after warm-up). Mutates: the totals window."""
+        self._total = _Window(keep=2048)
+
     def totals(self) -> DeadlineStats:
         return self._total.stats()
 
