@@ -131,17 +131,17 @@ def _parked_view(slack_tokens: int):
     s.tracker.arrive("r", "A", 0.0)
     for k in range(1 + slack_tokens):
         s.tracker.emit("r", 1, 0.001 * k)  # tokens generated far ahead of their 0.1 s spacing
-    b = call("b", "B", -1.25, prompt=50)  # due 0.75; at 0.05 one more A token leaves 0.68 > 0.57 needed
+    b = call("b", "B", -1.25, prompt=50)  # due 0.75, needs 0.57 (switch 0.5 + prefill 0.05 + step): start by 0.18
     return s, view("A", [ModelView("A", 1, 0, 100), ModelView("B", queued=(b,))], can_park=True)
 
 
 def test_parking_switch_spends_buffered_slack_only_when_every_sequence_keeps_its_deadline():
     s, v = _parked_view(slack_tokens=20)  # slack 2.0 s covers switch 0.5 + B 0.07 + back 0.5 + step
     assert s.decide(v, 0.05).phase is Phase.D  # not urgent yet: one more A token still lets B in on time
-    d = s.decide(v, 0.2)  # latest start for B passed: switch, parking A
+    d = s.decide(v, 0.17)  # one more A token would make B late (B can still make it): switch, parking A
     assert d.switch_to == "B"
     s, v = _parked_view(slack_tokens=3)  # slack 0.3 s cannot cover the round trip: denied, A keeps decoding
-    d = s.decide(v, 0.2)
+    d = s.decide(v, 0.17)
     assert d.phase is Phase.D and d.reason == "switch_denied" and s.totals["denied_switches"] == 1
 
 
@@ -157,6 +157,16 @@ def test_hint_validation_is_a_400_naming_the_field(field, val):
         validate_request(req, 100, 50)
     assert e.value.status == 400 and e.value.param == field
     validate_request(EngineRequest("r", [1, 2], ttft_target_s=0.5, tpot_target_s=0.05), 100, 50)
+
+
+def test_calls_already_lost_do_not_preempt_calls_that_can_still_be_on_time():
+    s = sched()
+    lost = call("lost", "B", -5.0)  # due -3.0: late whatever happens
+    ok = call("ok", "C", 0.0)  # due 2.0: on time if served now
+    v = view(None, [ModelView("A"), ModelView("B", queued=(lost,)), ModelView("C", queued=(ok,))])
+    assert s.decide(v, 0.0).switch_to == "C"
+    v = view("C", [ModelView("A"), ModelView("B", queued=(lost,)), ModelView("C")])
+    assert s.decide(v, 0.5).switch_to == "B"  # nothing on time waits: the late call is still served
 
 
 def test_wire_and_config_carry_token_deadlines():

@@ -14,7 +14,9 @@ Design NOTE.
   granularity, with the same :class:`InstanceView` the round scheduler gets, and answers a
   :class:`Decision` (so ``slotted.SlottedColdEngine`` carries it out unchanged):
 
-  1. *Which model next*: earliest deadline first over the queued calls of every model (TTFT deadlines).
+  1. *Which model next*: earliest deadline first over the queued calls of every model (TTFT deadlines)
+     that can still be on time; calls already lost do not preempt those (EDF's overload cascade) and are
+     served when nothing on time waits.
   2. *Admitting a new model into the instance* (a switch) is accepted only when every admitted sequence
      still meets its deadlines on the measured switch path: with parking (``view.can_park``) the running
      sequences' slack must cover ``switch(A→X) + X's prefill + one X step + switch(X→A) + one A step``;
@@ -318,11 +320,28 @@ class DeadlineScheduler:
         return self._prefill_s(calls) + self.costs.decode_step(m)
 
     # ---------------------------------------------------------------- the decision
+    def _reachable(self, view: InstanceView, m: str, c: CallView, now: float) -> bool:
+        """Can ``c``'s first token still be on time if ``m`` got the device now (switch, prefill, one step)?"""
+        cost = self.costs.call(c, self.policy.host_kv).seconds + self.costs.decode_step(m)
+        if m != view.active:
+            cost += self._switch_s(view, m)
+        return now + cost <= self._due(c)
+
     def _decide(self, view: InstanceView, now: float) -> Decision:
         a = view.active
         am = view.model(a) if a is not None else None
-        others = [(self._due(mv.queued[0]), mv.model) for mv in view.models if mv.model != a and mv.queued]
-        urgent = min(others) if others else None
+        # EDF over calls that can still be on time; calls already lost do not preempt those that can make it
+        # (EDF under overload otherwise cascades misses), but are served when nothing on time waits
+        feasible, late = [], []
+        for mv in view.models:
+            if mv.model == a or not mv.queued:
+                continue
+            ok = [self._due(c) for c in mv.queued if self._reachable(view, mv.model, c, now)]
+            if ok:
+                feasible.append((min(ok), mv.model))
+            else:
+                late.append((min(self._due(c) for c in mv.queued), mv.model))
+        urgent = min(feasible) if feasible else None
         if am is not None and (am.running or am.queued):
             d = self._serve_active(view, am, urgent, now)
             if d is not None:
@@ -330,6 +349,8 @@ class DeadlineScheduler:
         if urgent is None:
             if am is not None and am.running:
                 return Decision(Phase.D, "decode", a, run_step=True)
+            if late:
+                return self._try_switch(view, min(late)[1], now)
             return Decision(Phase.IDLE, "no_work")
         return self._try_switch(view, urgent[1], now)
 
@@ -349,7 +370,7 @@ class DeadlineScheduler:
         spent = 0.0
         drain_iters = am.max_remaining_decode
         deferred = 0
-        for c in sorted(am.queued, key=self._due):
+        for c in sorted(am.queued, key=lambda c: (not self._reachable(view, m, c, now), self._due(c))):
             cost = self.costs.call(c, self.policy.host_kv).seconds
             if urgent is not None and self._due(c) > urgent[0]:
                 drain = now + spent + cost + max(drain_iters, c.max_tokens) * step
@@ -373,7 +394,7 @@ class DeadlineScheduler:
                 self.totals["denied_switches"] += 1
                 return Decision(Phase.D, "switch_denied", m, run_step=True)
             return Decision(Phase.D, "decode" if urgent is None else "drain_for_deadline", m, run_step=True)
-        if am.queued and (urgent is None or self._due(am.queued[0]) <= urgent[0]):
+        if am.queued and (urgent is None or min(self._due(c) for c in am.queued) <= urgent[0]):
             first = min(am.queued, key=self._due)
             return Decision(Phase.P, "admit_forced", m, admit=(first.request_id,), run_step=True)
         return None
