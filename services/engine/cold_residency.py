@@ -53,13 +53,16 @@ class ResidencyDriver:
     # ------------------------------------------------------------------ signals and measurements
     def observe(self, ce, now: float) -> None:
         """New calls and switch records feed the reuse signals and the measured H2D rate."""
+        calls = [(r.request_id, r.model, r.session_id) for q in ce._queues.values() for r in q]
+        eng = ce.shell(ce.active) if ce.active is not None else None
+        if eng is not None:  # calls handed to the active shell at once never wait in a queue
+            calls += [(s.request_id, ce.active, s.session_id) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
         live = set()
-        for q in ce._queues.values():
-            for r in q:
-                live.add(r.request_id)
-                if r.request_id not in self._seen_calls:
-                    self.signals.observe_call(r.model, r.session_id, now)
-        self._seen_calls = live  # a call is counted once, while it waits
+        for rid, model, session in calls:
+            live.add(rid)
+            if rid not in self._seen_calls:
+                self.signals.observe_call(model, session, now)
+        self._seen_calls = live  # a call is counted once, while it waits or runs
         for rec in list(ce.switch_records):
             if rec.seq > self._last_switch_seq:
                 self._last_switch_seq = rec.seq

@@ -299,7 +299,8 @@ class ReuseSignals:
     """Expected reuses within a window from the instance's own signals (pure; ``now`` passed in).
 
     Models: an explicit intent (requested, or calls queued) counts as certain (one reuse per queued call, at
-    least one); otherwise the model's EWMA arrival rate times the window. Sessions: ``exp(-age/gap)`` with the
+    least one); otherwise the model's EWMA arrival rate (one call per window after a single call) times the
+    window, decayed by the time since its last call. Sessions: ``exp(-age/gap)`` with the
     session's mean tool gap (a session that returns quickly and recently is likely to return). Mutates: itself."""
 
     window_s: float = 10.0
@@ -335,10 +336,10 @@ class ReuseSignals:
     def model_reuse(self, model: str, queued: int, requested: bool, now: float) -> float:
         if queued or requested:
             return float(max(queued, 1))
-        rate = self._model_rate.get(model, 0.0)
         last = self._model_last.get(model)
         if last is None:
             return 0.0
+        rate = self._model_rate.get(model, 1.0 / self.window_s)  # seen once: prior of one call per window
         return min(rate * self.window_s, 10.0) * math.exp(-max(0.0, now - last) / self.window_s)
 
     def session_reuse(self, session: str, now: float) -> float:

@@ -155,3 +155,31 @@ def test_a_failed_stream_copy_fails_the_call_not_the_engine(synth_models):
             ce.generate([[5, 6, 7]], GREEDY, model="tiny-qwen2")
     finally:
         ts.close()
+
+
+def test_unified_residency_and_streaming_together_keep_outputs(synth_models):
+    """A plan stages a prefix of the next model's groups; at the switch they move device-to-device and the
+    rest streams; outputs equal fully resident runs."""
+    from services.engine.cold_residency import ResidencyDriver
+
+    models = ("tiny-llama", "tiny-qwen3")
+    ts = TransferScheduler(copy_fn=slow_copy([]))
+    ce = ColdEngine({m: synth_models[m] for m in models}, page_size=4, kv_cache_bytes=24 << 20, chunk_bytes=128 * 1024,
+                    runtime_bytes=64 * 1024, partial_layers=True, transfer=ts,
+                    residency=ResidencyDriver(every_steps=1, chunks_per_step=64, budget_fraction=0.4))
+    try:
+        ce.streamer.plan_k = lambda m: 1
+        prompt = [5, 6, 7, 8, 9, 10, 11]
+        refs = {m: Engine(synth_models[m], page_size=4, num_pages=256).generate([prompt], GREEDY)[0] for m in models}
+        for m in (models[1], models[0], models[1]):
+            ce.add_request(EngineRequest(f"r-{m}-{len(ce.switch_records)}", list(prompt), GREEDY, model=m))
+            got = []
+            while ce.has_unfinished():
+                for o in ce.step():
+                    got += o.new_token_ids
+            assert got == refs[m]
+        assert ce.switch_records[-1].staged_bytes > 0  # the plan kept a staged prefix of the returning model
+        assert ce.stats()["streaming"]["streams"] >= 2
+        ce.check_integrity()
+    finally:
+        ts.close()
