@@ -79,9 +79,8 @@ class ColdEngine:
         clock: Callable[[], float] = time.monotonic,
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
-        residency: Any = None,
-        partial_layers: bool = False,
-        transfer: Any = None,
+        residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
+        partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -97,7 +96,7 @@ class ColdEngine:
         self.rule = rule or IdleSwitchRule()
         self.costs = SwitchCostModel()
         self.staging_chunks_per_step = staging_chunks_per_step
-        self.residency = residency  # issue 16: a cold_residency.ResidencyDriver (unified_residency), else None
+        self.residency = residency
         self.bank = WeightBank(chunk_bytes)
         self._info: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
