@@ -250,7 +250,8 @@ class MemorySubstrate:
             if j in d2d_set:
                 continue
             if first_streamed is not None and j >= first_streamed:
-                later.append(j)  # copied after publish, while prefill runs on the groups before it
+                later.append(j)  # copied host-to-device after publish, while prefill runs on the groups before it
+                host += e.chunk_range(j)[1] - e.chunk_range(j)[0]  # counted (staged + host = weights); not in h2d_seconds
                 continue
             lo, hi = e.chunk_range(j)
             self.copier.copy(arena.bytes(lo, hi), e.chunk(j))
