@@ -4,10 +4,12 @@ cold engine (issue 16), each against Talaria's own mechanism, measured side by s
 What is measured (one process, CPU, float32, synthesized models; default tiny-llama, tiny-qwen2, tiny-qwen3)
 
 A. **TTFT of a cold model's first call**: two ``ColdEngine``s over the same catalog with D2D staging off (so
-   the called model is nowhere on the device: a host-only switch): ``load-all`` (phase 2 copies every chunk,
-   then prefill) and ``streaming`` (``partial_layers``: phase 2 copies the startup prefix k* chosen from the
-   measured copy and compute times, later layer groups stream through the transfer scheduler while the
-   prefill runs; each group waits for its own copy). For every repetition and every model, another model is
+   the called model is nowhere on the device: a host-only switch), both copying through the same transfer
+   scheduler: ``load-all`` (k* forced to every group: phase 2 copies every chunk, then prefill) and
+   ``streaming`` (``partial_layers``: phase 2 copies the startup prefix k* chosen from the measured copy and
+   compute times, later layer groups stream while the prefill runs; each group waits for its own copy).
+   ``--channel-mbps`` throttles that channel to emulate a link slower than host memcpy (an emulation, said
+   so in the output). For every repetition and every model, another model is
    made active first, then one call of ``--prompt`` tokens is sent; TTFT = first token − submission (wall,
    includes the switch). Outputs of both engines are checked identical.
 B. **SLO attainment, token deadlines vs rounds**: two ``SlottedColdEngine``s, the round/slot scheduler
@@ -32,11 +34,27 @@ from bench.stats import loadavg
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 
 
-def _engine(catalog, **kw):
+def _engine(catalog, stream: bool, channel_mbps: float | None):
+    """A cold engine whose every weight copy goes through one transfer scheduler; ``stream`` False forces
+    k* = all groups (load-all-then-run through the same channel), so the two configs differ only in k*.
+    ``channel_mbps`` throttles the channel to emulate a slower host->device link (emulation, not a device)."""
     from services.engine.cold import ColdEngine
+    from services.engine.streaming_swap import stream_copy
+    from services.engine.substrate.groups import layer_groups
+    from services.engine.substrate.transfer import TransferScheduler
 
-    return ColdEngine(catalog, page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
-                      staging=False, **kw)
+    def copy(p):
+        t0 = time.perf_counter()
+        stream_copy(p)
+        if channel_mbps:
+            nbytes = p[0].numel() * p[0].element_size()
+            time.sleep(max(0.0, nbytes / (channel_mbps * 1e6) - (time.perf_counter() - t0)))
+
+    ce = ColdEngine(catalog, page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
+                    staging=False, partial_layers=True, transfer=TransferScheduler(copy_fn=copy))
+    if not stream:
+        ce.streamer.plan_k = lambda m: len(layer_groups(ce.bank[m]))
+    return ce
 
 
 def _first_call_ttft(ce, model: str, other: str, prompt: list[int]) -> tuple[float, list[int], dict]:
@@ -58,12 +76,12 @@ def _first_call_ttft(ce, model: str, other: str, prompt: list[int]) -> tuple[flo
     return ttft, toks, {"switch_s": rec.total_seconds, "h2d_s": rec.h2d_seconds}
 
 
-def run_ttft(catalog, prompt_len: int, repeats: int, say=print) -> dict:
+def run_ttft(catalog, prompt_len: int, repeats: int, channel_mbps: float | None = None, say=print) -> dict:
     import random
 
     rng = random.Random(1)
     prompt = [rng.randrange(3, 500) for _ in range(prompt_len)]
-    engines = {"load-all": _engine(catalog), "streaming": _engine(catalog, partial_layers=True)}
+    engines = {"load-all": _engine(catalog, False, channel_mbps), "streaming": _engine(catalog, True, channel_mbps)}
     names = list(catalog)
     for ce in engines.values():  # warm-up: every model once (first-forward allocations, measured prefill cost)
         for m in names:
@@ -86,7 +104,7 @@ def run_ttft(catalog, prompt_len: int, repeats: int, say=print) -> dict:
         if ce.streamer is not None:
             ce.streamer.transfer.close()
     return {
-        "prompt_tokens": prompt_len, "repeats": repeats, "outputs_identical": outs["load-all"] == outs["streaming"],
+        "prompt_tokens": prompt_len, "repeats": repeats, "channel_mbps": channel_mbps, "outputs_identical": outs["load-all"] == outs["streaming"],
         "configs": {n: {"ttft_p50": median(v["ttft"]), "ttft_p95": percentile(v["ttft"], 95), "switch_p50": median(v["switch"]),
                         "samples": len(v["ttft"])} for n, v in rows.items()},
         "streaming": {"k": st.get("k"), "stall_s": st.get("stall_s"), "streams": st.get("streams"),
@@ -126,7 +144,8 @@ def run_slo(catalog, sessions: int, depth: int, ttft_s: float, tpot_s: float, se
 
 
 def run(models_dir=None, *, prompt: int = 384, repeats: int = 3, sessions: int = 6, depth: int = 3, ttft_s: float = 1.0,
-        tpot_s: float = 0.05, seed: int = 0, threads: int | None = 1, skip_slo: bool = False, say=print) -> dict:
+        tpot_s: float = 0.05, seed: int = 0, threads: int | None = 1, skip_slo: bool = False, channel_mbps: float | None = None,
+        say=print) -> dict:
     import torch
 
     if threads:
@@ -135,7 +154,7 @@ def run(models_dir=None, *, prompt: int = 384, repeats: int = 3, sessions: int =
     catalog = {m: root / m for m in MODELS}
     load0 = loadavg()
     out = {"models": list(MODELS), "threads": threads, "loadavg_before": load0}
-    out["ttft"] = run_ttft(catalog, prompt, repeats, say)
+    out["ttft"] = run_ttft(catalog, prompt, repeats, channel_mbps, say)
     out["loadavg_mid"] = loadavg()
     if not skip_slo:
         out["slo"] = run_slo(catalog, sessions, depth, ttft_s, tpot_s, seed, say)
@@ -148,7 +167,8 @@ def render(res: dict) -> str:
     rows = [[n, c["ttft_p50"], c["ttft_p95"], c["switch_p50"], c["samples"]] for n, c in t["configs"].items()]
     base = t["configs"]["load-all"]["ttft_p50"]
     lines = [
-        f"A. cold model's first call, {t['prompt_tokens']}-token prompt, host-only switch (staging off); "
+        f"A. cold model's first call, {t['prompt_tokens']}-token prompt, host-only switch (staging off), channel "
+        f"{str(t.get('channel_mbps')) + ' MB/s (emulated)' if t.get('channel_mbps') else 'unthrottled memcpy'}; "
         f"outputs identical: {t['outputs_identical']}",
         format_table(["config", "TTFT p50 s", "TTFT p95 s", "switch p50 s", "samples"], rows),
         f"streaming / load-all TTFT p50: {t['configs']['streaming']['ttft_p50'] / base:.3f}; k*: {t['streaming']['k']}; "
@@ -177,12 +197,14 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--skip-slo", action="store_true", help="only part A")
+    p.add_argument("--channel-mbps", type=float, help="part A: throttle the host->device channel to this many MB/s (emulates a link slower than memcpy)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
 
 def main(args) -> int:
     res = run(args.models_dir, prompt=args.prompt, repeats=args.repeats, sessions=args.sessions, depth=args.depth,
-              ttft_s=args.ttft, tpot_s=args.tpot, seed=args.seed, threads=args.threads, skip_slo=args.skip_slo)
+              ttft_s=args.ttft, tpot_s=args.tpot, seed=args.seed, threads=args.threads, skip_slo=args.skip_slo,
+              channel_mbps=args.channel_mbps)
     print()
     print(render(res))
     if args.json:
