@@ -9,7 +9,10 @@ one that reads the engine for it and executes its plans:
   active model (recovery: restore from the host KV store when its tier holds the session — measured restore
   seconds per token — else recompute, measured prefill seconds per token) and the layer groups of every
   inactive model (``substrate/groups.py``; size = the staging slots their chunks take; recovery = their bytes
-  at the measured host→device rate of past switches). Expected reuses come from ``ReuseSignals``.
+  at the measured host→device rate of past switches). With streaming hot-swap (``partial_layers``) only the
+  startup prefix k* (measured, ``streaming_swap``) has a recovery cost: later groups stream in behind the
+  first prefill, so a cold model keeps only its startup prefix (JointServe §3-4, partial residency).
+  Expected reuses come from ``ReuseSignals``.
 * **carry out** — weights: ``MemorySubstrate.stage_plan`` keeps staged exactly the planned layer-group
   prefixes of inactive models (releases the rest, stages what is missing, a few chunks per step); KV: session
   prefixes outside the target are dropped from the device session cache (``release``; a prefix the host
@@ -49,19 +52,21 @@ class ResidencyDriver:
         self._last_switch_seq = 0
         self.released_sessions = 0
         self._seen_calls: set[str] = set()
+        self.prompt_tokens: dict[str, Ewma] = {}  # per model: prompt length of its calls (the first prefill after a switch)
 
     # ------------------------------------------------------------------ signals and measurements
     def observe(self, ce, now: float) -> None:
         """New calls and switch records feed the reuse signals and the measured H2D rate."""
-        calls = [(r.request_id, r.model, r.session_id) for q in ce._queues.values() for r in q]
+        calls = [(r.request_id, r.model, r.session_id, len(r.prompt_token_ids)) for q in ce._queues.values() for r in q]
         eng = ce.shell(ce.active) if ce.active is not None else None
         if eng is not None:  # calls handed to the active shell at once never wait in a queue
-            calls += [(s.request_id, ce.active, s.session_id) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
+            calls += [(s.request_id, ce.active, s.session_id, s.num_prompt_tokens) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
         live = set()
-        for rid, model, session in calls:
+        for rid, model, session, n in calls:
             live.add(rid)
             if rid not in self._seen_calls:
                 self.signals.observe_call(model, session, now)
+                self.prompt_tokens.setdefault(model, Ewma(float(n))).add(float(n))
         self._seen_calls = live  # a call is counted once, while it waits or runs
         for rec in list(ce.switch_records):
             if rec.seq > self._last_switch_seq:
@@ -81,7 +86,7 @@ class ResidencyDriver:
         sch = eng.scheduler
         running_pages = sum(len(s.pages) for s in sch.running)
         queued_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in ce._queues.get(a, ()))
-        queued_tokens += sum(len(s.prompt_token_ids) + s.sampling.max_tokens for s in sch.waiting)
+        queued_tokens += sum(s.num_tokens + s.sampling.max_tokens for s in sch.waiting)
         need = running_pages + -(-queued_tokens // ce.page_size)
         objs = [ResidencyObject("kv", a, need * pb, 0.0, 1.0, resident=True, protected=True, session="<in-flight>")]
         objs += self._session_objects(ce, eng, a, pb, now)
@@ -121,10 +126,25 @@ class ResidencyDriver:
             e = ce.bank[m]
             reuse = self.signals.model_reuse(m, queued.get(m, 0), ce.requested == m, now)
             clean = area.clean(m)
+            k = self._startup_prefix(ce, m)
             for g in layer_groups(e, self.layers_per_group):
-                out.append(ResidencyObject("weights", m, len(g.chunks) * slot_bytes, g.nbytes / rate, reuse, group=g.index,
-                                           resident=all(j in clean for j in g.chunks)))
+                # with streaming hot-swap only the startup prefix is worth keeping: later groups stream in behind
+                # the first prefill (k* is chosen so they never stall it), so evicting them costs no recovery
+                rec, path = (g.nbytes / rate, "reload") if g.index < k else (0.0, "stream")
+                out.append(ResidencyObject("weights", m, len(g.chunks) * slot_bytes, rec, reuse, group=g.index,
+                                           resident=all(j in clean for j in g.chunks), recovery_path=path))
         return out
+
+    def _startup_prefix(self, ce, model: str) -> int:
+        """Groups whose loss is on the first-token path: all without streaming; k* (measured) with it."""
+        st = getattr(ce, "streamer", None)
+        n = len(layer_groups(ce.bank[model], self.layers_per_group))
+        if st is None or st.layers_per_group != self.layers_per_group:
+            return n
+        tokens = sum(len(r.prompt_token_ids) for r in ce._queues.get(model, ()))  # its waiting calls, else history
+        if not tokens and model in self.prompt_tokens:
+            tokens = int(self.prompt_tokens[model].value)
+        return st.k_for(model, tokens) if tokens else n
 
     # ------------------------------------------------------------------ plan and carry out
     def step(self, ce, now: float) -> bool:

@@ -129,12 +129,17 @@ class HotSwapStreamer:
 
     # ------------------------------------------------------------------ the decision inputs (measured)
     def plan_k(self, model: str) -> int:
+        return self.k_for(model, self.expected_tokens(model))
+
+    def k_for(self, model: str, tokens: int) -> int:
+        """k* of ``model`` for a first prefill of ``tokens`` tokens, from the measured channel rate, the
+        model's measured per-group compute shares and its measured prefill seconds per token."""
         e = self.bank[model]
         groups = layer_groups(e, self.layers_per_group)
         rate = max(self.transfer.rate.value, 1.0)
         copy = [g.nbytes / rate for g in groups]
         shares = self.shares.get(model) or [1.0 / len(groups)] * len(groups)
-        fwd = self.prefill_per_token(model) * max(self.expected_tokens(model), 1)
+        fwd = self.prefill_per_token(model) * max(tokens, 1)
         return startup_prefix(copy, [s * fwd for s in shares])
 
     # ------------------------------------------------------------------ substrate hooks (phase 2)

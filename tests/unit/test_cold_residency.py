@@ -125,3 +125,27 @@ def test_engine_config_switch_builds_the_driver():
 
     cfg = EngineConfig(id="c", pool="cold", models=["a", "b"], unified_residency=True, partial_layers=True)
     assert cfg.unified_residency and cfg.partial_layers and not EngineConfig(id="c", pool="cold", models=["a"]).unified_residency
+
+
+def test_with_streaming_a_cold_model_keeps_only_its_startup_prefix(synth_models):
+    """partial_layers + unified_residency: groups past k* stream in behind the first prefill, so the plan gives
+    them no recovery value and keeps (stages) only the startup prefix."""
+    drv = ResidencyDriver(every_steps=1, chunks_per_step=64)
+    ce = ColdEngine({m: synth_models[m] for m in MODELS}, clock=StepClock(), page_size=PAGE, kv_cache_bytes=24 << 20,
+                    chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, residency=drv, partial_layers=True)
+    try:
+        a, b, _ = MODELS
+        asked = []
+        ce.streamer.k_for = lambda m, tokens: asked.append((m, tokens)) or 2  # the measured k* (here fixed)
+        ce.add_request(EngineRequest("b1", [5, 6, 7, 8, 9], GREEDY, model=b))
+        ce._drain_intake()
+        ce._stage()
+        p = drv.plan
+        assert (b, 5) in asked and p.weight_prefix(b) == 2
+        why = {c.key: (c.why, c.recovery_path) for c in p.choices}
+        assert why[("weights", b, 2)] == ("no_value", "stream") and why[("weights", b, 1)] == ("selected", "reload")
+        ce.substrate.area.poll(wait=True)
+        staged = {(ch.model, ch.index) for ch in ce.substrate.area.chunks.values() if ch.state is ChunkState.CLEAN}
+        assert staged == {(b, j) for g in layer_groups(ce.bank[b])[:2] for j in g.chunks}
+    finally:
+        ce.streamer.transfer.close()
