@@ -169,3 +169,15 @@ def test_token_deadline_mode_matches_and_reports_attainment(synth_models, specs,
     assert total.first_tokens + total.tokens == n_tokens and sum(total.gap_counts) == total.tokens
     st = ce.stats()["slots"]
     assert st["mode"] == "token_deadlines" and 0.0 <= st["token_deadlines"]["attainment"] <= 1.0
+
+
+def test_per_call_deadline_hints_override_the_configured_targets(synth_models):
+    """issue 16: GenerateRequest.ttft_target_s / tpot_target_s reach the tracker (0 = the configured targets)."""
+    ce, clock = make(synth_models, SlotPolicy(ttft_s=100.0, tpot_s=100.0, token_deadlines=True))
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ce.add_request(EngineRequest("tight", [5, 6, 7], sp, arrival_time=clock.t, model=MODELS[1], ttft_target_s=1e-6))
+    ce.add_request(EngineRequest("loose", [5, 6, 7], sp, arrival_time=clock.t, model=MODELS[1]))
+    while ce.has_unfinished():
+        ce.step()
+    t = ce.deadlines.totals()
+    assert (t.first_tokens, t.first_on_time) == (2, 1)  # only the hinted call missed its first token
