@@ -244,6 +244,8 @@ class ColdEngine:
         else:
             hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
+        if self.streamer is not None:  # issue 16: restores share the one transfer scheduler (κ-floor)
+            hk.channel = self.streamer.transfer
 
     def _drain_host_kv(self, model: str) -> None:
         sh = self._shells.get(model)

@@ -195,7 +195,11 @@ class HotSwapStreamer:
 
 
 def stream_copy(payload) -> None:
-    """The transfer scheduler's copy of a stream/stage chunk: ``(dst, src, log, model, group)`` or ``(dst, src)``."""
+    """The transfer scheduler's copy of a stream/stage chunk: ``(dst, src, log, model, group)`` or ``(dst, src)``,
+    or a callable (a KV restore's per-layer scatter)."""
+    if callable(payload):
+        payload()
+        return
     dst, src = payload[0], payload[1]
     dst.copy_(src)
     if len(payload) > 2 and payload[2] is not None:

@@ -140,6 +140,9 @@ def instance_snapshot(cfg: EngineConfig, st: dict, switches: list, *, epoch: int
             snap.ttft_attainment = float(dl.get("ttft_attainment", 1.0))
             snap.gap_p99_s = float(dl.get("gap_p99_s", 0.0))
             snap.cold_scheduler = str(slots.get("mode", "rounds"))
+        by_class = (st.get("streaming") or {}).get("bytes_by_class") or {}
+        snap.transfer_stream_bytes = int(by_class.get("STREAM", 0))
+        snap.transfer_kv_bytes = int(by_class.get("KV", 0))
     else:
         snap.models.append(
             pb.ModelState(model=model, loaded=True, active=True, max_context=st.get("max_context", 0), num_running=snap.num_running, num_waiting=snap.num_waiting)

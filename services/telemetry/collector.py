@@ -248,6 +248,7 @@ class Collector:
                 self.instances[inst].update({
                     "cold_scheduler": s.cold_scheduler, "deadline_attainment": s.deadline_attainment,
                     "ttft_attainment": s.ttft_attainment, "gap_p99_s": s.gap_p99_s,
+                    "transfer_stream_bytes": s.transfer_stream_bytes, "transfer_kv_bytes": s.transfer_kv_bytes,
                 })
             if self.record_heartbeats:
                 self._write("heartbeat", now, _msg_dict(s))

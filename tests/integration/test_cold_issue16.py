@@ -49,3 +49,43 @@ async def test_all_three_switches_serve_and_report(stack):
         assert snap.cold_scheduler == "token_deadlines" and 0.0 <= snap.deadline_attainment <= 1.0
     finally:
         await nc.close()
+
+
+SYSTEM = "You are a coding agent working in a repository with many files. " * 6
+
+
+@pytest.fixture(scope="module")
+def kv_stack(models_dir):
+    cold = engine("c17", MODELS[0], pool="cold", models=MODELS, weight_chunk_kb=256, host_kv=True, partial_layers=True)
+    s = start_stack(stack_config(models_dir, [cold], kvstore={"enabled": True}))
+    yield s
+    s.stop()
+
+
+async def test_host_kv_restores_go_through_the_transfer_scheduler(kv_stack):
+    """partial_layers: a returning session's KV restore is a KV-class transfer on the same channel as the
+    streamed layer groups (κ-floor), and the restore still serves the return."""
+    s = kv_stack
+    client = client_for(s)
+    nc = await connect(s.nats_url, "test")
+    beats = await nc.subscribe(Subjects(s.cfg.namespace).heartbeat("c17"))
+    await nc.flush()
+
+    def call(model, msgs, session):
+        return client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True}, extra_headers={"X-Session-ID": session})
+
+    try:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Run the tests."}]
+        first = call(MODELS[0], msgs, "agent-1")
+        call(MODELS[1], [{"role": "user", "content": "hello"}], "agent-2")  # switch away: agent-1's KV leaves
+        msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "2 failed."}]
+        second = call(MODELS[0], msgs2, "agent-1")
+        assert second.usage.prompt_tokens_details.restored_tokens > 0
+        for _ in range(50):
+            snap = pb.InstanceSnapshot.FromString((await beats.next_msg(5)).data)
+            if snap.transfer_kv_bytes > 0:
+                break
+        assert snap.transfer_kv_bytes > 0 and snap.transfer_stream_bytes + snap.transfer_kv_bytes > 0
+    finally:
+        await nc.close()

@@ -144,7 +144,7 @@ class TransferScheduler:
 
     def __init__(self, queue: TransferQueue | None = None, copy_fn: Callable[[object], None] | None = None) -> None:
         self.queue = queue or TransferQueue()
-        self.copy_fn = copy_fn or (lambda p: p[0].copy_(p[1]))
+        self.copy_fn = copy_fn or (lambda p: p() if callable(p) else p[0].copy_(p[1]))
         self.rate = Ewma(2e9)  # measured bytes/s of the channel
         self.stats = ChannelStats()
         self._cv = threading.Condition()
@@ -162,6 +162,10 @@ class TransferScheduler:
                 self.queue.submit(cls, chunks, ticket, label)
                 self._cv.notify_all()
         return ticket
+
+    def submit_kv(self, chunks: list[tuple[int, object]]) -> TransferTicket:
+        """A live session's KV restore (class ``KV``: protected by the κ-floor)."""
+        return self.submit(TrafficClass.KV, chunks, "kv_restore")
 
     def _run(self) -> None:
         while True:
