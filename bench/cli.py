@@ -119,6 +119,12 @@ def add_cli(subparsers) -> None:
     sp.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     sp.set_defaults(fn=lambda a: __import__("bench.sp_bench", fromlist=["main"]).main(a))
 
+    from bench.coldpool_bench import add_args as _coldpool_args
+
+    cp = bs.add_parser("coldpool", help="issue 16 on a real cold engine: streaming hot-swap vs load-all (cold first-call TTFT), token deadlines vs rounds (SLO attainment)")
+    _coldpool_args(cp)
+    cp.set_defaults(fn=lambda a: __import__("bench.coldpool_bench", fromlist=["main"]).main(a))
+
     # issue 8: fixed replay and the configuration matrix
     from bench.matrix import add_args as _matrix_args
     from bench.replay import add_args as _replay_args

@@ -65,6 +65,12 @@ CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
     MatrixConfig("SP-ungated", {"engines[].sp_gain_check": False},
                  "as Talaria, but SP admits by budget alone (no benefit-vs-harm check, issue 12): shows what the check buys"),
+    # issue 16: the other seed systems' mechanisms added to Talaria's, alone and together
+    MatrixConfig("+token-deadlines", {"engines[].token_deadlines": True}, "as Talaria, cold pools schedule by per-token deadlines (Aegaeon) instead of rounds"),
+    MatrixConfig("+unified-residency", {"engines[].unified_residency": True}, "as Talaria, one device budget for staged layer groups and session KV (JointServe §3)"),
+    MatrixConfig("+partial-layers", {"engines[].partial_layers": True}, "as Talaria, streaming hot-swap of later layer groups (JointServe §4.4)"),
+    MatrixConfig("+JointServe+Aegaeon", {"engines[].token_deadlines": True, "engines[].unified_residency": True, "engines[].partial_layers": True},
+                 "as Talaria with all three issue-16 mechanisms"),
     MatrixConfig("Round-only", dict(OFF), "SP, HKVR and D2D staging all off, full session-aware router: the controlled all-off baseline", "baseline"),
     MatrixConfig("Round-only+LP", {**OFF, "router.placement.policy": "least-pressure"},
                  "SP, HKVR and D2D staging all off, each call to the least-loaded instance: a request-level system (the paper's baseline)", "baseline"),

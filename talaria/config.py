@@ -72,6 +72,10 @@ class EngineConfig(_Strict):
     slot_ttft_s: float = Field(2.0, gt=0, description="cold: T_TTFT target; rounds are bounded by slot_gamma * slot_ttft_s (Eq. 5)")
     slot_tpot_s: float = Field(0.1, gt=0, description="cold: T_TPOT target for protected decode (Eq. 4)")
     slot_gamma: float = Field(0.8, gt=0, lt=1, description="cold: round-bound admission margin gamma < 1")
+    # issue 16 ablation switches (JointServe §3-4, Aegaeon); all off = Talaria's own cold pool
+    token_deadlines: bool = Field(False, description="cold: schedule at token granularity against per-token deadlines (slot_ttft_s first token, slot_tpot_s later tokens; services/engine/slots/deadlines.py) instead of rounds")
+    unified_residency: bool = Field(False, description="cold: one device budget for weight layer groups and session KV prefixes, chosen by recovery work avoided (services/engine/residency.py)")
+    partial_layers: bool = Field(False, description="cold: keep a startup prefix of layer groups resident and stream the rest during prefill (JointServe §4.4)")
 
     @field_validator("id")
     @classmethod

@@ -153,6 +153,10 @@ class SlotStats:
     round_remaining_s: float
     infeasible: tuple[str, ...]
     rounds: int = 0
+    mode: str = "rounds"  # "rounds" | "token_deadlines" (issue 16): the cold-pool scheduler in force
+    attainment: float = 1.0  # per-token deadlines met since the epoch began (tracked in both modes)
+    ttft_attainment: float = 1.0  # first tokens within their TTFT target
+    gap_p99_s: float = 0.0  # p99 inter-token gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,8 @@ class EngineStats:
     staging_slack_bytes: int = 0
     num_switches: int = 0
     slots: SlotStats | None = None
+    transfer_stream_bytes: int = 0  # issue 16 partial_layers: bytes the transfer scheduler streamed (weights)
+    transfer_kv_bytes: int = 0  # ... and moved for KV restores under the kappa floor
 
     @property
     def kv_usage(self) -> float:

@@ -81,6 +81,8 @@ class ColdEngine:
         clock: Callable[[], float] = time.monotonic,
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
+        residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
+        partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -96,6 +98,7 @@ class ColdEngine:
         self.rule = rule or IdleSwitchRule()
         self.costs = SwitchCostModel()
         self.staging_chunks_per_step = staging_chunks_per_step
+        self.residency = residency
         self.bank = WeightBank(chunk_bytes)
         self._info: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -107,6 +110,7 @@ class ColdEngine:
         self.substrate = MemorySubstrate(self.arena, self.bank, page_size=page_size, staging=staging, staging_max_fraction=staging_max_fraction)
         # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
         self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
+        self.streamer = self._make_streamer(transfer) if partial_layers else None  # issue 16: streaming hot-swap
         self.protocol = SwitchProtocol(self.substrate, self, before_kv_release=())
         self.protocol.before_kv_release = self.before_kv_release  # the same list: callers may append later
         self._shells: dict[str, _Shell] = {}
@@ -136,6 +140,26 @@ class ColdEngine:
         with self._step_lock:
             self._switch(first, "initial")
             self._refresh_gauges()
+
+    def _make_streamer(self, transfer):
+        """Partial-layer residency (JointServe §4.4): every copy goes through one transfer scheduler; a switch
+        copies a startup prefix of layer groups and streams the rest during the first prefill
+        (streaming_swap.py). Mutates: the substrate's copier and streamer, the switch barriers."""
+        from services.engine.streaming_swap import HotSwapStreamer, stream_copy
+        from services.engine.substrate.transfer import ScheduledCopier, TransferScheduler
+
+        tr = transfer or TransferScheduler(copy_fn=stream_copy)
+        self.substrate.copier = ScheduledCopier(tr, self.device)
+        st = HotSwapStreamer(self.bank, self.arena.bytes, tr, prefill_per_token=self._prefill_per_token,
+                             expected_tokens=lambda m: sum(len(r.prompt_token_ids) for r in self._queues.get(m, ())))
+        self.substrate.streamer = st
+        self.before_kv_release.append(st.wait)
+        return st
+
+    def _prefill_per_token(self, model: str) -> float:
+        sh = self._shells.get(model)
+        v = sh.engine.stats().profile.prefill_per_token if sh is not None else None
+        return v or 1e-4  # prior until the model's shell measured a prefill
 
     # ------------------------------------------------------------------ catalog (open / close)
     def _load_bank(self, model: str):
@@ -223,6 +247,8 @@ class ColdEngine:
         else:
             hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
+        if self.streamer is not None:  # issue 16: restores share the one transfer scheduler (κ-floor)
+            hk.channel = self.streamer.transfer
 
     def _drain_host_kv(self, model: str) -> None:
         sh = self._shells.get(model)
@@ -346,6 +372,12 @@ class ColdEngine:
 
     # ------------------------------------------------------------------ staging
     def _stage(self) -> None:
+        if self.streamer is not None and self.streamer.gate is not None and not self.streamer.gate.done():
+            self._staging_busy = True  # the channel is streaming the active model's groups: no prefetch now
+            return
+        if self.residency is not None:  # issue 16: a unified residency plan decides what stays staged
+            self._staging_busy = self.residency.step(self, self.clock())
+            return
         target = predict_next(self._view(), self.clock())
         if target is not None:
             self.substrate.stage(target, self.staging_chunks_per_step)
@@ -357,6 +389,8 @@ class ColdEngine:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
         rec = self.protocol.run(src, target, reason)
+        if self.streamer is not None:  # later layer groups are still streaming: gate the forward on them
+            self.streamer.attach(target, self._shells[target].engine.model)
         if src is not None:
             self.previous = src
         if self.requested == target:
@@ -478,6 +512,7 @@ class ColdEngine:
         prof = st.profile if st is not None else CostStats()
         hk_active = self._host_kv.get(active) if active is not None else None
         rpt = hk_active.restore_per_token.value if hk_active is not None else prof.restore_per_token
+        tb = (self.streamer.snapshot().get("bytes_by_class") or {}) if self.streamer is not None else {}
         return EngineStats(
             model_id=active or "", num_running=running, num_waiting=queued + (st.num_waiting if st is not None else 0),
             num_unfinished=unfinished, kv_pages_total=st.kv_pages_total if st else 0, kv_pages_free=st.kv_pages_free if st else 0,
@@ -487,7 +522,7 @@ class ColdEngine:
             max_context=st.max_context if st else 0, models=models, sessions=tuple(sessions),
             profile=CostStats(prof.prefill_per_token, prof.decode_step, rpt, self.costs.by_path),
             host_kv=bool(self._host_kv), staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
-            slots=self._slot_stats(),
+            slots=self._slot_stats(), transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
         )
 
     def session_info(self, session_id: str) -> SessionInfo | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +123,10 @@ def validate_request(req: EngineRequest, max_context: int, vocab_size: int) -> N
         raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
     if any(not 0 <= t < vocab_size for t, _ in sp.logit_bias):
         raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary (size {vocab_size})", "logit_bias")
+    for name in ("ttft_target_s", "tpot_target_s"):  # issue 16: per-call token deadline hints (0 = configured)
+        v = getattr(req, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 3600.0):
+            raise InvalidRequestError(f"{name} must be a number of seconds within [0, 3600], got {v!r}", name)
 
 
 @dataclass(slots=True)

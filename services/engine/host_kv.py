@@ -169,6 +169,7 @@ class HostKV:
         self.staging_pages = staging_bytes // self.page_bytes
         self.retry_after_s = retry_after_s
         self.restore_per_token = Ewma(restore_per_token_prior)
+        self.channel = None  # issue 16: a transfer scheduler the restore copies go through (see _scatter)
         self.restore_overhead = Ewma(0.0)
         self.prefill_prior = prefill_per_token_prior
         self.index = StoreIndex()  # what the current store epoch holds (the KV manager's HostIndex port)
@@ -365,15 +366,25 @@ class HostKV:
             torch.cuda.current_stream().synchronize()
 
     def _scatter(self, pages: list[int]) -> None:
-        """Restore staging -> device pool pages."""
+        """Restore staging -> device pool pages. With a ``channel`` (issue 16: the cold engine's transfer
+        scheduler under ``partial_layers``) each layer's copy is a chunk of one ``KV`` transfer, so a weight
+        stream cannot starve it (κ-floor); this thread waits for it."""
         kvc = self.engine.kv_cache
         src = self._pages_view(self._restore_buf, len(pages))
         dev = kvc.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        with torch.inference_mode():
-            for l in range(len(kvc.k)):
+
+        def layer(l: int) -> None:
+            with torch.inference_mode():
                 self._pool_pages(kvc.k[l]).index_copy_(0, idx, src[:, 0, l].to(dev, non_blocking=True))
                 self._pool_pages(kvc.v[l]).index_copy_(0, idx, src[:, 1, l].to(dev, non_blocking=True))
+
+        if self.channel is not None:
+            per_layer = 2 * len(pages) * self.page_bytes // max(2 * len(kvc.k), 1)
+            self.channel.submit_kv([(per_layer, (lambda l=l: layer(l))) for l in range(len(kvc.k))]).sync()
+        else:
+            for l in range(len(kvc.k)):
+                layer(l)
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

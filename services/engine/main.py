@@ -58,6 +58,10 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         from services.engine.slotted import SlottedColdEngine, policy_from_config
 
         cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
+    if cfg.unified_residency:  # issue 16: one device budget for staged layer groups and session KV prefixes
+        from services.engine.cold_residency import ResidencyDriver
+
+        extra["residency"] = ResidencyDriver(chunks_per_step=cfg.staging_chunks_per_step)
     catalog = {}
     for m in cfg.models:
         path = stack.model_path(m)
@@ -83,6 +87,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         session_cache_entries=cfg.session_cache_entries,
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,
+        partial_layers=cfg.partial_layers,
     )
 
 

@@ -367,7 +367,8 @@ class EngineService:
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant))
+            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant,
+                                                  ttft_target_s=req.ttft_target_s, tpot_target_s=req.tpot_target_s))
         except ExecutorError as e:  # validation happens here, once (executor.validate_request)
             self._calls.pop(rid, None)
             if call.span is not None:

@@ -22,13 +22,23 @@ from services.engine.cold import ColdEngine
 from services.engine.types import EngineRequest, RequestOutput
 
 from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
+from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
 
 
 class SlottedColdEngine(ColdEngine):
     def __init__(self, catalog, *, policy: SlotPolicy | None = None, costs: CostModel | None = None, **kw: Any) -> None:
         pol = policy or SlotPolicy()
         kw.setdefault("staging", pol.d2d_staging)
-        self.slots = SlotScheduler(pol, costs or CostModel(CostProfile()))
+        # per-token deadlines are tracked in both modes (attainment and gap distribution in every round
+        # summary); with ``token_deadlines`` they also drive the schedule (Aegaeon, slots/deadlines.py)
+        self.deadlines = DeadlineTracker(DeadlineTargets(pol.ttft_s, pol.tpot_s))
+        cm = costs or CostModel(CostProfile())
+        if pol.token_deadlines:
+            dp = DeadlinePolicy(pol.ttft_s, pol.tpot_s, d2d_staging=pol.d2d_staging, host_kv=pol.host_kv)
+            self.slots = DeadlineScheduler(dp, cm, self.deadlines)
+        else:
+            self.slots = SlotScheduler(pol, cm)
+            self.slots.tracker = self.deadlines
         self.last_decision: Decision | None = None
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
@@ -52,7 +62,10 @@ class SlottedColdEngine(ColdEngine):
         eng = self.shell(self.active) if self.active is not None else None
         models = []
         free_tokens = None
+        now = self.clock()
         for m in self.loaded:
+            for r in self._queues.get(m, ()):
+                self.deadlines.arrive(r.request_id, m, r.arrival_time or now, self._targets(r))
             queued = tuple(self._call_view(r, eng) for r in self._queues.get(m, ()))
             if m == self.active and eng is not None:
                 sch = eng.scheduler
@@ -95,8 +108,16 @@ class SlottedColdEngine(ColdEngine):
     def _step_shell(self, eng) -> list[RequestOutput]:
         return self._timed_step(eng)
 
+    def _targets(self, req: EngineRequest) -> DeadlineTargets | None:
+        """The call's token deadlines: its per-call hints (validated at intake) over the configured targets."""
+        if not (req.ttft_target_s or req.tpot_target_s):
+            return None
+        d = self.deadlines.default
+        return DeadlineTargets(req.ttft_target_s or d.ttft_s, req.tpot_target_s or d.tpot_s)
+
     def _finished(self, out: RequestOutput) -> None:
         super()._finished(out)
+        self.deadlines.finish(out.request_id)
         ms = self._req_session.pop(out.request_id, None)
         if ms is not None:
             self._served_sessions.add(ms)
@@ -104,7 +125,9 @@ class SlottedColdEngine(ColdEngine):
     def _refresh_gauges(self) -> None:
         super()._refresh_gauges()
         st = self.slots.status(self.clock())  # the pure policy is not thread-safe: read at step boundaries
-        self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]), int(st["rounds"]))
+        dl = self.deadlines.totals()  # per-token deadlines, scored in both modes (issue 16)
+        self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]),
+                                    int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s)
 
     def _slot_stats(self) -> SlotStats | None:
         return self._slots_now
@@ -117,7 +140,11 @@ class SlottedColdEngine(ColdEngine):
         before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
         t0 = self.clock()  # durations on the policy's time base (the injected clock)
         outs = eng.step()
-        dt = self.clock() - t0
+        t1 = self.clock()
+        dt = t1 - t0
+        for o in outs:
+            if o.new_token_ids:
+                self.deadlines.emit(o.request_id, len(o.new_token_ids), t1)
         prefill, decodes = 0, 0
         for s in eng.scheduler.running:
             delta = s.num_computed_tokens - before.get(s.request_id, 0)
@@ -146,5 +173,5 @@ def policy_from_config(cfg) -> SlotPolicy:
     simulator's model of one, ``talaria/sim/cluster.py``.)"""
     return SlotPolicy(
         ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
-        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check,
+        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, token_deadlines=cfg.token_deadlines,
     )

@@ -60,6 +60,9 @@ class EngineRequest:
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
     tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
+    # issue 16: per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
+    ttft_target_s: float = 0.0
+    tpot_target_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
+import math
 import time
 
 SCHEMA_VERSION = 1
@@ -82,6 +83,18 @@ def round_summary(r, instance_id: str) -> pb.RoundSummary:
         sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
         switch_paths=[str(x) for x in r.switch_paths], flags=dict(r.flags), num_slots=len(r.slots),
         sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
+        token_deadlines=token_deadline_stats(r.deadlines), cold_scheduler="token_deadlines" if r.flags.get("token_deadlines") else "rounds",
+    )
+
+
+def token_deadline_stats(st) -> pb.TokenDeadlineStats | None:
+    """A ``slots.deadlines.DeadlineStats`` as its wire message (None stays unset); +inf bucket bound -> 0."""
+    if st is None:
+        return None
+    return pb.TokenDeadlineStats(
+        tokens=st.tokens, tokens_on_time=st.tokens_on_time, first_tokens=st.first_tokens, first_on_time=st.first_on_time,
+        gap_p50_s=st.gap_p50_s, gap_p90_s=st.gap_p90_s, gap_p99_s=st.gap_p99_s, gap_max_s=st.gap_max_s,
+        gap_bucket_le_s=[b if math.isfinite(b) else 0.0 for b in st.gap_buckets_s], gap_bucket_count=list(st.gap_counts),
     )
 
 
@@ -110,6 +123,12 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
             snap.round_remaining_s = st.slots.round_remaining_s
             snap.infeasible.extend(st.slots.infeasible)
             snap.rounds = rounds
+            snap.deadline_attainment = st.slots.attainment
+            snap.ttft_attainment = st.slots.ttft_attainment
+            snap.gap_p99_s = st.slots.gap_p99_s
+            snap.cold_scheduler = st.slots.mode
+        snap.transfer_stream_bytes = st.transfer_stream_bytes
+        snap.transfer_kv_bytes = st.transfer_kv_bytes
     model = cfg.models[0]
     for s in st.sessions:  # device, then host (restorable from the kvstore) / missing (the store restarted or is unreachable)
         snap.sessions.append(pb.SessionState(

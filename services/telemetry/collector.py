@@ -225,6 +225,12 @@ class Collector:
                 "draining": s.draining,
                 "models": [x.model for x in s.models if x.active],
             }
+            if s.cold_scheduler:  # issue 16: per-token deadline attainment since the engine epoch began
+                self.instances[inst].update({
+                    "cold_scheduler": s.cold_scheduler, "deadline_attainment": s.deadline_attainment,
+                    "ttft_attainment": s.ttft_attainment, "gap_p99_s": s.gap_p99_s,
+                    "transfer_stream_bytes": s.transfer_stream_bytes, "transfer_kv_bytes": s.transfer_kv_bytes,
+                })
             if self.record_heartbeats:
                 self._write("heartbeat", now, _msg_dict(s))
         for rec in s.switches:  # switch records embedded in the snapshot (issue 3)
@@ -339,6 +345,12 @@ class Collector:
             wall = _num(d, "wall_s")
             if wall:
                 m.round_wall.labels(inst).observe(wall)
+            td = d.get("token_deadlines")
+            if isinstance(td, dict) and (_num(td, "tokens") or _num(td, "first_tokens")):  # issue 16
+                for token, n, ok in (("first", "first_tokens", "first_on_time"), ("later", "tokens", "tokens_on_time")):
+                    m.deadline_tokens.labels(inst, token, "true").inc(_num(td, ok))
+                    m.deadline_tokens.labels(inst, token, "false").inc(max(0.0, _num(td, n) - _num(td, ok)))
+                m.gap_p99.labels(inst).set(_num(td, "gap_p99_s"))
             # A round's host hits are not counted into kv_hits: every call's hook already reports its own
             # restored tokens (counting both would count a host hit twice). They stay in the records file.
             self._write("round", now, d)

@@ -54,6 +54,8 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_lease_expiries", "counter", (), "CallRecord.lease == expired", "returning calls that found their lease expired"),
     MetricDoc("talaria_placements", "counter", ("reason",), "CallRecord (start)", "placement decisions by reason"),
     MetricDoc("talaria_deadline_risk_events", "counter", ("instance",), "RoundSummary.deadline_risk", "rounds that reported deadline risk"),
+    MetricDoc("talaria_token_deadline_tokens", "counter", ("instance", "token", "on_time"), "RoundSummary.token_deadlines (issue 16)", "tokens scored against per-token deadlines (token=first|later; on_time=true|false)"),
+    MetricDoc("talaria_inter_token_gap_p99_seconds", "gauge", ("instance",), "RoundSummary.token_deadlines.gap_p99_s (issue 16)", "p99 inter-token gap of the latest round"),
     MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records", "errors by kind"),
     MetricDoc("talaria_switches", "counter", ("instance", "path"), "SwitchRecord", "model switches"),
     MetricDoc("talaria_telemetry_records", "counter", ("kind",), "every record received", "records observed by this service"),
@@ -118,6 +120,8 @@ class Metrics:
         self.lease_expiries = counter("talaria_lease_expiries")
         self.placements = counter("talaria_placements")
         self.deadline_risk = counter("talaria_deadline_risk_events")
+        self.deadline_tokens = counter("talaria_token_deadline_tokens")
+        self.gap_p99 = gauge("talaria_inter_token_gap_p99_seconds")
         self.errors = counter("talaria_errors")
         self.switches = counter("talaria_switches")
         self.records = counter("talaria_telemetry_records")

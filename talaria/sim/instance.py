@@ -72,6 +72,8 @@ class SimInstance:
     def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
                  host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
                  decode_quantum: int = 1) -> None:
+        if policy.token_deadlines:  # issue 16: refused, not ignored (the engine has it; the simulator not yet)
+            raise ValueError("the simulator does not model token_deadlines (issue 16) yet; run it on the engine (talaria bench coldpool)")
         self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
         self.catalog = list(catalog)
         self.loaded: list[str] = list(loaded if loaded is not None else catalog)

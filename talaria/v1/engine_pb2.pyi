@@ -152,7 +152,7 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., json_schema: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json", "ttft_target_s", "tpot_target_s")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -192,7 +194,9 @@ class GenerateRequest(_message.Message):
     tenant: str
     resume_epoch: int
     tools_json: str
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    ttft_target_s: float
+    tpot_target_s: float
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -331,7 +335,7 @@ class CostProfile(_message.Message):
     def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_costs: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible")
+    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible", "deadline_attainment", "ttft_attainment", "gap_p99_s", "cold_scheduler", "transfer_stream_bytes", "transfer_kv_bytes")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +363,12 @@ class InstanceSnapshot(_message.Message):
     ROUND_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     INFEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    GAP_P99_S_FIELD_NUMBER: _ClassVar[int]
+    COLD_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_STREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     pool: Pool
@@ -386,7 +396,13 @@ class InstanceSnapshot(_message.Message):
     round_remaining_s: float
     rounds: int
     infeasible: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ..., deadline_risk: _Optional[bool] = ..., shortfall_s: _Optional[float] = ..., round_remaining_s: _Optional[float] = ..., rounds: _Optional[int] = ..., infeasible: _Optional[_Iterable[str]] = ...) -> None: ...
+    deadline_attainment: float
+    ttft_attainment: float
+    gap_p99_s: float
+    cold_scheduler: str
+    transfer_stream_bytes: int
+    transfer_kv_bytes: int
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ..., deadline_risk: _Optional[bool] = ..., shortfall_s: _Optional[float] = ..., round_remaining_s: _Optional[float] = ..., rounds: _Optional[int] = ..., infeasible: _Optional[_Iterable[str]] = ..., deadline_attainment: _Optional[float] = ..., ttft_attainment: _Optional[float] = ..., gap_p99_s: _Optional[float] = ..., cold_scheduler: _Optional[str] = ..., transfer_stream_bytes: _Optional[int] = ..., transfer_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class SwitchRecord(_message.Message):
     __slots__ = ("schema_version", "instance_id", "seq", "from_model", "to_model", "reason", "path", "started_unix", "total_seconds", "save_teardown_seconds", "open_weights_seconds", "restore_kv_shell_seconds", "restore_runtime_seconds", "publish_seconds", "weight_bytes", "staged_bytes", "host_bytes", "dirty_bytes", "d2d_seconds", "h2d_seconds", "kv_shell_reused", "runtime_reused")
@@ -459,7 +475,7 @@ class ControlReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., snapshot: _Optional[_Union[InstanceSnapshot, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots", "sp_deferred_reasons", "sp_benefit_s", "sp_harm_s")
+    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots", "sp_deferred_reasons", "sp_benefit_s", "sp_harm_s", "token_deadlines", "cold_scheduler")
     class PhaseSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +536,8 @@ class RoundSummary(_message.Message):
     SP_DEFERRED_REASONS_FIELD_NUMBER: _ClassVar[int]
     SP_BENEFIT_S_FIELD_NUMBER: _ClassVar[int]
     SP_HARM_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    COLD_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     index: int
@@ -545,4 +563,30 @@ class RoundSummary(_message.Message):
     sp_deferred_reasons: _containers.ScalarMap[str, int]
     sp_benefit_s: float
     sp_harm_s: float
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ..., sp_deferred_reasons: _Optional[_Mapping[str, int]] = ..., sp_benefit_s: _Optional[float] = ..., sp_harm_s: _Optional[float] = ...) -> None: ...
+    token_deadlines: TokenDeadlineStats
+    cold_scheduler: str
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ..., sp_deferred_reasons: _Optional[_Mapping[str, int]] = ..., sp_benefit_s: _Optional[float] = ..., sp_harm_s: _Optional[float] = ..., token_deadlines: _Optional[_Union[TokenDeadlineStats, _Mapping]] = ..., cold_scheduler: _Optional[str] = ...) -> None: ...
+
+class TokenDeadlineStats(_message.Message):
+    __slots__ = ("tokens", "tokens_on_time", "first_tokens", "first_on_time", "gap_p50_s", "gap_p90_s", "gap_p99_s", "gap_max_s", "gap_bucket_le_s", "gap_bucket_count")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ON_TIME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ON_TIME_FIELD_NUMBER: _ClassVar[int]
+    GAP_P50_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_P90_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_P99_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_BUCKET_LE_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    tokens_on_time: int
+    first_tokens: int
+    first_on_time: int
+    gap_p50_s: float
+    gap_p90_s: float
+    gap_p99_s: float
+    gap_max_s: float
+    gap_bucket_le_s: _containers.RepeatedScalarFieldContainer[float]
+    gap_bucket_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[int] = ..., tokens_on_time: _Optional[int] = ..., first_tokens: _Optional[int] = ..., first_on_time: _Optional[int] = ..., gap_p50_s: _Optional[float] = ..., gap_p90_s: _Optional[float] = ..., gap_p99_s: _Optional[float] = ..., gap_max_s: _Optional[float] = ..., gap_bucket_le_s: _Optional[_Iterable[float]] = ..., gap_bucket_count: _Optional[_Iterable[int]] = ...) -> None: ...

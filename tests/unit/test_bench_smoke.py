@@ -57,3 +57,21 @@ def test_router_bench_smoke(synth_models):
         assert math.isfinite(row["added_p50_ms"])
         assert row["output_agrees"], row  # greedy: every path must produce the same tokens/text
     assert "p50 / in-process" in render(res)
+
+
+def test_coldpool_bench_registered_and_renders():
+    """issue 16: ``talaria bench coldpool`` is registered; its table renders from a result dict."""
+    import argparse
+
+    from bench.cli import add_cli
+    from bench.coldpool_bench import render
+
+    p = argparse.ArgumentParser()
+    add_cli(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(["bench", "coldpool", "--repeats", "1", "--skip-slo"])
+    assert a.repeats == 1 and a.skip_slo
+    cfg = {"ttft_p50": 0.2, "ttft_p95": 0.3, "switch_p50": 0.1, "samples": 3}
+    res = {"ttft": {"prompt_tokens": 8, "outputs_identical": True, "configs": {"load-all": cfg, "streaming": dict(cfg, ttft_p50=0.1)},
+                    "streaming": {"k": {"m": 1}, "stall_s": 0.0, "streams": 1}},
+           "loadavg_before": [1.0], "loadavg_mid": [1.0], "loadavg_after": [1.0]}
+    assert "streaming / load-all TTFT p50: 0.500" in render(res)

@@ -369,3 +369,12 @@ def test_combine_repeats_report_and_json(tmp_path):
     assert "Medians over 3 repetitions" in md and "### Per repetition" in md and "median repetition" in md
     data = json.loads((tmp_path / "summary.json").read_text())
     assert len(data["repetitions"]) == 9 and data["rows"][0]["aggregate"]["ratios"]["sct_p50_vs_base"]["median"] == 0.75
+
+
+def test_matrix_has_the_issue_16_rows_and_they_are_available():
+    from bench.matrix import CONFIGS, availability
+
+    by = {c.name: c for c in CONFIGS}
+    for name in ("+token-deadlines", "+unified-residency", "+partial-layers", "+JointServe+Aegaeon"):
+        assert by[name].kind == "ablation" and availability(by[name]) is None
+    assert by["+JointServe+Aegaeon"].overrides == {"engines[].token_deadlines": True, "engines[].unified_residency": True, "engines[].partial_layers": True}

@@ -151,3 +151,32 @@ def test_ablation_switches_from_engine_config():
     assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}
     on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], slot_ttft_s=3.0, slot_gamma=0.5))
     assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True} and on.ttft_s == 3.0 and on.gamma == 0.5
+
+
+def test_token_deadline_mode_matches_and_reports_attainment(synth_models, specs, ref):
+    """issue 16: the Aegaeon-style token-deadline scheduler drives the same engine; outputs are identical and
+    every token is scored (rounds mode scores them too, so the two can be compared side by side)."""
+    ce, clock = make(synth_models, SlotPolicy(ttft_s=2.0, tpot_s=0.1, gamma=0.8, token_deadlines=True))
+    got, decisions = run_interleaved(ce, clock, specs)
+    assert got == ref
+    assert len(ce.switch_records) > 3 and ce.slots.totals["switches"] == len(ce.switch_records) - 1  # all EDF switches
+    assert {d.phase for d in decisions if d is not None} <= {Phase.P, Phase.D, Phase.DFIN, Phase.IDLE}
+    sums = ce.take_round_summaries()
+    assert sums and all(s.flags["token_deadlines"] and s.deadlines is not None for s in sums)
+    total = ce.deadlines.totals()
+    n_tokens = sum(len(t) for outs in ref.values() for t in outs)
+    assert total.first_tokens + total.tokens == n_tokens and sum(total.gap_counts) == total.tokens
+    st = ce.stats().slots
+    assert st.mode == "token_deadlines" and 0.0 <= st.attainment <= 1.0
+
+
+def test_per_call_deadline_hints_override_the_configured_targets(synth_models):
+    """issue 16: GenerateRequest.ttft_target_s / tpot_target_s reach the tracker (0 = the configured targets)."""
+    ce, clock = make(synth_models, SlotPolicy(ttft_s=100.0, tpot_s=100.0, token_deadlines=True))
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ce.add_request(EngineRequest("tight", [5, 6, 7], sp, arrival_time=clock.t, model=MODELS[1], ttft_target_s=1e-6))
+    ce.add_request(EngineRequest("loose", [5, 6, 7], sp, arrival_time=clock.t, model=MODELS[1]))
+    while ce.has_unfinished():
+        ce.step()
+    t = ce.deadlines.totals()
+    assert (t.first_tokens, t.first_on_time) == (2, 1)  # only the hinted call missed its first token

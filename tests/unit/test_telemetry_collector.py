@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.telemetry.collector import (
@@ -179,3 +181,29 @@ def test_dashboard_and_collector_config_refer_to_real_things():
         assert set(p["exporters"]) <= defined["exporters"] | defined["connectors"], name
     pipes = col["service"]["pipelines"]
     assert "spanmetrics" in pipes["traces"]["exporters"] and "spanmetrics" in pipes["metrics"]["receivers"]
+
+
+def test_round_token_deadlines_feed_attainment_counters_and_gap_gauge():
+    """issue 16: a round summary's per-token deadline stats become talaria_token_deadline_tokens{token,on_time}
+    and the latest round's p99 inter-token gap."""
+    from services.telemetry.collector import decode_round
+
+    c = Collector(idle_s=1.0)
+    td = pb.TokenDeadlineStats(tokens=10, tokens_on_time=7, first_tokens=3, first_on_time=3, gap_p99_s=0.25)
+    rs = pb.RoundSummary(instance_id="cold-0", index=1, wall_s=1.0, token_deadlines=td, cold_scheduler="token_deadlines")
+    c.on_round(decode_round(rs.SerializeToString()), now=1.0)
+    f = _fams(c)
+    name = "talaria_token_deadline_tokens"
+    assert _v(f, name, name + "_total", token="later", on_time="true") == 7
+    assert _v(f, name, name + "_total", token="later", on_time="false") == 3
+    assert _v(f, name, name + "_total", token="first", on_time="true") == 3
+    assert _v(f, "talaria_inter_token_gap_p99_seconds", "talaria_inter_token_gap_p99_seconds", instance="cold-0") == 0.25
+
+
+def test_heartbeat_token_deadline_attainment_reaches_the_summary():
+    c = Collector(idle_s=1.0)
+    snap = pb.InstanceSnapshot(instance_id="cold-0", pool=pb.POOL_COLD, cold_scheduler="token_deadlines",
+                               deadline_attainment=0.9, ttft_attainment=1.0, gap_p99_s=0.2)
+    c.on_heartbeat(snap, now=1.0)
+    inst = c.summary()["instances"]["cold-0"]
+    assert inst["cold_scheduler"] == "token_deadlines" and inst["deadline_attainment"] == pytest.approx(0.9)

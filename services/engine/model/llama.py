@@ -382,6 +382,10 @@ def _packed_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
 
 
 class LlamaForCausalLM(nn.Module):
+    # issue 16 (streaming hot-swap): when set, called with layer index l before layer l runs and with
+    # num_hidden_layers before the final norm; it blocks until that layer group's weights are resident
+    layer_gate = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -435,8 +439,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
         cos, sin = self._rope(positions, h.dtype, max_pos)
+        gate = self.layer_gate
         for l, layer in enumerate(self.model.layers):
+            if gate is not None:
+                gate(l)
             h = layer(h, cos, sin, kv.k[l], kv.v[l], plan)
+        if gate is not None:
+            gate(len(self.model.layers))
         return self.model.norm(h)
 
     @torch.inference_mode()

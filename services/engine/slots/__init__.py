@@ -7,6 +7,7 @@
 | ``budget.py`` | Eq. 3-5: protected decode d_m, round bound γ·T_TTFT, prefill pool, shortfall |
 | ``admission.py`` | P admission and SP eligibility / bounded SP batches / SP gain (benefit vs harm, issue 12) |
 | ``scheduler.py`` | ``SlotScheduler.decide(view, now)``: rounds, slots, phases, summaries |
+| ``deadlines.py`` | per-token deadlines (Aegaeon): ``DeadlineTracker`` (attainment, gap histogram) and ``DeadlineScheduler`` (token-granularity EDF switches and admission; ``token_deadlines``) |
 
 No module here imports torch or does I/O; the clock is whatever ``now`` the caller passes.
 """

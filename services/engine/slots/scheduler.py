@@ -58,6 +58,7 @@ class SlotPolicy:
     sp_max_tokens: int = 4096
     endless: bool = False  # one model, no end of slot: the simulator's hot instances (talaria/sim); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
+    token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
     def __post_init__(self) -> None:
         if not 0 < self.gamma < 1:
@@ -148,6 +149,7 @@ class SlotScheduler:
         self._rounds = 0
         self.summaries: deque[RoundSummary] = deque(maxlen=max_summaries)
         self._unpublished: list[RoundSummary] = []
+        self.tracker = None  # a deadlines.DeadlineTracker the executor attaches: per-round token deadline stats
         self.totals = {"rounds": 0, "deadline_risk_rounds": 0, "sp_admitted": 0, "sp_deferred": 0, "sp_no_gain": 0, "p_deferred": 0, "switches": 0}
 
     # ================================================================== public API
@@ -318,6 +320,7 @@ class SlotScheduler:
             sp_ineligible=dict(r.sp_ineligible), p_admitted=sum(sl.p_admitted for sl in r.slots), p_deferred=p_def,
             switch_paths=tuple(r.switch_paths), slots=tuple(r.slots), flags=self.policy.flags,
             sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
+            deadlines=self.tracker.take_window() if self.tracker is not None else None,
         )
         t = self.totals
         t["rounds"] += 1

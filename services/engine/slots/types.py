@@ -160,6 +160,9 @@ class RoundSummary:
     sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
     sp_benefit_s: float = 0.0
     sp_harm_s: float = 0.0
+    # per-token deadlines (issue 16, Aegaeon): attainment and inter-token gap distribution over the round
+    # (a ``deadlines.DeadlineStats``; None when no tracker is attached)
+    deadlines: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

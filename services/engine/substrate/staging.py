@@ -157,6 +157,18 @@ class StagingArea:
                 del self.chunks[s]
                 self.by_index.pop((c.model, c.index), None)
 
+    def discard_keys(self, keep) -> int:
+        """Forget staged chunks whose ``(model, index)`` is not in ``keep`` (waits for writes first; issue 16:
+        a residency plan releases what it does not keep). Returns chunks forgotten."""
+        self.poll(wait=True)
+        n = 0
+        for s, c in list(self.chunks.items()):
+            if (c.model, c.index) not in keep:
+                del self.chunks[s]
+                self.by_index.pop((c.model, c.index), None)
+                n += 1
+        return n
+
     def clean(self, model: str) -> dict[int, StagedChunk]:
         return {i: c for (m, i), c in self.by_index.items() if m == model and c.state is ChunkState.CLEAN}
 

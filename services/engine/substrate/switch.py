@@ -107,6 +107,9 @@ class MemorySubstrate:
         self.staging_max_fraction = staging_max_fraction
         self.area: StagingArea | None = None
         self.allocator: StagingAwareAllocator | None = None  # of the active model
+        # issue 16 (partial_layers): streams a model's later layer groups after phase 2 instead of copying
+        # them in it (``streaming_swap.HotSwapStreamer``: first_streamed_chunk(model) / start(model, chunks))
+        self.streamer = None
 
     # ------------------------------------------------------------------ layout
     def layout_for(self, model: str) -> tuple[Layout, KVGeometry]:
@@ -160,6 +163,30 @@ class MemorySubstrate:
         for j, s in zip(todo, slots):
             a.stage(target, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
         return len(todo)
+
+    def stage_plan(self, targets: dict[str, list[int]], budget: int) -> int:
+        """Carry out a residency plan's weight part (issue 16): staged chunks not in ``targets`` (model ->
+        chunk indices to keep staged, in priority order) are released, missing ones are staged, at most
+        ``budget`` new chunks per call. Returns chunks started."""
+        a, alloc = self.area, self.allocator
+        if a is None or alloc is None:
+            return 0
+        a.poll()
+        keep = {(m, j) for m, js in targets.items() if m in self.bank for j in js}
+        if any((c.model, c.index) not in keep for c in a.chunks.values()):
+            a.discard_keys(keep)
+        started = 0
+        for m, js in targets.items():
+            if m not in self.bank or started >= budget:
+                continue
+            e = self.bank[m]
+            have = {i for (mm, i), c in a.by_index.items() if mm == m and c.state is not ChunkState.DIRTY}
+            todo = [j for j in js if j not in have][: budget - started]
+            slots = a.free_slots(alloc.is_used, align_up(e.nbytes))
+            for j, s in zip(todo, slots):
+                a.stage(m, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
+                started += 1
+        return started
 
     def staging_pending(self, target: str | None) -> bool:
         """Work left for the stager: writes in flight, or chunks of ``target`` not staged with room to."""
@@ -217,13 +244,21 @@ class MemorySubstrate:
         self.copier.barrier()
         t1 = time.perf_counter()
         host = 0
+        first_streamed = self.streamer.first_streamed_chunk(target) if self.streamer is not None else None
+        later: list[int] = []
         for j in range(e.num_chunks):
             if j in d2d_set:
+                continue
+            if first_streamed is not None and j >= first_streamed:
+                later.append(j)  # copied host-to-device after publish, while prefill runs on the groups before it
+                host += e.chunk_range(j)[1] - e.chunk_range(j)[0]  # counted (staged + host = weights); not in h2d_seconds
                 continue
             lo, hi = e.chunk_range(j)
             self.copier.copy(arena.bytes(lo, hi), e.chunk(j))
             host += hi - lo
         self.copier.barrier()
+        if first_streamed is not None:
+            self.streamer.start(target, later)
         t2 = time.perf_counter()
         staged = sum(e.chunk_range(j)[1] - e.chunk_range(j)[0] for j in d2d)
         return OpenResult(classify_path(e.num_chunks, len(d2d)), staged, host, dirty, t1 - t0, t2 - t1, tuple(sorted(d2d)))
