@@ -249,6 +249,8 @@ LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prefill", ("prefill_s", "prefill_seconds", "prefill_recompute_s", "prefill_recompute_seconds")),
     ("decode", ("decode_s", "decode_seconds")),
     ("preemption", ("preemption_s", "preemption_seconds", "preempted_s", "preempted_seconds")),
+    # the residual the recorder itself reports (talaria/attribution.py: NATS transit, publishing, HTTP)
+    ("other", ("other_s",)),
 )
 
 

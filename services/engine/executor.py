@@ -50,6 +50,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+from talaria.attribution import Phase, PhaseClock
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
 
@@ -280,7 +281,9 @@ class Engine:
                 self.host_kv.poll()  # transfer pins of finished device->host checkpoint copies
             outputs = self._drain_intake()
 
+            t_sched = self._clock()
             sched = self.scheduler.schedule()
+            self._phases_scheduled(sched, t_sched)
             if not sched.is_empty:
                 t0 = time.perf_counter()
                 sampled = self._execute(sched)
@@ -306,11 +309,15 @@ class Engine:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
+            now = self._clock()
+            seq.phases = req.phases if req.phases is not None else PhaseClock(req.arrival_time if 0 < req.arrival_time <= now else now)
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
+                seq.phases.enter(Phase.RESTORE, self._clock())
                 seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
+                seq.phases.enter(Phase.ENGINE_QUEUE, self._clock())
             self.scheduler.add(seq)
 
         outputs = []
@@ -344,6 +351,19 @@ class Engine:
             logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
             seqs = [sched.scheduled[i].seq for i in rows]
             return self._sample(logits, seqs)
+
+    def _phases_scheduled(self, sched: SchedulerOutput, now: float) -> None:
+        """Issue 12: move the phase clocks the schedule changed — preempted calls lose time from ``now`` until
+        they have recomputed what they had (their next token); newly admitted ones start their prefill.
+        Mutates: the scheduled and preempted sequences' ``phases``."""
+        for rid in sched.preempted:
+            st = self._requests.get(rid)
+            if st is not None and st.seq.phases is not None:
+                st.seq.phases.enter(Phase.PREEMPTED, now)
+        for sc in sched.scheduled:
+            ph = sc.seq.phases
+            if ph is not None and ph.phase is Phase.ENGINE_QUEUE:
+                ph.enter(Phase.PREFILL, now)
 
     def _flat_batch(self, sched: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """The step's flat token axis as one int list ``ids + positions + slots`` (each ``T`` long), plus
@@ -391,12 +411,15 @@ class Engine:
         sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
+        now = self._clock()
         for seq, tok in zip(seqs, sampled):
             st = self._requests[seq.request_id]
             try:
                 if isinstance(tok, Exception):
                     raise tok
                 outputs.append(self._advance(st, tok))
+                if not st.finished and seq.phases is not None:
+                    seq.phases.enter(Phase.DECODE, now)  # a token exists: it decodes from the end of this step
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 if not st.finished:
                     out = self._finish(st, FinishReason.ERROR, [], "")
@@ -435,7 +458,8 @@ class Engine:
         with self._intake_lock:
             self._live_ids.discard(seq.request_id)
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
-        return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
+        attribution = seq.phases.stop(self._clock()) if seq.phases is not None else None
+        return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
 
     def _record_session(self, session_id: str) -> None:
         entry = self.kv.sessions.peek(session_id)

@@ -60,6 +60,7 @@ class EngineRequest:
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
     tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
+    phases: object = None  # issue 12: the call's talaria.attribution.PhaseClock (set by the engine at intake)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +88,4 @@ class RequestOutput:
     usage: Usage | None = None  # set on the final output
     error: str = ""
     logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])
+    attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases, issue 12)

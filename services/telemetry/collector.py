@@ -27,6 +27,7 @@ from google.protobuf.json_format import MessageToDict
 
 from services.telemetry.metrics import Metrics
 from services.telemetry.sessions import SessionResult, SessionTracker
+from talaria.attribution import CallAttribution
 from talaria.v1 import engine_pb2 as pb
 from talaria.v1 import kvstore_pb2 as kpb
 from talaria.v1 import telemetry_pb2 as tpb
@@ -322,6 +323,8 @@ class Collector:
                     error=bool(c.error),
                     tokens=(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if c.HasField("usage") else None,
                 )
+                if c.HasField("attribution"):  # issue 12: summed per session
+                    self.sessions.call_attribution(c.session_id, c.request_id, c.arrival_unix or now, CallAttribution.from_proto(c.attribution).as_dict())
             self._write("call", now, _msg_dict(c))
 
     def on_switch_record(self, d: dict[str, Any], now: float) -> None:
