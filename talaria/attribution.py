@@ -15,6 +15,7 @@ Talaria §5 reports SCT; this split is what lets one SCT difference between two 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from enum import Enum
@@ -87,6 +88,21 @@ def total(items: Iterable[CallAttribution]) -> CallAttribution:
     for a in items:
         out = out + a
     return out
+
+
+def attribution_clock() -> float:
+    """The clock every phase clock reads: ``time.monotonic``, the time base of the engine service's call
+    arrival (``EngineRequest.arrival_time``). Attribution measures real seconds; an engine's *injected* policy
+    clock (virtual in tests) is never read for it, so measuring changes no decision."""
+    return time.monotonic()
+
+
+def phase_start(arrival: float, policy_clock: Callable[[], float], now: float) -> float:
+    """Where a call's phase clock starts: its arrival at the engine when that is on the attribution clock's
+    time base (the policy clock is ``time.monotonic``, as in production), else ``now`` (intake)."""
+    if policy_clock is time.monotonic and 0 < arrival <= now:
+        return arrival
+    return now
 
 
 class PhaseClock:

@@ -44,7 +44,7 @@ from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
 from services.engine.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
-from talaria.attribution import Phase, PhaseClock, enter_all
+from talaria.attribution import Phase, PhaseClock, attribution_clock, enter_all, phase_start
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class ColdEngine:
                 for r in [r for r in q if admit is ALL or r.request_id in admit]:
                     q.remove(r)
                     if r.phases is not None:
-                        r.phases.enter(Phase.ENGINE_QUEUE, self.clock())  # its slot is open: the shell's queue
+                        r.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())  # its slot is open: the shell's queue
                     self._admitted(r)
                     eng.add_request(r)
                 outputs += self._step_shell(eng)
@@ -319,10 +319,10 @@ class ColdEngine:
         with self._intake_lock:
             new, self._pending = self._pending, []
             aborts, self._pending_aborts = self._pending_aborts, []
-        now = self.clock()
+        now = attribution_clock()
         for req in new:
             # issue 12: received -> here is engine queue; in the per-model queue it waits for its round
-            req.phases = PhaseClock(req.arrival_time if 0 < req.arrival_time <= now else now)
+            req.phases = PhaseClock(phase_start(req.arrival_time, self.clock, now))
             req.phases.enter(Phase.ROUND_WAIT, now)
             self._queues.setdefault(req.model, deque()).append(req)
         outputs: list[RequestOutput] = []
@@ -335,7 +335,7 @@ class ColdEngine:
                         break
             if hit is not None:
                 hit[0].remove(hit[1])
-                attr = hit[1].phases.stop(self.clock()) if hit[1].phases is not None else None
+                attr = hit[1].phases.stop(attribution_clock()) if hit[1].phases is not None else None
                 outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit[1].prompt_token_ids), 0, 0), attribution=attr))
             elif self.active is not None:
                 self._shells[self.active].engine.abort(rid)  # its ABORT output comes from the shell's step
@@ -362,9 +362,9 @@ class ColdEngine:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
         waiting = [r.phases for q in self._queues.values() for r in q]
-        enter_all(waiting, Phase.SWITCH_WAIT, self.clock)  # issue 12: every queued call waits for the switch
+        enter_all(waiting, Phase.SWITCH_WAIT, attribution_clock)  # issue 12: every queued call waits for the switch
         rec = self.protocol.run(src, target, reason)
-        enter_all(waiting, Phase.ROUND_WAIT, self.clock)
+        enter_all(waiting, Phase.ROUND_WAIT, attribution_clock)
         if src is not None:
             self.previous = src
         if self.requested == target:

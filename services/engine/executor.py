@@ -50,7 +50,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
-from talaria.attribution import Phase, PhaseClock
+from talaria.attribution import Phase, PhaseClock, attribution_clock, phase_start
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
 
@@ -281,7 +281,7 @@ class Engine:
                 self.host_kv.poll()  # transfer pins of finished device->host checkpoint copies
             outputs = self._drain_intake()
 
-            t_sched = self._clock()
+            t_sched = attribution_clock()
             sched = self.scheduler.schedule()
             self._phases_scheduled(sched, t_sched)
             if not sched.is_empty:
@@ -309,15 +309,14 @@ class Engine:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
-            now = self._clock()
-            seq.phases = req.phases if req.phases is not None else PhaseClock(req.arrival_time if 0 < req.arrival_time <= now else now)
+            seq.phases = req.phases if req.phases is not None else PhaseClock(phase_start(req.arrival_time, self._clock, attribution_clock()))
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
-                seq.phases.enter(Phase.RESTORE, self._clock())
+                seq.phases.enter(Phase.RESTORE, attribution_clock())
                 seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
-                seq.phases.enter(Phase.ENGINE_QUEUE, self._clock())
+                seq.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())
             self.scheduler.add(seq)
 
         outputs = []
@@ -411,7 +410,7 @@ class Engine:
         sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
-        now = self._clock()
+        now = attribution_clock()
         for seq, tok in zip(seqs, sampled):
             st = self._requests[seq.request_id]
             try:
@@ -458,7 +457,7 @@ class Engine:
         with self._intake_lock:
             self._live_ids.discard(seq.request_id)
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
-        attribution = seq.phases.stop(self._clock()) if seq.phases is not None else None
+        attribution = seq.phases.stop(attribution_clock()) if seq.phases is not None else None
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
 
     def _record_session(self, session_id: str) -> None:
