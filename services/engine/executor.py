@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from services.engine.sequence import Sequence
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.attribution import Phase, PhaseClock, attribution_clock, phase_start
+from talaria.cost_curve import CostCurve
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
 
@@ -220,6 +222,10 @@ class Engine:
         self.num_steps = 0
         self._prefill_per_token = 0.0
         self._decode_step = 0.0
+        # issue 12 #2: prefill seconds per token by context position, decode-step seconds by batch size
+        self.prefill_curve = CostCurve(0.0)
+        self.decode_curve = CostCurve(0.0)
+        self.step_samples: deque[tuple[str, float, float]] = deque(maxlen=256)  # (curve, size, seconds) fed
         self._snapshot: dict[str, Any] = {}
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
         self._refresh_snapshot()
@@ -480,6 +486,26 @@ class Engine:
             self._decode_step = ewma(self._decode_step or None, dt, a)
         else:
             self._prefill_per_token = ewma(self._prefill_per_token or None, dt / max(sched.num_batched_tokens, 1), a)
+        self._record_curves(sched, dt)
+
+    def _record_curves(self, sched: SchedulerOutput, dt: float) -> None:
+        """Issue 12 #2: a decode-only step measures the decode step at its batch size; a step that prefills
+        measures the prefill cost per token at the token-weighted mean position of its prefill chunks, after
+        the decode share predicted for its decodes. Mutates: the curves and ``step_samples``."""
+        decodes = sum(1 for sc in sched.scheduled if sc.is_decode)
+        pre = [sc for sc in sched.scheduled if not sc.is_decode]
+        if not pre:
+            self.decode_curve.observe(decodes, dt)
+            self.step_samples.append(("decode", float(decodes), dt))
+            return
+        tokens = sum(sc.num_new_tokens for sc in pre)
+        pos = sum(sc.num_new_tokens * (sc.start + sc.num_new_tokens / 2) for sc in pre) / tokens
+        rest = dt - (self.decode_curve.value(decodes) if decodes else 0.0)
+        if rest <= 0:
+            return  # the step was no slower than its decodes alone: it does not identify the prefill cost
+        per_token = rest / tokens
+        self.prefill_curve.observe(pos, per_token)
+        self.step_samples.append(("prefill", pos, per_token))
 
     def _refresh_snapshot(self) -> None:
         kv = self.kv
@@ -505,6 +531,7 @@ class Engine:
             "num_steps": self.num_steps,
             "max_context": self.max_context,
             "profile": {"prefill_per_token": self._prefill_per_token, "decode_step": self._decode_step,
+                        "prefill_by_context": self.prefill_curve.points(), "decode_by_batch": self.decode_curve.points(),
                         **({"restore_per_token": self.host_kv.restore_per_token.value} if self.host_kv is not None else {})},
             "host_kv": self.host_kv.snapshot() if self.host_kv is not None else None,
 

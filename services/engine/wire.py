@@ -132,6 +132,8 @@ def instance_snapshot(cfg: EngineConfig, st: dict, switches: list, *, epoch: int
     snap.profile.CopyFrom(pb.CostProfile(
         prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0),
         switch_costs=costs_to_proto(prof.get("switch_by_path", {})),
+        prefill_by_context=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in prof.get("prefill_by_context", ())],
+        decode_by_batch=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in prof.get("decode_by_batch", ())],
     ))
     _add_host_kv_state(snap, st, model)
     return snap

@@ -51,6 +51,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
+from talaria.cost_curve import CostCurve, prefill_seconds
+
 # KV states (values of talaria.v1.KvState; repeated here so the policy does not import protobuf).
 KV_DEVICE = 1
 KV_HOST = 2
@@ -93,6 +95,19 @@ class Profile:
     switch_s: float  # resident but inactive model -> active
     staged_switch_s: float  # staged (partly pre-loaded) model -> active
     open_s: float  # model not resident -> active
+    # issue 12 #2: learned curves (talaria.cost_curve) from the heartbeat; None = the scalars above price it
+    prefill_by_context: CostCurve | None = None  # prefill seconds per token by context position
+    decode_by_batch: CostCurve | None = None  # decode-step seconds by batch size
+
+    def prefill_s(self, tokens: float, context_end: float) -> float:
+        """Seconds to prefill ``tokens`` tokens ending at ``context_end`` (``tokens * prefill_per_token``
+        while no curve is learned: the same arithmetic as before the curves)."""
+        return prefill_seconds(self.prefill_by_context, self.prefill_per_token, tokens, context_end)
+
+    def decode_step_at(self, batch: int) -> float:
+        """Decode-step seconds with ``batch`` sequences (the scalar while no curve is learned)."""
+        c = self.decode_by_batch
+        return c.value(batch) if c is not None and c.measured else self.decode_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,17 +287,19 @@ def _terms(inst: InstanceState, state: PlacementState) -> list:
     leases = inst.overlay_leases
     if state.lease is not None and state.lease.instance_id == inst.instance_id and leases > 0:
         leases -= 1  # the lease reserved for this very call is not queue ahead of it
-    mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
+    ds = prof.decode_step_at(inst.running + 1)  # issue 12: learned by batch size, prefill by context
+    mean_call_s = prof.prefill_s(shape.suffix_tokens, shape.prompt_tokens) + shape.decode_tokens * ds
     queue_s = mean_call_s * queue_pressure(inst, p.admission_unit, p.running_weight, leases)
-    delta_r = queue_s + suffix * prof.prefill_per_token + req.expected_decode * prof.decode_step
+    sp = prof.prefill_s(suffix, req.prompt_tokens)
+    delta_r = queue_s + sp + req.expected_decode * ds
     if kv_source == "device" or kv_source == "none":
         c_kv = 0.0
     elif kv_source == "host":
         c_kv = prefix * prof.restore_per_token
     else:
-        c_kv = prefix * prof.prefill_per_token
+        c_kv = prof.prefill_s(prefix, prefix)
     act, c_act = activation(inst, req.model)
-    ttft = queue_s + c_kv + c_act + suffix * prof.prefill_per_token
+    ttft = queue_s + c_kv + c_act + sp
     page = max(1, inst.page_size)
     resident_pages = prefix // page if kv_source == "device" else 0
     pages_needed = max(0, -(-(req.prompt_tokens + req.max_tokens) // page) - resident_pages)
@@ -505,6 +522,7 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     need_tokens = req.prompt_tokens + req.max_tokens
     call_tokens = int(shape.prompt_tokens + shape.decode_tokens)
     s_suf, s_dec, dec, budget = shape.suffix_tokens, shape.decode_tokens, req.expected_decode, p.admission_budget_s
+    s_prompt = shape.prompt_tokens
 
     selected: set[str] | None = None
     left_out = 0
@@ -539,10 +557,17 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
             continue
         if page != last_page:
             last_page, pages_needed, per_call = page, max(0, -(-need_tokens // page)), -(-call_tokens // page)
-        queue_s = (s_suf * ppt + s_dec * ds) * pressure
-        sp = suffix * ppt
+        pr = inst.profile
+        if pr.prefill_by_context is not None or pr.decode_by_batch is not None:  # learned curves (issue 12): as _terms
+            ds = pr.decode_step_at(inst.running + 1)
+            queue_s = (pr.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
+            sp = pr.prefill_s(suffix, req.prompt_tokens)
+            c_kv = pr.prefill_s(committed, committed) if committed > 0 else 0.0
+        else:
+            queue_s = (s_suf * ppt + s_dec * ds) * pressure
+            sp = suffix * ppt
+            c_kv = committed * ppt if committed > 0 else 0.0
         delta_r = queue_s + sp + dec * ds
-        c_kv = committed * ppt if committed > 0 else 0.0
         ttft = queue_s + c_kv + c_act + sp
         if not reject:
             if ttft > budget:
