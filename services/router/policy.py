@@ -522,7 +522,6 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     need_tokens = req.prompt_tokens + req.max_tokens
     call_tokens = int(shape.prompt_tokens + shape.decode_tokens)
     s_suf, s_dec, dec, budget = shape.suffix_tokens, shape.decode_tokens, req.expected_decode, p.admission_budget_s
-    s_prompt = shape.prompt_tokens
 
     selected: set[str] | None = None
     left_out = 0
@@ -557,12 +556,8 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
             continue
         if page != last_page:
             last_page, pages_needed, per_call = page, max(0, -(-need_tokens // page)), -(-call_tokens // page)
-        pr = inst.profile
-        if pr.prefill_by_context is not None or pr.decode_by_batch is not None:  # learned curves (issue 12): as _terms
-            ds = pr.decode_step_at(inst.running + 1)
-            queue_s = (pr.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
-            sp = pr.prefill_s(suffix, req.prompt_tokens)
-            c_kv = pr.prefill_s(committed, committed) if committed > 0 else 0.0
+        if inst.profile.prefill_by_context is not None or inst.profile.decode_by_batch is not None:
+            queue_s, sp, c_kv, ds = _learned_terms(inst, shape, req.prompt_tokens, suffix, committed, pressure)
         else:
             queue_s = (s_suf * ppt + s_dec * ds) * pressure
             sp = suffix * ppt
@@ -580,6 +575,16 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
             append(_new(CostBreakdown, (iid, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, src, act, False, ttft, pages_needed, None, None, reject)))
         mu_append(mu)
     return rows, mus, left_out
+
+
+def _learned_terms(inst: InstanceState, shape: CallShape, prompt: int, suffix: int, committed: int, pressure: float) -> tuple[float, float, float, float]:
+    """``_rank``'s queue, suffix prefill, recompute and decode-step terms from an instance's learned curves
+    (issue 12), with the arithmetic of ``_terms``."""
+    pr = inst.profile
+    ds = pr.decode_step_at(inst.running + 1)
+    queue_s = (pr.prefill_s(shape.suffix_tokens, shape.prompt_tokens) + shape.decode_tokens * ds) * pressure
+    c_kv = pr.prefill_s(committed, committed) if committed > 0 else 0.0
+    return queue_s, pr.prefill_s(suffix, prompt), c_kv, ds
 
 
 def _eq2(terms: list[list], mus: Sequence[float], state: PlacementState) -> None:
