@@ -164,3 +164,20 @@ def test_real_cold_engine_records_round_wait_switch_wait_restore_prefill_decode(
     t2 = second.attribution
     _sums(t2)
     assert t2.restore_s > 0 and t2.switch_wait_s > 0 and t2.prefill_s > 0 and t2.decode_s > 0
+
+
+def test_real_engine_under_kv_pressure_records_time_lost_to_preemption(synth_models):
+    from services.engine.executor import Engine
+    from services.engine.types import EngineRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ps = [list(range(3 + i, 3 + i + 12 + 2 * i)) for i in range(8)]
+    need = max(-(-(len(p) + sp.max_tokens) // 4) for p in ps)
+    eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=need + 2)  # barely fits the longest call
+    finals = _run(eng, [EngineRequest(f"p{i}", p, sp) for i, p in enumerate(ps)])
+    assert eng.stats()["num_preemptions"] > 0
+    splits = [finals[f"p{i}"].attribution for i in range(len(ps))]
+    for a in splits:
+        _sums(a)
+        assert a.prefill_s > 0 and a.decode_s > 0 and a.round_wait_s == 0 and a.switch_wait_s == 0
+    assert any(a.preemption_s > 0 for a in splits)
