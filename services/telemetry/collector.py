@@ -263,6 +263,10 @@ class Collector:
             if h.HasField("error"):
                 m.errors.labels(h.error.code or "engine_error").inc()
             ok = not h.HasField("error") and reason != "abort"
+            if h.HasField("attribution"):  # issue 12: the engine's exact split of the call's time
+                for name, secs in CallAttribution.from_proto(h.attribution).components.items():
+                    if secs > 0 and name not in ("router_queue_s", "placement_s"):
+                        m.call_phase.labels(model, inst, name[:-2]).inc(secs)
             if ok:
                 if h.ttft_seconds > 0:
                     m.ttft.labels(model, inst).observe(h.ttft_seconds)
