@@ -238,7 +238,10 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
 # each component under the keys listed (top level, or inside an ``attribution`` / ``latency`` map, as
 # seconds); a component no record carries is reported as "not recorded" — never estimated. The part of the
 # call's latency (``end_unix - arrival_unix``) the recorded components do not cover is shown as
-# "unattributed", so an incomplete split is visible as such.
+# "unattributed", so an incomplete split is visible as such. This build records every component
+# (``talaria/attribution.py``: the engine's phase clock per call, the router's queue and placement) in
+# ``CallRecord.attribution``, whose ``other_s`` is the recorder's own residual (transit, publishing, HTTP):
+# "unattributed" is then ~0 and "other" says how much the named components leave unexplained.
 LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("router queue", ("router_queue_s", "router_queue_seconds")),
     ("placement", ("placement_s", "placement_seconds")),
