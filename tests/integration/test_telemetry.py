@@ -175,27 +175,6 @@ def test_sct_matches_client_and_metrics_carry_the_run(stack):
     assert len(sess) == 1 and sess[0]["sct_seconds"] == got["sct_seconds"]
 
 
-def test_serving_unaffected_when_telemetry_is_stopped_or_killed(stack):
-    """A frozen (SIGSTOP: the slowest possible consumer) and then a killed telemetry service change nothing
-    for callers: every call completes, each within a bounded time."""
-    client = client_for(stack)
-    child = stack.children["telemetry"]
-    stack.kill("telemetry", signal.SIGSTOP)
-    try:
-        for i in range(3):
-            t = time.monotonic()
-            r = chat(client, f"while telemetry is frozen {i}", "down-s1").parse()
-            assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t < 10
-    finally:
-        stack.kill("telemetry", signal.SIGCONT)
-    stack.kill("telemetry", signal.SIGKILL)
-    assert not child.alive()
-    for i in range(3):
-        t = time.monotonic()
-        r = chat(client, f"after telemetry died {i}", "down-s2").parse()
-        assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t < 10
-
-
 def test_call_records_carry_the_time_split_summed_per_session(stack):
     """Issue 12 #1: each call's end record carries its time split — the engine's phases (from the finished
     chunk) plus the router's placement — summing to the latency the router measured; hooks carry the engine's
@@ -223,3 +202,25 @@ def test_call_records_carry_the_time_split_summed_per_session(stack):
         assert a["prefill_s"] > 0 and sum(v for k, v in a.items() if k != "total_s") == pytest.approx(a["total_s"], abs=1e-6)
     (sess,) = [r for r in recs if r["kind"] == "session" and r["session_id"] == "split-session"]
     assert sess["attribution"]["decode_s"] == pytest.approx(sum(r["attribution"]["decode_s"] for r in ends))
+
+
+def test_serving_unaffected_when_telemetry_is_stopped_or_killed(stack):
+    """A frozen (SIGSTOP: the slowest possible consumer) and then a killed telemetry service change nothing
+    for callers: every call completes, each within a bounded time."""
+    client = client_for(stack)
+    child = stack.children["telemetry"]
+    stack.kill("telemetry", signal.SIGSTOP)
+    try:
+        for i in range(3):
+            t = time.monotonic()
+            r = chat(client, f"while telemetry is frozen {i}", "down-s1").parse()
+            assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t < 10
+    finally:
+        stack.kill("telemetry", signal.SIGCONT)
+    stack.kill("telemetry", signal.SIGKILL)
+    assert not child.alive()
+    for i in range(3):
+        t = time.monotonic()
+        r = chat(client, f"after telemetry died {i}", "down-s2").parse()
+        assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t < 10
+
