@@ -238,7 +238,10 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
 # each component under the keys listed (top level, or inside an ``attribution`` / ``latency`` map, as
 # seconds); a component no record carries is reported as "not recorded" — never estimated. The part of the
 # call's latency (``end_unix - arrival_unix``) the recorded components do not cover is shown as
-# "unattributed", so an incomplete split is visible as such.
+# "unattributed", so an incomplete split is visible as such. This build records every component
+# (``talaria/attribution.py``: the engine's phase clock per call, the router's queue and placement) in
+# ``CallRecord.attribution``, whose ``other_s`` is the recorder's own residual (transit, publishing, HTTP):
+# "unattributed" is then ~0 and "other" says how much the named components leave unexplained.
 LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("router queue", ("router_queue_s", "router_queue_seconds")),
     ("placement", ("placement_s", "placement_seconds")),
@@ -249,6 +252,8 @@ LATENCY_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prefill", ("prefill_s", "prefill_seconds", "prefill_recompute_s", "prefill_recompute_seconds")),
     ("decode", ("decode_s", "decode_seconds")),
     ("preemption", ("preemption_s", "preemption_seconds", "preempted_s", "preempted_seconds")),
+    # the residual the recorder itself reports (talaria/attribution.py: NATS transit, publishing, HTTP)
+    ("other", ("other_s",)),
 )
 
 
@@ -279,7 +284,37 @@ def latency_split(records: list[dict[str, Any]] | None) -> dict[str, Any]:
     total = sum(totals) / len(totals) if totals else NA
     recorded = sum(v for v in comps.values() if v is not None)
     return {"source": "telemetry call records (phase end)", "calls": len(ends), "components": comps, "total_s": total,
-            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA}
+            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA, "by_placement": _split_by_placement(records, ends)}
+
+
+def _split_by_placement(records: list[dict[str, Any]], ends: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Mean components per group of calls with the same placement (reason / lease outcome / predicted KV
+    source / whether the placement switches the model), joined from the call's start record: which calls a
+    difference between configurations comes from. Pure."""
+    starts = {r.get("request_id"): r for r in records if r.get("kind") == "call" and r.get("phase") == "start"}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in ends:
+        s = starts.get(r.get("request_id"), {})
+        key = "/".join([str(s.get("placement_reason") or "?"), str(s.get("lease") or "?"), str(s.get("kv_source") or "?"),
+                        "switch" if s.get("switches_model") else "resident"])
+        groups.setdefault(key, []).append(r)
+    out = {}
+    for key, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        comps = {}
+        for name, keys in LATENCY_COMPONENTS:
+            vals = [v for r in rs if (v := _component(r, keys)) is not None]
+            comps[name] = sum(vals) / len(rs) if vals else None
+        out[key] = {"calls": len(rs), "components": comps}
+    return out
+
+
+def placement_split_table(ls: dict[str, Any]) -> str:
+    """The per-placement groups of one configuration's ``latency_split`` as a table."""
+    groups = ls.get("by_placement") or {}
+    names = [n for n, _k in LATENCY_COMPONENTS]
+    body = [[k, g["calls"]] + [f"{g['components'][n]:.3f}" if g["components"].get(n) is not None else "-" for n in names]
+            for k, g in groups.items()]
+    return format_table(["reason/lease/kv/model", "calls"] + names, body)
 
 
 def latency_table(rows: list[dict[str, Any]]) -> str:
@@ -537,6 +572,9 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
                          f"{', '.join(f'{v:.2f}s' for v in r['aggregate']['metrics']['sct_p50_s']['values'])})"
                          + (f"; failed repetitions: {r['failed_repetitions']}" if r.get("failed_repetitions") else ""))
             lines.append("")
+        if (s.get("latency_split") or {}).get("by_placement"):
+            lines += ["Time split by placement (mean seconds per call; reason / lease / predicted KV source / model switch):", "",
+                      "```", placement_split_table(s["latency_split"]), "```", ""]
         keys = [k for k in s if k not in ("scts", "ttfts")]
         lines.append("```")
         lines.append(json.dumps({k: s[k] for k in keys}, indent=1, default=str))

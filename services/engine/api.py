@@ -142,6 +142,8 @@ class CostStats:
     decode_step: float = 0.0
     restore_per_token: float = 0.0
     switch_by_path: Mapping[Any, float] = field(default_factory=dict)
+    prefill_by_context: tuple[tuple[int, float, int], ...] = ()  # issue 12 #2: learned curve (at, seconds, samples)
+    decode_by_batch: tuple[tuple[int, float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
 from talaria.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+from talaria.attribution import Phase, PhaseClock, attribution_clock, enter_all, phase_start
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +308,8 @@ class ColdEngine:
                 q = self._queues[self.active]
                 for r in [r for r in q if admit is ALL or r.request_id in admit]:
                     q.remove(r)
+                    if r.phases is not None:
+                        r.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())  # its slot is open: the shell's queue
                     self._admitted(r)
                     eng.add_request(r)
                 outputs += self._step_shell(eng)
@@ -345,7 +348,11 @@ class ColdEngine:
         with self._intake_lock:
             new, self._pending = self._pending, []
             aborts, self._pending_aborts = self._pending_aborts, []
+        now = attribution_clock()
         for req in new:
+            # issue 12: received -> here is engine queue; in the per-model queue it waits for its round
+            req.phases = PhaseClock(phase_start(req.arrival_time, self.clock, now))
+            req.phases.enter(Phase.ROUND_WAIT, now)
             self._queues.setdefault(req.model, deque()).append(req)
         outputs: list[RequestOutput] = []
         for rid in aborts:
@@ -357,7 +364,8 @@ class ColdEngine:
                         break
             if hit is not None:
                 hit[0].remove(hit[1])
-                outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit[1].prompt_token_ids), 0, 0)))
+                attr = hit[1].phases.stop(attribution_clock()) if hit[1].phases is not None else None
+                outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit[1].prompt_token_ids), 0, 0), attribution=attr))
             elif self.active is not None:
                 self._shells[self.active].engine.abort(rid)  # its ABORT output comes from the shell's step
         return outputs
@@ -388,9 +396,12 @@ class ColdEngine:
         if target not in self.loaded:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
+        waiting = [r.phases for q in self._queues.values() for r in q]
+        enter_all(waiting, Phase.SWITCH_WAIT, attribution_clock)  # issue 12: every queued call waits for the switch
         rec = self.protocol.run(src, target, reason)
         if self.streamer is not None:  # later layer groups are still streaming: gate the forward on them
             self.streamer.attach(target, self._shells[target].engine.model)
+        enter_all(waiting, Phase.ROUND_WAIT, attribution_clock)
         if src is not None:
             self.previous = src
         if self.requested == target:
@@ -520,7 +531,8 @@ class ColdEngine:
             prefix_hit_rate=st.prefix_hit_rate if st else 0.0, tokens_generated=st.tokens_generated if st else 0,
             num_preemptions=st.num_preemptions if st else 0, num_steps=st.num_steps if st else 0,
             max_context=st.max_context if st else 0, models=models, sessions=tuple(sessions),
-            profile=CostStats(prof.prefill_per_token, prof.decode_step, rpt, self.costs.by_path),
+            profile=CostStats(prof.prefill_per_token, prof.decode_step, rpt, self.costs.by_path,
+                              prefill_by_context=prof.prefill_by_context, decode_by_batch=prof.decode_by_batch),
             host_kv=bool(self._host_kv), staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
             slots=self._slot_stats(), transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
         )

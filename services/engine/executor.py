@@ -24,6 +24,7 @@ import itertools
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +57,8 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
 from talaria.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
+from talaria.attribution import Phase, PhaseClock, attribution_clock, phase_start
+from talaria.cost_curve import CostCurve
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
 
@@ -230,6 +233,10 @@ class Engine:
         self.num_steps = 0
         self._prefill_per_token = 0.0
         self._decode_step = 0.0
+        # issue 12 #2: prefill seconds per token by context position, decode-step seconds by batch size
+        self.prefill_curve = CostCurve(0.0)
+        self.decode_curve = CostCurve(0.0)
+        self.step_samples: deque[tuple[str, float, float]] = deque(maxlen=256)  # (curve, size, seconds) fed
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
 
 
@@ -298,10 +305,14 @@ class Engine:
             if hk is not None:
                 hk.poll()  # checkpoint pins back; restores advance (reserve pages, publish landed ones)
                 for seq in hk.take_ready():  # restored (or declined): joins the batch now
+                    if seq.phases is not None:
+                        seq.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())
                     self.scheduler.add(seq)
             outputs = self._drain_intake()
 
+            t_sched = attribution_clock()
             sched = self.scheduler.schedule()
+            self._phases_scheduled(sched, t_sched)
             if not sched.is_empty:
                 t0 = time.perf_counter()
                 sampled = self._execute(sched)
@@ -328,11 +339,15 @@ class Engine:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
+            seq.phases = req.phases if req.phases is not None else PhaseClock(phase_start(req.arrival_time, self._clock, attribution_clock()))
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
-            if self.host_kv is not None and self.host_kv.begin_restore(seq):
-                continue  # its prefix is being restored off this thread; it joins the batch when its pages are in
+            if self.host_kv is not None:
+                seq.phases.enter(Phase.RESTORE, attribution_clock())  # issue 12: restore (or its lookup) until it joins
+                if self.host_kv.begin_restore(seq):
+                    continue  # its prefix is being restored off this thread; it joins the batch when its pages are in
+                seq.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())
             self.scheduler.add(seq)
 
         outputs = []
@@ -366,6 +381,19 @@ class Engine:
             logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
             seqs = [sched.scheduled[i].seq for i in rows]
             return self._sample(logits, seqs)
+
+    def _phases_scheduled(self, sched: SchedulerOutput, now: float) -> None:
+        """Issue 12: move the phase clocks the schedule changed — preempted calls lose time from ``now`` until
+        they have recomputed what they had (their next token); newly admitted ones start their prefill.
+        Mutates: the scheduled and preempted sequences' ``phases``."""
+        for rid in sched.preempted:
+            st = self._requests.get(rid)
+            if st is not None and st.seq.phases is not None:
+                st.seq.phases.enter(Phase.PREEMPTED, now)
+        for sc in sched.scheduled:
+            ph = sc.seq.phases
+            if ph is not None and ph.phase is Phase.ENGINE_QUEUE:
+                ph.enter(Phase.PREFILL, now)
 
     def _flat_batch(self, sched: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """The step's flat token axis as one int list ``ids + positions + slots`` (each ``T`` long), plus
@@ -413,12 +441,15 @@ class Engine:
         sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
+        now = attribution_clock()
         for seq, tok in zip(seqs, sampled):
             st = self._requests[seq.request_id]
             try:
                 if isinstance(tok, Exception):
                     raise tok
                 outputs.append(self._advance(st, tok))
+                if not st.finished and seq.phases is not None:
+                    seq.phases.enter(Phase.DECODE, now)  # a token exists: it decodes from the end of this step
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 if not st.finished:
                     out = self._finish(st, FinishReason.ERROR, [], "")
@@ -460,7 +491,8 @@ class Engine:
         with self._intake_lock:
             self._live_ids.discard(seq.request_id)
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
-        return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
+        attribution = seq.phases.stop(attribution_clock()) if seq.phases is not None else None
+        return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
 
     def _record_session(self, session_id: str) -> None:
         """The session's cached entry changed (executor thread): record it for ``session_info``/``stats``
@@ -480,6 +512,26 @@ class Engine:
             self._decode_step = ewma(self._decode_step or None, dt, a)
         else:
             self._prefill_per_token = ewma(self._prefill_per_token or None, dt / max(sched.num_batched_tokens, 1), a)
+        self._record_curves(sched, dt)
+
+    def _record_curves(self, sched: SchedulerOutput, dt: float) -> None:
+        """Issue 12 #2: a decode-only step measures the decode step at its batch size; a step that prefills
+        measures the prefill cost per token at the token-weighted mean position of its prefill chunks, after
+        the decode share predicted for its decodes. Mutates: the curves and ``step_samples``."""
+        decodes = sum(1 for sc in sched.scheduled if sc.is_decode)
+        pre = [sc for sc in sched.scheduled if not sc.is_decode]
+        if not pre:
+            self.decode_curve.observe(decodes, dt)
+            self.step_samples.append(("decode", float(decodes), dt))
+            return
+        tokens = sum(sc.num_new_tokens for sc in pre)
+        pos = sum(sc.num_new_tokens * (sc.start + sc.num_new_tokens / 2) for sc in pre) / tokens
+        rest = dt - (self.decode_curve.value(decodes) if decodes else 0.0)
+        if rest <= 0:
+            return  # the step was no slower than its decodes alone: it does not identify the prefill cost
+        per_token = rest / tokens
+        self.prefill_curve.observe(pos, per_token)
+        self.step_samples.append(("prefill", pos, per_token))
 
     def device_sessions(self) -> list[SessionInfo]:
         """Sessions whose committed KV is in the session cache now (any thread)."""
@@ -511,7 +563,8 @@ class Engine:
     def cost_stats(self) -> CostStats:
         """Measured prefill / decode / restore costs (0.0 = not measured yet)."""
         rpt = self.host_kv.restore_per_token.value if self.host_kv is not None else 0.0
-        return CostStats(self._prefill_per_token, self._decode_step, rpt)
+        return CostStats(self._prefill_per_token, self._decode_step, rpt,
+                         prefill_by_context=tuple(self.prefill_curve.points()), decode_by_batch=tuple(self.decode_curve.points()))
 
     def session_info(self, session_id: str) -> SessionInfo | None:
         """Where the session's KV is: on the device (its cached entry), else in the host store, else None."""

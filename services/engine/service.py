@@ -220,10 +220,13 @@ class EngineService:
                     cached_tokens=o.usage.cached_tokens, restored_tokens=o.usage.restored_tokens,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
+            if o.attribution is not None:  # issue 12: the executor's phases; other_s = what they leave of our latency
+                chunk.attribution.CopyFrom(o.attribution.explained(max(0.0, time.monotonic() - call.arrival)).to_proto())
         await self._send(call, chunk)
         if o.finished:
             self.tracer.trace(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
-            await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds)
+            await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds,
+                             chunk.attribution if chunk.HasField("attribution") else None)
 
     def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
         """Sampler log-probabilities as wire entries, each token decoded alone (mutates ``chunk``)."""
@@ -233,7 +236,7 @@ class EngineService:
             for aid, alp in alts:
                 e.top.add(token_id=aid, token=tok.decode([aid]), logprob=alp)
 
-    async def _hook(self, call: _Call, reason: str, usage, error, ttft: float) -> None:
+    async def _hook(self, call: _Call, reason: str, usage, error, ttft: float, attribution=None) -> None:
         hook = pb.CompletionHook(
             schema_version=SCHEMA_VERSION,
             request_id=call.request_id,
@@ -249,6 +252,8 @@ class EngineService:
             hook.usage.CopyFrom(usage)
         if error is not None:
             hook.error.CopyFrom(error)
+        if attribution is not None:
+            hook.attribution.CopyFrom(attribution)
         if call.session_id:
             info = self.engine.session_info(call.session_id)
             if info is not None and info.where == "device":

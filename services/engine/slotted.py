@@ -159,12 +159,32 @@ class SlottedColdEngine(ColdEngine):
         if eng.host_kv is not None:
             for tokens, seconds in eng.host_kv.take_restore_samples():
                 self.slots.observe_restore(self.active, tokens, seconds)
+        tokens, position = _prefill_shape(eng, before)
+        self.slots.observe_shape(self.active, tokens, position, 0, decodes, dt)
         return outs
 
     def take_round_summaries(self):
         """Round summaries not yet handed out (the service publishes them on ``.round``)."""
         with self._step_lock:
             return self.slots.take_summaries()
+
+
+def _prefill_shape(eng, before: dict[str, int]) -> tuple[int, float]:
+    """Prefill tokens the shell's last step computed for its running sequences and their token-weighted mean
+    position (issue 12: the prefill cost is learned by context). ``before``: computed tokens per request id
+    before the step. A one-token advance of a known sequence is its decode, as in ``_timed_step``."""
+    tokens, weighted = 0, 0.0
+    for s in eng.scheduler.running:
+        if s.request_id in before:
+            start, n = before[s.request_id], s.num_computed_tokens - before[s.request_id]
+            if n <= 1:
+                continue
+        else:
+            start, n = s.num_cached_tokens, s.num_computed_tokens - s.num_cached_tokens
+        if n > 0:
+            tokens += n
+            weighted += n * (start + n / 2)
+    return tokens, (weighted / tokens if tokens else 0.0)
 
 
 def policy_from_config(cfg) -> SlotPolicy:

@@ -63,6 +63,7 @@ class EngineRequest:
     # issue 16: per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
     ttft_target_s: float = 0.0
     tpot_target_s: float = 0.0
+    phases: object = None  # issue 12: the call's talaria.attribution.PhaseClock (set by the engine at intake)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +91,4 @@ class RequestOutput:
     usage: Usage | None = None  # set on the final output
     error: str = ""
     logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])
+    attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases, issue 12)

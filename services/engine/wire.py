@@ -139,5 +139,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
     snap.profile.CopyFrom(pb.CostProfile(
         prefill_per_token=p.prefill_per_token, decode_step=p.decode_step, switch_costs=costs_to_proto(dict(p.switch_by_path)),
         restore_per_token=p.restore_per_token if st.host_kv else 0.0,
+        prefill_by_context=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in p.prefill_by_context],
+        decode_by_batch=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in p.decode_by_batch],
     ))
     return snap

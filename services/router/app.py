@@ -142,8 +142,9 @@ class RouterAPI:
         gw.lease_judged(d)
         return "", 0, True
 
-    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool) -> Placed:
-        """Admit, place and forward; a forward the engine does not accept is retried elsewhere."""
+    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None) -> Placed:
+        """Admit, place and forward; a forward the engine does not accept is retried elsewhere. ``trace``
+        records the call's router queue time and when it was forwarded (issue 12 attribution)."""
         gw = self.state.gateway
         req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens)
         gw.arrival(req)
@@ -157,11 +158,16 @@ class RouterAPI:
                     use_lease = False
                     continue
                 if step.kind == "wait":
+                    t_wait = time.monotonic()
                     await asyncio.sleep(step.wait_s)
+                    if trace is not None:
+                        trace.queued(time.monotonic() - t_wait)
                     continue
                 if step.kind == "reject":
                     headers = {"Retry-After": str(max(1, math.ceil(step.retry_after_s)))} if step.retry_after_s > 0 else None
                     raise APIError(step.status, step.message, code=step.code or None, param=step.param, headers=headers)
+                if trace is not None:
+                    trace.forwarding()
                 placed = await self.forward(g, step, lease_id, epoch, adm)
                 if placed is not None:
                     return placed
@@ -216,7 +222,7 @@ class RouterAPI:
     async def serve(self, request: Request, g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int, exact: bool = False) -> Response:
         ct = CallTrace(self.state.tracer(), g, chat, self.cfg.id, self.state.publish_call)  # one trace per call; ended by call.close()
         try:
-            placed = await self.start_call(g, prompt_tokens, exact)
+            placed = await self.start_call(g, prompt_tokens, exact, ct)
         except BaseException as e:
             ct.end(e)
             raise

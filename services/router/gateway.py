@@ -42,6 +42,7 @@ from services.router.policy import (
 from services.router.profiles import DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import InstanceView, Registry
 from services.router.sessions import SessionTable
+from talaria.cost_curve import points_from_proto
 from talaria.switch_path import costs_from_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
@@ -116,7 +117,8 @@ class Gateway:
         if not self.registry.observe(snap):
             return False
         p = snap.profile
-        self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, costs_from_proto(p.switch_costs))
+        self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, costs_from_proto(p.switch_costs),
+                              points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch))
         return True
 
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:

@@ -51,6 +51,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
+from talaria.cost_curve import CostCurve, prefill_seconds
+
 # KV states (values of talaria.v1.KvState; repeated here so the policy does not import protobuf).
 KV_DEVICE = 1
 KV_HOST = 2
@@ -93,6 +95,19 @@ class Profile:
     switch_s: float  # resident but inactive model -> active
     staged_switch_s: float  # staged (partly pre-loaded) model -> active
     open_s: float  # model not resident -> active
+    # issue 12 #2: learned curves (talaria.cost_curve) from the heartbeat; None = the scalars above price it
+    prefill_by_context: CostCurve | None = None  # prefill seconds per token by context position
+    decode_by_batch: CostCurve | None = None  # decode-step seconds by batch size
+
+    def prefill_s(self, tokens: float, context_end: float) -> float:
+        """Seconds to prefill ``tokens`` tokens ending at ``context_end`` (``tokens * prefill_per_token``
+        while no curve is learned: the same arithmetic as before the curves)."""
+        return prefill_seconds(self.prefill_by_context, self.prefill_per_token, tokens, context_end)
+
+    def decode_step_at(self, batch: int) -> float:
+        """Decode-step seconds with ``batch`` sequences (the scalar while no curve is learned)."""
+        c = self.decode_by_batch
+        return c.value(batch) if c is not None and c.measured else self.decode_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,13 +324,14 @@ class _Call(NamedTuple):
     s_dec: float  # mean call: decode tokens
     dec: float  # this call's expected decode tokens
     budget: float  # round-admission budget (seconds to first token)
+    s_prompt: float  # mean call: prompt tokens (where its suffix ends: the learned prefill curve's position)
 
 
 def _call(state: PlacementState) -> _Call:
     req, shape = state.request, state.shape
     return _Call(
         req.prompt_tokens, req.prompt_tokens + req.max_tokens, int(shape.prompt_tokens + shape.decode_tokens),
-        shape.suffix_tokens, shape.decode_tokens, req.expected_decode, state.params.admission_budget_s,
+        shape.suffix_tokens, shape.decode_tokens, req.expected_decode, state.params.admission_budget_s, shape.prompt_tokens,
     )
 
 
@@ -323,14 +339,20 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
     """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2), from the instance's
     per-snapshot terms ``e`` and where the call's prefix is on it (``pressure`` None: the entry's;
     ``c_kv`` None: the prefix is recomputed there). The one place Eq. 1 is written."""
-    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject = e  # unpacked once (hot path)
+    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject, curve = e  # unpacked once (hot path)
     if pressure is None:
         pressure = e_pressure
-    if c_kv is None:
-        c_kv = prefix * ppt if prefix > 0 else 0.0
-    prompt_tokens, need_tokens, call_tokens, s_suf, s_dec, dec, budget = c
-    queue_s = (s_suf * ppt + s_dec * ds) * pressure
-    suffix_s = max(1, prompt_tokens - prefix) * ppt
+    prompt_tokens, need_tokens, call_tokens, s_suf, s_dec, dec, budget, s_prompt = c
+    if curve is None:  # scalar costs (no learned curve yet)
+        if c_kv is None:
+            c_kv = prefix * ppt if prefix > 0 else 0.0
+        queue_s = (s_suf * ppt + s_dec * ds) * pressure
+        suffix_s = max(1, prompt_tokens - prefix) * ppt
+    else:  # issue 12: prefill priced by the learned per-context curve
+        if c_kv is None:
+            c_kv = curve.prefill_s(prefix, prefix) if prefix > 0 else 0.0
+        queue_s = (curve.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
+        suffix_s = curve.prefill_s(max(1, prompt_tokens - prefix), prompt_tokens)
     delta_r = queue_s + suffix_s + dec * ds
     ttft = queue_s + c_kv + c_act + suffix_s
     resident = prefix // page if kv_source == "device" else 0
@@ -349,7 +371,7 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
 def _c_kv(kv_source: str, prefix: int, prof: Profile) -> float:
     if kv_source == "host":
         return prefix * prof.restore_per_token
-    return prefix * prof.prefill_per_token if kv_source == "recompute" else 0.0
+    return prof.prefill_s(prefix, prefix) if kv_source == "recompute" and prefix > 0 else 0.0
 
 
 def _eq1_special(e: _Entry, state: PlacementState, c: _Call) -> CostBreakdown:
@@ -420,6 +442,7 @@ class _Entry(NamedTuple):
     act: str
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
+    curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
 
 
 def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
@@ -427,11 +450,12 @@ def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
     prof = inst.profile
     act, c_act = activation(inst, model)
     return _Entry(
-        inst, inst.instance_id, prof.prefill_per_token, prof.decode_step,
+        inst, inst.instance_id, prof.prefill_per_token, prof.decode_step_at(inst.running + 1),
         queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases), calls_on(inst),
         inst.kv_pages_total * (1.0 - p.hbm_reserve_fraction), inst.kv_pages_total, max(1, inst.page_size),
         hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), act, c_act,
         "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else ""),
+        prof if prof.prefill_by_context is not None or prof.decode_by_batch is not None else None,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from services.router.policy import CallShape, Profile
+from talaria.cost_curve import CostCurve
 from talaria.ewma import ewma
 from talaria.switch_path import SwitchPath
 
@@ -48,13 +49,17 @@ class ProfileBook:
         self.defaults = defaults
         self.alpha = alpha
         self._v: dict[str, dict[str, float]] = {}
+        self._curves: dict[str, tuple[CostCurve | None, CostCurve | None]] = {}  # issue 12: (prefill, decode)
 
     def observe(
         self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
-        switch_costs: Mapping[SwitchPath, float],
+        switch_costs: Mapping[SwitchPath, float], prefill_by_context=(), decode_by_batch=(),
     ) -> None:
-        """Fold one snapshot's measured profile in; zero means "not measured" and is skipped.
-        Mutates: the instance's EWMAs."""
+        """Fold one snapshot's measured profile in; zero means "not measured" and is skipped. The learned
+        curves (``(at, seconds, samples)`` buckets, ``talaria.cost_curve``) are the engine's own EWMAs: the
+        latest snapshot's replace the previous ones. Mutates: the instance's EWMAs and curves."""
+        self._curves[instance_id] = (_curve(prefill_by_context, self.defaults.prefill_per_token),
+                                     _curve(decode_by_batch, self.defaults.decode_step))
         cur = self._v.setdefault(instance_id, {})
         samples = {"prefill_per_token": prefill_per_token, "decode_step": decode_step, "restore_per_token": restore_per_token}
         for name, paths in ACTIVATION_PATHS.items():
@@ -68,10 +73,12 @@ class ProfileBook:
 
     def forget(self, instance_id: str) -> None:
         self._v.pop(instance_id, None)
+        self._curves.pop(instance_id, None)
 
     def profile(self, instance_id: str) -> Profile:
         v, d = self._v.get(instance_id, {}), self.defaults
         switch = v.get("switch_s", d.switch_s)
+        prefill_curve, decode_curve = self._curves.get(instance_id, (None, None))
         return Profile(
             prefill_per_token=v.get("prefill_per_token", d.prefill_per_token),
             decode_step=v.get("decode_step", d.decode_step),
@@ -79,7 +86,18 @@ class ProfileBook:
             switch_s=switch,
             staged_switch_s=v.get("staged_switch_s", switch),
             open_s=v.get("open_s", d.open_s),
+            prefill_by_context=prefill_curve,
+            decode_by_batch=decode_curve,
         )
+
+
+def _curve(points, prior: float) -> CostCurve | None:
+    """A curve of a heartbeat's buckets; None when the engine has measured none (the scalars price)."""
+    if not points:
+        return None
+    c = CostCurve(prior)
+    c.load(points)
+    return c if c.measured else None
 
 
 class ShapeBook:

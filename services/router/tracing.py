@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from talaria import otel
+from talaria.attribution import CallAttribution
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import telemetry_pb2 as tpb
 
@@ -48,6 +49,9 @@ class CallTrace:
         self.first_token_ns = 0
         self.output_tokens = 0
         self.model = g.model
+        self.router_queue_s = 0.0  # issue 12: seconds in the gateway's overload queue
+        self.forward_ns = 0  # when the call was (last) handed to an engine; placement = t0 -> here minus queue
+        self.engine_attribution: CallAttribution | None = None  # the engine's phases, from the finished chunk
         try:
             op = "chat" if chat else "text_completion"
             parent = otel.extract(g.trace_context)
@@ -111,6 +115,23 @@ class CallTrace:
         except Exception:  # noqa: BLE001
             log.debug("placement span failed", exc_info=True)
 
+    def queued(self, seconds: float) -> None:
+        """The call waited ``seconds`` in the gateway queue. Mutates ``router_queue_s``."""
+        self.router_queue_s += max(0.0, seconds)
+
+    def forwarding(self) -> None:
+        """The call is being handed to an engine now (the last forward of a retried call counts)."""
+        self.forward_ns = time.time_ns()
+
+    def attribution(self, end_ns: int) -> CallAttribution | None:
+        """The call's full split (issue 12): the engine's phases, the router's queue and placement, the
+        measured latency (arrival -> ``end_ns``) and the residual ``other_s``; None if it was never forwarded."""
+        if not self.forward_ns:
+            return None
+        placement = max(0.0, (self.forward_ns - self.t0) / 1e9 - self.router_queue_s)
+        base = self.engine_attribution or CallAttribution()
+        return base.explained(max(0.0, (end_ns - self.t0) / 1e9), router_queue_s=self.router_queue_s, placement_s=placement)
+
     def chunk(self, c) -> None:
         """Observe one token chunk of the stream (first token time, usage, finish, errors)."""
         try:
@@ -122,6 +143,8 @@ class CallTrace:
                 self.error = c.error.code or "engine_error"
             if c.finished:
                 self.finished = True
+                if c.HasField("attribution"):
+                    self.engine_attribution = CallAttribution.from_proto(c.attribution)
                 attrs = {otel.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "stop"], otel.GEN_AI_RESPONSE_MODEL: self.model}
                 self.finish_reason = c.finish_reason
                 if c.HasField("usage"):
@@ -151,7 +174,14 @@ class CallTrace:
             return
         self.ended = True
         r = self.record
-        r.end_unix = time.time()
+        end_ns = time.time_ns()
+        r.end_unix = end_ns / 1e9
+        try:
+            attr = self.attribution(end_ns)
+            if attr is not None:
+                r.attribution.CopyFrom(attr.to_proto())
+        except Exception:  # noqa: BLE001 - recording never breaks a call
+            log.debug("attribution failed", exc_info=True)
         r.first_token_unix = self.first_token_ns / 1e9
         r.finish_reason = self.finish_reason
         if self.usage is not None:

@@ -27,6 +27,7 @@ from google.protobuf.json_format import MessageToDict
 
 from services.telemetry.metrics import Metrics
 from services.telemetry.sessions import SessionResult, SessionTracker
+from talaria.attribution import CallAttribution
 from talaria.v1 import engine_pb2 as pb
 from talaria.v1 import kvstore_pb2 as kpb
 from talaria.v1 import telemetry_pb2 as tpb
@@ -249,6 +250,10 @@ class Collector:
             if h.HasField("error"):
                 m.errors.labels(h.error.code or "engine_error").inc()
             ok = not h.HasField("error") and reason != "abort"
+            if h.HasField("attribution"):  # issue 12: the engine's exact split of the call's time
+                for name, secs in CallAttribution.from_proto(h.attribution).components.items():
+                    if secs > 0 and name not in ("router_queue_s", "placement_s"):
+                        m.call_phase.labels(model, inst, name[:-2]).inc(secs)
             if ok:
                 if h.ttft_seconds > 0:
                     m.ttft.labels(model, inst).observe(h.ttft_seconds)
@@ -309,6 +314,8 @@ class Collector:
                     error=bool(c.error),
                     tokens=(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if c.HasField("usage") else None,
                 )
+                if c.HasField("attribution"):  # issue 12: summed per session
+                    self.sessions.call_attribution(c.session_id, c.request_id, c.arrival_unix or now, CallAttribution.from_proto(c.attribution).as_dict())
             self._write("call", now, _msg_dict(c))
 
     def on_switch_record(self, d: dict[str, Any], now: float) -> None:

@@ -44,6 +44,7 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_round_wall_seconds", "histogram", ("instance",), "RoundSummary.wall_s (engine .round subject)", "wall time of a cold-pool round (active + switch)"),
     # counters
     MetricDoc("talaria_calls", "counter", ("model", "instance", "finish_reason"), "CompletionHook", "calls finished by an engine"),
+    MetricDoc("talaria_call_phase_seconds", "counter", ("model", "instance", "phase"), "CompletionHook.attribution (issue 12)", "engine seconds of finished calls by phase (engine_queue | round_wait | switch_wait | restore | prefill | decode | preemption | other): exact per call, so rate() gives each phase's share of engine time"),
     MetricDoc("talaria_tokens", "counter", ("model", "type"), "CompletionHook", "input / output / cached (served from KV, not recomputed) tokens"),
     MetricDoc("talaria_sp_admitted", "counter", ("instance",), "RoundSummary.sp_admitted", "session-prefill admissions"),
     MetricDoc("talaria_sp_deferred", "counter", ("instance",), "RoundSummary.sp_deferred", "session-prefill deferrals"),
@@ -111,6 +112,7 @@ class Metrics:
         self.round_wall = hist("talaria_round_wall_seconds", _LAT)
         self.calls = counter("talaria_calls")
         self.tokens = counter("talaria_tokens")
+        self.call_phase = counter("talaria_call_phase_seconds")
         self.sp_admitted = counter("talaria_sp_admitted")
         self.sp_deferred = counter("talaria_sp_deferred")
         self.kv_hits = counter("talaria_kv_hits")

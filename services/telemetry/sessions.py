@@ -27,6 +27,8 @@ class _Open:
     instances: set[str] = field(default_factory=set)
     in_flight: dict[str, float] = field(default_factory=dict)  # request id -> start
     done: set[str] = field(default_factory=set)  # request ids already counted
+    attribution: dict[str, float] = field(default_factory=dict)  # issue 12: seconds per component, summed over calls
+    attributed: set[str] = field(default_factory=set)  # request ids whose attribution is in the sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class SessionResult:
     cached_tokens: int
     models: tuple[str, ...]
     instances: tuple[str, ...]
+    attribution: dict[str, float] = field(default_factory=dict)  # issue 12: the calls' time split, summed
 
     def as_dict(self) -> dict:
         return {
@@ -56,6 +59,7 @@ class SessionResult:
             "cached_tokens": self.cached_tokens,
             "models": list(self.models),
             "instances": list(self.instances),
+            "attribution": dict(self.attribution),
         }
 
 
@@ -118,6 +122,18 @@ class SessionTracker:
             s.output_tokens += tokens[1]
             s.cached_tokens += tokens[2]
 
+    def call_attribution(self, session_id: str, request_id: str, arrival: float, seconds: dict[str, float]) -> None:
+        """Add one call's time split (``talaria.attribution.CallAttribution`` fields) to its session's sum;
+        a second report of the same call is ignored. Mutates: the open session."""
+        if not session_id or request_id in self._closed_calls:
+            return
+        s = self._get(session_id, arrival)
+        if request_id in s.attributed:
+            return
+        s.attributed.add(request_id)
+        for k, v in seconds.items():
+            s.attribution[k] = s.attribution.get(k, 0.0) + float(v)
+
     def expire(self, now: float) -> list[SessionResult]:
         """Sessions idle for ``idle_s`` (no call in flight) end now; returns their results."""
         out: list[SessionResult] = []
@@ -146,6 +162,7 @@ class SessionTracker:
                 s.cached_tokens,
                 tuple(sorted(s.models)),
                 tuple(sorted(s.instances)),
+                dict(s.attribution),
             )
             out.append(r)
         self.finished.extend(out)

@@ -39,3 +39,29 @@ class Usage(_message.Message):
     cached_tokens: int
     restored_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+
+class CallAttribution(_message.Message):
+    __slots__ = ("router_queue_s", "placement_s", "engine_queue_s", "round_wait_s", "switch_wait_s", "restore_s", "prefill_s", "decode_s", "preemption_s", "other_s", "total_s")
+    ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_S_FIELD_NUMBER: _ClassVar[int]
+    OTHER_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    router_queue_s: float
+    placement_s: float
+    engine_queue_s: float
+    round_wait_s: float
+    switch_wait_s: float
+    restore_s: float
+    prefill_s: float
+    decode_s: float
+    preemption_s: float
+    other_s: float
+    total_s: float
+    def __init__(self, router_queue_s: _Optional[float] = ..., placement_s: _Optional[float] = ..., engine_queue_s: _Optional[float] = ..., round_wait_s: _Optional[float] = ..., switch_wait_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., preemption_s: _Optional[float] = ..., other_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...

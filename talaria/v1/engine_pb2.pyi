@@ -211,7 +211,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs")
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs", "attribution")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class TokenChunk(_message.Message):
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     seq: int
@@ -242,7 +243,8 @@ class TokenChunk(_message.Message):
     keepalive: bool
     tool_format: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    attribution: _common_pb2.CallAttribution
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("schema_version", "request_id", "reason")
@@ -255,7 +257,7 @@ class CancelRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CompletionHook(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error", "attribution")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,7 @@ class CompletionHook(_message.Message):
     FINISH_UNIX_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -280,7 +283,8 @@ class CompletionHook(_message.Message):
     finish_unix: float
     ttft_seconds: float
     error: _common_pb2.Error
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+    attribution: _common_pb2.CallAttribution
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "model", "committed_tokens", "state", "last_use_unix")
@@ -323,16 +327,30 @@ class SwitchCost(_message.Message):
     def __init__(self, path: _Optional[_Union[SwitchPath, str]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CostProfile(_message.Message):
-    __slots__ = ("prefill_per_token", "decode_step", "restore_per_token", "switch_costs")
+    __slots__ = ("prefill_per_token", "decode_step", "restore_per_token", "switch_costs", "prefill_by_context", "decode_by_batch")
     PREFILL_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SWITCH_COSTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BY_BATCH_FIELD_NUMBER: _ClassVar[int]
     prefill_per_token: float
     decode_step: float
     restore_per_token: float
     switch_costs: _containers.RepeatedCompositeFieldContainer[SwitchCost]
-    def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_costs: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ...) -> None: ...
+    prefill_by_context: _containers.RepeatedCompositeFieldContainer[LearnedCost]
+    decode_by_batch: _containers.RepeatedCompositeFieldContainer[LearnedCost]
+    def __init__(self, prefill_per_token: _Optional[float] = ..., decode_step: _Optional[float] = ..., restore_per_token: _Optional[float] = ..., switch_costs: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., prefill_by_context: _Optional[_Iterable[_Union[LearnedCost, _Mapping]]] = ..., decode_by_batch: _Optional[_Iterable[_Union[LearnedCost, _Mapping]]] = ...) -> None: ...
+
+class LearnedCost(_message.Message):
+    __slots__ = ("at", "seconds", "samples")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    at: int
+    seconds: float
+    samples: int
+    def __init__(self, at: _Optional[int] = ..., seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
     __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible", "deadline_attainment", "ttft_attainment", "gap_p99_s", "cold_scheduler", "transfer_stream_bytes", "transfer_kv_bytes")

@@ -175,6 +175,35 @@ def test_sct_matches_client_and_metrics_carry_the_run(stack):
     assert len(sess) == 1 and sess[0]["sct_seconds"] == got["sct_seconds"]
 
 
+def test_call_records_carry_the_time_split_summed_per_session(stack):
+    """Issue 12 #1: each call's end record carries its time split — the engine's phases (from the finished
+    chunk) plus the router's placement — summing to the latency the router measured; hooks carry the engine's
+    part; the session record sums its calls'."""
+    client = client_for(stack)
+    for i in range(3):
+        chat(client, "Split my time." + " again" * i, "split-session", max_tokens=6)
+
+    def session_record():
+        recs = read_records(stack.test_dir / "records.jsonl")
+        return recs if any(r["kind"] == "session" and r["session_id"] == "split-session" for r in recs) else None
+
+    recs = wait_until(session_record, timeout=15 + IDLE_S)
+    ends = [r for r in recs if r["kind"] == "call" and r["phase"] == "end" and r["session_id"] == "split-session"]
+    hooks = [r for r in recs if r["kind"] == "hook" and r["session_id"] == "split-session"]
+    assert len(ends) == 3 and len(hooks) == 3
+    for r in ends:
+        a = r["attribution"]
+        assert a["total_s"] == pytest.approx(r["end_unix"] - r["arrival_unix"], abs=1e-3)
+        assert sum(v for k, v in a.items() if k != "total_s") == pytest.approx(a["total_s"], abs=1e-6)
+        assert a["placement_s"] > 0 and a["engine_queue_s"] > 0 and a["prefill_s"] > 0 and a["decode_s"] > 0
+        assert a["round_wait_s"] == 0 and a["switch_wait_s"] == 0  # a hot engine has no rounds
+    for h in hooks:
+        a = h["attribution"]
+        assert a["prefill_s"] > 0 and sum(v for k, v in a.items() if k != "total_s") == pytest.approx(a["total_s"], abs=1e-6)
+    (sess,) = [r for r in recs if r["kind"] == "session" and r["session_id"] == "split-session"]
+    assert sess["attribution"]["decode_s"] == pytest.approx(sum(r["attribution"]["decode_s"] for r in ends))
+
+
 def test_serving_unaffected_when_telemetry_is_stopped_or_killed(stack):
     """A frozen (SIGSTOP: the slowest possible consumer) and then a killed telemetry service change nothing
     for callers: every call completes, each within a bounded time."""
@@ -194,3 +223,4 @@ def test_serving_unaffected_when_telemetry_is_stopped_or_killed(stack):
         t = time.monotonic()
         r = chat(client, f"after telemetry died {i}", "down-s2").parse()
         assert r.choices[0].finish_reason in ("stop", "length") and time.monotonic() - t < 10
+

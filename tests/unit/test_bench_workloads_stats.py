@@ -340,5 +340,10 @@ def test_latency_split_reads_recorded_components_and_never_estimates(tmp_path):
     assert "not recorded" in table and "0.300" in table and "0.450" in table
     md = write_matrix_report(tmp_path, rows, {"command": "x", "workload_desc": "y"}).read_text()
     assert "Where a call's time goes" in md
+    assert ls["by_placement"]["?/?/?/resident"]["calls"] == 2  # no start records here: one unknown group
+    recs[0].update(request_id="a", placement_reason="lease", lease="hit", kv_source="device")
+    recs[1]["request_id"] = "a"
+    assert latency_split(recs)["by_placement"]["lease/hit/device/resident"]["components"]["decode"] == pytest.approx(1.0)
+    assert "Time split by placement" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "latency_split.png").exists()

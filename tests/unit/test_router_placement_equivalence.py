@@ -52,6 +52,18 @@ def reference(state: PlacementState, now: float):
 
 
 res = st.builds(ModelRes, loaded=st.booleans(), active=st.booleans(), staged=st.booleans())
+
+
+def _curve(points):  # issue 12: learned curves go through the fast path and _terms alike
+    from talaria.cost_curve import CostCurve
+
+    c = CostCurve(0.0)
+    c.load(points)
+    return c
+
+
+PREFILL_CURVE = _curve([(16, 1e-4, 3), (512, 3e-4, 2), (4096, 1e-3, 1)])
+DECODE_CURVE = _curve([(1, 0.01, 4), (8, 0.04, 2)])
 prof = st.builds(
     Profile,
     prefill_per_token=st.sampled_from([1e-4, 2.5e-4, 1e-3]),
@@ -60,6 +72,8 @@ prof = st.builds(
     switch_s=st.sampled_from([0.2, 0.5]),
     staged_switch_s=st.sampled_from([0.1, 0.2]),
     open_s=st.sampled_from([0.0, 3.0, 5.0]),
+    prefill_by_context=st.sampled_from([None, PREFILL_CURVE]),
+    decode_by_batch=st.sampled_from([None, DECODE_CURVE]),
 )
 kv_entry = st.tuples(st.sampled_from([0, KV_DEVICE, KV_HOST]), st.sampled_from([0, 500, 2000]))
 

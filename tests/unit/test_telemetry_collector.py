@@ -207,3 +207,23 @@ def test_heartbeat_token_deadline_attainment_reaches_the_summary():
     c.on_heartbeat(snap, now=1.0)
     inst = c.summary()["instances"]["cold-0"]
     assert inst["cold_scheduler"] == "token_deadlines" and inst["deadline_attainment"] == pytest.approx(0.9)
+
+
+def test_hook_and_call_record_attributions_feed_phase_seconds_and_session_sums():
+    """Issue 12: the engine's split (hook) feeds seconds per phase; the router's full split (call end record)
+    is summed per session, once per call."""
+    from talaria.attribution import CallAttribution
+
+    c = Collector(idle_s=0.5)
+    h = pb.CompletionHook.FromString(_hook("r1", "s", 1.0, 2.0, 0.1, 10, 2, 0))
+    h.attribution.CopyFrom(CallAttribution(round_wait_s=0.25, prefill_s=0.5, decode_s=0.25, total_s=1.0).to_proto())
+    c.feed("hook", h.SerializeToString(), now=2.0)
+    f = _fams(c)
+    assert _v(f, "talaria_call_phase_seconds", "talaria_call_phase_seconds_total", phase="prefill", instance="e0") == 0.5
+    assert _v(f, "talaria_call_phase_seconds", "talaria_call_phase_seconds_total", phase="round_wait") == 0.25
+    end = tpb.CallRecord(phase="end", request_id="r1", session_id="s", model="m", instance_id="e0", arrival_unix=1.0, end_unix=2.1)
+    end.attribution.CopyFrom(CallAttribution(placement_s=0.05, round_wait_s=0.25, prefill_s=0.5, decode_s=0.25, other_s=0.05, total_s=1.1).to_proto())
+    for _ in range(2):  # a duplicate record counts once
+        c.feed("call", end.SerializeToString(), now=2.1)
+    (res,) = c.sessions.expire(3.0)
+    assert res.attribution["placement_s"] == 0.05 and res.attribution["total_s"] == 1.1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from talaria.cost_curve import CostCurve, prefill_seconds
 from talaria.ewma import ewma
 from talaria.switch_path import SwitchCostModel, SwitchPath
 
@@ -43,6 +44,8 @@ class CostModel:
         self.default = default or CostProfile()
         self._models: dict[str, CostProfile] = dict(per_model or {})
         self._switch = SwitchCostModel(alpha, priors=self.default.switch_by_path)  # the project's one switch-cost model
+        self._prefill_curve: dict[str, CostCurve] = {}  # issue 12 #2: per model, seconds per token by context
+        self._decode_curve: dict[str, CostCurve] = {}  # per model, decode-step seconds by batch size
 
     def _p(self, model: str) -> CostProfile:
         return self._models.get(model, self.default)
@@ -70,7 +73,7 @@ class CostModel:
         device = reuse if c.prefix_state == "device" else 0
         restore = reuse if c.prefix_state == "host" and host_kv else 0
         prefill = c.prompt_tokens - device - restore
-        s = prefill * self.prefill_per_token(c.model) + restore * self.restore_per_token(c.model)
+        s = self.prefill_seconds(c.model, prefill, c.prompt_tokens) + restore * self.restore_per_token(c.model)
         return CallCost(prefill, restore, c.prompt_tokens - device + c.max_tokens, s)
 
     # ---------------------------------------------------------------- measurements
@@ -100,6 +103,40 @@ class CostModel:
             p = self._p(model)
             self._models[model] = replace(p, restore_per_token=self._ewma(p.restore_per_token, seconds / tokens))
 
+    # ---------------------------------------------------------------- learned curves (issue 12 #2)
+    def prefill_seconds(self, model: str, tokens: int, context_end: int) -> float:
+        """Seconds to prefill ``tokens`` tokens ending at ``context_end``: the learned per-token curve at
+        their mean position once measured, else ``tokens * prefill_per_token`` (the prior / scalar EWMA)."""
+        return prefill_seconds(self._prefill_curve.get(model), self.prefill_per_token(model), tokens, context_end)
+
+    def decode_step_at(self, model: str, batch: int) -> float:
+        """Decode-step seconds with ``batch`` sequences: the learned curve once measured, else ``decode_step``."""
+        c = self._decode_curve.get(model)
+        return c.value(max(1, batch)) if c is not None and c.measured else self.decode_step(model)
+
+    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """The step of ``observe_step`` by its shape: a decode-only step refreshes the decode step at its batch
+        size; a step that prefills (and restores nothing: a restore's copy would be charged to prefill)
+        refreshes the per-token prefill cost at the chunks' mean ``prefill_position``, after the decode share.
+        Mutates: the model's curves."""
+        dc = self._decode_curve.setdefault(model, CostCurve(self.decode_step(model), self.alpha))
+        if prefill_tokens == 0 and restore_tokens == 0:
+            if decode_seqs > 0:
+                dc.observe(decode_seqs, seconds)
+            return
+        if restore_tokens or prefill_tokens <= 0:
+            return
+        rest = seconds - (self.decode_step_at(model, decode_seqs) if decode_seqs else 0.0)
+        if rest <= 0:
+            return  # no slower than its decodes alone: the step does not identify the prefill cost
+        pc = self._prefill_curve.setdefault(model, CostCurve(self.prefill_per_token(model), self.alpha))
+        pc.observe(prefill_position, rest / prefill_tokens)
+
+    def curves(self, model: str) -> dict[str, list[tuple[int, float, int]]]:
+        """The learned buckets of ``model`` (``talaria.cost_curve.CostCurve.points``)."""
+        p, d = self._prefill_curve.get(model), self._decode_curve.get(model)
+        return {"prefill_by_context": p.points() if p else [], "decode_by_batch": d.points() if d else []}
+
     def observe_switch(self, path: SwitchPath, seconds: float) -> None:
         self._switch.observe(path, seconds)
 
@@ -108,6 +145,7 @@ class CostModel:
         return {
             "prefill_per_token": p.prefill_per_token, "decode_step": p.decode_step,
             "restore_per_token": p.restore_per_token, "switch_by_path": self._switch.by_path,
+            **(self.curves(model) if model else {}),
         }
 
 

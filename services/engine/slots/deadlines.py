@@ -284,6 +284,12 @@ class DeadlineScheduler:
     def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
         self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
 
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        self.costs.observe_restore(model, tokens, seconds)
+
+    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)
+
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)
         if self._epoch is not None:

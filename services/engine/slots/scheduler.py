@@ -169,6 +169,10 @@ class SlotScheduler:
     def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
         self.costs.observe_restore(model, tokens, seconds)
 
+    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """The learned curves' part of a measured step (``CostModel.observe_shape``, issue 12 #2)."""
+        self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)
+
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)
         self._observed_path = path
@@ -373,7 +377,8 @@ class SlotScheduler:
             r.switch_paths.append(path)
         left_slots = max(1, len([x for x in r.order if x not in r.served]))
         share = max(0.0, r.plan.prefill_pool_s - r.prefill_used_s) / left_slots
-        t_d = self.costs.decode_step(m)
+        mv0 = view.model(m)
+        t_d = self.costs.decode_step_at(m, mv0.running + len(mv0.queued))  # issue 12: at the slot's batch
         d_m = r.plan.reserved_iters.get(m) or reserved_iterations(r.plan.bound_s, self.policy.tpot_s)
         s = _Slot(m, now, d_m * t_d + share, share, d_m, t_d, switch_in_s=switch_in, switch_path=path)
         self._slot = s
@@ -459,6 +464,6 @@ class SlotScheduler:
             d_m = r.plan.reserved_iters.get(m.model) or reserved_iterations(r.plan.bound_s, pol.tpot_s)
             iters = min(d_m, max(m.max_remaining_decode, max((c.max_tokens for c in m.queued), default=0)))
             wait += self.costs.switch(expected_path(view.staged_fraction.get(m.model), pol.d2d_staging))
-            wait += sum(self.costs.call(c, pol.host_kv).seconds for c in m.queued) + iters * self.costs.decode_step(m.model)
+            wait += sum(self.costs.call(c, pol.host_kv).seconds for c in m.queued) + iters * self.costs.decode_step_at(m.model, m.running + len(m.queued))
         wait += self.costs.switch(expected_path(view.staged_fraction.get(s.model), pol.d2d_staging))
         return SpGain(wait, sum(len(m.queued) + m.running for m in others))
