@@ -132,6 +132,10 @@ class Executor(Protocol):
 
     def flush_cache(self) -> int: ...
 
+    def end_session(self, session_id: str, tenant: str = "", token_ids: Sequence[int] = ()) -> int:
+        """Issue 14: drop the session's device entry and the radix pages only it holds, and release its kvstore
+        entries (shared prefixes stay). ``token_ids``: its tokens when no device entry remains. Returns pages freed."""
+
     def open_model(self, model: str) -> None:
         """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""
 

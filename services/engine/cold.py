@@ -497,6 +497,13 @@ class ColdEngine:
             self._refresh_snapshot()
             return freed
 
+    def end_session(self, session_id: str, tenant: str = "", token_ids=()) -> int:
+        """Issue 14: the active model's engine ends the session (an inactive model's device KV is gone already)."""
+        with self._step_lock:
+            freed = self._shells[self.active].engine.end_session(session_id, tenant, token_ids) if self.active is not None else 0
+            self._refresh_snapshot()
+            return freed
+
     def check_integrity(self) -> None:
         with self._step_lock:
             self.arena.check()

@@ -306,6 +306,7 @@ class Engine:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
+            seq.priority = req.priority
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
@@ -520,6 +521,22 @@ class Engine:
         """Drop all cached prefixes and session entries not in use. Returns pages freed."""
         with self._step_lock:
             freed = self.kv.flush()
+            self._refresh_snapshot()
+            return freed
+
+    def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Issue 14: the session ended. Drops its session-cache entry and the radix pages of its chain that
+        nothing else extends (shared prefixes stay), and queues the release of the same chain in the kvstore.
+        ``token_ids``: the session's tokens when the device entry is gone already. Idempotent. Returns pages freed."""
+        with self._step_lock:
+            entry = self.kv.sessions.peek(session_id)
+            toks = list(entry.token_ids) if entry is not None else list(token_ids)
+            n = len(toks) // self.page_size
+            hashes = self.kv.extend_hashes([], toks[: n * self.page_size], tenant_salt(self.salt, tenant))[:n]
+            freed = self.kv.sessions.drop(session_id) + self.kv.radix.drop_leaves(hashes)
+            if self.host_kv is not None:
+                self.host_kv.release_session(session_id, hashes)
+            self._record_session(session_id)
             self._refresh_snapshot()
             return freed
 

@@ -56,6 +56,7 @@ from opentelemetry.trace import Tracer
 
 from services.engine.kv.host_tier import HostSessions, RestoreDecision, decide_restore
 from services.engine.kv.session_cache import common_prefix_len
+from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages  # the store's public client
 from services.kvstore.transfer import MooncakeEndpoint
 from talaria import otel
@@ -94,6 +95,7 @@ class _Job:
     hashes: list[int]
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
+    release: bool = False  # issue 14: not a checkpoint but a session end (release ``hashes`` in the store)
 
 
 class HostKV:
@@ -156,6 +158,7 @@ class HostKV:
         self.counters = {
             "checkpoints": 0, "checkpoint_pages": 0, "checkpoint_bytes": 0, "checkpoints_dropped": 0,
             "restores": 0, "restore_pages": 0, "restore_bytes": 0, "restores_declined": 0, "store_failures": 0,
+            "restore_verify_failures": 0, "restore_unverified_pages": 0, "sessions_released": 0, "released_pages": 0,
         }
         self.last_decision: RestoreDecision | None = None
         self._closed = False
@@ -238,6 +241,9 @@ class HostKV:
             if job is None:
                 return
             try:
+                if job.release:
+                    self._release(job)
+                    continue
                 attrs = {"talaria.kv.pages": len(job.hashes), "talaria.kv.queued_seconds": (time.time_ns() - job.queued_ns) / 1e9}
                 if job.session_id:
                     attrs[otel.SESSION_ID] = job.session_id
@@ -267,17 +273,19 @@ class HostKV:
         span = trace.get_current_span()
         span.set_attributes({"talaria.kv.new_pages": len(blocks), "talaria.kv.present_pages": r.present_pages, "talaria.kv.capacity_miss_pages": r.capacity_miss_pages})
         written: list[int] = []
+        sums: list[int] = []
         try:
             for i in range(0, len(blocks), self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 self._gather([job.pages[b.page_index] for b in part])
+                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # issue 14: of the bytes written
                 if i + self.staging_pages >= len(blocks):
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
                 write_pages(self.mooncake, r.data_plane, part, self._ckpt_buf.data_ptr(), self.page_bytes)
                 written += [b.block_id for b in part]
             if written:
-                self.client.commit(r.lease_id, written)
+                self.client.commit(r.lease_id, written, checksums=sums, checksum_algo=CHECKSUM_ALGO)
             span.set_attribute("talaria.kv.bytes", len(written) * self.page_bytes)
         except StoreUnavailable as e:
             span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
@@ -413,13 +421,22 @@ class HostKV:
             for i in range(0, k, self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
-                self._scatter(pages[i : i + len(part)])
+                good = self._verify(part)  # issue 14: before the pages are published
+                self._scatter(pages[i : i + good])
+                if good < len(part):  # the rest is recomputed: never published, never different tokens
+                    kv.allocator.decref(pages[i + good :])
+                    pages, k = pages[: i + good], i + good
+                    blocks = blocks[:k]
+                    break
         except StoreUnavailable as e:
             kv.allocator.decref(pages)
             span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("restore transfer", e)
             return 0, "unavailable"
         t2 = time.perf_counter()
+        if k == 0:
+            self._unpin(reply.lease_id, False)
+            return 0, "verify_failed"
         chain = list(radix_pages) + (list(entry.pages[r:base]) if entry is not None and base > r else []) + pages
         kv.radix.insert(hashes[: base + k], chain)
         kv.allocator.decref(pages)  # the radix cache holds them now
@@ -433,6 +450,50 @@ class HostKV:
         c["restore_pages"] += k
         c["restore_bytes"] += k * self.page_bytes
         return k, "restore"
+
+    def _verify(self, part) -> int:
+        """Issue 14: check the received pages of ``part`` (in the restore staging buffer) against the store's
+        checksums. Returns the verified prefix length; a mismatch is counted, and the bad page's chain (it and
+        everything extending it) is released in the store so it is never served again."""
+        good, unverified = verify_pages(self._restore_buf.numpy(), self.page_bytes, part)
+        self.counters["restore_unverified_pages"] += unverified
+        if good < len(part):
+            self.counters["restore_verify_failures"] += 1
+            trace.get_current_span().set_attribute("talaria.kv.verify_failed_page", part[good].page_index)
+            log.warning("restored page %d failed its checksum: recomputing from there", part[good].page_index)
+            try:
+                self.client.release(self.layout.model, self.layout.tp_rank, [part[good].prefix_hash])
+            except (StoreUnavailable, ValueError) as e:
+                self._failed("release", e)
+            with self._lock:
+                self._stored.discard(part[good].prefix_hash)
+        return good
+
+    # ---------------------------------------------------------------- session end (issue 14 item 4)
+    def release_session(self, session_id: str, hashes: list[int]) -> None:
+        """Queue the release of an ended session's chain in the store (after its queued checkpoints, on the
+        worker): the pages nothing else extends are dropped (``Release`` with ``leaves_only``). Any thread."""
+        if self._closed:
+            return
+        with self._idle:
+            self._inflight += 1
+        self._jobs.put(_Job(session_id, [], list(hashes), None, time.time_ns(), release=True))
+
+    def _release(self, job: _Job) -> None:
+        """Worker thread (``_run`` accounts for the job)."""
+        with self._lock:
+            self.sessions.drop(job.session_id)
+        if not job.hashes or not self.available():
+            return
+        try:
+            r = self.client.release(self.layout.model, self.layout.tp_rank, job.hashes, leaves_only=True)
+        except (StoreUnavailable, ValueError) as e:
+            self._failed("release", e)
+            return
+        with self._lock:
+            self._stored.difference_update(job.hashes)  # unsure which stayed: a later checkpoint asks the store
+            self.counters["sessions_released"] += 1
+            self.counters["released_pages"] += r.released
 
     def _allocate(self, k: int, locked: list[int], session_id: str) -> list[int]:
         kv = self.engine.kv

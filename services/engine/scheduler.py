@@ -10,7 +10,8 @@ tokens and ``max_num_seqs`` running sequences.
    later: its prompt + generated tokens are prefilled again, which yields the next token exactly as a
    decode would).
 2. Then prefill chunks: running sequences with a partial prefill continue, then waiting sequences are
-   admitted FCFS. Admission is check-then-commit against the block manager: prefix match (session entry or
+   admitted FCFS (issue 14: in priority order first — a call's ``priority`` hint queues it ahead of waiting
+   calls of lower priority, never ahead of a preempted one; equal priorities keep arrival order). Admission is check-then-commit against the block manager: prefix match (session entry or
    radix), pages for the whole remaining prompt (evicting caches if needed, never preempting), then
    commit. A sequence whose prefill does not fit the remaining token budget gets a chunk and continues
    next step. No admission happens in a step that preempted.
@@ -70,8 +71,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence of equal or higher ``priority`` (issue 14 hint; all 0 =
+        FCFS) and never ahead of a preempted one (they resume first). Mutates ``waiting``."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority < seq.priority and not self.waiting[i - 1].num_preemptions:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -60,6 +60,7 @@ class EngineRequest:
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
     tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
+    priority: int = 0  # issue 14 hint: larger = admitted earlier among waiting calls (ties: arrival order)
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,10 @@ class HostSessions:
     def get(self, session_id: str) -> HostSession | None:
         return self._s.get(session_id)
 
+    def drop(self, session_id: str) -> None:
+        """Forget an ended session (issue 14)."""
+        self._s.pop(session_id, None)
+
     def state(self, session_id: str, epoch: int, available: bool) -> str:
         """``host`` when the store we committed to is the one up now, else ``missing``."""
         s = self._s.get(session_id)
