@@ -13,6 +13,7 @@ HINT_PRIORITY = "talaria.hint.priority"
 HINT_EXPECTED_OUTPUT_TOKENS = "talaria.hint.expected_output_tokens"
 HINT_EXPECTED_TOOL_S = "talaria.hint.expected_tool_s"
 HINT_CACHE_TTL_S = "talaria.hint.cache_ttl_s"
+HINT_LATENCY_SENSITIVITY_S = "talaria.hint.latency_sensitivity_s"
 SESSION_END = "talaria.session.end"
 
 
@@ -29,4 +30,6 @@ def span_attributes(hints: Any) -> dict[str, Any]:
         out[HINT_EXPECTED_TOOL_S] = hints.expected_tool_s
     if hints.cache_ttl_s:
         out[HINT_CACHE_TTL_S] = hints.cache_ttl_s
+    if hints.latency_sensitivity_s:
+        out[HINT_LATENCY_SENSITIVITY_S] = hints.latency_sensitivity_s
     return out

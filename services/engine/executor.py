@@ -306,7 +306,7 @@ class Engine:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
-            seq.priority = req.priority
+            seq.priority, seq.queue_at = req.priority, req.arrival_time - req.latency_sensitivity_s
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)

@@ -58,6 +58,11 @@ class SchedulerOutput:
         return [(s.seq.request_id, s.num_new_tokens) for s in self.scheduled]
 
 
+def _before(a: Sequence, b: Sequence) -> bool:
+    """``a`` is admitted before ``b`` (issue 14 hints): higher priority, then earlier effective arrival."""
+    return a.priority > b.priority or (a.priority == b.priority and a.queue_at < b.queue_at)
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, *, max_num_seqs: int = 32, max_num_batched_tokens: int = 512) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -71,11 +76,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` behind every waiting sequence of equal or higher ``priority`` (issue 14 hint; all 0 =
-        FCFS) and never ahead of a preempted one (they resume first). Mutates ``waiting``."""
+        """Queue ``seq`` behind every waiting sequence that goes first: a higher ``priority``, or the same one
+        and an earlier ``queue_at`` (issue 14 hints; no hints = FCFS), and never ahead of a preempted one (they
+        resume first). Mutates ``waiting``."""
         seq.status = SequenceStatus.WAITING
         i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].priority < seq.priority and not self.waiting[i - 1].num_preemptions:
+        while i > 0 and not self.waiting[i - 1].num_preemptions and _before(seq, self.waiting[i - 1]):
             i -= 1
         self.waiting.insert(i, seq)
 

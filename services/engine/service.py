@@ -414,6 +414,7 @@ class EngineService:
             self.engine.add_request(EngineRequest(
                 rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx,
                 tenant=req.tenant, priority=req.hints.priority if req.hints.has_priority else 0,
+                latency_sensitivity_s=req.hints.latency_sensitivity_s,
             ))
         except ExecutorError as e:  # validation happens here, once (executor.validate_request)
             self._calls.pop(rid, None)

@@ -61,6 +61,7 @@ class EngineRequest:
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
     tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
     priority: int = 0  # issue 14 hint: larger = admitted earlier among waiting calls (ties: arrival order)
+    latency_sensitivity_s: float = 0.0  # issue 14 (Dynamo's hint): queue as if arrived this much earlier
 
 
 @dataclass(frozen=True, slots=True)

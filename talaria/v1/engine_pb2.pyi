@@ -201,18 +201,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., end_session: _Optional[bool] = ...) -> None: ...
 
 class AgentCallHints(_message.Message):
-    __slots__ = ("has_priority", "priority", "expected_output_tokens", "expected_tool_s", "cache_ttl_s")
+    __slots__ = ("has_priority", "priority", "expected_output_tokens", "expected_tool_s", "cache_ttl_s", "latency_sensitivity_s")
     HAS_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOOL_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SENSITIVITY_S_FIELD_NUMBER: _ClassVar[int]
     has_priority: bool
     priority: int
     expected_output_tokens: int
     expected_tool_s: float
     cache_ttl_s: float
-    def __init__(self, has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., expected_tool_s: _Optional[float] = ..., cache_ttl_s: _Optional[float] = ...) -> None: ...
+    latency_sensitivity_s: float
+    def __init__(self, has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., expected_tool_s: _Optional[float] = ..., cache_ttl_s: _Optional[float] = ..., latency_sensitivity_s: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
