@@ -1,5 +1,7 @@
-"""Verified restore (issue 14 item 5): per-page checksums recorded at commit, checked before a restore
-publishes the pages. Real in-process kvstore (gRPC + Mooncake TCP), tiny synthesized models, CPU."""
+"""The engine's host tier in issue 14: verified restore (item 5: per-page checksums recorded at commit,
+checked before a restore publishes the pages) and the end of a session (item 4: device entry, own radix pages
+and kvstore chain released, shared prefixes kept). Real in-process kvstore (gRPC + Mooncake TCP), tiny
+synthesized models, CPU."""
 
 from __future__ import annotations
 
@@ -137,3 +139,34 @@ def test_checksums_travel_with_the_blocks(store):
     got = c.lookup(lay, [101, 102])
     assert [(b.has_checksum, b.checksum, b.checksum_algo) for b in got.blocks] == [(True, 7, ALGO), (True, 8, ALGO)]
     c.close()
+
+
+def test_end_session_releases_device_and_store_pages_but_not_shared_prefixes(synth_models, store, mooncake):
+    path = synth_models["tiny-llama"]
+    e = Engine(path, page_size=PAGE, num_pages=128)
+    hk = HostKV(e, KvStoreClient(store.address, timeout_s=1.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, retry_after_s=0.2)
+    e.attach_host_kv(hk)
+    shared = e.tokenizer.encode("a system prompt both sessions of this test share " * 3)
+    shared = shared[: len(shared) // PAGE * PAGE]
+    a = shared + e.tokenizer.encode(" session a asks the tool about the weather")
+    b = shared + e.tokenizer.encode(" session b asks the tool about the markets")
+    _call(e, "a-1", a, "end-a")
+    _call(e, "b-1", b, "end-b")
+    assert e.drain_checkpoints(timeout=10)
+    stats0 = store.servicer.stats()
+    free0 = e.kv.num_free_pages
+    freed = e.end_session("end-a")
+    assert freed > 0 and e.kv.num_free_pages == free0 + freed and e.kv.sessions.peek("end-a") is None
+    assert e.drain_checkpoints(timeout=10)  # the release runs on the host-tier worker, after queued checkpoints
+    assert hk.counters["sessions_released"] == 1 and hk.counters["released_pages"] > 0
+    assert store.servicer.stats().entries == stats0.entries - hk.counters["released_pages"]
+    n = len(shared) // PAGE
+    hashes = e.kv.extend_hashes([], shared, e.salt)[:n]
+    with store.servicer.lock:
+        assert store.registry.lookup(hk.layout, hashes).pages == n  # the shared prefix stays (b extends it)
+    assert all(h in e.kv.radix for h in hashes)
+    assert e.end_session("end-a") == 0  # idempotent
+    out, usage = _call(e, "b-2", b + [5, 6, 7], "end-b")  # the other session is untouched
+    assert usage.cached_tokens >= len(b) // PAGE * PAGE
+    e.check_integrity()
+    hk.close()
