@@ -48,6 +48,7 @@ from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
+from services.engine.session_chains import SessionChains
 from services.engine.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.ewma import ewma
@@ -221,6 +222,7 @@ class Engine:
         self._decode_step = 0.0
         self._snapshot: dict[str, Any] = {}
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
+        self.session_chains = SessionChains()  # issue 14: the hash chains each session left (end_session)
         self._refresh_snapshot()
 
 
@@ -430,6 +432,8 @@ class Engine:
         self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
+            n = seq.num_computed_tokens // self.page_size
+            self.session_chains.record(seq.session_id, self.kv.extend_hashes(seq.hashes, seq.token_ids[: n * self.page_size], seq.salt)[:n])
             self._record_session(seq.session_id)
         self.sampler.remove(seq.request_id)
         del self._requests[seq.request_id]
@@ -525,17 +529,20 @@ class Engine:
             return freed
 
     def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Issue 14: the session ended. Drops its session-cache entry and the radix pages of its chain that
-        nothing else extends (shared prefixes stay), and queues the release of the same chain in the kvstore.
-        ``token_ids``: the session's tokens when the device entry is gone already. Idempotent. Returns pages freed."""
+        """Issue 14: the session ended. Drops its session-cache entry and the radix pages of its chains (every
+        branch its calls left, ``session_chains``) that nothing else extends (shared prefixes stay), and queues
+        the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry
+        is gone already. Idempotent. Returns pages freed."""
         with self._step_lock:
             entry = self.kv.sessions.peek(session_id)
             toks = list(entry.token_ids) if entry is not None else list(token_ids)
             n = len(toks) // self.page_size
-            hashes = self.kv.extend_hashes([], toks[: n * self.page_size], tenant_salt(self.salt, tenant))[:n]
-            freed = self.kv.sessions.drop(session_id) + self.kv.radix.drop_leaves(hashes)
+            chains = self.session_chains.pop(session_id)
+            chains.append(self.kv.extend_hashes([], toks[: n * self.page_size], tenant_salt(self.salt, tenant))[:n])
+            chains = [c for c in reversed(chains) if c]  # newest first: its tail frees the fork for older ones
+            freed = self.kv.sessions.drop(session_id) + sum(self.kv.radix.drop_leaves(c) for c in chains)
             if self.host_kv is not None:
-                self.host_kv.release_session(session_id, hashes)
+                self.host_kv.release_session(session_id, chains)
             self._record_session(session_id)
             self._refresh_snapshot()
             return freed

@@ -95,7 +95,7 @@ class _Job:
     hashes: list[int]
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
-    release: bool = False  # issue 14: not a checkpoint but a session end (release ``hashes`` in the store)
+    release: list[list[int]] | None = None  # issue 14: not a checkpoint but a session end (chains to release)
 
 
 class HostKV:
@@ -241,7 +241,7 @@ class HostKV:
             if job is None:
                 return
             try:
-                if job.release:
+                if job.release is not None:
                     self._release(job)
                     continue
                 attrs = {"talaria.kv.pages": len(job.hashes), "talaria.kv.queued_seconds": (time.time_ns() - job.queued_ns) / 1e9}
@@ -470,30 +470,37 @@ class HostKV:
         return good
 
     # ---------------------------------------------------------------- session end (issue 14 item 4)
-    def release_session(self, session_id: str, hashes: list[int]) -> None:
-        """Queue the release of an ended session's chain in the store (after its queued checkpoints, on the
-        worker): the pages nothing else extends are dropped (``Release`` with ``leaves_only``). Any thread."""
+    def release_session(self, session_id: str, chains: list[list[int]]) -> None:
+        """Queue the release of an ended session's chains (newest first) in the store, after its queued
+        checkpoints, on the worker: the pages nothing else extends are dropped (``Release`` with
+        ``leaves_only``, one RPC per chain). Any thread.
+        The session is forgotten now (for the next snapshot) and again after its queued checkpoints."""
+        with self._lock:
+            self.sessions.drop(session_id)
         if self._closed:
             return
         with self._idle:
             self._inflight += 1
-        self._jobs.put(_Job(session_id, [], list(hashes), None, time.time_ns(), release=True))
+        self._jobs.put(_Job(session_id, [], [], None, time.time_ns(), release=[list(c) for c in chains if c]))
 
     def _release(self, job: _Job) -> None:
         """Worker thread (``_run`` accounts for the job)."""
         with self._lock:
             self.sessions.drop(job.session_id)
-        if not job.hashes or not self.available():
+        if not job.release or not self.available():
             return
+        released = 0
         try:
-            r = self.client.release(self.layout.model, self.layout.tp_rank, job.hashes, leaves_only=True)
+            for chain in job.release:
+                released += self.client.release(self.layout.model, self.layout.tp_rank, chain, leaves_only=True).released
         except (StoreUnavailable, ValueError) as e:
             self._failed("release", e)
             return
         with self._lock:
-            self._stored.difference_update(job.hashes)  # unsure which stayed: a later checkpoint asks the store
+            for chain in job.release:  # unsure which pages stayed (shared): a later checkpoint asks the store
+                self._stored.difference_update(chain)
             self.counters["sessions_released"] += 1
-            self.counters["released_pages"] += r.released
+            self.counters["released_pages"] += released
 
     def _allocate(self, k: int, locked: list[int], session_id: str) -> list[int]:
         kv = self.engine.kv

@@ -11,6 +11,7 @@ from services.engine.kv.manager import KVManager
 from services.engine.kv.radix import RadixCache
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
+from services.engine.session_chains import SessionChains
 from services.kvstore.registry import HostKVRegistry
 from services.router.errors import APIError
 from services.router.hints import CallHints, parse_ttl
@@ -149,3 +150,14 @@ def test_registry_release_leaves_keeps_shared_prefixes():
     assert reg.release_leaves("m@r", 0, [1, 2, 9]) == 3  # now nothing else extends 1-2
     assert reg.num_entries == 0
     reg.check_integrity()
+
+
+def test_session_chains_keep_every_branch_newest_last():
+    c = SessionChains(max_sessions=2, max_chains=2)
+    c.record("s", [1, 2])
+    c.record("s", [1, 2, 3])  # extends: replaces its prefix
+    c.record("s", [1, 5])  # a branch
+    assert c.pop("s") == [[1, 2, 3], [1, 5]] and c.pop("s") == []
+    for sid in ("a", "b", "c"):
+        c.record(sid, [7])
+    assert len(c) == 2 and c.pop("a") == []  # the oldest session went
