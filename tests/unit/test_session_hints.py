@@ -161,3 +161,20 @@ def test_session_chains_keep_every_branch_newest_last():
     for sid in ("a", "b", "c"):
         c.record(sid, [7])
     assert len(c) == 2 and c.pop("a") == []  # the oldest session went
+
+
+def test_verify_failures_metric_counts_growth_per_engine():
+    from services.telemetry.collector import Collector
+
+    col = Collector(idle_s=60.0)
+    for inst, total in (("e0", 0), ("e0", 2), ("e0", 2), ("e1", 1), ("e0", 1)):  # e0 restarted: 1 new
+        col.on_hook(pb.CompletionHook(request_id="r", model="m", instance_id=inst, kv_restore_verify_failures=total), 0.0)
+    c = col.metrics.kv_verify_failures
+    assert c.labels("e0")._value.get() == 3 and c.labels("e1")._value.get() == 1
+
+
+def test_kv_verify_bench_smoke():
+    from bench.kv_verify_bench import run
+
+    r = run(gib=1 / 1024, page_bytes=4096, repeats=1)
+    assert r["pages"] == 256 and r["s_per_gib"]["verify"] > 0
