@@ -426,7 +426,6 @@ class HostKV:
                 if good < len(part):  # the rest is recomputed: never published, never different tokens
                     kv.allocator.decref(pages[i + good :])
                     pages, k = pages[: i + good], i + good
-                    blocks = blocks[:k]
                     break
         except StoreUnavailable as e:
             kv.allocator.decref(pages)

@@ -86,7 +86,7 @@ async def end_session(state, session_id: str, tenant: str) -> dict:
 def session_routes(state) -> APIRouter:
     router = APIRouter()
 
-    @router.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id:path}")  # any id, slashes included
     async def delete_session(session_id: str, request: Request) -> JSONResponse:
         if not 0 < len(session_id) <= 256:
             raise APIError(400, "session id must be 1..256 characters", code="invalid_value", param="session_id")
