@@ -6,6 +6,7 @@ a tenant ends only its own sessions; an end during a call takes effect after tha
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from services.router.auth import key_hash
+from talaria.config import load_config
 from talaria.natsutil import connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
@@ -56,8 +58,8 @@ def delete(stack, session: str, key: str = KEY_A) -> dict:
     return r.json()
 
 
-def leases_live(stack) -> int:
-    return httpx.get(f"{stack.api}/router/metrics", timeout=5).json()["placement"]["leases_live"]
+def leases_live(stack, api: str | None = None) -> int:
+    return httpx.get(f"{api or stack.api}/router/metrics", timeout=5).json()["placement"]["leases_live"]
 
 
 def engine_sessions(stack) -> dict[str, int]:
@@ -161,3 +163,28 @@ def test_delete_is_tenant_scoped_idempotent_and_waits_for_the_call_in_flight(sta
     tokens = sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None)
     assert chunks[-1].choices[0].finish_reason == "length" and tokens >= 100  # not cut short
     wait_until(lambda: "team-a|in-flight" not in engine_sessions(stack))
+
+
+def test_delete_on_another_replica_drops_the_shared_lease(stack, tmp_path):
+    """Leases live in the JetStream bucket shared by router replicas (tau 60 s here, so nothing expires): a
+    DELETE on a replica that never placed the session finds it through its lease mirror, ends it on the engine
+    that holds it, and the lease disappears for every replica."""
+    data = load_config(stack.cfg_path).model_dump(mode="json")
+    data["router"]["id"] = "router-1"
+    path = tmp_path / "router-1.json"
+    path.write_text(json.dumps(data))
+    r1 = stack._spawn("router-1", ["-m", "services.router", "--config", str(path)], "listening on")
+    assert r1.ready.wait(60), "second router did not start"
+    api1 = r1.ready_line.rsplit(" ", 1)[-1]
+    try:
+        text = "The coder opened the file and asked the linter what was wrong with it. " * 5
+        before = leases_live(stack)
+        chat(stack, "replicated", text)
+        wait_until(lambda: leases_live(stack, api1) >= before + 1)  # mirrored from the bucket
+        r = httpx.delete(f"{api1}/v1/sessions/replicated", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30).json()
+        assert r["instances"] == ["e0"] and not r["broadcast"]  # known to router-1 through the mirrored lease
+        wait_until(lambda: leases_live(stack) == before and leases_live(stack, api1) == before, timeout=10)
+        wait_until(lambda: "team-a|replicated" not in engine_sessions(stack))
+    finally:
+        stack.children.pop("router-1").terminate()
+        r1.proc.wait(30)
