@@ -232,6 +232,13 @@ class SessionTokens:
         ids = self._d.get((session_id, model)) if session_id else None
         return list(ids) if ids is not None else None
 
+    def pop(self, session_id: str, model: str) -> list[int] | None:
+        """Forget the session (every model); returns its ids for ``model`` (issue 14: the session ended)."""
+        ids = self.get(session_id, model)
+        for key in [k for k in self._d if k[0] == session_id]:
+            del self._d[key]
+        return ids
+
 
 def chat_message_dict(m) -> dict[str, Any]:
     """A wire ``ChatMessage`` as the dict a chat template reads (tool calls parsed, null content kept null)."""

@@ -185,6 +185,7 @@ class EngineStats:
     staging_slack_bytes: int = 0
     num_switches: int = 0
     slots: SlotStats | None = None
+    kv_restore_verify_failures: int = 0  # issue 14: restored pages that failed their checksum (recomputed), since start
     transfer_stream_bytes: int = 0  # issue 16 partial_layers: bytes the transfer scheduler streamed (weights)
     transfer_kv_bytes: int = 0  # ... and moved for KV restores under the kappa floor
 
@@ -223,6 +224,10 @@ class Executor(Protocol):
         """Where the session's KV is (device, host, missing), or None when this instance never held it."""
 
     def flush_cache(self) -> int: ...
+
+    def end_session(self, session_id: str, tenant: str = "", token_ids: Sequence[int] = ()) -> int:
+        """Issue 14: drop the session's device entry and the radix pages only it holds, and release its kvstore
+        entries (shared prefixes stay). ``token_ids``: its tokens when no device entry remains. Returns pages freed."""
 
     def open_model(self, model: str) -> None:
         """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""

@@ -533,7 +533,8 @@ class ColdEngine:
             max_context=st.max_context if st else 0, models=models, sessions=tuple(sessions),
             profile=CostStats(prof.prefill_per_token, prof.decode_step, rpt, self.costs.by_path,
                               prefill_by_context=prof.prefill_by_context, decode_by_batch=prof.decode_by_batch),
-            host_kv=bool(self._host_kv), staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
+            host_kv=bool(self._host_kv), kv_restore_verify_failures=sum(hk.counters["restore_verify_failures"] for hk in list(self._host_kv.values())),
+            staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
             slots=self._slot_stats(), transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
         )
 
@@ -552,6 +553,13 @@ class ColdEngine:
     def flush_cache(self) -> int:
         with self._step_lock:
             freed = self._shells[self.active].engine.flush_cache() if self.active is not None else 0
+            self._refresh_gauges()
+            return freed
+
+    def end_session(self, session_id: str, tenant: str = "", token_ids=()) -> int:
+        """Issue 14: the active model's engine ends the session (an inactive model's device KV is gone already)."""
+        with self._step_lock:
+            freed = self._shells[self.active].engine.end_session(session_id, tenant, token_ids) if self.active is not None else 0
             self._refresh_gauges()
             return freed
 

@@ -56,6 +56,7 @@ from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
 from talaria.tokenizer import IncrementalDecoder, Tokenizer
+from services.engine.session_chains import SessionChains
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.attribution import Phase, PhaseClock, attribution_clock, phase_start
 from talaria.cost_curve import CostCurve
@@ -238,6 +239,7 @@ class Engine:
         self.decode_curve = CostCurve(0.0)
         self.step_samples: deque[tuple[str, float, float]] = deque(maxlen=256)  # (curve, size, seconds) fed
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
+        self.session_chains = SessionChains()  # issue 14: the hash chains each session left (end_session)
 
 
     # ------------------------------------------------------------------ the catalog (of one model)
@@ -340,6 +342,7 @@ class Engine:
             seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
             seq.trace_context = req.trace_context
             seq.phases = req.phases if req.phases is not None else PhaseClock(phase_start(req.arrival_time, self._clock, attribution_clock()))
+            seq.priority, seq.queue_at = req.priority, req.arrival_time - req.latency_sensitivity_s
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
@@ -485,6 +488,8 @@ class Engine:
             self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
+            n = seq.num_computed_tokens // self.page_size
+            self.session_chains.record(seq.session_id, self.kv.extend_hashes(seq.hashes, seq.token_ids[: n * self.page_size], seq.salt)[:n])
             self._record_session(seq.session_id)
         self.sampler.remove(seq.request_id)
         del self._requests[seq.request_id]
@@ -558,6 +563,7 @@ class Engine:
             num_preemptions=sch.num_preemptions, num_steps=self.num_steps, max_context=self.max_context,
             models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting),),
             sessions=tuple(sessions), profile=self.cost_stats(), host_kv=hk is not None,
+            kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
         )
 
     def cost_stats(self) -> CostStats:
@@ -594,6 +600,24 @@ class Engine:
         """Drop all cached prefixes and session entries not in use. Returns pages freed."""
         with self._step_lock:
             return self.kv.flush()
+
+    def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Issue 14: the session ended. Drops its session-cache entry and the radix pages of its chains (every
+        branch its calls left, ``session_chains``) that nothing else extends (shared prefixes stay), and queues
+        the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry
+        is gone already. Idempotent. Returns pages freed."""
+        with self._step_lock:
+            entry = self.kv.sessions.peek(session_id)
+            toks = list(entry.token_ids) if entry is not None else list(token_ids)
+            n = len(toks) // self.page_size
+            chains = self.session_chains.pop(session_id)
+            chains.append(self.kv.extend_hashes([], toks[: n * self.page_size], tenant_salt(self.salt, tenant))[:n])
+            chains = [c for c in reversed(chains) if c]  # newest first: its tail frees the fork for older ones
+            freed = self.kv.drop_session(session_id, chains)
+            if self.host_kv is not None:
+                self.host_kv.release_session(session_id, chains)
+            self._record_session(session_id)
+            return freed
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, **kwargs)

@@ -65,6 +65,7 @@ from services.engine.api import SessionInfo
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.manager import RestoreReservation
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
+from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from talaria import otel
 from talaria.ewma import Ewma
 from talaria.kv_layout import Family, Layout
@@ -101,6 +102,7 @@ class _Job:
     hashes: list[int]
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
+    release: list[list[int]] | None = None  # issue 14: not a checkpoint but a session end (chains to release)
 
 
 @dataclass(slots=True, eq=False)
@@ -182,6 +184,7 @@ class HostKV:
         self.counters = {
             "checkpoints": 0, "checkpoint_pages": 0, "checkpoint_bytes": 0, "checkpoints_dropped": 0,
             "restores": 0, "restore_pages": 0, "restore_bytes": 0, "restores_declined": 0, "store_failures": 0,
+            "restore_verify_failures": 0, "restore_unverified_pages": 0, "sessions_released": 0, "released_pages": 0,
         }
         self.last_decision: RestoreDecision | None = None
         # restores: a worker of their own (a slow store read never stalls the executor thread)
@@ -289,6 +292,9 @@ class HostKV:
             if job is None:
                 return
             try:
+                if job.release is not None:
+                    self._release(job)
+                    continue
                 attrs = {"talaria.kv.pages": len(job.hashes), "talaria.kv.queued_seconds": (time.time_ns() - job.queued_ns) / 1e9}
                 if job.session_id:
                     attrs[otel.SESSION_ID] = job.session_id
@@ -318,17 +324,19 @@ class HostKV:
         span = trace.get_current_span()
         span.set_attributes({"talaria.kv.new_pages": len(blocks), "talaria.kv.present_pages": r.present_pages, "talaria.kv.capacity_miss_pages": r.capacity_miss_pages})
         written: list[int] = []
+        sums: list[int] = []
         try:
             for i in range(0, len(blocks), self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 self._gather([job.pages[b.page_index] for b in part])
+                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # issue 14: of the bytes written
                 if i + self.staging_pages >= len(blocks):
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
                 write_pages(self.mooncake, r.data_plane, part, self._ckpt_buf.data_ptr(), self.page_bytes)
                 written += [b.block_id for b in part]
             if written:
-                self.client.commit(r.lease_id, written)
+                self.client.commit(r.lease_id, written, checksums=sums, checksum_algo=CHECKSUM_ALGO)
             span.set_attribute("talaria.kv.bytes", len(written) * self.page_bytes)
         except StoreUnavailable as e:
             span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
@@ -594,29 +602,92 @@ class HostKV:
         blocks = list(reply.blocks[base : base + k])
         assert len(blocks) == k, f"reservation of {k} pages beyond {base} but the store agreed to {reply.pages}"
         t1 = time.perf_counter()
+        landed = read = 0
         try:
             for i in range(0, k, self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
-                self._scatter(pages[i : i + len(part)])
+                read += len(part)
+                good = self._verify(part)  # issue 14: before the pages are published
+                self._scatter(pages[i : i + good])
+                landed += good
+                if good < len(part):  # the rest is recomputed: never published (adopt_restore drops it)
+                    break
         except StoreUnavailable as e:
             job.span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("restore transfer", e)
             job.outcome = "unavailable"
             return self._post(job, "publish")
         t2 = time.perf_counter()
+        if landed == 0:
+            self._unpin(reply.lease_id, False)
+            job.landed, job.outcome = 0, "verify_failed"
+            return self._post(job, "publish")
         self._unpin(reply.lease_id, True)
         job.span.set_attribute("talaria.kv.transfer_seconds", t2 - t1)
-        self.restore_per_token.add((t2 - t1) / (k * P))
+        self.restore_per_token.add((t2 - t1) / (read * P))
         self.restore_overhead.add(job.overhead_s + (time.perf_counter() - t2))
         with self._lock:
             c = self.counters
             c["restores"] += 1
-            c["restore_pages"] += k
-            c["restore_bytes"] += k * self.page_bytes
-            self._samples.append((k * P, t2 - t1))
-        job.landed, job.outcome = k, "restore"
+            c["restore_pages"] += landed
+            c["restore_bytes"] += landed * self.page_bytes
+            self._samples.append((read * P, t2 - t1))
+        job.landed, job.outcome = landed, "restore"
         self._post(job, "publish")
+
+    def _verify(self, part) -> int:
+        """Issue 14: check the received pages of ``part`` (in the restore staging buffer) against the store's
+        checksums. Returns the verified prefix length; a mismatch is counted, and the bad page's chain (it and
+        everything extending it) is released in the store so it is never served again."""
+        good, unverified = verify_pages(self._restore_buf.numpy(), self.page_bytes, part)
+        with self._lock:
+            self.counters["restore_unverified_pages"] += unverified
+            if good < len(part):
+                self.counters["restore_verify_failures"] += 1
+        if good < len(part):
+            trace.get_current_span().set_attribute("talaria.kv.verify_failed_page", part[good].page_index)
+            log.warning("restored page %d failed its checksum: recomputing from there", part[good].page_index)
+            try:
+                self.client.release(self.layout.model, self.layout.tp_rank, [part[good].prefix_hash])
+            except (StoreUnavailable, ValueError) as e:
+                self._failed("release", e)
+            self.index.discard([part[good].prefix_hash])
+        return good
+
+    # ---------------------------------------------------------------- session end (issue 14 item 4)
+    def release_session(self, session_id: str, chains: list[list[int]]) -> None:
+        """Queue the release of an ended session's chains (newest first) in the store, after its queued
+        checkpoints, on the worker: the pages nothing else extends are dropped (``Release`` with
+        ``leaves_only``, one RPC per chain). Any thread.
+        The session is forgotten now (for the next snapshot) and again after its queued checkpoints."""
+        with self._lock:
+            self.sessions.drop(session_id)
+        if self._closed:
+            return
+        with self._idle:
+            self._inflight += 1
+        self._jobs.put(_Job(session_id, [], [], None, time.time_ns(), release=[list(c) for c in chains if c]))
+
+    def _release(self, job: _Job) -> None:
+        """Worker thread (``_run`` accounts for the job)."""
+        with self._lock:
+            self.sessions.drop(job.session_id)
+        if not job.release or not self.available():
+            return
+        released = 0
+        try:
+            for chain in job.release:
+                released += self.client.release(self.layout.model, self.layout.tp_rank, chain, leaves_only=True).released
+        except (StoreUnavailable, ValueError) as e:
+            self._failed("release", e)
+            return
+        for chain in job.release:  # unsure which pages stayed (shared): a later checkpoint asks the store
+            self.index.discard(chain)
+        with self._lock:
+            self.counters["sessions_released"] += 1
+            self.counters["released_pages"] += released
+
 
     def _unpin(self, lease_id: int, read_complete: bool) -> None:
         if not lease_id:

@@ -10,7 +10,8 @@ tokens and ``max_num_seqs`` running sequences.
    later: its prompt + generated tokens are prefilled again, which yields the next token exactly as a
    decode would).
 2. Then prefill chunks: running sequences with a partial prefill continue, then waiting sequences are
-   admitted FCFS. Admission is check-then-commit against the block manager: prefix match (session entry or
+   admitted FCFS (issue 14: in priority order first — a call's ``priority`` hint queues it ahead of waiting
+   calls of lower priority, never ahead of a preempted one; equal priorities keep arrival order). Admission is check-then-commit against the block manager: prefix match (session entry or
    radix), pages for the whole remaining prompt (evicting caches if needed, never preempting), then
    commit. A sequence whose prefill does not fit the remaining token budget gets a chunk and continues
    next step. No admission happens in a step that preempted.
@@ -57,6 +58,11 @@ class SchedulerOutput:
         return [(s.seq.request_id, s.num_new_tokens) for s in self.scheduled]
 
 
+def _before(a: Sequence, b: Sequence) -> bool:
+    """``a`` is admitted before ``b`` (issue 14 hints): higher priority, then earlier effective arrival."""
+    return a.priority > b.priority or (a.priority == b.priority and a.queue_at < b.queue_at)
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, *, max_num_seqs: int = 32, max_num_batched_tokens: int = 512) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -70,8 +76,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence that goes first: a higher ``priority``, or the same one
+        and an earlier ``queue_at`` (issue 14 hints; no hints = FCFS), and never ahead of a preempted one (they
+        resume first). Mutates ``waiting``."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        i = len(self.waiting)
+        while i > 0 and not self.waiting[i - 1].num_preemptions and _before(seq, self.waiting[i - 1]):
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -27,7 +27,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "session_id", "arrival_order",
         "num_computed_tokens", "num_cached_tokens", "pages", "locked_hashes", "hashes", "status",
-        "num_preemptions", "trace_context", "num_restored_tokens", "salt", "kv_hold", "phases",
+        "num_preemptions", "trace_context", "num_restored_tokens", "salt", "kv_hold", "phases", "priority", "queue_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None, session_id: str = "") -> None:
@@ -49,6 +49,8 @@ class Sequence:
         self.salt: int | None = None  # start of this sequence's hash chain; None = the KV manager's (model) salt
         self.kv_hold: list[int] = []  # radix path of a host restore, locked until admission (KVManager.adopt_restore)
         self.phases = None  # issue 12: talaria.attribution.PhaseClock, moved by the executor (exact time split)
+        self.priority = 0  # issue 14 hint: waiting order (larger first, ties by arrival); see Scheduler.add
+        self.queue_at = 0.0  # issue 14: arrival time minus the latency-sensitivity hint (order within a priority)
 
     @property
     def num_tokens(self) -> int:

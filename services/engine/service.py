@@ -39,7 +39,7 @@ from services.engine.api import ContextLengthError, Executor, ExecutorError, Mod
 from services.engine.heartbeat import HeartbeatThread
 from services.engine.tracing import CallTracer
 from services.engine.wire import SCHEMA_VERSION, CallError
-from talaria import otel
+from talaria import call_hints, otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import PROBE_HEADER, Subjects
@@ -73,6 +73,9 @@ class _Call:
     token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
     lease_id: str = ""  # the lease the router honoured for this call
     believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
+    tenant: str = ""
+    hints: object = None  # issue 14: the call's AgentCallHints (echoed in the hook), or None
+    end_session: bool = False  # issue 14: X-Session-End: the session ends with this call
 
 
 class EngineService:
@@ -111,6 +114,7 @@ class EngineService:
         self.tracer = CallTracer(self.telemetry, cfg.id, cfg.pool)
         self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
+        self._ending: dict[str, str] = {}  # issue 14: session -> tenant, ended while a call of it was in flight
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model)
@@ -237,6 +241,7 @@ class EngineService:
                 e.top.add(token_id=aid, token=tok.decode([aid]), logprob=alp)
 
     async def _hook(self, call: _Call, reason: str, usage, error, ttft: float, attribution=None) -> None:
+        ended = await self._end_after(call)
         hook = pb.CompletionHook(
             schema_version=SCHEMA_VERSION,
             request_id=call.request_id,
@@ -258,11 +263,47 @@ class EngineService:
             info = self.engine.session_info(call.session_id)
             if info is not None and info.where == "device":
                 hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
+        if call.hints is not None:
+            hook.hints.CopyFrom(call.hints)
+        hook.session_ended = ended
+        hook.kv_restore_verify_failures = self.engine.stats().kv_restore_verify_failures
         assert self.nc is not None
         try:
             await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
+
+    # ---------------------------------------------------------------- session end (issue 14 item 4)
+    async def _end_after(self, call: _Call) -> bool:
+        """At a call's end: end its session when the call carried ``end_session`` or the session was ended
+        (CONTROL_END_SESSION) while it ran, unless another call of the session still runs (that one ends it).
+        Returns whether the session ended now. Mutates ``_ending``."""
+        sid = call.session_id
+        if not sid or not (call.end_session or sid in self._ending):
+            return False
+        tenant = self._ending.pop(sid, call.tenant)
+        if any(c.session_id == sid for c in self._calls.values()):
+            self._ending[sid] = tenant
+            return False
+        await self._end_now(sid, tenant, call.model)
+        return True
+
+    async def _end_now(self, session_id: str, tenant: str, model: str) -> None:
+        ids = self._session_ids.pop(session_id, model) or ()
+        freed = await asyncio.to_thread(self.engine.end_session, session_id, tenant, ids)  # waits for the running step
+        self.counters["sessions_ended"] = self.counters.get("sessions_ended", 0) + 1
+        log.info("session %s ended: %d device pages freed", session_id, freed)
+
+    async def _on_end_session(self, req: pb.ControlRequest) -> None:
+        """CONTROL_END_SESSION: end now, or after the session's in-flight calls (the last one's hook says so).
+        Idempotent: ending an unknown or ended session frees nothing and succeeds."""
+        if not req.session_id:
+            raise ValueError("CONTROL_END_SESSION needs session_id")
+        if any(c.session_id == req.session_id for c in self._calls.values()):
+            self._ending[req.session_id] = req.tenant
+            return
+        self._ending.pop(req.session_id, None)
+        await self._end_now(req.session_id, req.tenant, req.model or self.model)
 
     def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
         call = self._calls.pop(rid, None)
@@ -362,6 +403,8 @@ class EngineService:
         call.arrival_ns = arrival_ns
         call.lease_id = req.lease_id
         call.believed_prefix = req.prefix.committed_tokens if req.HasField("prefix") and req.prefix.model == req.model else 0
+        call.tenant, call.end_session = req.tenant, req.end_session
+        call.hints = req.hints if req.HasField("hints") else None
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent
         if self.telemetry.enabled:
@@ -369,11 +412,15 @@ class EngineService:
             # threads — host KV restore and checkpoint, the kvstore's RPCs — can be its children
             call.span = self.telemetry.tracer.start_span("talaria.engine.call", context=call.trace_parent, kind=SpanKind.SERVER, start_time=arrival_ns)
             trace_ctx = trace.set_span_in_context(call.span, call.trace_parent)
+            call.span.set_attributes({**call_hints.span_attributes(call.hints), **({call_hints.SESSION_END: True} if req.end_session else {})})
         self._calls[rid] = call
         self.counters["calls"] += 1
         try:
-            self.engine.add_request(EngineRequest(rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx, tenant=req.tenant,
-                                                  ttft_target_s=req.ttft_target_s, tpot_target_s=req.tpot_target_s))
+            self.engine.add_request(EngineRequest(
+                rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx,
+                tenant=req.tenant, priority=req.hints.priority if req.hints.has_priority else 0,
+                latency_sensitivity_s=req.hints.latency_sensitivity_s, ttft_target_s=req.ttft_target_s, tpot_target_s=req.tpot_target_s,
+            ))
         except ExecutorError as e:  # validation happens here, once (executor.validate_request)
             self._calls.pop(rid, None)
             if call.span is not None:
@@ -429,6 +476,8 @@ class EngineService:
                 self._wake.set()
             elif req.op == pb.CONTROL_CLOSE_MODEL:
                 await asyncio.to_thread(self.engine.close_model, req.model)
+            elif req.op == pb.CONTROL_END_SESSION:
+                await self._on_end_session(req)
             else:
                 reply.ok = False
                 reply.error.CopyFrom(cpb.Error(code="unsupported", message=f"control op {pb.ControlOp.Name(req.op)} is not supported by a hot instance", http_status=422))

@@ -64,6 +64,8 @@ class EngineRequest:
     ttft_target_s: float = 0.0
     tpot_target_s: float = 0.0
     phases: object = None  # issue 12: the call's talaria.attribution.PhaseClock (set by the engine at intake)
+    priority: int = 0  # issue 14 hint: larger = admitted earlier among waiting calls (ties: arrival order)
+    latency_sensitivity_s: float = 0.0  # issue 14 (Dynamo's hint): queue as if arrived this much earlier
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,8 +90,13 @@ class KvStoreClient:
     def reserve(self, layout: Layout, hashes: Sequence[int], lease_s: float = 0.0, owner: str = "") -> pb.ReserveReply:
         return self._call(self._stub.Reserve, pb.ReserveRequest(layout=layout_to_pb(layout), hashes=list(hashes), lease_s=lease_s, owner=owner))
 
-    def commit(self, lease_id: int, block_ids: Sequence[int], abort: bool = False) -> pb.CommitReply:
-        return self._call(self._stub.Commit, pb.CommitRequest(lease_id=lease_id, block_ids=list(block_ids), abort=abort))
+    def commit(
+        self, lease_id: int, block_ids: Sequence[int], abort: bool = False, checksums: Sequence[int] = (), checksum_algo: str = "",
+    ) -> pb.CommitReply:
+        """``checksums``: one per block id (issue 14), recorded by the store and returned by lookups."""
+        return self._call(self._stub.Commit, pb.CommitRequest(
+            lease_id=lease_id, block_ids=list(block_ids), abort=abort, checksums=list(checksums), checksum_algo=checksum_algo,
+        ))
 
     def lookup(self, layout: Layout, hashes: Sequence[int], pin: bool = False, lease_s: float = 0.0) -> pb.LookupReply:
         return self._call(self._stub.Lookup, pb.LookupRequest(layout=layout_to_pb(layout), hashes=list(hashes), pin=pin, lease_s=lease_s))
@@ -102,8 +107,13 @@ class KvStoreClient:
     def unpin(self, lease_id: int, read_complete: bool = False) -> pb.UnpinReply:
         return self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id, read_complete=read_complete))
 
-    def release(self, model: str, tp_rank: int = 0, hashes: Sequence[int] = (), all_of_model: bool = False) -> pb.ReleaseReply:
-        return self._call(self._stub.Release, pb.ReleaseRequest(model=model, tp_rank=tp_rank, hashes=list(hashes), all_of_model=all_of_model))
+    def release(
+        self, model: str, tp_rank: int = 0, hashes: Sequence[int] = (), all_of_model: bool = False, leaves_only: bool = False,
+    ) -> pb.ReleaseReply:
+        """``leaves_only`` (issue 14): ``hashes`` is one chain; drop it from the end while nothing extends it."""
+        return self._call(self._stub.Release, pb.ReleaseRequest(
+            model=model, tp_rank=tp_rank, hashes=list(hashes), all_of_model=all_of_model, leaves_only=leaves_only,
+        ))
 
     def stats(self) -> pb.StatsReply:
         return self._call(self._stub.Stats, pb.StatsRequest())

@@ -81,6 +81,8 @@ class Block:
     created: float = 0.0
     last_access: float = 0.0
     hits: int = 0
+    checksum: int | None = None  # issue 14: the writer's checksum of the page bytes, recorded at commit
+    checksum_algo: str = ""
 
     @property
     def hash(self) -> int:
@@ -103,6 +105,8 @@ class BlockView:
     prefix_hash: int
     page_index: int
     extents: tuple[Extent, ...]
+    checksum: int | None = None  # issue 14: recorded at commit (None: committed without one, or not yet)
+    checksum_algo: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,12 +301,19 @@ class HostKVRegistry:
         self._leases[lease.id] = lease
         return ReserveResult(lease.id, tuple(views), present, missed)
 
-    def commit(self, lease_id: int, block_ids: Sequence[int], abort: bool = False) -> tuple[int, int]:
+    def commit(
+        self, lease_id: int, block_ids: Sequence[int], abort: bool = False, checksums: Sequence[int] = (), checksum_algo: str = "",
+    ) -> tuple[int, int]:
         """The writer's copies of ``block_ids`` completed: publish them (or drop them with ``abort``).
 
         Returns ``(committed, aborted)``. Unknown ids (expired lease, other lease) are ignored.
         A committed block whose parent is missing from the index stays unreachable and is freed.
+        ``checksums`` (issue 14): one per ``block_ids`` entry, or empty; recorded with each block and returned
+        by lookups, so a reader can verify the bytes it received. Raises ValueError on a length mismatch.
         """
+        if checksums and len(checksums) != len(block_ids):
+            raise ValueError(f"{len(checksums)} checksums for {len(block_ids)} block ids")
+        sums = dict(zip(block_ids, checksums))
         lease = self._leases.get(lease_id)
         if lease is None or lease.kind != "write":
             return 0, 0
@@ -321,6 +332,8 @@ class HostKVRegistry:
                 aborted += 1
                 continue
             b.state = BlockState.COMMITTED
+            if bid in sums:
+                b.checksum, b.checksum_algo = sums[bid], checksum_algo
             b.refs += 1
             b.last_access = now
             b.pins -= 1
@@ -416,6 +429,21 @@ class HostKVRegistry:
             self._unindex(b)
         return len(victims)
 
+    def release_leaves(self, model: str, tp_rank: int, hashes: Sequence[int]) -> int:
+        """Issue 14 (a session ends): ``hashes`` is one chain, page 0 first. Unindex its pages from the last
+        backwards while each is an indexed leaf (no other chain extends it), so prefixes other sessions share
+        stay. Pinned pages are freed on unpin. Returns blocks unindexed."""
+        n = 0
+        for h in reversed(list(hashes)):
+            b = self._index.get((model, tp_rank, h))
+            if b is None:
+                continue  # never stored (or evicted already): look further back
+            if b.children:
+                break
+            self._unindex(b)
+            n += 1
+        return n
+
     def expire(self) -> int:
         """End every lease past its deadline (abort writes, drop read pins). Returns leases ended."""
         now = self._clock()
@@ -498,7 +526,7 @@ class HostKVRegistry:
             n = min(e.length, left - total)
             out.append(Extent(e.offset, n))
             total += n
-        return BlockView(b.id, b.hash, b.page_index, tuple(out))
+        return BlockView(b.id, b.hash, b.page_index, tuple(out), b.checksum, b.checksum_algo)
 
     def check_integrity(self) -> None:
         """Every slab is free or owned by exactly one live block; counts agree with the leases."""

@@ -129,9 +129,13 @@ class KvStoreServicer(pbg.KvStoreServicer):
     def Commit(self, req: pb.CommitRequest, ctx) -> pb.CommitReply:
         with self._span("commit", ctx, **{KV_PAGES: len(req.block_ids), KV_LEASE: req.lease_id, "talaria.kvstore.abort": req.abort}) as span:
             self._limit(len(req.block_ids), "block ids", ctx)
+            if req.checksums and len(req.checksums) != len(req.block_ids):
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(req.checksums)} checksums for {len(req.block_ids)} block ids")
             with self.lock:
                 before = self.registry.counters.bytes_in
-                committed, aborted = self.registry.commit(req.lease_id, list(req.block_ids), abort=req.abort)
+                committed, aborted = self.registry.commit(
+                    req.lease_id, list(req.block_ids), abort=req.abort, checksums=list(req.checksums), checksum_algo=req.checksum_algo,
+                )
                 moved = self.registry.counters.bytes_in - before
             span.set_attributes({"talaria.kvstore.committed_pages": committed, "talaria.kvstore.aborted_pages": aborted, KV_BYTES: moved})
         return pb.CommitReply(epoch=self.epoch, committed=committed, aborted=aborted)
@@ -182,8 +186,13 @@ class KvStoreServicer(pbg.KvStoreServicer):
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
             if not req.hashes and not req.all_of_model:
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "name hashes or set all_of_model")
+            if req.leaves_only and req.all_of_model:
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "leaves_only names one chain: not with all_of_model")
             with self.lock:
-                n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
+                if req.leaves_only:  # issue 14: a session ended; shared prefixes stay
+                    n = self.registry.release_leaves(req.model, req.tp_rank, list(req.hashes))
+                else:
+                    n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
             span.set_attribute("talaria.kvstore.released_pages", n)
         return pb.ReleaseReply(epoch=self.epoch, released=n)
 

@@ -44,7 +44,10 @@ def layout_from_pb(m: pb.KvLayout) -> Layout:
 
 
 def block_to_pb(b: BlockView) -> pb.Block:
-    return pb.Block(
+    m = pb.Block(
         block_id=b.block_id, prefix_hash=b.prefix_hash, page_index=b.page_index,
         segments=[pb.Segment(offset=e.offset, length=e.length) for e in b.extents],
     )
+    if b.checksum is not None:  # issue 14: recorded at commit
+        m.has_checksum, m.checksum, m.checksum_algo = True, b.checksum, b.checksum_algo
+    return m

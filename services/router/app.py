@@ -30,6 +30,7 @@ from services.router.errors import APIError, CatchAll, unencodable, wire_field
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
 from services.router.leases import lease_key
+from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
 from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
 from services.router.openai_routes import make_router
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
@@ -109,6 +110,10 @@ class RouterAPI:
         auth.KeyRing.authorize_model(principal, req.model)
         _put(g, "session_id", auth.scope_session(principal.tenant, req.session_key(request.headers.get("x-session-id"))), "session_id")
         g.tenant = principal.tenant
+        hints = req.hints().proto()  # issue 14: validated (400 naming the field), aliases resolved
+        if hints is not None:
+            g.hints.CopyFrom(hints)
+        g.end_session = session_end_header(request.headers.get(SESSION_END_HEADER), g.session_id)
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
         self.resumes.apply(request.headers.get(resume.HEADER), g, self.state.gateway)  # a valid token's lease -> table
@@ -146,7 +151,7 @@ class RouterAPI:
         """Admit, place and forward; a forward the engine does not accept is retried elsewhere. ``trace``
         records the call's router queue time and when it was forwarded (issue 12 attribution)."""
         gw = self.state.gateway
-        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens)
+        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens, g.hints.expected_output_tokens)
         gw.arrival(req)
         adm = gw.admission(req, self.overload, prompt_exact=exact)
         use_lease = True
@@ -467,6 +472,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
+    app.include_router(session_routes(state))  # DELETE /v1/sessions/{id} (issue 14)
     return app
 
 

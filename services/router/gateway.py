@@ -127,7 +127,12 @@ class Gateway:
         if hook.HasField("usage"):
             u = hook.usage
             self.shapes.observe(hook.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-        if not hook.session_id or hook.HasField("error"):
+        if not hook.session_id:
+            return None
+        if hook.session_ended:  # issue 14: no lease; forget the session (the service drops its leases)
+            self.end_session(hook.session_id)
+            return None
+        if hook.HasField("error"):
             return None
         now = self.wall()
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
@@ -144,7 +149,7 @@ class Gateway:
             instance_id=hook.instance_id,
             prefix=hook.prefix if hook.HasField("prefix") else cpb.PrefixHandle(model=hook.model),
             t_done_unix=done,
-            t_exp_unix=done + self.tau_s,
+            t_exp_unix=done + self.lease_tau(hook),
             router_id=self.router_id,
             instance_epoch=view.snapshot.epoch if view is not None else 0,
         )
@@ -250,6 +255,25 @@ class Gateway:
         for iid in again:
             heapq.heappush(heap, (later, iid))
 
+    def lease_tau(self, hook: pb.CompletionHook) -> float:
+        """The lease length after a call (Talaria §3.3 tau). Issue 14: the caller's ``cache_ttl_s`` hint is an
+        upper bound. Hook for the tool-aware predictor (branch ``lease``): ``hook.hints.expected_tool_s`` (the
+        caller's expected tool time, 0 = none) is carried here for it to read; the fixed tau ignores it."""
+        ttl = hook.hints.cache_ttl_s if hook.HasField("hints") else 0.0
+        return min(self.tau_s, ttl) if ttl > 0 else self.tau_s
+
+    def end_session(self, session_id: str) -> list[str]:
+        """Issue 14: forget a session (table entry and local leases). Returns the instances known to hold it
+        (last and first instance, lease instances); empty when unknown. Mutates the session and lease tables."""
+        holders: list[str] = []
+        entry = self.sessions.forget(session_id)
+        if entry is not None:
+            holders += [entry.instance_id, entry.first_instance]
+        for view in self.leases.drop_session(session_id):
+            holders.append(view.instance_id)
+        self.stats["sessions_ended"] += 1
+        return sorted({h for h in holders if h})
+
     def instance_states(self, exclude: Iterable[str] = ()) -> list[InstanceState]:
         self._refresh()
         if not exclude:
@@ -257,9 +281,11 @@ class Gateway:
         skip = set(exclude)
         return [st for iid, st in self._cur.items() if iid not in skip]
 
-    def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int) -> CallRequest:
-        shape = self.shapes.shape(model)
-        return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), shape.decode_tokens))
+    def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int, expected_output_tokens: int = 0) -> CallRequest:
+        """The call as the policy sees it. ``expected_output_tokens`` (issue 14 hint, 0 = none) replaces the
+        model's learned decode length in the call's pressure estimate (``expected_decode``, Eq. 1 dR_req)."""
+        decode = float(expected_output_tokens) if expected_output_tokens else self.shapes.shape(model).decode_tokens
+        return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), decode))
 
     def arrival(self, req: CallRequest) -> None:
         self.demand.arrival(req.model, self.wall())

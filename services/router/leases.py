@@ -105,6 +105,16 @@ class LeaseTable:
                 out[e.view.model] = out.get(e.view.model, 0) + 1
         return out
 
+    def drop_session(self, session_id: str) -> list[LeaseView]:
+        """Remove every lease of a session (all models; issue 14: it ended). Returns them."""
+        gone = [(k, e.view) for k, e in self._by_key.items() if e.lease.session_id == session_id]
+        for k, _ in gone:
+            del self._by_key[k]
+        return [v for _, v in gone]
+
+    def keys_of_session(self, session_id: str) -> list[str]:
+        return [k for k, e in self._by_key.items() if e.lease.session_id == session_id]
+
     def drop_instance(self, instance_id: str) -> int:
         gone = [k for k, e in self._by_key.items() if e.view.instance_id == instance_id]
         for k in gone:
@@ -149,6 +159,10 @@ class MemoryLeases:
 
     async def discard(self, session_id: str, model: str, revision: int) -> None:
         self.consume_now(session_id, model, revision)
+
+    async def drop_session(self, session_id: str, models=()) -> int:
+        """Issue 14: the session ended; remove its leases. Returns how many."""
+        return len(self.table.drop_session(session_id))
 
 
 class JetStreamLeases:
@@ -288,3 +302,18 @@ class JetStreamLeases:
 
     async def discard(self, session_id: str, model: str, revision: int) -> None:
         await self.consume(session_id, model, revision)
+
+    async def drop_session(self, session_id: str, models=()) -> int:
+        """Issue 14: the session ended; delete its leases from the bucket (every replica's mirror follows) and
+        the table: the keys this mirror knows plus those of ``models`` (a lease installed by a peer that the
+        watcher has not delivered yet). Unconditional and idempotent: any replica may do it, several may.
+        Returns keys deleted."""
+        assert self.kv is not None
+        keys = set(self.table.keys_of_session(session_id)) | {lease_key(session_id, m) for m in models}
+        for key in sorted(keys):
+            try:
+                await self.kv.delete(key)
+            except Exception as e:  # noqa: BLE001 - gone already, or the store is down: the mirror/TTL ends it
+                log.info("lease %s not deleted: %s", key, e)
+            self.table.remove(key)
+        return len(keys)

@@ -10,7 +10,8 @@ token ids are ``uint32``, ``seed`` is ``int64``, and every string must be encoda
 surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 
 Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``ignore_eos`` (fixed-length
-replays), ``session_id``. The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
+replays), ``session_id``; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
+``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (issue 14, ``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.router.errors import APIError
+from services.router.hints import HintFields
 from talaria.v1 import engine_pb2 as pb
 
 UINT32_MAX = (1 << 32) - 1
@@ -76,7 +78,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # obfuscation pads deltas on OpenAI's side; none here (accepted, no-op by definition)
 
 
-class _Common(BaseModel):
+class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases (services/router/hints.py)
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)

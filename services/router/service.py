@@ -83,10 +83,12 @@ class RouterState:
             self.counters["bad_hook"] += 1
             return
         self.counters["hooks"] += 1
+        if hook.session_ended and hook.session_id:  # issue 14: every replica drops the leases (idempotent)
+            await self.lease_store.drop_session(hook.session_id, [hook.model])
         lease = self.gateway.on_hook(hook)
         if lease is not None:
             try:
-                await self.lease_store.install(lease, self.gateway.tau_s)
+                await self.lease_store.install(lease, lease.t_exp_unix - lease.t_done_unix)
             except Exception as e:  # noqa: BLE001 - a lost lease costs affinity, never correctness
                 self.counters["lease_install_failed"] += 1
                 log.warning("lease for session %s not installed: %s", hook.session_id, e)

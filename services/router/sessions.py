@@ -68,6 +68,10 @@ class SessionTable:
             self._entries.popitem(last=False)
         return e
 
+    def forget(self, session_id: str) -> SessionEntry | None:
+        """Drop one session's entry (issue 14: the session ended); returns it, or None if unknown."""
+        return self._entries.pop(session_id, None)
+
     def forget_instance(self, instance_id: str) -> int:
         """Drop affinity to an instance (it died or restarted); returns how many sessions lost it."""
         gone = [s for s, e in self._entries.items() if e.instance_id == instance_id]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from talaria import otel
+from talaria import call_hints, otel
 from talaria.attribution import CallAttribution
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import telemetry_pb2 as tpb
@@ -72,6 +72,10 @@ class CallTrace:
             if g.session_id:
                 attrs[otel.SESSION_ID] = g.session_id
                 attrs[otel.GEN_AI_CONVERSATION_ID] = g.session_id
+            if g.HasField("hints"):  # issue 14: the call's agent hints
+                attrs.update(call_hints.span_attributes(g.hints))
+            if g.end_session:
+                attrs[call_hints.SESSION_END] = True
             self.tracer = tracer
             self.span = tracer.start_span(f"{op} {g.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs, start_time=self.t0)
             self.ctx = trace.set_span_in_context(self.span)

@@ -158,6 +158,7 @@ class Collector:
         self._switch_seen: OrderedDict[tuple[str, int, float], None] = OrderedDict()
         self.stores: dict[str, dict[str, Any]] = {}  # store id -> latest stats (summary)
         self._store_last: dict[str, tuple[int, dict[str, int]]] = {}  # store id -> (epoch, cumulative counters)
+        self._verify_last: dict[str, int] = {}  # instance -> cumulative restore verify failures (issue 14)
         self._lock = threading.Lock()
         self.started_unix = time.time()
 
@@ -249,6 +250,7 @@ class Collector:
             u = h.usage
             if h.HasField("error"):
                 m.errors.labels(h.error.code or "engine_error").inc()
+            self._verify_failures(inst, h.kv_restore_verify_failures)
             ok = not h.HasField("error") and reason != "abort"
             if h.HasField("attribution"):  # issue 12: the engine's exact split of the call's time
                 for name, secs in CallAttribution.from_proto(h.attribution).components.items():
@@ -376,6 +378,16 @@ class Collector:
         "bytes_in": ("host_bytes", ("in",)),
         "bytes_out": ("host_bytes", ("out",)),
     }
+
+    def _verify_failures(self, inst: str, total: int) -> None:
+        """Advance ``talaria_kv_restore_verify_failures`` by the growth of an engine's cumulative count (a
+        smaller value = the engine restarted: count from 0). Caller holds the lock."""
+        prev = self._verify_last.get(inst, 0)
+        if total < prev:
+            prev = 0
+        if total > prev:
+            self.metrics.kv_verify_failures.labels(inst).inc(total - prev)
+        self._verify_last[inst] = total
 
     def on_kvstore_stats(self, rec: kpb.KvStoreStatsRecord, now: float) -> None:
         """A store's periodic stats: gauges set, counters advanced by the growth since its previous record

@@ -50,6 +50,7 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_sp_deferred", "counter", ("instance",), "RoundSummary.sp_deferred", "session-prefill deferrals"),
     MetricDoc("talaria_kv_hits", "counter", ("source",), "CompletionHook usage (host: restored_tokens > 0, else device: cached_tokens > 0, else recompute)", "calls by where their prefix came from: host KV restore, device KV, or recomputed (one count per call)"),
     MetricDoc("talaria_kv_hit_tokens", "counter", ("source",), "CompletionHook usage (device = cached - restored, host = restored, recompute = prompt - cached)", "prompt tokens by source, exact per call; the three sum to the prompt tokens"),
+    MetricDoc("talaria_kv_restore_verify_failures", "counter", ("instance",), "CompletionHook.kv_restore_verify_failures (cumulative per engine; growth counted, a drop = a restarted engine, from 0)", "restored KV pages whose bytes failed their checksum (issue 14: not published, recomputed instead)"),
     MetricDoc("talaria_avoidable_cold_opens", "counter", (), "CallRecord.avoidable_open (router)", "placements that open a model although another healthy instance had it resident"),
     MetricDoc("talaria_lease_hits", "counter", (), "CallRecord.lease == hit", "calls placed by a live soft-reservation lease"),
     MetricDoc("talaria_lease_expiries", "counter", (), "CallRecord.lease == expired", "returning calls that found their lease expired"),
@@ -117,6 +118,7 @@ class Metrics:
         self.sp_deferred = counter("talaria_sp_deferred")
         self.kv_hits = counter("talaria_kv_hits")
         self.kv_hit_tokens = counter("talaria_kv_hit_tokens")
+        self.kv_verify_failures = counter("talaria_kv_restore_verify_failures")
         self.avoidable_opens = counter("talaria_avoidable_cold_opens")
         self.lease_hits = counter("talaria_lease_hits")
         self.lease_expiries = counter("talaria_lease_expiries")

@@ -37,6 +37,7 @@ class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTROL_OPEN_MODEL: _ClassVar[ControlOp]
     CONTROL_CLOSE_MODEL: _ClassVar[ControlOp]
     CONTROL_FLUSH_CACHE: _ClassVar[ControlOp]
+    CONTROL_END_SESSION: _ClassVar[ControlOp]
 POOL_UNSPECIFIED: Pool
 POOL_HOT: Pool
 POOL_COLD: Pool
@@ -55,6 +56,7 @@ CONTROL_RESUME: ControlOp
 CONTROL_OPEN_MODEL: ControlOp
 CONTROL_CLOSE_MODEL: ControlOp
 CONTROL_FLUSH_CACHE: ControlOp
+CONTROL_END_SESSION: ControlOp
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name", "tool_calls_json", "tool_call_id", "has_content")
@@ -152,7 +154,7 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., json_schema: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json", "ttft_target_s", "tpot_target_s")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json", "ttft_target_s", "tpot_target_s", "hints", "end_session")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,8 @@ class GenerateRequest(_message.Message):
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
     TPOT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -196,7 +200,25 @@ class GenerateRequest(_message.Message):
     tools_json: str
     ttft_target_s: float
     tpot_target_s: float
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ...) -> None: ...
+    hints: AgentCallHints
+    end_session: bool
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., end_session: _Optional[bool] = ...) -> None: ...
+
+class AgentCallHints(_message.Message):
+    __slots__ = ("has_priority", "priority", "expected_output_tokens", "expected_tool_s", "cache_ttl_s", "latency_sensitivity_s")
+    HAS_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOOL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SENSITIVITY_S_FIELD_NUMBER: _ClassVar[int]
+    has_priority: bool
+    priority: int
+    expected_output_tokens: int
+    expected_tool_s: float
+    cache_ttl_s: float
+    latency_sensitivity_s: float
+    def __init__(self, has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., expected_tool_s: _Optional[float] = ..., cache_ttl_s: _Optional[float] = ..., latency_sensitivity_s: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -257,7 +279,7 @@ class CancelRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CompletionHook(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error", "attribution")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error", "attribution", "hints", "session_ended", "kv_restore_verify_failures")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +293,9 @@ class CompletionHook(_message.Message):
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    KV_RESTORE_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -284,7 +309,10 @@ class CompletionHook(_message.Message):
     ttft_seconds: float
     error: _common_pb2.Error
     attribution: _common_pb2.CallAttribution
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
+    hints: AgentCallHints
+    session_ended: bool
+    kv_restore_verify_failures: int
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., session_ended: _Optional[bool] = ..., kv_restore_verify_failures: _Optional[int] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "model", "committed_tokens", "state", "last_use_unix")
@@ -471,14 +499,18 @@ class SwitchRecord(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., from_model: _Optional[str] = ..., to_model: _Optional[str] = ..., reason: _Optional[str] = ..., path: _Optional[str] = ..., started_unix: _Optional[float] = ..., total_seconds: _Optional[float] = ..., save_teardown_seconds: _Optional[float] = ..., open_weights_seconds: _Optional[float] = ..., restore_kv_shell_seconds: _Optional[float] = ..., restore_runtime_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., d2d_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kv_shell_reused: _Optional[bool] = ..., runtime_reused: _Optional[bool] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
-    __slots__ = ("schema_version", "op", "model")
+    __slots__ = ("schema_version", "op", "model", "session_id", "tenant")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     op: ControlOp
     model: str
-    def __init__(self, schema_version: _Optional[int] = ..., op: _Optional[_Union[ControlOp, str]] = ..., model: _Optional[str] = ...) -> None: ...
+    session_id: str
+    tenant: str
+    def __init__(self, schema_version: _Optional[int] = ..., op: _Optional[_Union[ControlOp, str]] = ..., model: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ControlReply(_message.Message):
     __slots__ = ("schema_version", "ok", "error", "snapshot")

@@ -47,16 +47,22 @@ class Segment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("block_id", "prefix_hash", "page_index", "segments")
+    __slots__ = ("block_id", "prefix_hash", "page_index", "segments", "has_checksum", "checksum", "checksum_algo")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     prefix_hash: int
     page_index: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, block_id: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., page_index: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    has_checksum: bool
+    checksum: int
+    checksum_algo: str
+    def __init__(self, block_id: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., page_index: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class DataPlane(_message.Message):
     __slots__ = ("transport", "protocol", "peer", "pool_base", "pool_bytes")
@@ -101,14 +107,18 @@ class ReserveReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., present_pages: _Optional[int] = ..., capacity_miss_pages: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "abort")
+    __slots__ = ("lease_id", "block_ids", "abort", "checksums", "checksum_algo")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     abort: bool
-    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., abort: _Optional[bool] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksum_algo: str
+    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., abort: _Optional[bool] = ..., checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("epoch", "committed", "aborted")
@@ -183,16 +193,18 @@ class UnpinReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., unpinned: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("model", "tp_rank", "hashes", "all_of_model")
+    __slots__ = ("model", "tp_rank", "hashes", "all_of_model", "leaves_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     ALL_OF_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_rank: int
     hashes: _containers.RepeatedScalarFieldContainer[int]
     all_of_model: bool
-    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., all_of_model: _Optional[bool] = ...) -> None: ...
+    leaves_only: bool
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., all_of_model: _Optional[bool] = ..., leaves_only: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("epoch", "released")

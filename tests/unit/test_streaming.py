@@ -43,3 +43,14 @@ def test_next_coalesced_takes_everything_queued_but_never_waits_for_more():
         assert steps == 1 and outs[0].new_token_ids == [5]
 
     asyncio.run(scenario())
+
+
+def test_coalesce_keeps_every_steps_logprobs():
+    """A lagging publisher folds steps: the log-probability entries of every folded step stay, one per token
+    (they were dropped, so a streamed logprobs list came out shorter than the tokens on a loaded machine)."""
+    a = RequestOutput("r", [1], "a", logprobs=[(1, -0.1, [])])
+    b = RequestOutput("r", [2, 3], "bc", logprobs=[(2, -0.2, []), (3, -0.3, [])])
+    (m,) = coalesce_outputs([[a], [b]])
+    assert m.new_token_ids == [1, 2, 3] and [e[0] for e in m.logprobs] == [1, 2, 3]
+    (plain,) = coalesce_outputs([[RequestOutput("r", [1], "a")], [RequestOutput("r", [2], "b")]])
+    assert plain.logprobs is None

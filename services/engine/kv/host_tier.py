@@ -68,6 +68,10 @@ class HostSessions:
     def get(self, session_id: str) -> HostSession | None:
         return self._s.get(session_id)
 
+    def drop(self, session_id: str) -> None:
+        """Forget an ended session (issue 14)."""
+        self._s.pop(session_id, None)
+
     def state(self, session_id: str, epoch: int, available: bool) -> str:
         """``host`` when the store we committed to is the one up now, else ``missing``."""
         s = self._s.get(session_id)
@@ -121,6 +125,11 @@ class StoreIndex:
         with self._lock:
             self.epoch = 0
             self._stored.clear()
+
+    def discard(self, hashes: Sequence[int]) -> None:
+        """Forget pages the store no longer serves (released, or failed their checksum). Mutates: the index."""
+        with self._lock:
+            self._stored.difference_update(hashes)
 
     def all_stored(self, hashes: Sequence[int]) -> bool:
         with self._lock:

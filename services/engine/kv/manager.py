@@ -376,9 +376,14 @@ class KVManager:
         return sum(self._transfer_pins.values())
 
     def flush(self) -> int:
-
         """Drop every unlocked radix node and every session entry. Returns pages freed."""
         return self.sessions.clear() + self.radix.clear()
+
+    def drop_session(self, session_id: str, chains: Sequence[Sequence[int]]) -> int:
+        """A session ended (issue 14): drop its session entry and, per hash chain it left (newest first), the
+        radix leaves nothing else extends (shared prefixes and locked paths stay). Returns pages freed.
+        Mutates: the session cache, the radix cache, allocator references."""
+        return self.sessions.drop(session_id) + sum(self.radix.drop_leaves(c) for c in chains)
 
     # ---------------------------------------------------------------- introspection
     @property

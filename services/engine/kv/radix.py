@@ -135,6 +135,22 @@ class RadixCache:
                     heapq.heappush(heap, (parent.last_access, parent.hash))
         return evicted, freed
 
+    def drop_leaves(self, hashes: Sequence[int]) -> int:
+        """Issue 14 (a session ended): remove the chain ``hashes`` (page 0 first) from its last page backwards
+        while each node is an unlocked leaf, so prefixes other chains extend stay. Returns pages freed."""
+        freed = 0
+        for h in reversed(list(hashes)):
+            node = self._nodes.get(h)
+            if node is None:
+                continue
+            if node.num_children or node.lock_ref:
+                break
+            del self._nodes[h]
+            freed += self._alloc.decref([node.page])
+            if node.parent is not None:
+                self._nodes[node.parent].num_children -= 1
+        return freed
+
     def clear(self) -> int:
         """Drop every unlocked node (repeated leaf eviction). Returns pages freed."""
         return self.evict(len(self._nodes))[1]
