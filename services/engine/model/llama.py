@@ -47,6 +47,7 @@ from torch import nn
 
 from .batch import AttnBatch, KVCache
 from .config import ModelConfig, RopeScaling
+from .packed import PackedLinear, linear
 
 
 class RMSNorm(nn.Module):
@@ -111,15 +112,22 @@ class Attention(nn.Module):
             self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse(); q/k/v weights are then views into it
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_packed: PackedLinear | None = None  # set by pack() (model/packed.py)
+        self.o_packed: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v into one weight (and bias); rebind the three parameters as views into it."""
         self.qkv_weight, self.qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
+    def pack(self) -> None:
+        """Prepack the fused q/k/v and o weights (model/packed.py); needs ``fuse()`` first."""
+        self.qkv_packed = PackedLinear(self.qkv_weight, self.qkv_bias)
+        self.o_packed = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
         return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
     def forward(
@@ -152,7 +160,7 @@ class Attention(nn.Module):
             o = torch.empty_like(q)
             for g in plan.groups:
                 o.index_copy_(0, g.q_index, self._attend(q, layer_k, layer_v, g, whole=False))
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_packed, self.o_proj.weight, self.o_proj.bias)
 
     def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group", whole: bool) -> torch.Tensor:
         """Attention of one query group (see the module notes): ``q`` is the step's ``[T, H, D]`` queries
@@ -213,16 +221,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
         self.gate_up_bias: torch.Tensor | None = None
+        self.gate_up_packed: PackedLinear | None = None  # set by pack()
+        self.down_packed: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate gate/up into one weight; rebind both parameters as views into it."""
         self.gate_up_weight, self.gate_up_bias = _fuse_linears((self.gate_proj, self.up_proj))
 
+    def pack(self) -> None:
+        """Prepack the fused gate/up and the down weights (model/packed.py); needs ``fuse()`` first."""
+        self.gate_up_packed = PackedLinear(self.gate_up_weight, self.gate_up_bias)
+        self.down_packed = PackedLinear(self.down_proj.weight, self.down_proj.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_packed, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -391,6 +406,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self._rope_table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lm_head_packed: PackedLinear | None = None  # set by pack_weights()
+
+    @property
+    def is_packed(self) -> bool:
+        return self.lm_head_packed is not None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up of every layer (memory-neutral: the old parameters become views)."""
@@ -398,6 +418,17 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+
+    def pack_weights(self) -> None:
+        """Prepack every projection and the lm_head for the CPU (model/packed.py: one extra copy of the
+        linear weights; the parameters stay, and must not be written in place afterwards). Fuses first."""
+        with torch.no_grad():
+            if self.model.layers and self.model.layers[0].self_attn.qkv_weight is None:
+                self.fuse_projections()
+            for layer in self.model.layers:
+                layer.self_attn.pack()
+                layer.mlp.pack()
+            self.lm_head_packed = PackedLinear(self.lm_head.weight, None)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, D]`` for ``positions`` (all ``<= max_pos``), gathered from a per-device/dtype table
@@ -442,4 +473,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32 logits (pass all rows for all-position logits)."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head_packed, self.lm_head.weight, None).float()
