@@ -46,6 +46,7 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
+from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
@@ -195,7 +196,7 @@ class Engine:
         if kv_cache is not None:
             num_pages = kv_cache.k[0].shape[0] // page_size
         if num_pages is None:
-            page_bytes = 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+            page_bytes = lookup(cfg.architecture).kv_shape(cfg).page_bytes(page_size, self.dtype.itemsize)
             budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
