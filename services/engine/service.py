@@ -31,7 +31,7 @@ from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.engine.streaming import next_coalesced
+from services.engine.streaming import coalesce_outputs, next_coalesced
 from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
@@ -73,6 +73,8 @@ class _Call:
     token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
     lease_id: str = ""  # the lease the router honoured for this call
     believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
+    stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
+    held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
 
 
 class EngineService:
@@ -197,6 +199,14 @@ class EngineService:
         if call is None:
             return  # cancelled/expired: its final chunk was already sent
         now = time.monotonic()
+        if not call.stream and call.first_token_at and not o.finished:
+            # issue 20 §5: a non-streaming call's reader wants the whole answer, so after its first token
+            # (sent at once: TTFT stays observable) its outputs are merged and go out with the finished
+            # one -- two token messages per call instead of one per token; keepalives cover the silence
+            call.held = o if call.held is None else coalesce_outputs([[call.held], [o]])[0]
+            return
+        if call.held is not None:
+            o, call.held = coalesce_outputs([[call.held], [o]])[0], None
         if o.new_token_ids and not call.first_token_at:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
@@ -356,6 +366,7 @@ class EngineService:
         call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns
         call.lease_id = req.lease_id
+        call.stream = req.stream
         call.believed_prefix = req.prefix.committed_tokens if req.HasField("prefix") and req.prefix.model == req.model else 0
         call.trace_parent = otel.extract_first(msg.headers, req.trace_context)
         trace_ctx = call.trace_parent

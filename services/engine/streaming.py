@@ -22,8 +22,9 @@ from services.engine.types import RequestOutput
 def coalesce_outputs(batches: list[list[RequestOutput]]) -> list[RequestOutput]:
     """One output per request, in order of first appearance, merging its outputs across ``batches``.
 
-    Token ids and text are concatenated in step order; ``finished``/``finish_reason``/``usage``/``error``
-    come from the request's last output (an output after a finished one cannot exist). Mutates nothing.
+    Token ids, text and logprobs are concatenated in step order; ``finished``/``finish_reason``/``usage``/
+    ``error`` come from the request's last output (an output after a finished one cannot exist). Mutates
+    nothing.
     """
     merged: dict[str, RequestOutput] = {}
     for batch in batches:
@@ -32,8 +33,10 @@ def coalesce_outputs(batches: list[list[RequestOutput]]) -> list[RequestOutput]:
             if prev is None:
                 merged[o.request_id] = o
             else:
+                lps = None if prev.logprobs is None and o.logprobs is None else (prev.logprobs or []) + (o.logprobs or [])
                 merged[o.request_id] = replace(
-                    o, new_token_ids=prev.new_token_ids + o.new_token_ids, new_text=prev.new_text + o.new_text
+                    o, new_token_ids=prev.new_token_ids + o.new_token_ids, new_text=prev.new_text + o.new_text,
+                    logprobs=lps,
                 )
     return list(merged.values())
 

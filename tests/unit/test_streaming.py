@@ -43,3 +43,10 @@ def test_next_coalesced_takes_everything_queued_but_never_waits_for_more():
         assert steps == 1 and outs[0].new_token_ids == [5]
 
     asyncio.run(scenario())
+
+
+def test_coalesce_concatenates_logprobs_in_step_order():
+    lp = lambda t: (t, -0.5, [(t, -0.5)])  # noqa: E731
+    out = coalesce_outputs([[RequestOutput("a", [1], "x", logprobs=[lp(1)])], [RequestOutput("a", [2], "y", logprobs=[lp(2)])],
+                            [RequestOutput("b", [3], "z")]])
+    assert out[0].logprobs == [lp(1), lp(2)] and out[1].logprobs is None
