@@ -147,15 +147,22 @@ class Attention(nn.Module):
         plan: "_AttnPlan",
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.qkv_weight is not None and self.q_norm is None:
+            # q and k are adjacent columns of the fused projection: one RoPE over both (same math per element)
+            qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = self._qkv(x)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
 
         # The only mutation: new K/V into their slots.
         layer_k.index_copy_(0, plan.slot_mapping, k.to(layer_k.dtype))
