@@ -81,11 +81,11 @@ def test_no_window_or_a_window_as_long_as_the_positions_changes_nothing():
 
 
 def test_registry_names_every_family_and_refuses_others():
-    from services.engine.model.config import SUPPORTED_ARCHITECTURES
     from services.engine.model.llama import LlamaForCausalLM
     from services.engine.model.registry import lookup, supported
+    from talaria.models.importer import SUPPORTED_ARCHITECTURES
 
-    assert supported() == tuple(sorted(SUPPORTED_ARCHITECTURES))
+    assert supported() == tuple(sorted(SUPPORTED_ARCHITECTURES))  # what `talaria models import` accepts is servable
     arch = lookup("MistralForCausalLM")
     assert arch.model_class is LlamaForCausalLM
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 3,

@@ -12,12 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (  # the registry's (registry.supported()); kept as a constant for importers
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPE_NAMES = {
