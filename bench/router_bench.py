@@ -13,7 +13,11 @@ What is measured
         its step thread), no router;
     (c) ``router``: the OpenAI API of a ``LocalStack`` with one engine (``/v1/completions`` with a
         token-id prompt via the official ``openai`` client, non-streaming, ``ignore_eos`` extension):
-        adds HTTP, the router's validation, placement and its own NATS hop on top of (b).
+        adds HTTP, the router's validation, placement and its own NATS hop on top of (b);
+    (d) ``router-stream``: the same call with ``stream=True`` (SSE), read to its end: the per-token path
+        (one NATS message and one SSE event per token when the reader keeps up). (b) and (c) are
+        non-streaming calls: the engine sends their first token at once and the rest with the finished
+        chunk (``GenerateRequest.stream`` false), so (d) - (c) is what per-token streaming costs.
 
     Fairness: the engine process runs with ``torch_threads: 1`` and this process sets
     ``torch.set_num_threads(1)`` for (a); same model, dtype (float32), page size and KV budget. The
@@ -42,7 +46,7 @@ from bench import emit, ensure_models, format_table, median, percentile, quiet_l
 DEFAULT_MODEL = "tiny-llama"
 ENGINE_ID = "bench-engine-0"
 KV_CACHE_MB = 64
-PATHS = ("in-process", "nats", "router")
+PATHS = ("in-process", "nats", "router", "router-stream")
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -160,6 +164,15 @@ class _Router:
             raise RuntimeError(f"router returned {r.usage.completion_tokens} tokens, expected {max_tokens}")
         return [], r.choices[0].text
 
+    def call_stream(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        text = []
+        for ev in self.client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+        ):
+            if ev.choices:
+                text.append(ev.choices[0].text or "")
+        return [], "".join(text)
+
 
 def _wait_healthy(api: str, timeout: float = 60.0) -> None:
     import httpx
@@ -219,7 +232,7 @@ def run_router_bench(
         _wait_healthy(api)
         nats_client = _Nats(stack.nats_url, stack.cfg.namespace, model)
         router = _Router(api, model)
-        fns = {"in-process": inproc.call, "nats": nats_client.call, "router": router.call}
+        fns = {"in-process": inproc.call, "nats": nats_client.call, "router": router.call, "router-stream": router.call_stream}
 
         rows: list[dict[str, Any]] = []
         for mt in max_tokens:
@@ -234,7 +247,7 @@ def run_router_bench(
                     per[p]["p95"].append(percentile(lat, 95))
                     per[p]["mean"].append(sum(lat) / len(lat))
             ref = outs["in-process"]
-            agree = {"nats": outs["nats"] == ref, "router": outs["router"][1] == ref[1]}
+            agree = {"nats": outs["nats"] == ref, "router": outs["router"][1] == ref[1], "router-stream": outs["router-stream"][1] == ref[1]}
             base = median(per["in-process"]["p50"])
             for p in PATHS:
                 p50 = median(per[p]["p50"])
@@ -249,7 +262,7 @@ def run_router_bench(
                     "output_agrees": agree.get(p, True),
                     "runs_p50_ms": [x * 1e3 for x in per[p]["p50"]],
                 })
-            say(f"  max_tokens {mt}: " + ", ".join(f"{r['path']} p50 {r['p50_ms']:.2f} ms" for r in rows[-3:]))
+            say(f"  max_tokens {mt}: " + ", ".join(f"{r['path']} p50 {r['p50_ms']:.2f} ms" for r in rows[-len(PATHS):]))
     except Exception:
         time.sleep(0.5)  # let the log pumps catch up with the failure
         for c in stack.children.values():  # the stack runs quiet: show what its processes said
@@ -285,7 +298,7 @@ def render(result: dict[str, Any]) -> str:
         [[r["max_tokens"], r["path"], r["p50_ms"], r["p95_ms"], r["added_p50_ms"], r["ratio_p50"], "yes" if r["output_agrees"] else "NO"]
          for r in result["rows"]],
     )
-    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API)\n{t}"
+    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API, non-streaming and streaming)\n{t}"
 
 
 def main(args) -> int:

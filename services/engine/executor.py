@@ -52,6 +52,8 @@ from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import allocate_kv_cache, load_model
+from services.engine.model.packed import can_pack
+from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
@@ -185,6 +187,7 @@ class Engine:
         kv_cache: KVCache | None = None,
         tokenizer: Tokenizer | None = None,
         page_allocator: PageAllocator | None = None,
+        packed_weights: bool | None = None,
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -194,6 +197,12 @@ class Engine:
         self.device = torch.device(device)
         self.model, self.config = model if model is not None else load_model(self.model_dir, device=self.device, dtype=dtype)
         self.dtype = next(self.model.parameters()).dtype
+        # prepacked CPU linears (model/packed.py): None = where measured to pay (bf16 on CPU) and only for a
+        # model this engine loaded itself (an arena-bound model's weights are rewritten in place)
+        if packed_weights is None:
+            packed_weights = model is None and can_pack(self.device, self.dtype)
+        if packed_weights and not self.model.is_packed:
+            self.model.pack_weights()
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(self.model_dir)
         self.vocab_size = self.config.vocab_size
         self.page_size = page_size
@@ -201,7 +210,7 @@ class Engine:
         if kv_cache is not None:
             num_pages = kv_cache.k[0].shape[0] // page_size
         if num_pages is None:
-            page_bytes = 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+            page_bytes = lookup(cfg.architecture).kv_shape(cfg).page_bytes(page_size, self.dtype.itemsize)
             budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts

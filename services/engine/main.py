@@ -43,6 +43,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         session_cache_entries=cfg.session_cache_entries,
         model_id=cfg.models[0],
+        packed_weights=cfg.packed_weights,
     )
 
 

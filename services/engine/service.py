@@ -31,7 +31,7 @@ from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.engine.streaming import next_coalesced
+from services.engine.streaming import coalesce_outputs, next_coalesced
 from talaria.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
@@ -76,6 +76,8 @@ class _Call:
     tenant: str = ""
     hints: object = None  # issue 14: the call's AgentCallHints (echoed in the hook), or None
     end_session: bool = False  # issue 14: X-Session-End: the session ends with this call
+    stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
+    held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
 
 
 class EngineService:
@@ -201,6 +203,14 @@ class EngineService:
         if call is None:
             return  # cancelled/expired: its final chunk was already sent
         now = time.monotonic()
+        if not call.stream and call.first_token_at and not o.finished:
+            # issue 20 §5: a non-streaming call's reader wants the whole answer, so after its first token
+            # (sent at once: TTFT stays observable) its outputs are merged and go out with the finished
+            # one -- two token messages per call instead of one per token; keepalives cover the silence
+            call.held = o if call.held is None else coalesce_outputs([[call.held], [o]])[0]
+            return
+        if call.held is not None:
+            o, call.held = coalesce_outputs([[call.held], [o]])[0], None
         if o.new_token_ids and not call.first_token_at:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
@@ -402,6 +412,7 @@ class EngineService:
         call.token_ids = list(prompt) if req.session_id else None
         call.arrival_ns = arrival_ns
         call.lease_id = req.lease_id
+        call.stream = req.stream
         call.believed_prefix = req.prefix.committed_tokens if req.HasField("prefix") and req.prefix.model == req.model else 0
         call.tenant, call.end_session = req.tenant, req.end_session
         call.hints = req.hints if req.HasField("hints") else None

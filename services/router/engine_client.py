@@ -4,6 +4,11 @@ TokenChunk stream from it. Liveness is bounded at every step: the engine must ac
 sends for a call it holds in its queue, counts: only a silent engine times out), and the call is abandoned
 as soon as the registry declares the instance gone (``alive()``), so a dead engine costs a bounded wait,
 never a hang.
+
+Token path (issue 20 §5): a reader that lags (its HTTP writes or the event loop were busy) does not pay
+per token: :meth:`EngineCall.chunks` takes every chunk already queued and, when several are next in order,
+yields them merged into one (:func:`merge_chunks`), so the caller encodes one JSON / SSE event for them.
+Nothing waits for more tokens; a reader that keeps up sees the engine's chunks unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +26,30 @@ from talaria.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+
+
+def merge_chunks(chunks: list[pb.TokenChunk]) -> pb.TokenChunk:
+    """One chunk for consecutive in-order ``chunks``: token ids, text and logprobs concatenated; seq,
+    finished, finish reason, usage, error and ttft of the last. Returns the only chunk unchanged;
+    mutates the first chunk otherwise (the caller owns them)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    out = chunks[0]
+    texts = [out.text]
+    for c in chunks[1:]:
+        out.token_ids.extend(c.token_ids)
+        out.logprobs.extend(c.logprobs)
+        texts.append(c.text)
+    last = chunks[-1]
+    out.text = "".join(texts)
+    out.seq = last.seq
+    out.finished = last.finished
+    out.finish_reason = last.finish_reason
+    out.ttft_seconds = last.ttft_seconds
+    for field in ("usage", "error"):
+        if last.HasField(field):
+            getattr(out, field).CopyFrom(getattr(last, field))
+    return out
 
 
 class EngineUnavailable(Exception):
@@ -100,26 +129,47 @@ class EngineCall:
             self.finished = True  # an error chunk is terminal
         return chunk
 
+    def _ready(self) -> list[pb.TokenChunk]:
+        """Every chunk already queued (no wait). A no-responders marker stays queued for ``_next``."""
+        out = []
+        while not self._queue.empty():
+            c = self._queue.get_nowait()
+            if c is None:
+                self._queue.put_nowait(None)
+                break
+            out.append(c)
+        return out
+
     async def chunks(self, idle_timeout: float, alive: Callable[[], bool]) -> AsyncIterator[pb.TokenChunk]:
-        """Token chunks after acceptance, in order, up to and including the finished one."""
+        """Token chunks after acceptance, in order, up to and including the finished one; the chunks that
+        are next in order and already here come merged into one (see the module note)."""
         expected = 1
         pending: dict[int, pb.TokenChunk] = {}
         while not self.finished:
-            chunk = await self._next(idle_timeout, alive, "sent nothing")
-            if chunk.keepalive:
-                self.keepalives += 1
-                continue  # the engine holds the call (queued): it restarted the silence timer, nothing more
-            pending[chunk.seq] = chunk
+            if expected not in pending:
+                for chunk in [await self._next(idle_timeout, alive, "sent nothing"), *self._ready()]:
+                    if chunk.keepalive:
+                        self.keepalives += 1  # the engine holds the call (queued): it restarted the silence timer
+                    else:
+                        pending[chunk.seq] = chunk
+            run: list[pb.TokenChunk] = []
             while expected in pending:
-                c = pending.pop(expected)
+                c = pending[expected]
+                if c.HasField("error") and run:
+                    break  # an error chunk goes alone, after the tokens before it
+                del pending[expected]
                 expected += 1
+                run.append(c)
                 if c.finished or c.HasField("error"):
-                    self.finished = True
-                if self.trace is not None:
-                    self.trace.chunk(c)
-                yield c
-                if self.finished:
                     break
+            if not run:
+                continue
+            c = merge_chunks(run)
+            if c.finished or c.HasField("error"):
+                self.finished = True
+            if self.trace is not None:
+                self.trace.chunk(c)
+            yield c
 
     async def cancel(self, reason: str) -> None:
         if self.finished:

@@ -201,3 +201,41 @@ async def test_a_full_engine_still_answers_413_for_a_prompt_that_can_never_fit(s
                 await nc.close()
     finally:
         eng.step_s = 0.0
+
+
+async def test_a_non_streaming_call_gets_its_first_token_then_the_rest_in_one_chunk(synth_models, nats_url):
+    """Issue 20 #5: GenerateRequest.stream=False (the router reads only the whole answer) -> the first
+    token goes out at once (TTFT observable), the others are merged into the finished chunk, logprobs
+    included; the tokens equal a streaming call's, which gets its tokens as they come."""
+    eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=128)
+    cfg = EngineConfig(id="ns0", models=["tiny-llama"], heartbeat_period_s=5.0)
+    with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        try:
+            await until_serving(nc, "ns0")
+
+            async def call(stream: bool) -> list[pb.TokenChunk]:
+                inbox = nc.new_inbox()
+                sub = await nc.subscribe(inbox)
+                req = gen("tiny-llama", 12, stream=stream)
+                req.sampling.logprobs = 1
+                await nc.publish(SUBJ.generate("ns0"), req.SerializeToString(), reply=inbox)
+                got: list[pb.TokenChunk] = []
+                while not got or not got[-1].finished:
+                    msg = await sub.next_msg(30)
+                    if msg.headers and PROBE_HEADER in msg.headers:
+                        continue
+                    c = pb.TokenChunk.FromString(msg.data)
+                    if not c.keepalive:
+                        got.append(c)
+                await sub.unsubscribe()
+                return got
+
+            held, streamed = await call(False), await call(True)
+            tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
+            assert tokens(held) == tokens(streamed) and len(tokens(held)) == 12
+            assert [len(c.token_ids) for c in held] == [0, 1, 11] and [c.seq for c in held] == [0, 1, 2]
+            assert sum(len(c.logprobs) for c in held) == 12 and held[-1].usage.completion_tokens == 12
+            assert len(streamed) > 3  # accepted + a chunk per step (or per lagging run of steps)
+        finally:
+            await nc.close()

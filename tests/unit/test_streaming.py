@@ -54,3 +54,10 @@ def test_coalesce_keeps_every_steps_logprobs():
     assert m.new_token_ids == [1, 2, 3] and [e[0] for e in m.logprobs] == [1, 2, 3]
     (plain,) = coalesce_outputs([[RequestOutput("r", [1], "a")], [RequestOutput("r", [2], "b")]])
     assert plain.logprobs is None
+
+
+def test_coalesce_concatenates_logprobs_in_step_order():
+    lp = lambda t: (t, -0.5, [(t, -0.5)])  # noqa: E731
+    out = coalesce_outputs([[RequestOutput("a", [1], "x", logprobs=[lp(1)])], [RequestOutput("a", [2], "y", logprobs=[lp(2)])],
+                            [RequestOutput("b", [3], "z")]])
+    assert out[0].logprobs == [lp(1), lp(2)] and out[1].logprobs is None

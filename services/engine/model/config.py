@@ -1,25 +1,17 @@
-"""Model configuration parsed from a Hugging Face ``config.json`` (Llama family only).
+"""Model configuration parsed from a Hugging Face ``config.json``.
 
-One :class:`ModelConfig` covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
-Qwen3ForCausalLM; the architectural differences are flags (``qkv_bias``, ``o_bias``, ``qk_norm``).
+The fields every family shares are parsed here; the architecture-specific ones (``qkv_bias``, ``o_bias``,
+``qk_norm``, ``sliding_window``, ``context_cap``) come from the architecture's parser in the registry
+(``registry.py``; the Llama family's in ``llama_family.py``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPE_NAMES = {
@@ -63,7 +55,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None  # not applied by the model: the context is capped to it (attention_span)
+    sliding_window: int | None = None  # applied to every layer by the model (keys within the last N positions)
+    context_cap: int | None = None  # a limit the model cannot serve past (e.g. Qwen's per-layer window)
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -71,12 +64,11 @@ class ModelConfig:
 
     @property
     def attention_span(self) -> int:
-        """The longest context this model is served with. The forward uses full attention, which equals
-        sliding-window attention as long as the context fits in the window, so a model with a window
-        shorter than its positions is capped to the window (``from_dict`` warns) instead of silently
-        attending further than it was trained to."""
-        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window
+        """The longest context this model is served with: its positions, or less when its architecture
+        parser capped it (a window the model does not apply; the parser warns) -- never full attention
+        silently past a window it was trained with."""
+        if self.context_cap and self.context_cap < self.max_position_embeddings:
+            return self.context_cap
         return self.max_position_embeddings
 
     @property
@@ -101,10 +93,9 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        from .registry import lookup  # lazy: the family modules import this one
+
+        flags = lookup(arch).parse(raw)  # ValueError for an unsupported architecture
         # Some configs nest the text model (multimodal wrappers); we only support flat ones.
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -117,14 +108,6 @@ class ModelConfig:
             raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
 
         rope_theta, scaling = _parse_rope(raw)
-
-        attention_bias = bool(raw.get("attention_bias", False))
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
-            qkv_bias = o_bias = False
-        else:
-            qkv_bias = o_bias = attention_bias
 
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -141,15 +124,7 @@ class ModelConfig:
         dtype_raw = raw.get("dtype", raw.get("torch_dtype"))
         dtype = _DTYPE_NAMES.get(str(dtype_raw).replace("torch.", "")) if dtype_raw else None
 
-        sliding = raw.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-            sliding = None
         max_pos = int(raw.get("max_position_embeddings", 2048))
-        if sliding and int(sliding) < max_pos:
-            log.warning(
-                "%s: sliding_window %d < max_position_embeddings %d; sliding-window attention is not implemented, "
-                "so the context is capped to %d tokens", arch, int(sliding), max_pos, int(sliding),
-            )
 
         return cls(
             architecture=arch,
@@ -165,16 +140,13 @@ class ModelConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             max_position_embeddings=max_pos,
-            sliding_window=int(sliding) if sliding else None,
             eos_token_id=eos_t,
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             pad_token_id=None if raw.get("pad_token_id") is None else int(raw["pad_token_id"]),
             dtype=dtype,
+            **flags,
         )
 
 

@@ -4,12 +4,15 @@ Design notes
 ------------
 * One class, :class:`LlamaForCausalLM`, covers the four architectures through :class:`ModelConfig` flags
   (q/k/v bias for Qwen2, per-head q/k RMSNorm for Qwen3). Module/parameter names mirror the Hugging Face
-  checkpoint names, so loading is a 1:1 copy.
+  checkpoint names, so loading is a 1:1 copy. The flags are parsed, and the class is found, through the
+  architecture registry (``registry.py``; this family registers in ``llama_family.py``).
 * Fused projections (:meth:`LlamaForCausalLM.fuse_projections`, called by the loader): q/k/v and gate/up are
   concatenated into one weight each, and the original ``q_proj.weight`` … parameters become *views* into
   the fused tensor, so memory does not grow, parameter names stay checkpoint names, and an in-place copy
   into a named parameter (the cold pool's bank) updates the fused weight too. A model that is not fused
   (e.g. bound onto arena memory by ``substrate.bank.bind_model``) runs the same math with three matmuls.
+  A hot CPU engine additionally *packs* them (:meth:`LlamaForCausalLM.pack_weights`, ``packed.py``):
+  oneDNN-blocked copies used by the forward instead of ``F.linear`` on the parameters.
 * ``forward`` runs a *flat* batch (see :mod:`services.engine.model.batch`). All linear layers, norms and
   RoPE run on the whole ``[T, ...]`` flat batch. Attention is batched too (Talaria issue 20 §2, the
   varlen "packed" prefill of FlashAttention-2 §3 / vLLM's chunked prefill): a step has at most two
@@ -29,6 +32,10 @@ Design notes
 
   Every index and mask is built once per forward in :class:`_AttnPlan` (vectorized, no Python loop per
   layer or per token) and reused by all layers.
+* Sliding window (``config.sliding_window``, Mistral): every mask above also hides keys at or before
+  ``q_pos - window`` (transformers' ``sliding_window_overlay``: key ``j`` visible iff
+  ``q_pos - window < j <= q_pos``); a plain-causal group that spans more than the window gets an explicit
+  mask. The pages outside the window stay allocated (the KV manager owns them; prefix caching needs them).
 * Side effects: for every layer ``l`` the model writes the new tokens' K (after RoPE) and V into
   ``kv.k[l]`` / ``kv.v[l]`` at the rows in ``batch.slot_mapping`` (in place in the paged pool, before the
   layer's attention reads them). Nothing else is mutated: no page is allocated, no other slot is written,
@@ -47,6 +54,7 @@ from torch import nn
 
 from .batch import AttnBatch, KVCache
 from .config import ModelConfig, RopeScaling
+from .packed import PackedLinear, linear
 
 
 class RMSNorm(nn.Module):
@@ -111,15 +119,22 @@ class Attention(nn.Module):
             self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse(); q/k/v weights are then views into it
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_packed: PackedLinear | None = None  # set by pack() (model/packed.py)
+        self.o_packed: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v into one weight (and bias); rebind the three parameters as views into it."""
         self.qkv_weight, self.qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
+    def pack(self) -> None:
+        """Prepack the fused q/k/v and o weights (model/packed.py); needs ``fuse()`` first."""
+        self.qkv_packed = PackedLinear(self.qkv_weight, self.qkv_bias)
+        self.o_packed = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
         return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
     def forward(
@@ -132,15 +147,22 @@ class Attention(nn.Module):
         plan: "_AttnPlan",
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.qkv_weight is not None and self.q_norm is None:
+            # q and k are adjacent columns of the fused projection: one RoPE over both (same math per element)
+            qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = self._qkv(x)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
 
         # The only mutation: new K/V into their slots.
         layer_k.index_copy_(0, plan.slot_mapping, k.to(layer_k.dtype))
@@ -152,7 +174,7 @@ class Attention(nn.Module):
             o = torch.empty_like(q)
             for g in plan.groups:
                 o.index_copy_(0, g.q_index, self._attend(q, layer_k, layer_v, g, whole=False))
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_packed, self.o_proj.weight, self.o_proj.bias)
 
     def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group", whole: bool) -> torch.Tensor:
         """Attention of one query group (see the module notes): ``q`` is the step's ``[T, H, D]`` queries
@@ -213,16 +235,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
         self.gate_up_bias: torch.Tensor | None = None
+        self.gate_up_packed: PackedLinear | None = None  # set by pack()
+        self.down_packed: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate gate/up into one weight; rebind both parameters as views into it."""
         self.gate_up_weight, self.gate_up_bias = _fuse_linears((self.gate_proj, self.up_proj))
 
+    def pack(self) -> None:
+        """Prepack the fused gate/up and the down weights (model/packed.py); needs ``fuse()`` first."""
+        self.gate_up_packed = PackedLinear(self.gate_up_weight, self.gate_up_bias)
+        self.down_packed = PackedLinear(self.down_proj.weight, self.down_proj.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_packed, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -268,7 +297,8 @@ class _AttnPlan:
 
     __slots__ = ("slot_mapping", "groups", "single")
 
-    def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device) -> None:
+    def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device,
+                 window: int | None = None) -> None:
         cu = batch.cu_q
         B = batch.num_seqs
         if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != num_tokens:
@@ -285,8 +315,8 @@ class _AttnPlan:
         self.slot_mapping = batch.slot_mapping.to(device=device, dtype=torch.long)
         dec = [i for i in range(B) if q_lens[i] == 1]
         pre = [i for i in range(B) if q_lens[i] > 1]
-        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device)] if dec else []
-        self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device)
+        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window)] if dec else []
+        self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device, window)
                         for part in _split_packed(pre, q_lens, ctx)]
         self.single = self.groups[0] if len(self.groups) == 1 else None
 
@@ -300,13 +330,19 @@ def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device
     return slots.to(device)
 
 
-def _decode_group(rows, cu, ctx, tables, page_size, device) -> _Group:
+def _decode_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Group:
     lens = [ctx[i] for i in rows]
     slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
     L = slots.shape[1]
     mask = None
-    if min(lens) != L:
-        mask = (torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+    windowed = window is not None and L > window
+    if min(lens) != L or windowed:
+        k = torch.arange(L, device=device)[None, :]
+        n = torch.tensor(lens, device=device)[:, None]
+        mask = k < n
+        if windowed:  # the query is at n - 1: keys n - window .. n - 1
+            mask &= k >= n - window
+        mask = mask[:, None, None, :]
     q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
     return _Group("decode", q_index, slots, mask)
 
@@ -333,7 +369,7 @@ def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[li
 PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
 
 
-def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
+def _prefill_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Group:
     """Multi-token queries of ``rows`` as one group: padded when ``Bp * Qmax * Lmax`` is smaller than the
     packed ``sum(q) * sum(ctx)`` (e.g. several fresh prompts of similar length), packed otherwise."""
     lens = [ctx[i] for i in rows]
@@ -342,11 +378,11 @@ def _prefill_group(rows, cu, ctx, tables, page_size, device) -> _Group:
     if layout == "auto":
         layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
     if layout == "padded":
-        return _padded_group(rows, q_lens, lens, cu, tables, page_size, device)
-    return _packed_group(rows, q_lens, lens, cu, tables, page_size, device)
+        return _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window)
+    return _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window)
 
 
-def _padded_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None) -> _Group:
     slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
     B, L, Q = len(rows), slots.shape[1], max(q_lens)
     nq = torch.tensor(q_lens, device=device)
@@ -354,21 +390,25 @@ def _padded_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
     q_src = (torch.tensor([cu[i] for i in rows], device=device)[:, None] + local).reshape(-1)
     out_pos = torch.cat([torch.arange(b * Q, b * Q + q, dtype=torch.long) for b, q in enumerate(q_lens)]).to(device)
     q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
-    mask = None  # every sequence a fresh prompt of the same length: plain causal
-    if not all(q == Q and n == Q for q, n in zip(q_lens, lens)):
+    mask = None  # every sequence a fresh prompt of the same length (and no window within it): plain causal
+    if not all(q == Q and n == Q for q, n in zip(q_lens, lens)) or (window is not None and L > window):
         q_pos = (torch.tensor(lens, device=device) - nq)[:, None] + local  # absolute position of each row
-        mask = (torch.arange(L, device=device)[None, None, :] <= q_pos[:, :, None])[:, None]
+        k = torch.arange(L, device=device)[None, None, :]
+        mask = k <= q_pos[:, :, None]
+        if window is not None:
+            mask &= k > q_pos[:, :, None] - window
+        mask = mask[:, None]
     return _Group("padded", q_index, slots, mask, q_src, out_pos)
 
 
-def _packed_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+def _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window=None) -> _Group:
     padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
     L = padded.shape[1]
     valid = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
     slots = padded[valid]  # packed contexts, sequence after sequence
     q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
     mask = None
-    if len(rows) > 1 or q_lens[0] != lens[0]:
+    if len(rows) > 1 or q_lens[0] != lens[0] or (window is not None and L > window):
         nq, nk = torch.tensor(q_lens, device=device), torch.tensor(lens, device=device)
         q_seq = torch.repeat_interleave(torch.arange(len(rows), device=device), nq)
         k_seq = torch.repeat_interleave(torch.arange(len(rows), device=device), nk)
@@ -378,6 +418,8 @@ def _packed_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
         q_local = torch.arange(q_seq.shape[0], device=device) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
         q_pos = q_first + q_local
         mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
     return _Group("packed", q_index, slots, mask)
 
 
@@ -395,6 +437,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self._rope_table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lm_head_packed: PackedLinear | None = None  # set by pack_weights()
+
+    @property
+    def is_packed(self) -> bool:
+        return self.lm_head_packed is not None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up of every layer (memory-neutral: the old parameters become views)."""
@@ -402,6 +449,17 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+
+    def pack_weights(self) -> None:
+        """Prepack every projection and the lm_head for the CPU (model/packed.py: one extra copy of the
+        linear weights; the parameters stay, and must not be written in place afterwards). Fuses first."""
+        with torch.no_grad():
+            if self.model.layers and self.model.layers[0].self_attn.qkv_weight is None:
+                self.fuse_projections()
+            for layer in self.model.layers:
+                layer.self_attn.pack()
+                layer.mlp.pack()
+            self.lm_head_packed = PackedLinear(self.lm_head.weight, None)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, D]`` for ``positions`` (all ``<= max_pos``), gathered from a per-device/dtype table
@@ -435,7 +493,7 @@ class LlamaForCausalLM(nn.Module):
         dev = self.model.embed_tokens.weight.device
         input_ids = input_ids.to(dev)
         positions = positions.to(dev)
-        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev)
+        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window)
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
         cos, sin = self._rope(positions, h.dtype, max_pos)
@@ -451,4 +509,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32 logits (pass all rows for all-position logits)."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head_packed, self.lm_head.weight, None).float()

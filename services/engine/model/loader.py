@@ -1,5 +1,5 @@
-"""Load a Hugging Face Llama-family checkpoint (safetensors) into :class:`LlamaForCausalLM`, and allocate
-the paged KV pool.
+"""Load a Hugging Face checkpoint (safetensors) into its registered model class (``registry.py``), and
+allocate the paged KV pool in the architecture's KV layout.
 
 Parameter names of our module equal the checkpoint names, so loading is a strict 1:1 copy: every expected
 tensor must be present with the right shape; unknown tensors are an error (except ``lm_head.weight`` of a
@@ -17,6 +17,7 @@ from safetensors import safe_open
 from .batch import KVCache
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .registry import lookup
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -103,7 +104,7 @@ def load_model(
     device = torch.device(device)
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = lookup(config.architecture).model_class(config)
     model = model.to_empty(device=device).to(torch_dtype)
     if config.tie_word_embeddings:  # to_empty() re-creates parameters; re-tie them
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -149,19 +150,12 @@ def allocate_kv_cache(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> KVCache:
-    """One zeroed tensor ``[2, layers, num_pages * page_size, kv_heads, head_dim]``; ``k[l]``/``v[l]`` are
-    views into it, so the pool's addresses never change."""
+    """One zeroed tensor ``[2, layers, num_pages * page_size, *slab]`` in the architecture's KV shape (MHA:
+    slab ``[kv_heads, head_dim]``); ``k[l]``/``v[l]`` are views into it, so the pool's addresses never change."""
     if num_pages <= 0 or page_size <= 0:
         raise ValueError("num_pages and page_size must be positive")
-    pool = torch.zeros(
-        2,
-        config.num_hidden_layers,
-        num_pages * page_size,
-        config.num_key_value_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    shape = lookup(config.architecture).kv_shape(config).pool_shape(num_pages * page_size)
+    pool = torch.zeros(*shape, dtype=dtype, device=device)
     return KVCache(
         k=[pool[0, l] for l in range(config.num_hidden_layers)],
         v=[pool[1, l] for l in range(config.num_hidden_layers)],

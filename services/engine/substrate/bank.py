@@ -19,6 +19,7 @@ from torch import nn
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import load_model
+from services.engine.model.registry import lookup
 
 from .arena import align_up
 
@@ -110,7 +111,7 @@ def bind_model(entry: BankEntry, weights: torch.Tensor) -> LlamaForCausalLM:
     if weights.dtype != torch.uint8 or weights.numel() < entry.nbytes:
         raise ValueError(f"weights region of {weights.numel()} bytes cannot hold {entry.model} ({entry.nbytes} bytes)")
     with torch.device("meta"):
-        model = LlamaForCausalLM(entry.config)
+        model = lookup(entry.config.architecture).model_class(entry.config)
     by_name = {s.name: s for s in entry.specs}
     fresh: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters():

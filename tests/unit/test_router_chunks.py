@@ -1,0 +1,61 @@
+"""issue 20 #5: the router's reader takes every chunk already queued and yields the in-order ones merged
+(one JSON / SSE event for several tokens when it lags); a reader that keeps up sees them unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.router.engine_client import EngineCall, merge_chunks
+from talaria.subjects import Subjects
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+
+def _tok(seq: int, t: int, **kw) -> pb.TokenChunk:
+    return pb.TokenChunk(seq=seq, token_ids=[t], text=f"<{t}>", logprobs=[pb.TokenLogprob(token_id=t)], **kw)
+
+
+def _call() -> EngineCall:
+    return EngineCall(None, Subjects("t"), "r", "e0", pb.GenerateRequest(request_id="x"))
+
+
+def _read(call: EngineCall, feed) -> list[pb.TokenChunk]:
+    async def go():
+        out = []
+        async for c in call.chunks(5.0, lambda: True):
+            out.append(pb.TokenChunk.FromString(c.SerializeToString()))
+            feed(call, len(out))
+        return out
+
+    return asyncio.run(go())
+
+
+def test_queued_chunks_come_merged_in_seq_order_with_the_terminal_fields_of_the_last():
+    call = _call()
+    usage = cpb.Usage(prompt_tokens=3, completion_tokens=4)
+    for c in (_tok(2, 12), _tok(1, 11), pb.TokenChunk(keepalive=True), _tok(3, 13),
+              _tok(4, 14, finished=True, finish_reason="length", usage=usage, ttft_seconds=0.5)):
+        call._queue.put_nowait(c)  # the reader lagged: four token chunks (out of order) and a keepalive wait
+    (c,) = _read(call, lambda *_: None)
+    assert list(c.token_ids) == [11, 12, 13, 14] and c.text == "<11><12><13><14>" and len(c.logprobs) == 4
+    assert (c.seq, c.finished, c.finish_reason, c.usage.completion_tokens, c.ttft_seconds) == (4, True, "length", 4, 0.5)
+    assert call.finished and call.keepalives == 1
+
+
+def test_a_reader_that_keeps_up_sees_every_chunk_and_an_error_comes_alone_after_the_tokens():
+    call = _call()
+    call._queue.put_nowait(_tok(1, 11))
+    feeds = {1: [_tok(2, 12), _tok(3, 0, error=cpb.Error(code="engine_error", message="boom"))]}
+
+    def feed(c: EngineCall, n: int) -> None:
+        for x in feeds.get(n, []):
+            c._queue.put_nowait(x)
+
+    got = _read(call, feed)
+    assert [list(c.token_ids) for c in got] == [[11], [12], [0]]
+    assert got[-1].error.code == "engine_error" and not got[1].HasField("error")
+
+
+def test_merge_of_one_chunk_is_that_chunk():
+    c = _tok(1, 5)
+    assert merge_chunks([c]) is c
