@@ -1,4 +1,4 @@
-"""The simulator (talaria/sim): profiles, the replay of recorded policy inputs into fresh policy objects
+"""The simulator (sim): profiles, the replay of recorded policy inputs into fresh policy objects
 (the simulated router and slot scheduler decide exactly as the real ones), ablation behaviour and the
 ``summary.json`` contract of ``talaria sim paper``. Small virtual-clock runs only (seconds)."""
 
@@ -17,10 +17,10 @@ from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBo
 from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
-from talaria.sim import paper, report
-from talaria.sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
-from talaria.sim.instance import SimCall
-from talaria.sim.profile import ProfileError, from_dict, load, uncited
+from sim import paper, report
+from sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
+from sim.instance import SimCall
+from sim.profile import ProfileError, from_dict, load, uncited
 from talaria.v1 import engine_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ def test_router_policies_differ_on_avoidable_opens():
 
 # ------------------------------------------------------------------------------- summary.json contract
 def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
-    from talaria.sim import workload
+    from sim import workload
 
     monkeypatch.setattr(workload, "paper_tp8", lambda models, **kw: sessions(6, 3, models=models))
     monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
@@ -206,7 +206,7 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
 
 
 def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
-    from talaria.sim.scale import cluster, run_scale
+    from sim.scale import cluster, run_scale
 
     specs, catalog, weights = cluster(20, 8)
     hot = [s for s in specs if s.pool == "hot"]
@@ -220,7 +220,7 @@ def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
 def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
     from bench.workloads import write_jsonl
     from bench.workloads.synthetic import SynthParams, generate
-    from talaria.sim.cli import main
+    from sim.cli import main
 
     w = generate(SynthParams(sessions=4, models=("qwen3-235b", "glm5-nvfp4"), seed=1, max_depth=4))
     write_jsonl(w, tmp_path / "w.jsonl")

@@ -1,4 +1,4 @@
-"""``talaria sim``: run | paper | scale (see talaria/sim/README.md)."""
+"""``talaria sim``: run | paper | scale (see sim/README.md)."""
 
 from __future__ import annotations
 
