@@ -91,7 +91,7 @@ def add_cli(sub) -> None:
     pp.add_argument("--configs", help="subset of the TP=8 configurations (default all five)")
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
-    pp.add_argument("--start-gap", type=float, default=60.0, help="seconds between session starts of the TP=8 replay (not published)")
+    pp.add_argument("--start-gap", type=float, default=26.0, help="seconds between session starts of the TP=8 replay (not published)")
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
     pp.add_argument("--json", action="store_true", help="print the whole summary")
     pp.set_defaults(fn=_paper)

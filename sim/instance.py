@@ -96,6 +96,8 @@ class SimInstance:
         self.host = host
         self.pages: dict[tuple[str, str], list[int]] = {}  # (model, session) -> page hash chain
         self._hash_ctr = 0
+        self._agreed: dict[tuple[str, str], tuple[tuple[int, int, int, int], int]] = {}
+        self._layouts: dict[str, Layout] = {}
         self.staging: tuple[str, float] | None = None  # (model, started)
         self.busy_until: float | None = None
         self.pending: Decision | None = None
@@ -150,7 +152,13 @@ class SimInstance:
         chain = self.pages.get((model, session))
         if not chain:
             return 0
+        # memoised on the registry's state: only commits (bytes_in) and evictions change what is agreed
+        stamp = (self.host.counters.bytes_in, self.host.counters.evictions, len(chain), chain[-1])
+        hit = self._agreed.get((model, session))
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
         n, _ = self.host.agreed_pages(self._layout(model), chain)
+        self._agreed[(model, session)] = (stamp, n * self.profile.page_tokens)
         return n * self.profile.page_tokens
 
     def prefix_of(self, c: SimCall) -> tuple[int, str]:
@@ -294,9 +302,12 @@ class SimInstance:
 
     # ------------------------------------------------------------------ KV bookkeeping
     def _layout(self, model: str) -> Layout:
-        c = self.profile.model(model)
-        pb = c.kv_bytes_per_token * self.profile.page_tokens
-        return Layout(model, 0, 1, self.profile.page_tokens, "bf16", Family.MHA, (pb,), pb)
+        lay = self._layouts.get(model)
+        if lay is None:
+            c = self.profile.model(model)
+            pb = c.kv_bytes_per_token * self.profile.page_tokens
+            lay = self._layouts[model] = Layout(model, 0, 1, self.profile.page_tokens, "bf16", Family.MHA, (pb,), pb)
+        return lay
 
     def keep(self, c: SimCall, now: float) -> None:
         """A call finished: its session's KV stays on device (LRU-bounded) and is checkpointed to host."""

@@ -37,7 +37,8 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
     "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False},
 }
 OUTPUT_SCALE = 0.1
-TP8_START_GAP_S = 60.0
+TP8_START_GAP_S = 26.0  # not published: (1632 s of Talaria rounds, §5.6 - 867 s SCT p95) / 29 later starts
+DECODE_QUANTUM = 4  # decode tokens per scheduler decision in the paper runs (4 x ~17 ms: SP boundaries ~70 ms apart)
 ROUTER_START_GAP_S = 2.0  # "high load" (§5.3): a session starts every 2 s (not published)
 TAUS = (0.0, 0.5, 1.0, 2.0, 5.0)  # §5.4
 
@@ -70,9 +71,9 @@ def slot_policy(profile: Profile, **flags: bool) -> SlotPolicy:
     return SlotPolicy(**{f: k[f] for f in fields if f in k}, **flags)
 
 
-def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False) -> SimConfig:
+def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False, decode_quantum: int = 1) -> SimConfig:
     return SimConfig(name, profile, (InstanceSpec("tp8-0", "cold", TP8_MODELS),), slot=slot_policy(profile, **flags),
-                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record)
+                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record, decode_quantum=decode_quantum)
 
 
 def router_config(profile: Profile, policy: str, tau: float | None = None) -> SimConfig:
@@ -87,8 +88,8 @@ def router_config(profile: Profile, policy: str, tau: float | None = None) -> Si
 def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: float = OUTPUT_SCALE, start_gap_s: float = TP8_START_GAP_S) -> list[dict[str, Any]]:
     rows = []
     for name in configs:
-        sessions = workload.paper_tp8(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
-        r = Simulation(tp8_config(profile, name, CONFIGS[name]), sessions).run()
+        sessions = workload.paper_replay(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
+        r = Simulation(tp8_config(profile, name, CONFIGS[name], decode_quantum=DECODE_QUANTUM), sessions).run()
         s = report.summarize(r)
         say(f"tp8 {name:10s} SCT p50 {s['sct_p50_s']:.0f} s p95 {s['sct_p95_s']:.0f} s TTFT p95 {s['ttft_p95_s']:.2f} s ({r.wall_s:.0f} s wall)")
         rows.append(s)

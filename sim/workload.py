@@ -12,6 +12,7 @@ turned into lengths (the simulator needs token counts, not token ids).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -21,7 +22,12 @@ from bench.workloads.synthetic import SynthParams, generate
 from .instance import SimCall
 from .cluster import SimSession
 
-FULL_SCALE_MAX_PROMPT = 131072  # the paper's models serve 128K contexts (§2.1: p95 prompt 105K)
+FULL_SCALE_MAX_PROMPT = 131072
+# §5.1: "the next waits for the same recorded tool gap after a 10 s cap. The cap affects 20 of 960 calls."
+# The pooled gap distribution (§2.1) excludes the long environment gaps, so 20/960 of the replay's gaps
+# are set to the cap.
+GAP_CAPPED_SHARE = 20 / 960
+GAP_CAPPED_S = 10.0  # the paper's models serve 128K contexts (§2.1: p95 prompt 105K)
 
 
 def _len(call, prev_len: int) -> int:
@@ -88,15 +94,19 @@ def paper_tp8(models: Sequence[str], seed: int = 0, tasks: int = 10, calls_per_m
 
 def router_subset(models: Sequence[str], seed: int = 0, sessions: int = 30, calls: int = 120, start_gap_s: float = 1.0,
                   output_scale: float = 1.0) -> list[SimSession]:
-    """§5.1/§5.3: a 120-call, 30-model-session subset (4 calls per model-session), models round-robin."""
-    base = _pick(full_scale(400, seed, models[:1], mean_interarrival_s=1.0), sessions, calls, 4)
-    for s in base:
-        del s.calls[4:]
+    """§5.1/§5.3: a 120-call, 30-model-session subset (4 calls per model-session), models round-robin,
+    lengths/gaps/outputs of the synthetic generator's shape (``lengths_session``)."""
+    from bench.workloads.synthetic import DEPTH
+
+    per = calls // sessions
     out = []
-    for i, s in enumerate(base):
-        out.append(session_of(s, models[i % len(models)], f"r{i:02d}", start=i * start_gap_s, output_scale=output_scale))
-    total = sum(len(s.calls) for s in out)
-    assert total == calls, total
+    for i in range(sessions):  # the first ``per`` calls of a session of published depth (>= per): its early, shorter prompts
+        rng = random.Random(seed * 1000 + i)
+        depth = max(per, min(187, round(DEPTH.draw(rng))))
+        s = lengths_session(rng, f"r{i:02d}", models[i % len(models)], depth, i * start_gap_s, output_scale)
+        del s.calls[per:]
+        out.append(s)
+    assert sum(len(s.calls) for s in out) == calls
     return out
 
 
@@ -111,4 +121,70 @@ def tiled(n: int, catalog: Sequence[str], weights: Sequence[float], seed: int = 
         t += rng.expovariate(rate_per_s)
         m = rng.choices(catalog, weights)[0]
         out.append(session_of(base[i % len(base)], m, f"s{i:05d}", start=t))
+    return out
+
+
+# ------------------------------------------------------------------ the paper's TP=8 replay shape (§5.1)
+def paper_depths(tasks: int = 10, calls: int = 320) -> list[int]:
+    """Depths of ``tasks`` sessions holding ``calls`` calls, shaped like the published depth distribution
+    (§2.1 / Fig. 2a: log-normal, p50 11, p95 49): the distribution's quantiles at the midpoints
+    (i + 0.5) / tasks, scaled by one common factor to sum to ``calls`` (largest remainders rounded up).
+    Ten tasks / 320 calls gives 5 ... 101 calls, p50 ~22: a deterministic 'typical' draw of the shape."""
+    from statistics import NormalDist
+
+    from bench.workloads.synthetic import DEPTH
+
+    q = [DEPTH.median * math.exp(DEPTH.sigma * NormalDist().inv_cdf((i + 0.5) / tasks)) for i in range(tasks)]
+    raw = [x * calls / sum(q) for x in q]
+    out = [max(1, int(x)) for x in raw]
+    for i in sorted(range(tasks), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: calls - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def lengths_session(rng: random.Random, sid: str, model: str, depth: int, start: float, output_scale: float = 1.0,
+                    max_prompt: int = FULL_SCALE_MAX_PROMPT, min_prompt: int = 256, max_output: int = 4096) -> SimSession:
+    """One session of the synthetic generator's shape (``bench.workloads.synthetic``: its published
+    distributions and its prompt-growth rule — the prior prompt plus the prior answer plus a tool result;
+    3.2 % of continuations rewrite history and keep 5-50 %), as lengths only (the token-id form costs
+    seconds per deep session). Depth is given instead of drawn."""
+    from bench.workloads.synthetic import GAP_S, OUTPUT_TOKENS, PROMPT_TOKENS, REUSE_OVER_HALF
+
+    lengths = sorted(max(min_prompt, min(max_prompt, round(PROMPT_TOKENS.draw(rng)))) for _ in range(depth))
+    outputs = [max(1, min(max_output, round(OUTPUT_TOKENS.draw(rng)))) for _ in range(depth)]
+    calls: list[SimCall] = []
+    prev = 0
+    for i in range(depth):
+        if i == 0:
+            n, keep, gap = lengths[0], 0, 0.0
+        else:
+            gap = GAP_CAPPED_S if rng.random() < GAP_CAPPED_SHARE else GAP_S.draw(rng)
+            if rng.random() < REUSE_OVER_HALF:
+                keep = prev
+                base = prev + outputs[i - 1]
+                if base >= max_prompt:
+                    base = prev if prev < max_prompt else (keep := int(prev * 0.75))
+            else:
+                keep = int(prev * rng.uniform(0.05, 0.5))
+                base = keep
+            n = min(max(lengths[i], base + 1), max_prompt)
+        calls.append(SimCall("", sid, i, model, n, keep, max(1, round(outputs[i] * output_scale)), gap))
+        prev = n
+    return SimSession(sid, start, calls)
+
+
+def paper_replay(models: Sequence[str], seed: int = 0, tasks: int = 10, calls_per_model: int = 320, start_gap_s: float = 0.0,
+                 output_scale: float = 1.0) -> list[SimSession]:
+    """§5.1: ten task identities (depths ``paper_depths``) replayed on each of three models: 30
+    model-sessions, 960 calls; a task's calls (lengths, gaps, completion tokens) are identical on every
+    model (fixed replay). Model-session j (task-major) starts at ``j * start_gap_s``."""
+    depths = paper_depths(tasks, calls_per_model)
+    order = list(range(tasks))
+    random.Random(seed).shuffle(order)  # which task is deep is not tied to its start position
+    base = [lengths_session(random.Random(seed * 1000 + t), f"task{t}", "", depths[t], 0.0, output_scale) for t in range(tasks)]
+    out = []
+    for pos, t in enumerate(order):
+        for mi, m in enumerate(models):
+            calls = [SimCall("", f"{m}/task{t}", c.index, m, c.prompt_tokens, c.prefix_tokens, c.output_tokens, c.gap_s) for c in base[t].calls]
+            out.append(SimSession(f"{m}/task{t}", (pos * len(models) + mi) * start_gap_s, calls))
     return out

@@ -188,7 +188,7 @@ def test_router_policies_differ_on_avoidable_opens():
 def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     from sim import workload
 
-    monkeypatch.setattr(workload, "paper_tp8", lambda models, **kw: sessions(6, 3, models=models))
+    monkeypatch.setattr(workload, "paper_replay", lambda models, **kw: sessions(6, 3, models=models))
     monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
     s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None)
     got = json.loads((tmp_path / "summary.json").read_text())
@@ -203,6 +203,26 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     assert got["comparison"]["of"] >= 10
     assert (tmp_path / "tp8" / "sct_cdf.png").exists() and (tmp_path / "router" / "report.md").exists()
     assert s["tp8"] == got["tp8"]
+
+
+def test_paper_replay_has_the_published_shape():
+    """§5.1: 10 tasks x 3 models = 30 model-sessions, 960 calls, each task identical on every model; the
+    depths follow the §2.1 distribution's shape (its p95/p50 = 49/11 sets the spread)."""
+    from sim import workload
+
+    d = workload.paper_depths()
+    assert len(d) == 10 and sum(d) == 320 and d == sorted(d)
+    assert 4.0 < d[-1] / d[4] < 6.0  # the deepest task vs the median one (49/11 = 4.5 in the published shape)
+    ss = workload.paper_replay(paper.TP8_MODELS, start_gap_s=26.0, output_scale=0.1)
+    assert len(ss) == 30 and sum(len(s.calls) for s in ss) == 960
+    by_task: dict[str, list] = {}
+    for s in ss:
+        by_task.setdefault(s.session_id.split("/")[1], []).append([(c.prompt_tokens, c.prefix_tokens, c.output_tokens, c.gap_s) for c in s.calls])
+    assert len(by_task) == 10 and all(v[0] == v[1] == v[2] for v in by_task.values())
+    assert sorted(s.start_s for s in ss) == [26.0 * j for j in range(30)]
+    for s in ss:  # every continuation extends its prompt (prefix <= previous prompt)
+        for a, b in zip(s.calls, s.calls[1:]):
+            assert b.prefix_tokens <= a.prompt_tokens < b.prompt_tokens or b.prefix_tokens < a.prompt_tokens
 
 
 def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
