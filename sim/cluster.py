@@ -62,6 +62,7 @@ class SimConfig:
     heartbeat_s: float = 0.5
     retry_s: float = 0.1
     decode_quantum: int = 1
+    can_park: bool = False  # True: the paper's engine (in-flight calls parked at a switch, §5.5); False: this codebase's (Dfin drains)
     record: bool = False
     max_sim_s: float = 1e7
     stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
@@ -104,6 +105,7 @@ class Simulation:
             self.instances[spec.iid] = SimInstance(
                 spec.iid, spec.pool, list(spec.catalog), prof, cfg.slot if spec.pool == "cold" else _hot(cfg.slot), host=host,
                 loaded=list(spec.loaded) if spec.loaded is not None else None, max_loaded=spec.max_loaded, decode_quantum=cfg.decode_quantum,
+                can_park=cfg.can_park,
             )
         self.registry = Registry(self.clock, miss_limit=3.0, stale_after=2.0, wall=self.clock.now)
         table = LeaseTable()
@@ -317,7 +319,7 @@ class Simulation:
         calls = [c for s in self.sessions for c in s.calls]
         sct = {s.session_id: s.calls[-1].finished_at - s.calls[0].intended for s in self.sessions if s.calls}
         inst = {
-            iid: {"pool": i.pool, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
+            iid: {"pool": i.pool, "parked": i.parked, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
                   "host_kv": asdict(i.host.counters) if i.host else None}
             for iid, i in self.instances.items()
         }

@@ -84,11 +84,12 @@ def router_config(profile: Profile, policy: str, tau: float | None = None) -> Si
                      params=PolicyParams(policy=policy, model_weights_gib=gib), tau_s=float(k.get("tau_s", 1.0)) if tau is None else tau)
 
 
-def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: float = OUTPUT_SCALE, start_gap_s: float = TP8_START_GAP_S) -> list[dict[str, Any]]:
+def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: float = OUTPUT_SCALE, start_gap_s: float = TP8_START_GAP_S,
+            park: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name in configs:
         sessions = workload.paper_replay(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
-        r = Simulation(tp8_config(profile, name, CONFIGS[name], decode_quantum=DECODE_QUANTUM), sessions).run()
+        r = Simulation(replace(tp8_config(profile, name, CONFIGS[name], decode_quantum=DECODE_QUANTUM), can_park=park), sessions).run()
         s = report.summarize(r)
         say(f"tp8 {name:10s} SCT p50 {s['sct_p50_s']:.0f} s p95 {s['sct_p95_s']:.0f} s TTFT p95 {s['ttft_p95_s']:.2f} s ({r.wall_s:.0f} s wall)")
         rows.append(s)
@@ -158,11 +159,11 @@ def compare(tp8: dict[str, dict], router: dict[str, dict]) -> dict[str, Any]:
 
 def run_paper(out: Path, *, tp8_profile: str, router_profile: str, seed: int = 0, configs: list[str] | None = None,
               policies: list[str] | None = None, say=print, output_scale: float = OUTPUT_SCALE,
-              start_gap_s: float = TP8_START_GAP_S, taus: tuple[float, ...] = TAUS) -> dict[str, Any]:
+              start_gap_s: float = TP8_START_GAP_S, taus: tuple[float, ...] = TAUS, park: bool = False) -> dict[str, Any]:
     """Run both experiments; write ``out/summary.json`` (the issue's contract) and the reports. Returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     p8, p4 = load(tp8_profile), load(router_profile)
-    rows = run_tp8(p8, configs or list(CONFIGS), seed, say, output_scale, start_gap_s)
+    rows = run_tp8(p8, configs or list(CONFIGS), seed, say, output_scale, start_gap_s, park)
     rrows, sweep = run_router(p4, policies or ["full", "least-pressure", "session-sticky"], seed, say, taus, output_scale)
     report.write(out / "tp8", rows, {"profile": tp8_profile, "seed": seed, "output_scale": output_scale, "start_gap_s": start_gap_s}, "Simulated TP=8 fixed replay (Talaria §5.1-5.2)")
     report.write(out / "router", rrows + sweep, {"profile": router_profile, "seed": seed, "start_gap_s": ROUTER_START_GAP_S}, "Simulated router experiment (Talaria §5.3-5.4)")
@@ -178,7 +179,7 @@ def run_paper(out: Path, *, tp8_profile: str, router_profile: str, seed: int = 0
             "same_instance_return_rate": s["router"]["same_instance_return_rate"], "model_opens": s["router"]["model_opens"],
             "returning_ttft_p50_s": s["ttft_returning_p50_s"], "returning_ttft_p95_s": s["ttft_returning_p95_s"]} for s in sweep},
         "comparison": compare(cmp_in, router),
-        "assumptions": {"output_scale": output_scale, "tp8_start_gap_s": start_gap_s, "router_start_gap_s": ROUTER_START_GAP_S,
+        "assumptions": {"output_scale": output_scale, "tp8_start_gap_s": start_gap_s, "router_start_gap_s": ROUTER_START_GAP_S, "tp8_parking": park,
                         "tp8_profile": tp8_profile, "router_profile": router_profile, "seed": seed},
     }
     summary["closing_note"] = {

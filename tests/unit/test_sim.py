@@ -205,6 +205,28 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     assert s["tp8"] == got["tp8"]
 
 
+def test_parking_instance_resumes_parked_calls_with_their_context():
+    """can_park (the paper's engine): long decodes are parked at slot ends and resume in a later slot of
+    their model, restoring prompt + decoded tokens from host KV; every call still finishes, and a first token
+    is never 'earned' twice."""
+    from dataclasses import replace
+
+    def long_outputs():
+        ss = sessions(6, 3, models=paper.TP8_MODELS)
+        for s in ss:
+            for c in s.calls:
+                c.output_tokens = 400  # ~6 s of decode at the profile's step: past a slot budget
+        return ss
+
+    cfg = replace(paper.tp8_config(load(TP8), "Talaria", {}), can_park=True, decode_quantum=4)
+    res = Simulation(cfg, long_outputs()).run()
+    assert res.instances["tp8-0"]["parked"] > 0
+    assert all(c.finished_at is not None and c.decoded == c.output_tokens for c in res.calls)
+    assert all(c.first_token_at <= c.finished_at for c in res.calls)
+    drain = Simulation(replace(cfg, can_park=False), long_outputs()).run()
+    assert drain.instances["tp8-0"]["parked"] == 0
+
+
 def test_paper_replay_has_the_published_shape():
     """§5.1: 10 tasks x 3 models = 30 model-sessions, 960 calls, each task identical on every model; the
     depths follow the §2.1 distribution's shape (its p95/p50 = 49/11 sets the spread)."""
