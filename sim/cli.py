@@ -69,6 +69,24 @@ def _scale(args) -> int:
     return 0
 
 
+def _pools(args) -> int:
+    from .scale import run_pools
+
+    rows = run_pools(Path(args.out), profile=args.profile, instances=args.instances, models=args.models, sessions=args.sessions,
+                     seed=args.seed, rate_per_s=args.rate, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+def _catalog(args) -> int:
+    from .scale import run_catalog
+
+    rows = run_catalog(Path(args.out), profile=args.profile, instances=args.instances, catalogs=tuple(int(x) for x in args.catalogs.split(",")),
+                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("sim", help="discrete-event simulator: the real policies under a virtual clock")
     ps = p.add_subparsers(dest="sim_cmd", required=True)
@@ -105,6 +123,24 @@ def add_cli(sub) -> None:
     sc.add_argument("--sessions", type=int, default=10000)
     sc.add_argument("--seed", type=int, default=0)
     sc.set_defaults(fn=_scale)
+    po = ps.add_parser("pools", help="static hot/cold splits vs the dynamic pool sizer (services/router/pool_sizing.py) on a drifting catalog")
+    po.add_argument("--out", default="sim-pools")
+    po.add_argument("--profile", default=DEFAULT_TP8)
+    po.add_argument("--instances", type=int, default=200)
+    po.add_argument("--models", type=int, default=40)
+    po.add_argument("--sessions", type=int, default=2000)
+    po.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    po.add_argument("--seed", type=int, default=0)
+    po.set_defaults(fn=_pools)
+    ca = ps.add_parser("catalog", help="models served per instance at the TTFT SLO as the catalog grows")
+    ca.add_argument("--out", default="sim-catalog")
+    ca.add_argument("--profile", default=DEFAULT_TP8)
+    ca.add_argument("--instances", type=int, default=100)
+    ca.add_argument("--catalogs", default="25,50,100,200,400")
+    ca.add_argument("--sessions", type=int, default=2000)
+    ca.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.set_defaults(fn=_catalog)
 
 
 def main(argv: list[str] | None = None) -> int:

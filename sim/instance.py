@@ -146,6 +146,28 @@ class SimInstance:
             self.loaded.remove(victim)
             self.seen = {(m, s) for (m, s) in self.seen if m != victim}
 
+    def idle(self) -> bool:
+        return not self.batch and not any(self.queues.values())
+
+    def reconfigure(self, pool: str, catalog: list[str], model: str | None, policy: SlotPolicy) -> float:
+        """Move this (idle) instance to ``pool``: hot pins ``model``; cold serves ``catalog`` starting with
+        ``model`` (or nothing) loaded. Device KV is dropped, host KV kept; a new engine epoch and a fresh
+        scheduler. Returns the seconds the move costs (opening the pinned model host-only). Mutates self."""
+        assert self.idle(), "reconfigure a busy instance"
+        self.pool, self.policy = pool, policy
+        self.catalog = list(catalog)
+        self.loaded = [model] if model else []
+        for m in self.catalog:
+            self.queues.setdefault(m, [])
+        self.device.clear()
+        self.seen.clear()
+        self.previous, self.active = self.active, (model or None)
+        self.staging = None
+        self.scheduler = SlotScheduler(policy, CostModel(self.seed_costs))
+        self.epoch += 1
+        self.seq = 0
+        return self.profile.switch.total(0.0) if model else 0.0
+
     # ------------------------------------------------------------------ views
     def _kv_capacity_tokens(self) -> int:
         c = self.profile.model(self.active or "")

@@ -112,15 +112,23 @@ def router_subset(models: Sequence[str], seed: int = 0, sessions: int = 30, call
 
 def tiled(n: int, catalog: Sequence[str], weights: Sequence[float], seed: int = 0, rate_per_s: float = 10.0, base_sessions: int = 200,
           max_depth: int = 49) -> list[SimSession]:
-    """``n`` sessions for the scale run: a generated base set tiled, each copy on a catalog model drawn by
+    """``n`` sessions for the scale run: ``base_sessions`` sessions of the generator's shape (published depth,
+    capped at ``max_depth``; lengths only, ``lengths_session``) tiled, each copy on a catalog model drawn by
     popularity ``weights``, starts Poisson at ``rate_per_s``."""
-    base = [s for s in full_scale(base_sessions, seed, catalog[:1], max_depth=max_depth).sessions if s.calls]
+    from bench.workloads.synthetic import DEPTH
+
+    base = []
+    for i in range(base_sessions):
+        r = random.Random(seed * 100_003 + i)
+        base.append(lengths_session(r, f"b{i}", "", max(1, min(max_depth, round(DEPTH.draw(r)))), 0.0))
     rng = random.Random(seed)
     out, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(rate_per_s)
         m = rng.choices(catalog, weights)[0]
-        out.append(session_of(base[i % len(base)], m, f"s{i:05d}", start=t))
+        sid = f"s{i:05d}"
+        calls = [SimCall("", sid, c.index, m, c.prompt_tokens, c.prefix_tokens, c.output_tokens, c.gap_s) for c in base[i % len(base)].calls]
+        out.append(SimSession(sid, t, calls))
     return out
 
 

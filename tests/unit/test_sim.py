@@ -272,3 +272,16 @@ def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
     assert [r["name"] for r in rows] == ["Talaria", "Round-only"]
     assert all(r["calls"] == w.num_calls for r in rows)
     assert rows[1]["sct_p50_vs_base"] == 1.0 and (tmp_path / "out" / "report.md").exists()
+
+
+def test_dynamic_pool_sizer_moves_instances_and_every_call_finishes(tmp_path):
+    """The pool sizer (services/router/pool_sizing.py) driven from the simulated router's telemetry: on a
+    drifting catalog it moves idle instances between pools; calls placed on a moving instance are retried."""
+    from sim.scale import run_catalog, run_pools
+
+    rows = run_pools(tmp_path, profile=str(TP8), instances=12, models=6, sessions=40, splits=(0.5,), rate_per_s=2.0, say=lambda m: None)
+    assert set(rows) == {"static-0.5", "dynamic"}
+    assert rows["static-0.5"]["moves"] == 0 and rows["dynamic"]["moves"] > 0
+    assert json.loads((tmp_path / "pools.json").read_text())["rows"]["dynamic"]["moves"] == rows["dynamic"]["moves"]
+    cat = run_catalog(tmp_path, profile=str(TP8), instances=6, catalogs=(3, 12), sessions=20, rate_per_s=2.0, say=lambda m: None)
+    assert set(cat) == {"3", "12"} and all(0 <= r["models_at_slo"] <= r["models_requested"] for r in cat.values())
