@@ -74,7 +74,7 @@ def mask_overhead(model_dir: Path, iters: int = 40) -> list[dict]:
 
     from services.engine.grammar import GrammarFactory
     from services.engine.sampling import Sampler
-    from services.engine.tokenizer import Tokenizer
+    from talaria.tokenizer import Tokenizer
     from services.engine.types import SamplingParams
 
     tok = Tokenizer.from_dir(model_dir)

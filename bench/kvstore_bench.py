@@ -12,7 +12,7 @@ What is measured (one process, one run, everything side by side)
       scratch; time to first token (TTFT);
     * **restore**: device caches flushed, the tier in ``always`` mode: the prefix is looked up, pulled over
       Mooncake into staging, scattered into fresh device pages, and only the last partial page plus the
-      final token are prefilled; TTFT, and the restore step alone (``HostKV.before_admit``).
+      final token are prefilled; TTFT, and the restore step alone (``HostKV.restore_blocking``).
 
     Bandwidth, for the same byte count as the prefix's KV: restore (bytes / restore step), a raw Mooncake
     TCP read of one contiguous range from the store's pool, and a plain ``torch`` copy into a preallocated
@@ -129,7 +129,7 @@ def run_kvstore_bench(
                 engine.flush_cache()
                 seq = Sequence(f"probe-{n}-{rep}", prompt)
                 t0 = time.perf_counter()
-                pages = hk.before_admit(seq)
+                pages = hk.restore_blocking(seq)
                 t_step = time.perf_counter() - t0
                 assert pages == n // page, f"restored {pages} pages, expected {n // page}"
                 # raw Mooncake TCP read of the same bytes, one contiguous range of the store's pool

@@ -7,7 +7,7 @@ What is measured (each number in the output says how, in its ``cite``):
   as ``t = k * n**p`` (``sim.profile.fit_power``);
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
   first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
-* restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.before_admit``)
+* restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.restore_blocking``)
   on a ``--restore-tokens`` prefix, its restore step time / tokens;
 * switch phases: a real ``ColdEngine`` over the models, ``full_staged`` (target staged first) and
   ``host_only`` switches; medians of the five recorded phases;

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
+from talaria.ewma import ewma
 from talaria.v1 import engine_pb2 as pb
 
 
@@ -48,3 +49,47 @@ def costs_from_proto(costs: Iterable[pb.SwitchCost]) -> dict[SwitchPath, float]:
         except ValueError:
             continue
     return out
+
+
+class SwitchCostModel:
+    """The project's one switch-cost model: EWMA of measured switch seconds per load path and an estimate for
+    a switch given its expected staged fraction (Talaria §3.4: S_{m→m'} from staging coverage). The cold
+    engine keeps one (wall seconds, reported in the heartbeat's cost profile); the slot scheduler's cost
+    model keeps one on its injected clock (``services/engine/slots/costs.py``), seeded with priors.
+
+    ``OPEN`` (a model that is not loaded) is the measured bank load plus the host-only switch, so it is
+    derived, never observed directly: ``observe_load`` records the load part."""
+
+    def __init__(self, alpha: float = 0.2, priors: Mapping[SwitchPath | str, float] | None = None) -> None:
+        self.alpha = alpha
+        self._switch: dict[SwitchPath, float] = {SwitchPath(k): v for k, v in (priors or {}).items()}  # priors blend with the first samples
+        self._load: float | None = None
+
+    def get(self, path: SwitchPath) -> float | None:
+        return self._switch.get(path)
+
+    def observe(self, path: SwitchPath | str, seconds: float) -> None:
+        """Mutates: the EWMA of ``path``."""
+        path = SwitchPath(path)
+        old = self._switch.get(path)
+        self._switch[path] = ewma(old, seconds, self.alpha)
+
+    def observe_load(self, seconds: float) -> None:
+        """Mutates: the EWMA of loading a checkpoint into the host weight bank."""
+        self._load = ewma(self._load, seconds, self.alpha)
+
+    @property
+    def by_path(self) -> dict[SwitchPath, float]:
+        """Measured seconds per path (``OPEN`` once a load and a host-only switch were measured)."""
+        out = dict(self._switch)
+        host = self._switch.get(SwitchPath.HOST_ONLY)
+        if self._load is not None and host is not None:
+            out[SwitchPath.OPEN] = self._load + host
+        return out
+
+    def estimate(self, staged_fraction: float) -> float | None:
+        full, host = self._switch.get(SwitchPath.FULL_STAGED), self._switch.get(SwitchPath.HOST_ONLY)
+        if full is None or host is None:
+            return full if host is None else host
+        f = min(max(staged_fraction, 0.0), 1.0)
+        return f * full + (1 - f) * host

@@ -15,8 +15,8 @@ the service loop).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.engine.types import EngineRequest, RequestOutput
@@ -98,12 +98,95 @@ class ModelInfo:
     """What the service needs to accept a call for a model, active or not."""
 
     model_id: str
-    tokenizer: Any  # services.engine.tokenizer.Tokenizer
+    tokenizer: Any  # talaria.tokenizer.Tokenizer
     vocab_size: int
     max_context: int
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """Where a session's KV is: ``device`` (the session cache holds ``committed_tokens``), ``host``
+    (restorable from the host KV store) or ``missing`` (checkpointed into a store that restarted or is
+    unreachable)."""
+
+    session_id: str
+    where: str  # device | host | missing
+    committed_tokens: int
+    model: str = ""
+    full_pages: int = 0
+    last_use_unix: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """One catalog model of the instance (a hot instance has exactly one, loaded and active)."""
+
+    model: str
+    loaded: bool
+    active: bool
+    staged: bool
+    max_context: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class CostStats:
+    """Measured costs (0.0 = not measured yet): seconds per prefill token, per decode step, per restored
+    token (host KV), and per switch by ``talaria.switch_path.SwitchPath`` (cold pool)."""
+
+    prefill_per_token: float = 0.0
+    decode_step: float = 0.0
+    restore_per_token: float = 0.0
+    switch_by_path: Mapping[Any, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """The slot scheduler's overload report (Talaria §3.4; cold pool with ``slot_scheduler``)."""
+
+    deadline_risk: bool
+    shortfall_s: float
+    round_remaining_s: float
+    infeasible: tuple[str, ...]
+    rounds: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What ``Executor.stats()`` returns: built when asked (heartbeat time), never waiting for a step."""
+
+    model_id: str
+    num_running: int
+    num_waiting: int  # queued, waiting for pages or a slot, or restoring from the host store
+    num_unfinished: int
+    kv_pages_total: int
+    kv_pages_free: int
+    radix_pages: int
+    session_pages: int
+    prefix_hit_rate: float
+    tokens_generated: int
+    num_preemptions: int
+    num_steps: int
+    max_context: int
+    models: tuple[ModelStats, ...] = ()
+    sessions: tuple[SessionInfo, ...] = ()  # device first, then host / missing
+    profile: CostStats = CostStats()
+    host_kv: bool = False  # a host KV tier is attached
+    staging_slack_bytes: int = 0
+    num_switches: int = 0
+    slots: SlotStats | None = None
+
+    @property
+    def kv_usage(self) -> float:
+        return (self.kv_pages_total - self.kv_pages_free) / self.kv_pages_total if self.kv_pages_total else 0.0
+
+    @property
+    def kv_pages_used(self) -> int:
+        return self.kv_pages_total - self.kv_pages_free
 
 
 # ---------------------------------------------------------------------------------------------- the protocol
@@ -125,10 +208,11 @@ class Executor(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def stats(self) -> dict[str, Any]:
-        """The snapshot taken after the latest step (never waits for a step)."""
+    def stats(self) -> EngineStats:
+        """Built when called, from any thread (never waits for a step)."""
 
-    def session_info(self, session_id: str) -> dict[str, Any] | None: ...
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """Where the session's KV is (device, host, missing), or None when this instance never held it."""
 
     def flush_cache(self) -> int: ...
 

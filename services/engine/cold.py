@@ -29,20 +29,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.engine.api import CostStats, EngineStats, ModelStats, SessionInfo, SlotStats
 from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
-from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, predict_next
+from services.engine.substrate.policy import EngineView, IdleSwitchRule, predict_next
+from talaria.switch_path import SwitchCostModel
 from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
-from services.engine.tokenizer import Tokenizer
+from talaria.tokenizer import Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
@@ -128,11 +130,12 @@ class ColdEngine:
         self._step_lock = threading.RLock()
         self._gen_ids = itertools.count()
         self._staging_busy = False
-        self._snapshot: dict[str, Any] = {}
+        self._staged: frozenset[str] = frozenset()  # refreshed at step boundaries (_refresh_gauges)
+        self._slack_bytes = 0
         first = initial or next(iter(self.catalog))
         with self._step_lock:
             self._switch(first, "initial")
-            self._refresh_snapshot()
+            self._refresh_gauges()
 
     # ------------------------------------------------------------------ catalog (open / close)
     def _load_bank(self, model: str):
@@ -164,7 +167,7 @@ class ColdEngine:
             self._queues.setdefault(model, deque())
             if activate and model != self.active:
                 self.requested = model
-            self._refresh_snapshot()
+            self._refresh_gauges()
 
     def close_model(self, model: str) -> None:
         """Unload a model with no unfinished calls (raises ModelBusyError otherwise)."""
@@ -192,7 +195,7 @@ class ColdEngine:
                 hk.close()
             self._info.pop(model, None)
             self.bank.drop(model)
-            self._refresh_snapshot()
+            self._refresh_gauges()
 
     # ------------------------------------------------------------------ host KV tier (Talaria §4.3)
     def attach_host_kv_factory(self, factory: Callable[[Engine], Any]) -> None:
@@ -209,7 +212,7 @@ class ColdEngine:
                 self._bind_host_kv(model, sh.engine)
             if self._drain_host_kv not in self.before_kv_release:
                 self.before_kv_release.insert(0, self._drain_host_kv)
-            self._refresh_snapshot()
+            self._refresh_gauges()
 
     def _bind_host_kv(self, model: str, eng: Engine) -> None:
         if self._host_kv_factory is None:
@@ -285,7 +288,7 @@ class ColdEngine:
                 if o.finished:
                     self._finished(o)
             self._stage()
-            self._refresh_snapshot()
+            self._refresh_gauges()
             return outputs
 
     # ------------------------------------------------------------------ the switch policy's hooks
@@ -370,7 +373,7 @@ class ColdEngine:
             if self.active is not None and self._view().active_busy:
                 raise ModelBusyError(f"active model {self.active!r} has unfinished work")
             rec = self._switch(model, reason)
-            self._refresh_snapshot()
+            self._refresh_gauges()
             return rec
 
     def save_teardown(self, model: str) -> None:
@@ -440,61 +443,69 @@ class ColdEngine:
             out, self._unpublished = self._unpublished, []
         return out
 
-    def _refresh_snapshot(self) -> None:
-        eng = self._shells[self.active].engine if self.active is not None else None
-        st = eng.stats() if eng is not None else {}
+    def _refresh_gauges(self) -> None:
+        """Executor thread, at step boundaries: the substrate's staging state, which ``stats()`` (any thread)
+        must not read while the stager changes it. Two values; everything else is built in ``stats()``."""
+        self._staged = frozenset(self.substrate.staged_models())
+        self._slack_bytes = self.substrate.slack_bytes()
+
+    def _slot_stats(self) -> SlotStats | None:
+        return None  # the idle switch rule has no rounds (slotted.SlottedColdEngine has)
+
+    def stats(self) -> EngineStats:
+        """Built now (any thread; never waits for a step): the active shell's stats, one ``ModelStats``
+        per loaded catalog model, sessions of every model's device cache and host tier."""
+        active = self.active
+        sh = self._shells.get(active) if active is not None else None
+        st = sh.engine.stats() if sh is not None else None
         with self._intake_lock:
+            unfinished = len(self._live)
             per_model: dict[str, int] = {}
             for m in self._live.values():
                 per_model[m] = per_model.get(m, 0) + 1
-        staged = self.substrate.staged_models()
-        models = []
-        for m in self.loaded:
-            running = st.get("num_running", 0) if m == self.active else 0
-            models.append({
-                "model": m, "loaded": True, "active": m == self.active, "staged": m in staged,
-                "max_context": self._info[m].max_context, "num_running": running,
-                "num_waiting": max(per_model.get(m, 0) - running, 0),
-            })
-        snap = dict(st)
-        snap.update({
-            "model_id": self.active or "",
-            "num_running": st.get("num_running", 0),
-            "num_waiting": sum(len(q) for q in self._queues.values()) + st.get("num_waiting", 0),
-            "models": models,
-            "sessions": [dict(s, model=self.active) for s in st.get("sessions", [])],
-            "staging_slack_bytes": self.substrate.slack_bytes(),
-            "switches": [r.to_dict() for r in self.switch_records],
-            "num_switches": self.protocol.seq,
-            "arena_bytes": self.arena.capacity,
-        })
-        if self._host_kv:
-            # host KV of every model (the active shell's stats only cover the active model)
-            tiers = {m: hk.snapshot() for m, hk in self._host_kv.items()}
-            agg = dict(tiers.get(self.active) or next(iter(tiers.values())))
-            agg["sessions"] = [dict(x, model=m) for m, t in tiers.items() for x in t.get("sessions", [])]
-            snap["host_kv"] = agg
-        prof = dict(st.get("profile") or {})
-        prof["switch_by_path"] = dict(self.costs.by_path)
-        snap["profile"] = prof
-        self._snapshot = snap
+        queued = sum(len(q) for q in list(self._queues.values()))
+        running = st.num_running if st is not None else 0
+        staged = self._staged
+        models = tuple(
+            ModelStats(m, True, m == active, m in staged, self._info[m].max_context, running if m == active else 0,
+                       max(per_model.get(m, 0) - (running if m == active else 0), 0))
+            for m in list(self.loaded)
+        )
+        sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where == "device"]
+        on_device = {s.session_id for s in sessions}
+        for m, hk in list(self._host_kv.items()):  # host KV of every model, not only the active one
+            sessions += [s for s in hk.session_infos(m) if s.session_id not in on_device]
+        prof = st.profile if st is not None else CostStats()
+        hk_active = self._host_kv.get(active) if active is not None else None
+        rpt = hk_active.restore_per_token.value if hk_active is not None else prof.restore_per_token
+        return EngineStats(
+            model_id=active or "", num_running=running, num_waiting=queued + (st.num_waiting if st is not None else 0),
+            num_unfinished=unfinished, kv_pages_total=st.kv_pages_total if st else 0, kv_pages_free=st.kv_pages_free if st else 0,
+            radix_pages=st.radix_pages if st else 0, session_pages=st.session_pages if st else 0,
+            prefix_hit_rate=st.prefix_hit_rate if st else 0.0, tokens_generated=st.tokens_generated if st else 0,
+            num_preemptions=st.num_preemptions if st else 0, num_steps=st.num_steps if st else 0,
+            max_context=st.max_context if st else 0, models=models, sessions=tuple(sessions),
+            profile=CostStats(prof.prefill_per_token, prof.decode_step, rpt, self.costs.by_path),
+            host_kv=bool(self._host_kv), staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
+            slots=self._slot_stats(),
+        )
 
-    def stats(self) -> dict[str, Any]:
-        snap = dict(self._snapshot)
-        with self._intake_lock:
-            snap["num_unfinished"] = len(self._live)
-        return snap
-
-    def session_info(self, session_id: str) -> dict[str, Any] | None:
-        for s in self._snapshot.get("sessions", []):
-            if s["session_id"] == session_id:
-                return dict(s)
-        return None
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """The session's KV in the active model's device cache, else in any model's host tier."""
+        sh = self._shells.get(self.active) if self.active is not None else None
+        info = sh.engine.session_info(session_id) if sh is not None else None
+        if info is not None and info.where == "device":
+            return replace(info, model=self.active)
+        for m, hk in list(self._host_kv.items()):
+            hit = next((s for s in hk.session_infos(m) if s.session_id == session_id), None)
+            if hit is not None:
+                return hit
+        return info
 
     def flush_cache(self) -> int:
         with self._step_lock:
             freed = self._shells[self.active].engine.flush_cache() if self.active is not None else 0
-            self._refresh_snapshot()
+            self._refresh_gauges()
             return freed
 
     def check_integrity(self) -> None:

@@ -12,8 +12,9 @@ non-cached token; when the whole prompt is cached the last prompt token is recom
 (the block manager copies the shared page's rows first), so no request ever writes into a page it shares.
 
 Threads: ``add_request``/``abort``/``stats``/``session_info``/``has_unfinished`` may be called from any
-thread; ``step``/``generate``/``flush_cache`` serialize on a step lock. ``stats``/``session_info`` read a
-snapshot refreshed after every step, so they never wait for a forward.
+thread; ``step``/``generate``/``flush_cache`` serialize on a step lock. ``stats``/``session_info`` build
+their typed answers (``api.EngineStats`` / ``api.SessionInfo``) when called, from counters and a session
+table the step keeps, so they never wait for a forward and nothing is copied after every step.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ import torch
 
 from services.engine.api import (  # noqa: F401 - the error classes are part of this module's interface
     ContextLengthError,
+    CostStats,
     DuplicateRequestError,
+    EngineStats,
     EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingError,
     ModelInfo,
+    ModelStats,
+    SessionInfo,
     UnknownModelError,
     UnsupportedOperationError,
 )
@@ -47,8 +52,8 @@ from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence
-from services.engine.tokenizer import IncrementalDecoder, Tokenizer
+from services.engine.sequence import Sequence, SequenceStatus
+from talaria.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, Usage
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
@@ -213,15 +218,14 @@ class Engine:
         self._live_ids: set[str] = set()  # queued or in flight (guarded by _intake_lock)
         self._step_lock = threading.RLock()
         self._requests: dict[str, _RequestState] = {}
-        self._session_info: dict[str, dict[str, Any]] = {}
+        self._session_info: dict[str, SessionInfo] = {}  # guarded by _stats_lock
+        self._stats_lock = threading.Lock()
         self._gen_ids = itertools.count()
         self.num_tokens_generated = 0
         self.num_steps = 0
         self._prefill_per_token = 0.0
         self._decode_step = 0.0
-        self._snapshot: dict[str, Any] = {}
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
-        self._refresh_snapshot()
 
 
     # ------------------------------------------------------------------ the catalog (of one model)
@@ -268,6 +272,15 @@ class Engine:
         with self._intake_lock:
             return bool(self._live_ids)
 
+    @property
+    def prefill_per_token(self) -> float:
+        """Measured prefill seconds per token (0.0 = not measured yet; any thread)."""
+        return self._prefill_per_token
+
+    def restoring_sequences(self) -> list[Sequence]:
+        """Sequences held by the host KV tier while their prefix is restored (executor thread)."""
+        return self.host_kv.restoring_sequences() if self.host_kv is not None else []
+
     def pending_requests(self) -> list[EngineRequest]:
         """Requests queued by ``add_request`` and not yet admitted by a step (a copy; any thread)."""
         with self._intake_lock:
@@ -276,8 +289,11 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         with self._step_lock:
-            if self.host_kv is not None:
-                self.host_kv.poll()  # transfer pins of finished device->host checkpoint copies
+            hk = self.host_kv
+            if hk is not None:
+                hk.poll()  # checkpoint pins back; restores advance (reserve pages, publish landed ones)
+                for seq in hk.take_ready():  # restored (or declined): joins the batch now
+                    self.scheduler.add(seq)
             outputs = self._drain_intake()
 
             sched = self.scheduler.schedule()
@@ -286,8 +302,9 @@ class Engine:
                 sampled = self._execute(sched)
                 self._record_timing(sched, time.perf_counter() - t0)
                 outputs += self._postprocess(sched, sampled)
+            elif hk is not None and hk.num_restoring and not outputs:
+                hk.wait_restore(0.005)  # nothing to run but restores in flight: wait for one, do not spin
             self.num_steps += 1
-            self._refresh_snapshot()
             return outputs
 
     def generate(
@@ -309,8 +326,8 @@ class Engine:
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
-            if self.host_kv is not None:
-                seq.num_restored_tokens = self.host_kv.before_admit(seq) * self.page_size  # host prefix -> radix cache
+            if self.host_kv is not None and self.host_kv.begin_restore(seq):
+                continue  # its prefix is being restored off this thread; it joins the batch when its pages are in
             self.scheduler.add(seq)
 
         outputs = []
@@ -424,9 +441,12 @@ class Engine:
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:
         seq = st.seq
         st.finished = True
-        if self.host_kv is not None and seq.session_id:
-            self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
-        self.scheduler.finish(seq, cache=True)
+        if self.host_kv is not None and self.host_kv.cancel_restore(seq.request_id):
+            seq.status = SequenceStatus.FINISHED  # ended while restoring: it holds no pages
+        else:
+            if self.host_kv is not None and seq.session_id:
+                self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
+            self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
             self._record_session(seq.session_id)
@@ -438,17 +458,15 @@ class Engine:
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage)
 
     def _record_session(self, session_id: str) -> None:
+        """The session's cached entry changed (executor thread): record it for ``session_info``/``stats``
+        and forget entries the session cache has evicted since. Mutates: the session table."""
         entry = self.kv.sessions.peek(session_id)
-        if entry is None:
-            self._session_info.pop(session_id, None)
-            return
-        self._session_info[session_id] = {
-            "session_id": session_id,
-            "committed_tokens": len(entry.token_ids),
-            "full_pages": len(entry.token_ids) // self.page_size,
-            "num_pages": len(entry.pages),
-            "last_use_unix": time.time(),
-        }
+        with self._stats_lock:
+            for sid in [sid for sid in self._session_info if sid not in self.kv.sessions]:
+                del self._session_info[sid]
+            if entry is not None:
+                n = len(entry.token_ids)
+                self._session_info[session_id] = SessionInfo(session_id, "device", n, self.model_id, n // self.page_size, time.time())
 
     # ------------------------------------------------------------------ introspection
     def _record_timing(self, sched: SchedulerOutput, dt: float) -> None:
@@ -458,47 +476,46 @@ class Engine:
         else:
             self._prefill_per_token = ewma(self._prefill_per_token or None, dt / max(sched.num_batched_tokens, 1), a)
 
-    def _refresh_snapshot(self) -> None:
-        kv = self.kv
-        live = {e.session_id for e in kv.sessions.entries()}
-        for sid in list(self._session_info):
-            if sid not in live:
-                del self._session_info[sid]
-        total, free = kv.num_pages, kv.num_free_pages
-        self._snapshot = {
-            "model_id": self.model_id,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting + len(self._pending),
-            "kv_pages_total": total,
-            "kv_pages_free": free,
-            "kv_pages_used": total - free,
-            "kv_usage": (total - free) / total,
-            "radix_pages": kv.radix.num_pages,
-            "session_pages": kv.sessions.num_pages,
-            "sessions": [dict(v) for v in self._session_info.values()],
-            "prefix_hit_rate": kv.hit_rate,
-            "tokens_generated": self.num_tokens_generated,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "max_context": self.max_context,
-            "profile": {"prefill_per_token": self._prefill_per_token, "decode_step": self._decode_step,
-                        **({"restore_per_token": self.host_kv.restore_per_token.value} if self.host_kv is not None else {})},
-            "host_kv": self.host_kv.snapshot() if self.host_kv is not None else None,
+    def device_sessions(self) -> list[SessionInfo]:
+        """Sessions whose committed KV is in the session cache now (any thread)."""
+        with self._stats_lock:
+            infos = list(self._session_info.values())
+        return [i for i in infos if i.session_id in self.kv.sessions]
 
-        }
-
-    def stats(self) -> dict[str, Any]:
-        """Snapshot taken after the latest step (safe from any thread)."""
-        snap = dict(self._snapshot)
+    def stats(self) -> EngineStats:
+        """Built now from the live counters (any thread; never waits for a step): each value is read once,
+        so values may be from either side of a step boundary."""
+        kv, sch, hk = self.kv, self.scheduler, self.host_kv
         with self._intake_lock:
-            snap["num_unfinished"] = len(self._live_ids)
-        return snap
+            pending, unfinished = len(self._pending), len(self._live_ids)
+        running = sch.num_running
+        waiting = sch.num_waiting + pending + (hk.num_restoring if hk is not None else 0)
+        sessions = self.device_sessions()
+        if hk is not None:
+            on_device = {s.session_id for s in sessions}
+            sessions += [s for s in hk.session_infos(self.model_id) if s.session_id not in on_device]
+        return EngineStats(
+            model_id=self.model_id, num_running=running, num_waiting=waiting, num_unfinished=unfinished,
+            kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free_pages, radix_pages=kv.radix.num_pages,
+            session_pages=kv.sessions.num_pages, prefix_hit_rate=kv.hit_rate, tokens_generated=self.num_tokens_generated,
+            num_preemptions=sch.num_preemptions, num_steps=self.num_steps, max_context=self.max_context,
+            models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting),),
+            sessions=tuple(sessions), profile=self.cost_stats(), host_kv=hk is not None,
+        )
 
-    def session_info(self, session_id: str) -> dict[str, Any] | None:
-        """``committed_tokens``, ``full_pages`` … of the session's cached entry, or None."""
-        for s in self._snapshot.get("sessions", []):
-            if s["session_id"] == session_id:
-                return dict(s)
+    def cost_stats(self) -> CostStats:
+        """Measured prefill / decode / restore costs (0.0 = not measured yet)."""
+        rpt = self.host_kv.restore_per_token.value if self.host_kv is not None else 0.0
+        return CostStats(self._prefill_per_token, self._decode_step, rpt)
+
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """Where the session's KV is: on the device (its cached entry), else in the host store, else None."""
+        with self._stats_lock:
+            info = self._session_info.get(session_id)
+        if info is not None and session_id in self.kv.sessions:
+            return info
+        if self.host_kv is not None:
+            return next((s for s in self.host_kv.session_infos(self.model_id) if s.session_id == session_id), None)
         return None
 
     def attach_host_kv(self, host_kv) -> None:
@@ -506,7 +523,6 @@ class Engine:
         restore prefixes from it when calls arrive."""
         with self._step_lock:
             self.host_kv = host_kv
-            self._refresh_snapshot()
 
     def drain_checkpoints(self, timeout: float | None = None) -> bool:
         """Switch barrier (Talaria Appendix B): wait until every outstanding device->host checkpoint copy
@@ -519,9 +535,7 @@ class Engine:
 
         """Drop all cached prefixes and session entries not in use. Returns pages freed."""
         with self._step_lock:
-            freed = self.kv.flush()
-            self._refresh_snapshot()
-            return freed
+            return self.kv.flush()
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, **kwargs)

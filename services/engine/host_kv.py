@@ -10,16 +10,23 @@ thread:
   the device pool into a host staging buffer in page-first layout (the device->host copy), hands the pins
   back (through ``poll``), pushes the staging bytes into the store's slabs over Mooncake, and commits —
   the store publishes only after the copy completed.
-* ``before_admit(seq)`` when a call arrives: if the device caches (radix + session entry) hold fewer full
-  pages of the prompt than the store can restore, it asks the store for the longest agreed prefix
-  (pinned), decides restore-or-recompute from measured costs (``kv.host_tier.decide_restore``), allocates
-  device pages, pulls the slabs over Mooncake into staging, scatters them into the pages and inserts them
-  into the radix cache. The scheduler then sees an ordinary prefix hit and recomputes only the rest; no
-  separate token path exists.
-* ``poll()`` at each step start: returns the transfer pins of finished gathers to the block manager.
+* ``begin_restore(seq)`` when a call arrives: the KV manager's ``match_prefix`` (with this tier's
+  ``StoreIndex`` as its host-index port) says how many full pages are on the device and how many more the
+  store may hold. If the store may hold more, the call is held here (not scheduled) and its restore runs
+  off the executor thread, the shape of vLLM's KV connector / SGLang's load-back: the restore worker asks
+  the store for the longest agreed prefix (pinned) and decides restore-or-recompute from measured costs
+  (``kv.host_tier.decide_restore``); the executor thread reserves device pages from the KV manager
+  (``reserve_restore``: the device part of the prefix is held, fresh pages allocated); the worker pulls the
+  slabs over Mooncake into staging and scatters them into those pages (``_land``); the executor thread
+  publishes them into the radix cache (``_publish_restored`` -> ``KVManager.adopt_restore``, the one point
+  where restored bytes become visible) and hands the call to the scheduler (``take_ready``), which sees an
+  ordinary prefix hit and recomputes only the rest. Running decodes keep stepping meanwhile; a restore in
+  progress holds its pages; this tier never touches the radix tree, session cache or allocator itself.
+* ``poll()`` at each step start: returns the transfer pins of finished gathers to the block manager and
+  advances restores (reserve, publish).
 
 ``drain(timeout)`` is the switch barrier: it waits until every queued checkpoint has been gathered and
-written (or abandoned), then returns the pins, so the caller may release the KV region. The cold-pool
+written (or abandoned) and every restore has ended, then returns the pins, so the caller may release the KV region. The cold-pool
 switch calls it through ``Engine.drain_checkpoints()``.
 
 Failure rule: the store is an optimization. Any control or transfer failure marks it unavailable for
@@ -54,10 +61,10 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.kv.host_tier import HostSessions, RestoreDecision, decide_restore
-from services.engine.kv.session_cache import common_prefix_len
-from services.kvstore.client import KvStoreClient, StoreUnavailable, read_pages, write_pages  # the store's public client
-from services.kvstore.transfer import MooncakeEndpoint
+from services.engine.api import SessionInfo
+from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
+from services.engine.kv.manager import RestoreReservation
+from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from talaria import otel
 from talaria.ewma import Ewma
 from talaria.kv_layout import Family, Layout
@@ -94,6 +101,26 @@ class _Job:
     hashes: list[int]
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Restore:
+    """One restore in progress. Stages: ``lookup`` (worker) -> ``reserve`` (executor: the KV manager's
+    pages) -> ``transfer`` (worker: ``_land``) -> ``publish`` (executor: ``_publish_restored``)."""
+
+    seq: Any
+    hashes: list[int]  # the prompt's full-page hashes
+    base: int  # full pages on the device when the call arrived
+    span: Any
+    t_begin: float
+    stage: str = "lookup"
+    reply: Any = None  # the store's lookup reply (pinned)
+    k: int = 0  # pages the store agreed to restore beyond ``base``
+    res: RestoreReservation | None = None
+    landed: int = 0  # pages whose bytes are in their device pages
+    outcome: str = ""  # restore | recompute | miss | unavailable
+    overhead_s: float = 0.0
+    cancelled: bool = False
 
 
 class HostKV:
@@ -144,11 +171,9 @@ class HostKV:
         self.restore_per_token = Ewma(restore_per_token_prior)
         self.restore_overhead = Ewma(0.0)
         self.prefill_prior = prefill_per_token_prior
-        self.sessions = HostSessions()
-        self.epoch = 0
-        self._stored: set[int] = set()  # hashes this engine knows the current store epoch holds
+        self.index = StoreIndex()  # what the current store epoch holds (the KV manager's HostIndex port)
         self._down_until = 0.0
-        self._lock = threading.Lock()  # guards epoch, _stored, sessions, _down_until, counters
+        self._lock = threading.Lock()  # guards _down_until, counters, _samples
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._unpins: deque[list[int]] = deque()  # gathered: pins to return on the executor thread
         self._inflight = 0
@@ -158,9 +183,31 @@ class HostKV:
             "restores": 0, "restore_pages": 0, "restore_bytes": 0, "restores_declined": 0, "store_failures": 0,
         }
         self.last_decision: RestoreDecision | None = None
+        # restores: a worker of their own (a slow store read never stalls the executor thread)
+        self._restore_jobs: queue.Queue[_Restore | None] = queue.Queue()
+        self._to_executor: deque[_Restore] = deque()  # jobs waiting for the executor thread (reserve / publish)
+        self._restore_cv = threading.Condition()
+        self._restoring: dict[str, _Restore] = {}  # request id -> job (executor thread only)
+        self._ready: list = []  # sequences whose restore ended (executor thread only)
+        self._samples: list[tuple[int, float]] = []
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"host-kv-{self.owner}", daemon=True)
         self._worker.start()
+        self._restorer = threading.Thread(target=self._run_restores, name=f"host-kv-restore-{self.owner}", daemon=True)
+        self._restorer.start()
+
+    def host_index(self) -> StoreIndex | None:
+        """The KV manager's ``HostIndex`` port while the store is available (None while it is down)."""
+        return self.index if not self._closed and self.available() else None
+
+    @property
+    def sessions(self):
+        """Sessions checkpointed by this engine (``kv.host_tier.HostSessions``)."""
+        return self.index.sessions
+
+    @property
+    def epoch(self) -> int:
+        return self.index.epoch
 
     # ---------------------------------------------------------------- availability
     def available(self) -> bool:
@@ -170,19 +217,14 @@ class HostKV:
         with self._lock:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters["store_failures"] += 1
-            # whether it comes back as the same store is unknown: forget what it held (sessions read as
-            # missing until a reply names an epoch again; restores always ask the store anyway)
-            self.epoch = 0
-            self._stored.clear()
+        # whether it comes back as the same store is unknown: forget what it held (sessions read as
+        # missing until a reply names an epoch again; restores always ask the store anyway)
+        self.index.forget()
         log.warning("kvstore unavailable (%s: %s); recomputing for %.1fs", what, err, self.retry_after_s)
 
     def _saw_epoch(self, epoch: int) -> None:
-        with self._lock:
-            if epoch != self.epoch:
-                if self.epoch:
-                    log.info("kvstore restarted (epoch %d -> %d): forgetting what it held", self.epoch, epoch)
-                self.epoch = epoch
-                self._stored.clear()
+        if self.index.saw_epoch(epoch):
+            log.info("kvstore restarted (now epoch %d): forgetting what it held", epoch)
 
     # ---------------------------------------------------------------- checkpoint (executor thread)
     def checkpoint(self, seq) -> bool:
@@ -195,10 +237,9 @@ class HostKV:
         if n == 0 or len(seq.pages) < n:
             return False
         hashes = kv.extend_hashes(seq.hashes, seq.token_ids[: n * P], seq.salt)[:n]
-        with self._lock:
-            if all(h in self._stored for h in hashes):
-                self.sessions.committed(seq.session_id, n * P, self.epoch, time.time())
-                return False
+        if self.index.all_stored(hashes):
+            self.index.committed(seq.session_id, hashes, n * P, self.epoch, time.time(), add=False)
+            return False
         pages = list(seq.pages[:n])
         kv.pin_pages(pages)
         with self._idle:
@@ -207,10 +248,13 @@ class HostKV:
         return True
 
     def poll(self) -> int:
-        """Return the transfer pins of completed device->host gathers (executor thread). Returns pages freed."""
+        """Executor thread, at each step start: return the transfer pins of completed device->host gathers,
+        reserve pages for restores the store agreed to, publish restores whose pages landed (their
+        sequences then come from ``take_ready``). Returns pages freed by unpinning."""
         freed = 0
         while self._unpins:
             freed += self.engine.kv.unpin_pages(self._unpins.popleft())
+        self._service_restores()
         return freed
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -226,6 +270,12 @@ class HostKV:
                 self._idle.wait(left)
             done = self._inflight == 0
         self.poll()
+        while self._restoring:  # restores write into the region too: they end (published) before it goes
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.wait_restore(0.05 if left is None else min(left, 0.05))
+            self.poll()
         return done
 
     @property
@@ -287,9 +337,8 @@ class HostKV:
             except (StoreUnavailable, ValueError):
                 pass  # the lease expires in the store
             return
+        self.index.committed(job.session_id, job.hashes, len(job.hashes) * self.engine.page_size, r.epoch, time.time())
         with self._lock:
-            self._stored.update(job.hashes)
-            self.sessions.committed(job.session_id, len(job.hashes) * self.engine.page_size, r.epoch, time.time())
             c = self.counters
             c["checkpoints"] += 1
             c["checkpoint_pages"] += len(written)
@@ -328,86 +377,211 @@ class HostKV:
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
-    # ---------------------------------------------------------------- restore (executor thread)
-    def before_admit(self, seq) -> int:
-        """Restore the store's agreed prefix of ``seq``'s prompt beyond what the device caches hold.
+    # ---------------------------------------------------------------- restore: executor thread
+    def begin_restore(self, seq) -> bool:
+        """A call arrives: when the store may hold more of its prompt than the device caches (the KV
+        manager's ``match_prefix`` with this tier's ``StoreIndex``), start a restore off the executor thread.
 
-        Returns the number of pages restored (0: nothing to do, declined, or the store failed)."""
+        Returns True when the tier now holds ``seq``: it comes back from ``take_ready()`` once its pages are
+        in (or the restore was declined or failed: then it recomputes). Mutates: the restore table."""
         if self._closed or self.mode == "never" or not self.available():
-            return 0
+            return False
         kv = self.engine.kv
-        P = kv.page_size
-        toks = seq.token_ids
-        n_full = len(toks) // P
+        n_full = len(seq.token_ids) // kv.page_size
         if n_full == 0:
-            return 0
-        hashes = kv.extend_hashes(seq.hashes, toks, seq.salt)[:n_full]
-        radix_pages = kv.radix.match(hashes)
-        r = len(radix_pages)
-        entry = kv.sessions.peek(seq.session_id) if seq.session_id else None
-        sess_full = min(common_prefix_len(list(toks), entry.token_ids) // P, len(entry.pages)) if entry else 0
-        base = max(r, sess_full)
-        if base >= n_full:
-            return 0
-        with self._lock:
-            known = hashes[base] in self._stored
-        if not (seq.session_id or known):
-            return 0  # a call outside any session whose next page we never stored: skip the round trip
-        attrs: dict[str, Any] = {"talaria.kv.device_pages": base, "talaria.kv.prompt_pages": n_full}
+            return False
+        kv.extend_hashes(seq.hashes, seq.token_ids, seq.salt)
+        m = kv.match_prefix(seq.token_ids, seq.hashes, seq.session_id, host=self.index)
+        if m.host_pages == 0:
+            return False
+        attrs: dict[str, Any] = {"talaria.kv.device_pages": m.device_pages, "talaria.kv.prompt_pages": n_full}
         if seq.session_id:
             attrs[otel.SESSION_ID] = seq.session_id
-        ctx = getattr(seq, "trace_context", None)
-        t = time.perf_counter()
-        with self.tracer.start_as_current_span("talaria.engine.kv_restore", context=ctx, attributes=attrs) as span:
-            k, outcome = self._restore(seq, hashes, base, radix_pages, entry, r)
-            # decision: restore | recompute (the cost model declined) | miss (the store has no more) | unavailable
-            span.set_attributes({
-                "talaria.kv.restored_pages": k, "talaria.kv.tokens": k * P, "talaria.kv.bytes": k * self.page_bytes,
-                "talaria.kv.seconds": time.perf_counter() - t, "talaria.kv.decision": outcome,
-            })
-        return k
+        span = self.tracer.start_span("talaria.engine.kv_restore", context=getattr(seq, "trace_context", None), attributes=attrs)
+        job = _Restore(seq, list(seq.hashes[:n_full]), m.device_pages, span, time.perf_counter())
+        self._restoring[seq.request_id] = job
+        self._restore_jobs.put(job)
+        return True
 
-    def _restore(self, seq, hashes: list[int], base: int, radix_pages, entry, r: int) -> tuple[int, str]:
-        """Lookup, decide, read and scatter (inside the ``kv_restore`` span). Returns (pages restored, outcome)."""
-        kv = self.engine.kv
-        P = kv.page_size
-        span = trace.get_current_span()
+    def restore_blocking(self, seq, timeout: float = 120.0) -> int:
+        """Run one restore of ``seq`` (never scheduled) to its end, pumping ``poll`` on the calling thread,
+        which must be the executor thread or hold the engine idle. For benches that time the restore alone
+        (``bench kvstore``). Returns pages restored; their radix path is released (they stay cached)."""
+        if not self.begin_restore(seq):
+            return 0
+        deadline = time.monotonic() + timeout
+        while seq.request_id in self._restoring:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"restore of {seq.request_id} did not end within {timeout}s")
+            self.wait_restore(0.01)
+            self.poll()
+        self._ready.remove(seq)
+        if seq.kv_hold:
+            self.engine.kv.release_hold(seq.kv_hold)
+            seq.kv_hold = []
+        return seq.num_restored_tokens // self.engine.page_size
+
+    def cancel_restore(self, request_id: str) -> bool:
+        """The call ended while its restore runs (abort): the restore completes (its pages are published,
+        they hold valid KV) but the call is not handed back. Returns whether it was restoring."""
+        job = self._restoring.get(request_id)
+        if job is None:
+            return False
+        job.cancelled = True
+        return True
+
+    @property
+    def num_restoring(self) -> int:
+        return len(self._restoring)
+
+    def restoring_sequences(self) -> list:
+        """Sequences whose restore is in progress (executor thread)."""
+        return [j.seq for j in self._restoring.values() if not j.cancelled]
+
+    def take_ready(self) -> list:
+        """Sequences whose restore ended since the last call, in arrival order (executor thread)."""
+        out, self._ready = self._ready, []
+        return out
+
+    def take_restore_samples(self) -> list[tuple[int, float]]:
+        """``(tokens, transfer seconds)`` of each real restore since the last call (for the slot cost model)."""
+        with self._lock:
+            out, self._samples = self._samples, []
+        return out
+
+    def wait_restore(self, timeout: float) -> None:
+        """Block until a restore needs the executor thread (or ``timeout``): an otherwise idle step waits
+        here instead of spinning."""
+        with self._restore_cv:
+            if not self._to_executor:
+                self._restore_cv.wait(timeout)
+
+    def _service_restores(self) -> None:
+        """Executor thread: reserve pages for restores the store agreed to, publish the ones that landed."""
+        while True:
+            with self._restore_cv:
+                if not self._to_executor:
+                    return
+                job = self._to_executor.popleft()
+            if job.stage == "reserve":
+                seq = job.seq
+                # the device prefix may have changed since the lookup: reserve against what the store agreed to
+                job.res = self.engine.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
+                job.stage = "transfer"
+                self._restore_jobs.put(job)
+            else:
+                self._publish_restored(job)
+
+    def _publish_restored(self, job: _Restore) -> None:
+        """THE point where restored pages become visible (executor thread): their bytes have landed in the
+        reserved device pages (``_land``, restore worker); the radix cache now adopts them, so the
+        scheduler sees an ordinary prefix hit. A verification of the landed bytes goes here, before
+        ``adopt_restore``. Mutates: KV manager (reservation, radix cache), the sequence, counters."""
+        kv, seq = self.engine.kv, job.seq
+        del self._restoring[seq.request_id]
+        if job.res is not None:
+            if job.landed:
+                seq.kv_hold = kv.adopt_restore(job.res, job.landed)
+            else:
+                kv.cancel_restore(job.res)
+        k, P = job.landed, kv.page_size
+        seq.num_restored_tokens = k * P
+        job.span.set_attributes({
+            "talaria.kv.restored_pages": k, "talaria.kv.tokens": k * P, "talaria.kv.bytes": k * self.page_bytes,
+            "talaria.kv.seconds": time.perf_counter() - job.t_begin, "talaria.kv.decision": job.outcome,
+        })
+        job.span.end()
+        if job.cancelled:
+            if seq.kv_hold:
+                kv.release_hold(seq.kv_hold)
+                seq.kv_hold = []
+        else:
+            self._ready.append(seq)
+
+    # ---------------------------------------------------------------- restore: worker thread
+    def _run_restores(self) -> None:
+        while True:
+            job = self._restore_jobs.get()
+            if job is None:
+                return
+            try:
+                with trace.use_span(job.span, end_on_exit=False):
+                    if job.stage == "lookup":
+                        self._lookup(job)
+                    else:
+                        self._land(job)
+            except Exception as e:  # noqa: BLE001 - a failing restore must never stop the worker
+                log.exception("restore of %s failed", job.seq.request_id)
+                self._failed("restore", e)
+                job.landed, job.outcome = 0, "unavailable"
+                self._post(job, "publish")
+
+    def _post(self, job: _Restore, stage: str) -> None:
+        job.stage = stage
+        with self._restore_cv:
+            self._to_executor.append(job)
+            self._restore_cv.notify_all()
+
+    def _lookup(self, job: _Restore) -> None:
+        """Ask the store for the agreed prefix (pinned) and decide restore-or-recompute from measured costs."""
+        span, P = job.span, self.engine.page_size
         t0 = time.perf_counter()
+        if self._closed or not self.available():
+            job.outcome = "unavailable"
+            return self._post(job, "publish")
         try:
-            reply = self.client.lookup(self.layout, hashes, pin=True)
+            reply = self.client.lookup(self.layout, job.hashes, pin=True)
         except (StoreUnavailable, ValueError) as e:
             span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("lookup", e)
-            return 0, "unavailable"
+            job.outcome = "unavailable"
+            return self._post(job, "publish")
+        job.overhead_s = time.perf_counter() - t0
         self._saw_epoch(reply.epoch)
-        avail = reply.pages
-        span.set_attribute("talaria.kv.store_pages", avail)
-        if avail <= base:
+        job.reply = reply
+        span.set_attribute("talaria.kv.store_pages", reply.pages)
+        if reply.pages <= job.base:
             self._unpin(reply.lease_id, False)
-            return 0, "miss"
-        k = avail - base
-        prefill = (self.engine.stats().get("profile") or {}).get("prefill_per_token") or self.prefill_prior
-        decision = decide_restore(
-            k * P, restore_per_token=self.restore_per_token.value, prefill_per_token=prefill,
-            overhead_s=self.restore_overhead.value,
-        )
-        if self.mode != "auto":
-            decision = RestoreDecision(self.mode == "always", decision.tokens, decision.restore_s, decision.recompute_s, f"mode={self.mode}")
-        self.last_decision = decision
+            job.outcome = "miss"  # the store has no more than the device
+            return self._post(job, "publish")
+        decision = self._decide((reply.pages - job.base) * P)
         span.set_attributes({
             "talaria.kv.estimate.restore_seconds": decision.restore_s, "talaria.kv.estimate.recompute_seconds": decision.recompute_s,
             "talaria.kv.decision_reason": decision.reason,
         })
         if not decision.restore:
-            self.counters["restores_declined"] += 1
+            with self._lock:
+                self.counters["restores_declined"] += 1
             self._unpin(reply.lease_id, False)
-            return 0, "recompute"
-        pages = self._allocate(k, hashes[:r], seq.session_id)
-        if not pages:
+            job.outcome = "recompute"
+            return self._post(job, "publish")
+        job.k = reply.pages - job.base
+        self._post(job, "reserve")
+
+    def _decide(self, tokens: int) -> RestoreDecision:
+        prefill = self.engine.prefill_per_token or self.prefill_prior
+        decision = decide_restore(
+            tokens, restore_per_token=self.restore_per_token.value, prefill_per_token=prefill, overhead_s=self.restore_overhead.value,
+        )
+        if self.mode != "auto":
+            decision = RestoreDecision(self.mode == "always", decision.tokens, decision.restore_s, decision.recompute_s, f"mode={self.mode}")
+        self.last_decision = decision
+        return decision
+
+    def _land(self, job: _Restore) -> None:
+        """Read the reserved pages from the store over Mooncake into staging and scatter them into their
+        device pages (pages nobody else reads: the reservation holds them). Then hand the job back for
+        ``_publish_restored``."""
+        reply, res, P = job.reply, job.res, self.engine.page_size
+        if res is None or self._closed:
             self._unpin(reply.lease_id, False)
-            return 0, "recompute"
+            job.outcome = "recompute"  # no device pages for it
+            return self._post(job, "publish")
+        pages = list(res.pages)
         k = len(pages)
+        base = len(res.chain)
         blocks = list(reply.blocks[base : base + k])
+        assert len(blocks) == k, f"reservation of {k} pages beyond {base} but the store agreed to {reply.pages}"
         t1 = time.perf_counter()
         try:
             for i in range(0, k, self.staging_pages):
@@ -415,35 +589,23 @@ class HostKV:
                 read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
                 self._scatter(pages[i : i + len(part)])
         except StoreUnavailable as e:
-            kv.allocator.decref(pages)
-            span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
+            job.span.set_attribute(otel.ERROR_TYPE, "store_unavailable")
             self._failed("restore transfer", e)
-            return 0, "unavailable"
+            job.outcome = "unavailable"
+            return self._post(job, "publish")
         t2 = time.perf_counter()
-        chain = list(radix_pages) + (list(entry.pages[r:base]) if entry is not None and base > r else []) + pages
-        kv.radix.insert(hashes[: base + k], chain)
-        kv.allocator.decref(pages)  # the radix cache holds them now
         self._unpin(reply.lease_id, True)
-        t3 = time.perf_counter()
-        span.set_attribute("talaria.kv.transfer_seconds", t2 - t1)
+        job.span.set_attribute("talaria.kv.transfer_seconds", t2 - t1)
         self.restore_per_token.add((t2 - t1) / (k * P))
-        self.restore_overhead.add((t1 - t0) + (t3 - t2))
-        c = self.counters
-        c["restores"] += 1
-        c["restore_pages"] += k
-        c["restore_bytes"] += k * self.page_bytes
-        return k, "restore"
-
-    def _allocate(self, k: int, locked: list[int], session_id: str) -> list[int]:
-        kv = self.engine.kv
-        if not kv.can_allocate(k):
-            kv.radix.lock(locked)
-            try:
-                kv.ensure_free(k, None, session_id)
-            finally:
-                kv.radix.unlock(locked)
-            k = min(k, kv.num_free_pages)
-        return kv.allocator.allocate(k) if k > 0 else []
+        self.restore_overhead.add(job.overhead_s + (time.perf_counter() - t2))
+        with self._lock:
+            c = self.counters
+            c["restores"] += 1
+            c["restore_pages"] += k
+            c["restore_bytes"] += k * self.page_bytes
+            self._samples.append((k * P, t2 - t1))
+        job.landed, job.outcome = k, "restore"
+        self._post(job, "publish")
 
     def _unpin(self, lease_id: int, read_complete: bool) -> None:
         if not lease_id:
@@ -456,12 +618,11 @@ class HostKV:
     # ---------------------------------------------------------------- introspection
     def snapshot(self) -> dict[str, Any]:
         available = self.available()
+        sessions = [
+            {"session_id": s.session_id, "committed_tokens": s.tokens, "last_use_unix": s.last_use_unix, "state": state}
+            for s, state in self.index.states(available)
+        ]
         with self._lock:
-            sessions = [
-                {"session_id": s.session_id, "committed_tokens": s.tokens, "last_use_unix": s.last_use_unix,
-                 "state": self.sessions.state(s.session_id, self.epoch, available)}
-                for s in self.sessions.entries()
-            ]
             return {
                 "available": available,
                 "epoch": self.epoch,
@@ -472,11 +633,18 @@ class HostKV:
                 **self.counters,
             }
 
+    def session_infos(self, model: str) -> list[SessionInfo]:
+        """Sessions this engine checkpointed: ``host`` (restorable) or ``missing`` (any thread)."""
+        available = self.available()
+        return [SessionInfo(s.session_id, state, s.tokens, model, 0, s.last_use_unix) for s, state in self.index.states(available)]
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._jobs.put(None)
+        self._restore_jobs.put(None)
         self._worker.join(timeout=10)
+        self._restorer.join(timeout=10)
         for b in (self._ckpt_buf, self._restore_buf):
             self.mooncake.unregister(b.data_ptr())

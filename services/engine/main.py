@@ -99,10 +99,7 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
         return False
     try:
         from services.engine.host_kv import HostKV
-        from services.kvstore.client import KvStoreClient
-        from services.kvstore.transfer import MooncakeEndpoint
-
-        from services.kvstore.auth import channel_credentials
+        from services.kvstore.client import KvStoreClient, MooncakeEndpoint, channel_credentials  # the store's public API
 
         client = KvStoreClient(
             f"{kvs.host}:{kvs.port}", timeout_s=kvs.rpc_timeout_s, max_message_mb=kvs.max_message_mb,

@@ -155,6 +155,9 @@ class Scheduler:
             if not kv.ensure_free(need, match, protect_sid):
                 return False
         alloc = kv.admit(match, seq.num_tokens, seq.session_id, seq.num_prompt_tokens)
+        if seq.kv_hold:  # restored pages: the admission holds them now
+            kv.release_hold(seq.kv_hold)
+            seq.kv_hold = []
         seq.pages = alloc.pages
         seq.locked_hashes = alloc.locked_hashes
         seq.num_computed_tokens = alloc.num_cached_tokens
@@ -187,6 +190,9 @@ class Scheduler:
             )
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.kv_hold:
+                self.kv.release_hold(seq.kv_hold)
+                seq.kv_hold = []
         seq.pages = []
         seq.locked_hashes = []
         seq.status = SequenceStatus.FINISHED

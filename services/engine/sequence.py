@@ -27,7 +27,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "session_id", "arrival_order",
         "num_computed_tokens", "num_cached_tokens", "pages", "locked_hashes", "hashes", "status",
-        "num_preemptions", "trace_context", "num_restored_tokens", "salt",
+        "num_preemptions", "trace_context", "num_restored_tokens", "salt", "kv_hold",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None, session_id: str = "") -> None:
@@ -47,6 +47,7 @@ class Sequence:
         self.trace_context = None  # OpenTelemetry context of the call (host-KV spans are its children)
         self.num_restored_tokens = 0  # prompt tokens restored from the host KV store at admission
         self.salt: int | None = None  # start of this sequence's hash chain; None = the KV manager's (model) salt
+        self.kv_hold: list[int] = []  # radix path of a host restore, locked until admission (KVManager.adopt_restore)
 
     @property
     def num_tokens(self) -> int:

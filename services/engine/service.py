@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.streaming import next_coalesced
-from services.engine.tokenizer import SessionTokens, align_to_previous, chat_message_dict
+from talaria.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
 from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
@@ -251,7 +251,7 @@ class EngineService:
             hook.error.CopyFrom(error)
         if call.session_id:
             info = self.engine.session_info(call.session_id)
-            if info is not None:
+            if info is not None and info.where == "device":
                 hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
         assert self.nc is not None
         try:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from services.engine.api import SlotStats
 from services.engine.cold import ColdEngine
-from services.engine.kv.session_cache import common_prefix_len
 from services.engine.types import EngineRequest, RequestOutput
 
 from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
@@ -32,23 +32,17 @@ class SlottedColdEngine(ColdEngine):
         self.last_decision: Decision | None = None
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
+        self._slots_now: SlotStats | None = None
         super().__init__(catalog, **kw)
 
     # ------------------------------------------------------------------ the view
     def _call_view(self, req: EngineRequest, active_engine) -> CallView:
         m, sid = req.model, req.session_id
         prefix, state = 0, "missing"
-        if sid and active_engine is not None and m == self.active:
-            e = active_engine.kv.sessions.peek(sid)
-            if e is not None:
-                prefix, state = common_prefix_len(e.token_ids, req.prompt_token_ids), "device"
-        if state == "missing" and sid:
-            sh = self.shell(m)
-            hk = sh.host_kv if sh is not None else None
-            if hk is not None and hk.available():
-                h = hk.sessions.get(sid)
-                if h is not None:
-                    prefix, state = min(h.tokens, len(req.prompt_token_ids)), "host"
+        sh = (active_engine if m == self.active else None) or self.shell(m)
+        if sid and sh is not None:  # the KV manager answers where the prefix is (device, host via its index)
+            hk = sh.host_kv
+            state, prefix = sh.kv.session_prefix(sid, req.prompt_token_ids, hk.host_index() if hk is not None else None, device=m == self.active)
         return CallView(
             req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
             (m, sid) in self._served_sessions,
@@ -62,7 +56,7 @@ class SlottedColdEngine(ColdEngine):
             queued = tuple(self._call_view(r, eng) for r in self._queues.get(m, ()))
             if m == self.active and eng is not None:
                 sch = eng.scheduler
-                seqs = list(sch.running) + list(sch.waiting)
+                seqs = list(sch.running) + list(sch.waiting) + eng.restoring_sequences()
                 pending = eng.pending_requests()
                 prefilling = sum(1 for s in seqs if s.num_completion_tokens == 0) + len(pending)
                 remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
@@ -107,31 +101,37 @@ class SlottedColdEngine(ColdEngine):
         if ms is not None:
             self._served_sessions.add(ms)
 
-    def _refresh_snapshot(self) -> None:
-        super()._refresh_snapshot()
-        self._snapshot["slots"] = self.slots.status(self.clock())
+    def _refresh_gauges(self) -> None:
+        super()._refresh_gauges()
+        st = self.slots.status(self.clock())  # the pure policy is not thread-safe: read at step boundaries
+        self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]), int(st["rounds"]))
+
+    def _slot_stats(self) -> SlotStats | None:
+        return self._slots_now
 
     def _timed_step(self, eng) -> list[RequestOutput]:
-        """One shell step, measured into the slot cost model: decode steps, prefill tokens and the tokens
-        restored from the host KV store at admission (their copy-back runs inside the step), so the restore
-        cost per token is learned from real restores. Mutates: the shell and the cost model."""
+        """One shell step, measured into the slot cost model (decode steps, prefill tokens), and the real
+        host KV restores that ended meanwhile (they run off the executor thread, so their cost is their
+        own measured transfer time, not a share of a step): the restore cost per token is learned from
+        real restores. Mutates: the shell and the cost model."""
         before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
         t0 = self.clock()  # durations on the policy's time base (the injected clock)
         outs = eng.step()
         dt = self.clock() - t0
-        prefill, restored, decodes = 0, 0, 0
+        prefill, decodes = 0, 0
         for s in eng.scheduler.running:
             delta = s.num_computed_tokens - before.get(s.request_id, 0)
             if s.request_id in before and delta == 1:
                 decodes += 1
             elif s.request_id not in before:
-                restored += s.num_restored_tokens  # admitted this step
-                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)
+                prefill += max(s.num_computed_tokens - s.num_cached_tokens, 0)  # admitted this step
             else:
                 prefill += max(delta, 0)
         decodes += sum(1 for o in outs if o.finished and o.request_id in before)
-        restored += sum(o.usage.restored_tokens for o in outs if o.finished and o.request_id not in before and o.usage is not None)
-        self.slots.observe_step(self.active, prefill, restored, decodes, dt)
+        self.slots.observe_step(self.active, prefill, 0, decodes, dt)  # restores are not inside the step
+        if eng.host_kv is not None:
+            for tokens, seconds in eng.host_kv.take_restore_samples():
+                self.slots.observe_restore(self.active, tokens, seconds)
         return outs
 
     def take_round_summaries(self):
@@ -141,8 +141,10 @@ class SlottedColdEngine(ColdEngine):
 
 
 def policy_from_config(cfg) -> SlotPolicy:
-    """The slot policy of an ``EngineConfig`` (talaria/config.py): targets, margin and ablation switches."""
+    """The slot policy of a cold ``EngineConfig`` (talaria/config.py): targets, margin and ablation switches.
+    (A hot engine is an ``executor.Engine`` and has no slot policy; ``SlotPolicy.endless`` is the
+    simulator's model of one, ``talaria/sim/cluster.py``.)"""
     return SlotPolicy(
         ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
-        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, endless=cfg.pool == "hot",
+        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check,
     )

@@ -6,6 +6,7 @@ what comes back: token chunks, completion hooks, snapshots, switch records and r
 
 from __future__ import annotations
 
+from services.engine.api import EngineStats, SessionInfo
 from services.engine.types import SamplingParams
 from talaria.config import EngineConfig
 from talaria.switch_path import costs_to_proto
@@ -50,14 +51,12 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def prefix_handle(info: dict, model: str, page_size: int) -> cpb.PrefixHandle:
+_KV_STATE = {"device": pb.KV_DEVICE, "host": pb.KV_HOST, "missing": pb.KV_MISSING}
+
+
+def prefix_handle(info: SessionInfo, model: str, page_size: int) -> cpb.PrefixHandle:
     """What the instance keeps for a session after a call (from the executor's ``session_info``)."""
-    return cpb.PrefixHandle(
-        model=model,
-        committed_tokens=int(info.get("committed_tokens", 0)),
-        page_size=page_size,
-        full_pages=int(info.get("full_pages", 0)),
-    )
+    return cpb.PrefixHandle(model=model, committed_tokens=info.committed_tokens, page_size=page_size, full_pages=info.full_pages)
 
 
 def switch_record(r, instance_id: str) -> pb.SwitchRecord:
@@ -86,66 +85,40 @@ def round_summary(r, instance_id: str) -> pb.RoundSummary:
     )
 
 
-def instance_snapshot(cfg: EngineConfig, st: dict, switches: list, *, epoch: int, seq: int, draining: bool, rounds: int) -> pb.InstanceSnapshot:
-    """The heartbeat message from the executor's ``stats()`` (and, cold pool, its latest switch records)."""
-    model = cfg.models[0]
-    multi = cfg.pool == "cold"
+def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epoch: int, seq: int, draining: bool, rounds: int) -> pb.InstanceSnapshot:
+    """The heartbeat message from the executor's typed ``stats()`` (and, cold pool, its latest switch records)."""
     snap = pb.InstanceSnapshot(
-        schema_version=SCHEMA_VERSION,
-        instance_id=cfg.id,
-        pool=pb.POOL_HOT if cfg.pool == "hot" else pb.POOL_COLD,
-        epoch=epoch,
-        seq=seq,
-        sent_unix=time.time(),
-        heartbeat_period_s=cfg.heartbeat_period_s,
-        num_running=st.get("num_running", 0),
-        num_waiting=st.get("num_waiting", 0),
-        kv_usage=st.get("kv_usage", 0.0),
-        kv_pages_total=st.get("kv_pages_total", 0),
-        kv_pages_free=st.get("kv_pages_free", 0),
-        draining=draining,
-        device=cfg.device,
-        tokens_generated=st.get("tokens_generated", 0),
-        prefix_hit_rate=st.get("prefix_hit_rate", 0.0),
+        schema_version=SCHEMA_VERSION, instance_id=cfg.id, pool=pb.POOL_HOT if cfg.pool == "hot" else pb.POOL_COLD,
+        epoch=epoch, seq=seq, sent_unix=time.time(), heartbeat_period_s=cfg.heartbeat_period_s,
+        num_running=st.num_running, num_waiting=st.num_waiting, kv_usage=st.kv_usage, kv_pages_total=st.kv_pages_total,
+        kv_pages_free=st.kv_pages_free, draining=draining, device=cfg.device, tokens_generated=st.tokens_generated,
+        prefix_hit_rate=st.prefix_hit_rate,
     )
-    if multi:  # every loaded catalog model is served; `active` marks the resident one
-        for m in st.get("models", []):
-            snap.models.append(pb.ModelState(**m))
-        snap.staging_slack_bytes = st.get("staging_slack_bytes", 0)
-        snap.num_switches = st.get("num_switches", 0)
+    for m in st.models:  # every loaded catalog model is served; `active` marks the resident one
+        snap.models.append(pb.ModelState(
+            model=m.model, loaded=m.loaded, active=m.active, staged=m.staged, max_context=m.max_context,
+            num_running=m.num_running, num_waiting=m.num_waiting,
+        ))
+    if cfg.pool == "cold":
+        snap.staging_slack_bytes = st.staging_slack_bytes
+        snap.num_switches = st.num_switches
         for r in switches:
             snap.switches.append(switch_record(r, cfg.id))
-        slots = st.get("slots")
-        if slots:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
-            snap.deadline_risk = bool(slots.get("deadline_risk"))
-            snap.shortfall_s = float(slots.get("shortfall_s", 0.0))
-            snap.round_remaining_s = float(slots.get("round_remaining_s", 0.0))
-            snap.infeasible.extend(slots.get("infeasible", []))
+        if st.slots is not None:  # slot scheduler: overload is reported, not hidden (Talaria §3.4)
+            snap.deadline_risk = st.slots.deadline_risk
+            snap.shortfall_s = st.slots.shortfall_s
+            snap.round_remaining_s = st.slots.round_remaining_s
+            snap.infeasible.extend(st.slots.infeasible)
             snap.rounds = rounds
-    else:
-        snap.models.append(
-            pb.ModelState(model=model, loaded=True, active=True, max_context=st.get("max_context", 0), num_running=snap.num_running, num_waiting=snap.num_waiting)
-        )
-    for s in st.get("sessions", []):
-        snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or model, committed_tokens=s["committed_tokens"], state=pb.KV_DEVICE, last_use_unix=s.get("last_use_unix", 0.0)))
-    prof = st.get("profile") or {}
+    model = cfg.models[0]
+    for s in st.sessions:  # device, then host (restorable from the kvstore) / missing (the store restarted or is unreachable)
+        snap.sessions.append(pb.SessionState(
+            session_id=s.session_id, model=s.model or model, committed_tokens=s.committed_tokens,
+            state=_KV_STATE[s.where], last_use_unix=s.last_use_unix,
+        ))
+    p = st.profile
     snap.profile.CopyFrom(pb.CostProfile(
-        prefill_per_token=prof.get("prefill_per_token", 0.0), decode_step=prof.get("decode_step", 0.0),
-        switch_costs=costs_to_proto(prof.get("switch_by_path", {})),
+        prefill_per_token=p.prefill_per_token, decode_step=p.decode_step, switch_costs=costs_to_proto(dict(p.switch_by_path)),
+        restore_per_token=p.restore_per_token if st.host_kv else 0.0,
     ))
-    _add_host_kv_state(snap, st, model)
     return snap
-
-def _add_host_kv_state(snap: pb.InstanceSnapshot, st: dict, model: str) -> None:
-    """Sessions whose KV left the device: ``host`` (restorable from the kvstore) or ``missing`` (the
-    store restarted, or is unreachable); plus the measured restore cost per token."""
-    hk = st.get("host_kv")
-    if not hk:
-        return
-    snap.profile.restore_per_token = hk.get("restore_per_token", 0.0)
-    on_device = {s.session_id for s in snap.sessions}
-    for s in hk.get("sessions", []):
-        if s["session_id"] in on_device:
-            continue
-        state = pb.KV_HOST if s["state"] == "host" else pb.KV_MISSING
-        snap.sessions.append(pb.SessionState(session_id=s["session_id"], model=s.get("model") or model, committed_tokens=s["committed_tokens"], state=state, last_use_unix=s.get("last_use_unix", 0.0)))

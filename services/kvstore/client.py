@@ -9,6 +9,11 @@ pushes them into the blocks a ``reserve`` returned; a restore ``read_pages`` pul
 pinned ``lookup`` into staging. Page ``j`` of a call lives at ``local_base + j * page_bytes``; adjacent
 pages and adjacent slabs coalesce into one transfer.
 
+Public API: this module is the kvstore's client surface, the only one another service may import
+(``__all__``): the client, its error, the page copies, the Mooncake endpoint the caller registers its
+staging buffers with, and the channel credentials of ``auth.py``. Everything else in ``services/kvstore``
+is internal.
+
 Tracing: every control call carries the caller's current OpenTelemetry context as W3C ``traceparent``
 gRPC metadata (``otel.grpc_metadata()``), so the store's spans join the call's trace.
 """
@@ -20,13 +25,16 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kvstore.auth import call_metadata
+from services.kvstore.auth import call_metadata, channel_credentials
 from talaria.kv_layout import Layout
 from services.kvstore.transfer import Copy, MooncakeEndpoint, TransferError
 from services.kvstore.wire import layout_to_pb
 from talaria import otel
 from talaria.v1 import kvstore_pb2 as pb
 from talaria.v1 import kvstore_pb2_grpc as pbg
+
+
+__all__ = ["KvStoreClient", "MooncakeEndpoint", "StoreUnavailable", "channel_credentials", "read_pages", "write_pages"]
 
 
 class StoreUnavailable(RuntimeError):

@@ -36,6 +36,7 @@ from services.router.policy import (
     PlacementState,
     PolicyParams,
     SessionView,
+    calls_on,
     decide,
 )
 from services.router.profiles import DemandMeter, ProfileBook, ShapeBook
@@ -378,6 +379,25 @@ class Gateway:
         return replace(d, instance_id=c.instance_id, reason="start-now", opens_model=c.act == "open", switches_model=c.act == "switch",
                        avoidable_open=False, retry_after_s=0.0)
 
+    def late_fallback(self, d: Decision) -> Decision | None:
+        """No fresh candidate at all: the least loaded candidate that is merely *late* (its snapshot is past
+        the staleness limit, its heartbeats are still within the miss limit, so it is healthy) gets the call,
+        placement ``late``, instead of a 503. A slow instance is not a dead one, and a router whose own loop
+        was busy sees every snapshot late at once. Pure: reads the states the last ``decide`` built."""
+        best: tuple | None = None
+        for c in d.costs:
+            st = self._cur.get(c.instance_id)
+            if st is None or c.reject != "stale" or not st.healthy:
+                continue
+            key = (calls_on(st), c.instance_id)
+            if best is None or key < best[0]:
+                best = (key, c)
+        if best is None:
+            return None
+        c = best[1]
+        return replace(d, instance_id=c.instance_id, reason="late", opens_model=c.act == "open", switches_model=c.act == "switch",
+                       avoidable_open=False, retry_after_s=0.0)
+
     # ------------------------------------------------------------------------------------- views
     def known_model(self, model: str) -> bool:
         return self.registry.known_model(model) or any(model in s.models for s in self.pools.values())
@@ -414,6 +434,7 @@ ACCOUNTING = (
     "overload_queued",
     "overload_queue_timeouts",
     "admitted_start_now",
+    "admitted_late",
     "deadline_risk",
 )
 
@@ -432,6 +453,9 @@ ACCOUNTING = (
 #   2. The least loaded live candidate that can start the call now (nothing waiting, a free decode slot,
 #      counting the in-flight overlay) gets it: placement ``start-now``; its predicted TTFT above the
 #      admission budget is a *deadline risk*, reported with the step (header, log, counter), not overload.
+#   2b. When no candidate is fresh at all (``no-instance``) but one is merely late (snapshot past the
+#      staleness limit, heartbeats within the miss limit: healthy), the least loaded late one gets the call
+#      (placement ``late``) rather than a 503: staleness protects the ranking's inputs, not liveness.
 #   3. Otherwise the overload policy: 429 + Retry-After at once ("reject"), or a bounded wait in the
 #      gateway queue ("queue": at most ``queue_max`` calls, ``queue_timeout_s`` each), re-deciding every
 #      ``poll_s``, then 429.
@@ -492,6 +516,11 @@ class Admission:
                         message=f"prompt of {req.prompt_tokens} tokens plus max_tokens {req.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'")
         if d.instance_id is not None:
             return self._forward(d, rev)
+        if d.reason == "no-instance":
+            late = gw.late_fallback(d)
+            if late is not None:
+                gw.stats["admitted_late"] += 1
+                return self._forward(late, rev)
         if d.reason != "overload":
             return replace(self._exhausted(), decision=d, lease_rev=rev)
         fb = gw.start_now(req, d, over)

@@ -62,7 +62,7 @@ async def _sse_json(resp: StreamingResponse) -> AsyncIterator[dict]:
 
 
 def _tokenizer(state, model: str):
-    from services.engine.tokenizer import Tokenizer
+    from talaria.tokenizer import Tokenizer
 
     cache = state.__dict__.setdefault("_tokenizers", {})
     if model not in cache:

@@ -177,7 +177,8 @@ class PlacementState:
 
 
 class CostBreakdown(NamedTuple):
-    """Eq. 1 terms, checks and Eq. 2 gate of one instance (a named tuple: cheap to build per candidate)."""
+    """Eq. 1 terms, checks and Eq. 2 gate of one instance (a named tuple: cheap to build per candidate;
+    always built by field name, ``_eq1`` and ``_eq2``)."""
 
     instance_id: str
     delta_r: float  # dR_req: queue + suffix prefill + decode
@@ -195,11 +196,35 @@ class CostBreakdown(NamedTuple):
     reject: str = ""  # "" admitted | "unhealthy" | "stale" | "round-admission" | "memory" | "eq2"
 
 
+_tuple_new = tuple.__new__
+
+
+def cost_breakdown(
+    *, instance_id: str, delta_r: float, c_kv: float, c_act: float, queue_s: float, kv_source: str, act: str,
+    predicted_ttft_s: float, pages_needed: int, eq2_gain: float | None = None, eq2_threshold: float | None = None,
+    reject: str = "",
+) -> CostBreakdown:
+    """Build a ``CostBreakdown`` by field name (keyword-only; ``total`` = Eq. 1's sum and ``fresh_replica`` =
+    the model must be opened, derived here). About twice as fast as the named tuple's own keyword
+    constructor, which matters once per candidate per decision."""
+    return _tuple_new(CostBreakdown, (
+        instance_id, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, kv_source, act, act == "open", predicted_ttft_s,
+        pages_needed, eq2_gain, eq2_threshold, reject,
+    ))
+
+
+assert CostBreakdown._fields == (
+    "instance_id", "delta_r", "c_kv", "c_act", "total", "queue_s", "kv_source", "act", "fresh_replica", "predicted_ttft_s",
+    "pages_needed", "eq2_gain", "eq2_threshold", "reject",
+), "cost_breakdown builds the fields in this order"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     instance_id: str | None
     policy: str
     reason: str  # "lease" | "cost" | "least-pressure" | "sticky" | "round-robin" | "overload" | "no-instance"
+    #             (the gateway rewrites a decision as "start-now" or "late": services/router/gateway.py)
     lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid"
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
@@ -248,8 +273,19 @@ def kv_state_on(inst: InstanceState, req: CallRequest, session: SessionView | No
 
 def queue_pressure(inst: InstanceState, admission_unit: float, running_weight: float, leases: int) -> float:
     """Calls ahead of a new one, in units of a mean call (Eq. 1's dR_req): waiting + forwarded since the
-    snapshot + ``admission_unit`` per live lease + ``running_weight`` per running call."""
+    snapshot + ``admission_unit`` per live lease + ``running_weight`` per running call. The one pressure formula."""
     return inst.waiting + inst.overlay_calls + admission_unit * leases + running_weight * inst.running
+
+
+def calls_on(inst: InstanceState) -> int:
+    """Calls on an instance (running + waiting + forwarded since its snapshot): the KV-page memory check's
+    count, and the least-pressure baseline's key."""
+    return inst.running + inst.waiting + inst.overlay_calls
+
+
+def hbm_price(price_s_per_gib: float, kv_usage: float) -> float:
+    """Eq. 2's mu_i: the HBM price per GiB, rising with the instance's memory pressure."""
+    return price_s_per_gib / max(0.05, 1.0 - kv_usage)
 
 
 def activation(inst: InstanceState, model: str) -> tuple[str, float]:
@@ -263,71 +299,106 @@ def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     return "open", inst.profile.open_s
 
 
-def _terms(inst: InstanceState, state: PlacementState) -> list:
-    """Eq. 1 for one instance plus the round-admission and memory checks, as a list in the field order of
-    ``CostBreakdown`` (built once, after Eq. 2, so a decision over many instances stays cheap)."""
-    req, p, prof, shape = state.request, state.params, inst.profile, state.shape
-    kv_source, prefix = kv_state_on(inst, req, state.session, state.lease)
-    suffix = max(1, req.prompt_tokens - prefix)
-    leases = inst.overlay_leases
-    if state.lease is not None and state.lease.instance_id == inst.instance_id and leases > 0:
-        leases -= 1  # the lease reserved for this very call is not queue ahead of it
-    mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
-    queue_s = mean_call_s * queue_pressure(inst, p.admission_unit, p.running_weight, leases)
-    delta_r = queue_s + suffix * prof.prefill_per_token + req.expected_decode * prof.decode_step
-    if kv_source == "device" or kv_source == "none":
-        c_kv = 0.0
-    elif kv_source == "host":
-        c_kv = prefix * prof.restore_per_token
-    else:
-        c_kv = prefix * prof.prefill_per_token
-    act, c_act = activation(inst, req.model)
-    ttft = queue_s + c_kv + c_act + suffix * prof.prefill_per_token
-    page = max(1, inst.page_size)
-    resident_pages = prefix // page if kv_source == "device" else 0
-    pages_needed = max(0, -(-(req.prompt_tokens + req.max_tokens) // page) - resident_pages)
-    reject = ""
-    if not inst.healthy:
-        reject = "unhealthy"
-    elif not inst.fresh:
-        reject = "stale"
-    elif ttft > p.admission_budget_s:
-        reject = "round-admission"
-    elif inst.kv_pages_total > 0:
-        per_call = -(-int(shape.prompt_tokens + shape.decode_tokens) // page)
-        in_use = (inst.running + inst.waiting + inst.overlay_calls) * per_call
-        if pages_needed > inst.kv_pages_total * (1.0 - p.hbm_reserve_fraction) - in_use:
+class _Call(NamedTuple):
+    """Per-call constants of Eq. 1 (the same for every instance)."""
+
+    prompt_tokens: int
+    need_tokens: int  # prompt + max_tokens: the call's KV pages
+    call_tokens: int  # a mean call's prompt + decode: KV pages per call already on the instance
+    s_suf: float  # mean call: suffix tokens (queue_s)
+    s_dec: float  # mean call: decode tokens
+    dec: float  # this call's expected decode tokens
+    budget: float  # round-admission budget (seconds to first token)
+
+
+def _call(state: PlacementState) -> _Call:
+    req, shape = state.request, state.shape
+    return _Call(
+        req.prompt_tokens, req.prompt_tokens + req.max_tokens, int(shape.prompt_tokens + shape.decode_tokens),
+        shape.suffix_tokens, shape.decode_tokens, req.expected_decode, state.params.admission_budget_s,
+    )
+
+
+def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: float | None, c: _Call) -> CostBreakdown:
+    """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2), from the instance's
+    per-snapshot terms ``e`` and where the call's prefix is on it (``pressure`` None: the entry's;
+    ``c_kv`` None: the prefix is recomputed there). The one place Eq. 1 is written."""
+    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject = e  # unpacked once (hot path)
+    if pressure is None:
+        pressure = e_pressure
+    if c_kv is None:
+        c_kv = prefix * ppt if prefix > 0 else 0.0
+    prompt_tokens, need_tokens, call_tokens, s_suf, s_dec, dec, budget = c
+    queue_s = (s_suf * ppt + s_dec * ds) * pressure
+    suffix_s = max(1, prompt_tokens - prefix) * ppt
+    delta_r = queue_s + suffix_s + dec * ds
+    ttft = queue_s + c_kv + c_act + suffix_s
+    resident = prefix // page if kv_source == "device" else 0
+    pages_needed = max(0, -(-need_tokens // page) - resident)
+    if not reject:
+        if ttft > budget:
+            reject = "round-admission"
+        elif pages_total > 0 and pages_needed > cap - calls * -(-call_tokens // page):
             reject = "memory"
-    total = delta_r + c_kv + c_act
-    return [inst.instance_id, delta_r, c_kv, c_act, total, queue_s, kv_source, act, act == "open", ttft, pages_needed, None, None, reject]
+    return cost_breakdown(
+        instance_id=iid, delta_r=delta_r, c_kv=c_kv, c_act=c_act, queue_s=queue_s, kv_source=kv_source, act=act,
+        predicted_ttft_s=ttft, pages_needed=pages_needed, reject=reject,
+    )
 
 
-_DR, _CKV, _CACT, _FRESH, _GAIN, _THR, _REJECT = 1, 2, 3, 8, 11, 12, 13
+def _c_kv(kv_source: str, prefix: int, prof: Profile) -> float:
+    if kv_source == "host":
+        return prefix * prof.restore_per_token
+    return prefix * prof.prefill_per_token if kv_source == "recompute" else 0.0
+
+
+def _eq1_special(e: _Entry, state: PlacementState, c: _Call) -> CostBreakdown:
+    """Eq. 1 on an instance whose KV state for this call may differ from the generic one (session prefix
+    listed, the lease's or the session's last instance): its own prefix, and the lease reserved for this
+    very call is not queue ahead of it."""
+    inst = e.inst
+    kv_source, prefix = kv_state_on(inst, state.request, state.session, state.lease)
+    pressure = e.pressure
+    if state.lease is not None and state.lease.instance_id == inst.instance_id and inst.overlay_leases > 0:
+        p = state.params
+        pressure = queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases - 1)
+    return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, inst.profile), c)
 
 
 def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
     """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2)."""
-    return CostBreakdown(*_terms(inst, state))
+    return _eq1_special(_entry(inst, state.request.model, state.params), state, _call(state))
 
 
-def apply_eq2(terms: list[list], by_id: Mapping[str, InstanceState], state: PlacementState) -> None:
-    """Gate fresh replicas by Eq. 2: fills the gain/threshold of each fresh replica, rejects it ("eq2")
-    unless the gain exceeds T_swap + mu * dW + nu. Mutates ``terms`` (lists from ``_terms``)."""
+def apply_eq2(costs: Sequence[CostBreakdown], by_id: Mapping[str, InstanceState], state: PlacementState) -> list[CostBreakdown]:
+    """``_eq2`` with each instance's mu computed from ``by_id`` (the reference path of the tests)."""
+    price = state.params.hbm_price_s_per_gib
+    return _eq2(costs, [hbm_price(price, by_id[c.instance_id].kv_usage) for c in costs], state)
+
+
+def _eq2(costs: Sequence[CostBreakdown], mus: Sequence[float], state: PlacementState) -> list[CostBreakdown]:
+    """Gate fresh replicas by Eq. 2: each fresh replica gets its gain and threshold, and is rejected
+    ("eq2") unless the gain exceeds T_swap + mu * dW + nu. Returns the breakdowns with those filled in
+    (the others unchanged). The one place Eq. 2 is written."""
+    if not any(c.fresh_replica and not c.reject for c in costs):
+        return list(costs)
     p, m = state.params, state.request.model
-    existing = [t[_DR] + t[_CKV] for t in terms if not t[_FRESH] and not t[_REJECT]]
+    existing = [c.delta_r + c.c_kv for c in costs if not c.fresh_replica and not c.reject]
     w_existing = min(existing) if existing else math.inf
     demand = max(1.0, state.demand.get(m, 0.0))
     d_w = p.model_weights_gib.get(m, p.default_weights_gib)
-    for t in terms:
-        if not t[_FRESH] or t[_REJECT]:
-            continue
-        w_new = t[_DR] + t[_CKV]
-        gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - w_new)
-        mu = p.hbm_price_s_per_gib / max(0.05, 1.0 - by_id[t[0]].kv_usage)
-        threshold = t[_CACT] + mu * d_w + p.replica_penalty_s
-        t[_GAIN], t[_THR] = gain, threshold
-        if not gain > threshold:
-            t[_REJECT] = "eq2"
+    out = []
+    for c, mu in zip(costs, mus):
+        if c.fresh_replica and not c.reject:
+            gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - (c.delta_r + c.c_kv))
+            threshold = c.c_act + mu * d_w + p.replica_penalty_s
+            c = cost_breakdown(
+                instance_id=c.instance_id, delta_r=c.delta_r, c_kv=c.c_kv, c_act=c.c_act, queue_s=c.queue_s,
+                kv_source=c.kv_source, act=c.act, predicted_ttft_s=c.predicted_ttft_s, pages_needed=c.pages_needed,
+                eq2_gain=gain, eq2_threshold=threshold, reject="" if gain > threshold else "eq2",
+            )
+        out.append(c)
+    return out
 
 
 # ------------------------------------------------------------------------------------ candidate index
@@ -349,6 +420,19 @@ class _Entry(NamedTuple):
     act: str
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
+
+
+def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
+    """The per-snapshot terms of ``inst`` for ``model`` (computed once per snapshot by the index)."""
+    prof = inst.profile
+    act, c_act = activation(inst, model)
+    return _Entry(
+        inst, inst.instance_id, prof.prefill_per_token, prof.decode_step,
+        queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases), calls_on(inst),
+        inst.kv_pages_total * (1.0 - p.hbm_reserve_fraction), inst.kv_pages_total, max(1, inst.page_size),
+        hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), act, c_act,
+        "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else ""),
+    )
 
 
 def _index_params(p: PolicyParams) -> tuple:
@@ -414,19 +498,11 @@ class InstanceIndex:
             for key, (state, tokens) in kv_items:
                 if tokens > 0 and state in (KV_DEVICE, KV_HOST):
                     self.kv_sessions.setdefault(key, set()).add(iid)
-        au, rw, reserve, price = self.key
-        prof = inst.profile
-        pressure = queue_pressure(inst, au, rw, inst.overlay_leases)
-        calls = inst.running + inst.waiting + inst.overlay_calls
-        cap = inst.kv_pages_total * (1.0 - reserve)
-        mu = price / max(0.05, 1.0 - inst.kv_usage)
-        base = "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else "")
-        page = max(1, inst.page_size)
         keys = {}
         served: Iterable[str] = inst.models if self.scope is None else ((self.scope[1],) if self.scope[1] in inst.models else ())
         for m in served:
-            act, c_act = activation(inst, m)
-            e = _Entry(inst, iid, prof.prefill_per_token, prof.decode_step, pressure, calls, cap, inst.kv_pages_total, page, mu, act, c_act, base)
+            e = _entry(inst, m, self.params)
+            act, base, pressure = e.act, e.base_reject, e.pressure
             d = self.serving.setdefault(m, {})
             if iid not in d and d and self._pos[next(reversed(d))] > self._pos[iid]:
                 d[iid] = e  # re-added out of order: restore the instance order
@@ -480,15 +556,14 @@ def index_of(state: PlacementState) -> InstanceIndex:
     return idx
 
 
-def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[list[list], list[float], int]:
-    """Breakdown rows (``_terms`` layout; rows that are not fresh replicas and not special come back as
-    final ``CostBreakdown`` tuples, Eq. 2 never touches them) of the candidates of ``state.request.model`` in instance order,
-    with their mu; plus how many replica-opening instances the shortlist left out.
+def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[list[CostBreakdown], list[float], int]:
+    """Eq. 1 breakdowns of the candidates of ``state.request.model`` in instance order, with their mu; plus
+    how many replica-opening instances the shortlist left out.
 
     Instances whose KV state for this call may differ from the generic one (session prefix listed, the
-    lease's or the session's last instance) go through ``_terms``; the rest share the generic prefix and
-    are computed inline from the precomputed entry (same arithmetic, same operation order)."""
-    req, p, shape, session, lease = state.request, state.params, state.shape, state.session, state.lease
+    lease's or the session's last instance) go through ``_eq1_special``; the rest share the generic
+    prefix (the session's committed tokens, recomputed, or none). Both end in ``_eq1``."""
+    req, p, session, lease = state.request, state.params, state.session, state.lease
     m = req.model
     serving = idx.serving.get(m)
     if not serving:
@@ -498,89 +573,43 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     if session is not None and session.model == m:
         committed = session.committed_tokens
         special.add(session.last_instance)
-    if lease is not None:  # _terms discounts the lease from its instance's queue whatever its model
+    if lease is not None:  # the lease is discounted from its instance's queue whatever its model
         special.add(lease.instance_id)
     src = "recompute" if committed > 0 else "none"
-    suffix = max(1, req.prompt_tokens - committed)
-    need_tokens = req.prompt_tokens + req.max_tokens
-    call_tokens = int(shape.prompt_tokens + shape.decode_tokens)
-    s_suf, s_dec, dec, budget = shape.suffix_tokens, shape.decode_tokens, req.expected_decode, p.admission_budget_s
-
-    selected: set[str] | None = None
-    left_out = 0
-    opening = idx.opening.get(m, ())
-    k = p.replica_shortlist
-    if shortlist and k > 0 and len(opening) > k:
-        selected = set()
-        for key in opening:
-            if key[0]:
-                break  # unhealthy / stale: never admissible
-            e = serving[key[3]]
-            if e.pages_total > 0:
-                page = e.page
-                if -(-need_tokens // page) > e.cap - e.calls * -(-call_tokens // page):
-                    continue  # no KV-page headroom for this call
-            selected.add(e.iid)
-            if len(selected) >= k:
-                break
-
-    rows: list = []
+    c = _call(state)
+    selected = _shortlist(idx.opening.get(m, ()), serving, c, p.replica_shortlist) if shortlist else None
+    rows: list[CostBreakdown] = []
     mus: list[float] = []
+    left_out = 0
     append, mu_append = rows.append, mus.append
-    last_page, pages_needed, per_call = 0, 0, 0
     for iid, e in serving.items():
-        inst, _, ppt, ds, pressure, calls, cap, pages_total, page, mu, act, c_act, reject = e
         if iid in special:
-            append(_terms(inst, state))
-            mu_append(mu)
-            continue
-        if selected is not None and act == "open" and iid not in selected:
+            append(_eq1_special(e, state, c))
+        elif selected is not None and iid not in selected and e.act == "open":
             left_out += 1
             continue
-        if page != last_page:
-            last_page, pages_needed, per_call = page, max(0, -(-need_tokens // page)), -(-call_tokens // page)
-        queue_s = (s_suf * ppt + s_dec * ds) * pressure
-        sp = suffix * ppt
-        delta_r = queue_s + sp + dec * ds
-        c_kv = committed * ppt if committed > 0 else 0.0
-        ttft = queue_s + c_kv + c_act + sp
-        if not reject:
-            if ttft > budget:
-                reject = "round-admission"
-            elif pages_total > 0 and pages_needed > cap - calls * per_call:
-                reject = "memory"
-        if act == "open":  # Eq. 2 fills its gate in place
-            append([iid, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, src, act, True, ttft, pages_needed, None, None, reject])
-        else:  # final already: no list, no copy
-            append(_new(CostBreakdown, (iid, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, src, act, False, ttft, pages_needed, None, None, reject)))
-        mu_append(mu)
+        else:
+            append(_eq1(e, None, src, committed, None, c))
+        mu_append(e.mu)
     return rows, mus, left_out
 
 
-def _eq2(terms: list[list], mus: Sequence[float], state: PlacementState) -> None:
-    """``apply_eq2`` with each instance's mu given (precomputed per snapshot)."""
-    p, m = state.params, state.request.model
-    existing = [t[_DR] + t[_CKV] for t in terms if not t[_FRESH] and not t[_REJECT]]
-    w_existing = min(existing) if existing else math.inf
-    demand = max(1.0, state.demand.get(m, 0.0))
-    d_w = p.model_weights_gib.get(m, p.default_weights_gib)
-    for t, mu in zip(terms, mus):
-        if not t[_FRESH] or t[_REJECT]:
-            continue
-        w_new = t[_DR] + t[_CKV]
-        gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - w_new)
-        threshold = t[_CACT] + mu * d_w + p.replica_penalty_s
-        t[_GAIN], t[_THR] = gain, threshold
-        if not gain > threshold:
-            t[_REJECT] = "eq2"
-
-
-_mk = CostBreakdown._make
-_new = tuple.__new__
-
-
-def _final(t: list | CostBreakdown) -> CostBreakdown:
-    return t if type(t) is CostBreakdown else _mk(t)
+def _shortlist(opening: Sequence[tuple], serving: Mapping[str, _Entry], c: _Call, k: int) -> set[str] | None:
+    """The k healthy, fresh, least-pressured replica-opening instances with KV-page headroom for the call
+    (None: no bound, every one is ranked)."""
+    if k <= 0 or len(opening) <= k:
+        return None
+    selected: set[str] = set()
+    for key in opening:
+        if key[0]:
+            break  # unhealthy / stale: never admissible
+        e = serving[key[3]]
+        if e.pages_total > 0 and -(-c.need_tokens // e.page) > e.cap - e.calls * -(-c.call_tokens // e.page):
+            continue  # no KV-page headroom for this call
+        selected.add(e.iid)
+        if len(selected) >= k:
+            break
+    return selected
 
 
 # ------------------------------------------------------------------------------------------ decisions
@@ -642,9 +671,8 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     # A lease that failed its check is discarded; placement continues as if there were none.
     if lease != "none":
         state = replace(state, lease=None)
-    terms, mus, left_out = _rank(state, idx, shortlist=True)
-    _eq2(terms, mus, state)
-    costs = [t if type(t) is CostBreakdown else _mk(t) for t in terms]
+    rows, mus, left_out = _rank(state, idx, shortlist=True)
+    costs = _eq2(rows, mus, state)
     best = min((c for c in costs if not c.reject), key=_rank_key, default=None)
     if best is None:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)
@@ -656,13 +684,9 @@ def _rank_key(c: CostBreakdown) -> tuple[float, str]:
     return (c.total, c.instance_id)
 
 
-def _pressure(i: InstanceState) -> int:
-    return i.running + i.waiting + i.overlay_calls
-
-
 def _all_costs(state: PlacementState, idx: InstanceIndex) -> list[CostBreakdown]:
     """Breakdowns (no Eq. 2) of every instance serving the model: the baselines show them all."""
-    return [_final(t) for t in _rank(state, idx, shortlist=False)[0]]
+    return _rank(state, idx, shortlist=False)[0]
 
 
 def _ok(state: PlacementState, idx: InstanceIndex) -> list[InstanceState]:
@@ -676,7 +700,7 @@ def decide_least_pressure(state: PlacementState, now: float) -> Decision:
     ok = _ok(state, idx)
     if not ok:
         return _finish(state, "no-instance", None, costs, "none", idx)
-    best = min(ok, key=lambda i: (_pressure(i), i.instance_id))
+    best = min(ok, key=lambda i: (calls_on(i), i.instance_id))
     return _finish(state, "least-pressure", best.instance_id, costs, "none", idx)
 
 

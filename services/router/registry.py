@@ -63,11 +63,6 @@ class InstanceView:
                 return m.max_context
         return 0
 
-    @property
-    def load(self) -> int:
-        """Queue pressure: calls the engine reported plus those forwarded since that report."""
-        return self.snapshot.num_running + self.snapshot.num_waiting + self.inflight
-
 
 @dataclass
 class Registry:

@@ -8,8 +8,8 @@ Record kinds and where they come from (subjects in ``talaria/subjects.py``):
 | heartbeat | ``<ns>.engine.*.heartbeat`` | ``InstanceSnapshot`` (gauges; switch records embedded in it) |
 | hook | ``<ns>.hook.completed`` | ``CompletionHook`` (TTFT, TPOT, tokens, KV hits, SCT fallback) |
 | call | ``<ns>.router.*.calls`` | ``CallRecord`` (SCT, schedule-aware TTFT, placement, leases, avoidable opens) |
-| switch | ``<ns>.engine.*.switch`` | ``SwitchRecord`` protobuf (issue 3) or its JSON ``to_dict()`` |
-| round | ``<ns>.engine.*.round`` | round summary: protobuf ``RoundSummary`` if the contract has it, else JSON (issue 5) |
+| switch | ``<ns>.engine.*.switch`` | ``SwitchRecord`` (issue 3; also embedded in heartbeats) |
+| round | ``<ns>.engine.*.round`` | ``RoundSummary`` (issue 5) |
 | kvstore | ``<ns>.kvstore.*.stats`` | ``KvStoreStatsRecord`` (host-store gauges; its cumulative counters become Prometheus counters by delta) |
 """
 
@@ -90,42 +90,23 @@ def _msg_dict(msg) -> dict[str, Any]:
 
 
 def decode_switch(data: bytes) -> dict[str, Any]:
-    """A switch record as a flat dict with ``phases`` {name: seconds}; JSON or ``pb.SwitchRecord``."""
-    if data[:1] == b"{":
-        d = json.loads(data)
-    else:
-        cls = getattr(pb, "SwitchRecord", None)
-        if cls is None:
-            raise ValueError("binary switch record but the contract has no SwitchRecord")
-        m = cls()
-        m.ParseFromString(data)
-        d = _msg_dict(m)
-    return normalize_switch(d)
+    """A ``SwitchRecord`` as a flat dict with ``phases`` {name: seconds}."""
+    m = pb.SwitchRecord()
+    m.ParseFromString(data)
+    return normalize_switch(_msg_dict(m))
 
 
 def normalize_switch(d: dict[str, Any]) -> dict[str, Any]:
-    phases = d.get("phases")
-    if not isinstance(phases, dict):
-        ps = d.get("phase_seconds")
-        if isinstance(ps, (list, tuple)) and len(ps) == len(SWITCH_PHASES):
-            phases = dict(zip(SWITCH_PHASES, ps))
-        else:
-            phases = {p: float(d.get(f"{p}_seconds", 0.0) or 0.0) for p in SWITCH_PHASES}
+    """A ``SwitchRecord`` dict with its five ``<phase>_seconds`` fields gathered into ``phases``."""
     out = dict(d)
-    out["phases"] = {k: float(v) for k, v in phases.items()}
-    out.pop("phase_seconds", None)
+    out["phases"] = {p: float(d.get(f"{p}_seconds", 0.0) or 0.0) for p in SWITCH_PHASES}
     out["total_seconds"] = float(d.get("total_seconds", 0.0) or sum(out["phases"].values()))
     out["path"] = str(d.get("path", "") or "unknown")
     return out
 
 
 def decode_round(data: bytes) -> dict[str, Any]:
-    if data[:1] == b"{":
-        return json.loads(data)
-    cls = getattr(pb, "RoundSummary", None) or getattr(pb, "RoundRecord", None)
-    if cls is None:
-        raise ValueError("binary round record but the contract has no RoundSummary")
-    m = cls()
+    m = pb.RoundSummary()
     m.ParseFromString(data)
     return _msg_dict(m)
 
@@ -246,7 +227,7 @@ class Collector:
             }
             if self.record_heartbeats:
                 self._write("heartbeat", now, _msg_dict(s))
-        for rec in getattr(s, "switches", ()):  # switch records embedded in the snapshot (issue 3)
+        for rec in s.switches:  # switch records embedded in the snapshot (issue 3)
             d = _msg_dict(rec)
             d.setdefault("instance_id", s.instance_id)
             self.on_switch_record(normalize_switch(d), now)
@@ -353,16 +334,11 @@ class Collector:
             inst = str(d.get("instance_id", ""))
             m.sp_admitted.labels(inst).inc(_num(d, "sp_admitted"))
             m.sp_deferred.labels(inst).inc(_num(d, "sp_deferred"))
-            risk = _num(d, "deadline_risk", "deadline_risk_events")
-            if risk:
-                m.deadline_risk.labels(inst).inc(risk)
-            wall = _num(d, "wall_seconds", "wall_s", "wall")
+            if d.get("deadline_risk"):
+                m.deadline_risk.labels(inst).inc()
+            wall = _num(d, "wall_s")
             if wall:
                 m.round_wall.labels(inst).observe(wall)
-            for how, keys in (("restore", ("restore_seconds", "restore_s")), ("recompute", ("recompute_seconds", "recompute_s"))):
-                v = _num(d, *keys)
-                if v:
-                    m.kv_load.labels(how).observe(v)
             # A round's host hits are not counted into kv_hits: every call's hook already reports its own
             # restored tokens (counting both would count a host hit twice). They stay in the records file.
             self._write("round", now, d)

@@ -6,8 +6,8 @@ exists (``gen_ai.server.time_to_first_token`` → ``gen_ai_server_time_to_first_
 form), ``talaria_*`` otherwise. Session ids are never labels (unbounded cardinality); per-session figures
 are in the JSON summary and the records file.
 
-Metrics whose source is not published yet are still defined (they read 0 / stay empty) so that dashboards
-and alerts can be written against them now; ``CATALOG`` says which record feeds each one.
+``CATALOG`` says which record feeds each metric; the one metric no record feeds yet
+(``talaria_kv_load_seconds``) is still defined (it stays empty) because the dashboard reads it.
 """
 
 from __future__ import annotations
@@ -40,20 +40,20 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_session_completion_seconds", "histogram", (), "CallRecord (+ CompletionHook)", "SCT: a session's first call arrival to its last response; recorded once the session was idle for session_idle_s"),
     MetricDoc("talaria_switch_seconds", "histogram", ("path",), "SwitchRecord (engine .switch subject / snapshot)", "model switch latency by load path (full_staged | partial | host_only)"),
     MetricDoc("talaria_switch_phase_seconds", "histogram", ("phase",), "SwitchRecord", "time of each of the five switch phases"),
-    MetricDoc("talaria_kv_load_seconds", "histogram", ("how",), "round record restore_seconds / recompute_seconds (issues 4/5; not published yet)", "time to bring a session prefix back: restore from host vs recompute"),
-    MetricDoc("talaria_round_wall_seconds", "histogram", ("instance",), "round record (issue 5; not published yet)", "wall time of a cold-pool round (active + switch)"),
+    MetricDoc("talaria_kv_load_seconds", "histogram", ("how",), "no record carries it yet (a restore's seconds are in the engine's talaria.engine.kv_restore span)", "time to bring a session prefix back: restore from host vs recompute"),
+    MetricDoc("talaria_round_wall_seconds", "histogram", ("instance",), "RoundSummary.wall_s (engine .round subject)", "wall time of a cold-pool round (active + switch)"),
     # counters
     MetricDoc("talaria_calls", "counter", ("model", "instance", "finish_reason"), "CompletionHook", "calls finished by an engine"),
     MetricDoc("talaria_tokens", "counter", ("model", "type"), "CompletionHook", "input / output / cached (served from KV, not recomputed) tokens"),
-    MetricDoc("talaria_sp_admitted", "counter", ("instance",), "round record sp_admitted (issue 5; not published yet)", "session-prefill admissions"),
-    MetricDoc("talaria_sp_deferred", "counter", ("instance",), "round record sp_deferred (issue 5; not published yet)", "session-prefill deferrals"),
+    MetricDoc("talaria_sp_admitted", "counter", ("instance",), "RoundSummary.sp_admitted", "session-prefill admissions"),
+    MetricDoc("talaria_sp_deferred", "counter", ("instance",), "RoundSummary.sp_deferred", "session-prefill deferrals"),
     MetricDoc("talaria_kv_hits", "counter", ("source",), "CompletionHook usage (host: restored_tokens > 0, else device: cached_tokens > 0, else recompute)", "calls by where their prefix came from: host KV restore, device KV, or recomputed (one count per call)"),
     MetricDoc("talaria_kv_hit_tokens", "counter", ("source",), "CompletionHook usage (device = cached - restored, host = restored, recompute = prompt - cached)", "prompt tokens by source, exact per call; the three sum to the prompt tokens"),
     MetricDoc("talaria_avoidable_cold_opens", "counter", (), "CallRecord.avoidable_open (router)", "placements that open a model although another healthy instance had it resident"),
     MetricDoc("talaria_lease_hits", "counter", (), "CallRecord.lease == hit", "calls placed by a live soft-reservation lease"),
     MetricDoc("talaria_lease_expiries", "counter", (), "CallRecord.lease == expired", "returning calls that found their lease expired"),
     MetricDoc("talaria_placements", "counter", ("reason",), "CallRecord (start)", "placement decisions by reason"),
-    MetricDoc("talaria_deadline_risk_events", "counter", ("instance",), "round record deadline_risk (issue 5; not published yet)", "rounds that reported deadline risk"),
+    MetricDoc("talaria_deadline_risk_events", "counter", ("instance",), "RoundSummary.deadline_risk", "rounds that reported deadline risk"),
     MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records", "errors by kind"),
     MetricDoc("talaria_switches", "counter", ("instance", "path"), "SwitchRecord", "model switches"),
     MetricDoc("talaria_telemetry_records", "counter", ("kind",), "every record received", "records observed by this service"),

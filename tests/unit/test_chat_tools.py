@@ -7,7 +7,7 @@ import json
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from services.engine.tokenizer import Tokenizer
+from talaria.tokenizer import Tokenizer
 from services.router.openai_format import ChatOutput
 from talaria.models.synth import CHATML_TEMPLATE
 from talaria.tool_parsers import render_call
@@ -102,7 +102,7 @@ def test_parallel_false_keeps_the_first_call():
 
 def test_align_to_previous_keeps_generated_ids(synth_models):
     """A session's generated ids are kept even when they are not the canonical tokenization of their text."""
-    from services.engine.tokenizer import align_to_previous
+    from talaria.tokenizer import align_to_previous
 
     t = Tokenizer.from_dir(synth_models["tiny-qwen2"])
     prompt = t.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
@@ -118,7 +118,7 @@ def test_align_to_previous_keeps_generated_ids(synth_models):
 
 
 def test_session_tokens_are_bounded_and_per_model():
-    from services.engine.tokenizer import SessionTokens
+    from talaria.tokenizer import SessionTokens
 
     st = SessionTokens(capacity=2)
     st.put("a", "m1", [1, 2])

@@ -71,8 +71,8 @@ def test_a_b_a_tokens_equal_fresh_engines(cold, prompts, fresh):
     assert recs[-1].kv_shell_reused and recs[-1].runtime_reused  # stable addresses: cached shell reused
     assert any(r.staged_bytes > 0 for r in recs[1:])  # the stager ran while the other model served
     st = ce.stats()
-    assert {m["model"]: (m["loaded"], m["active"]) for m in st["models"]} == {A: (True, True), B: (True, False)}
-    assert st["num_switches"] == recs[-1].seq and st["switches"][-1]["to_model"] == A
+    assert {m.model: (m.loaded, m.active) for m in st.models} == {A: (True, True), B: (True, False)}
+    assert st.num_switches == recs[-1].seq and recs[-1].to_model == A
 
 
 def test_interleaved_calls_switch_when_idle(cold, prompts, fresh):
@@ -166,7 +166,7 @@ def test_barrier_runs_before_kv_release_and_open_close(synth_models):
     sid = "s1"
     ce.before_kv_release.append(lambda m: seen.append((m, ce.shell(m).kv.sessions.peek(sid) is not None)))
     ce.add_request(EngineRequest("r", [5, 6, 7, 8, 9, 10], GREEDY, session_id=sid, model=A))
-    while ce.has_unfinished() and ce.stats()["num_unfinished"]:
+    while ce.has_unfinished() and ce.stats().num_unfinished:
         ce.step()
     ce.open_model(C)  # already loaded: a request to make it active
     ce.step()
@@ -175,7 +175,7 @@ def test_barrier_runs_before_kv_release_and_open_close(synth_models):
     ce.add_request(EngineRequest("q", [5, 6, 7], GREEDY, model=A))
     with pytest.raises(ModelBusyError):
         ce.close_model(A)
-    while ce.stats()["num_unfinished"]:
+    while ce.stats().num_unfinished:
         ce.step()
     ce.close_model(B)
     assert ce.loaded == [A, C] and not ce.serves(B)

@@ -92,7 +92,7 @@ def test_prefix_hit_same_prompt_and_full_prompt_cached(llama):
     toks3, _, out3 = run(e, EngineRequest("c", longer, GREEDY))
     assert toks3 == cold_long
     assert out3.usage.cached_tokens >= len(p)
-    assert e.stats()["prefix_hit_rate"] > 0
+    assert e.stats().prefix_hit_rate > 0
 
 
 def test_session_second_call_reuses_committed_kv(llama):
@@ -100,13 +100,13 @@ def test_session_second_call_reuses_committed_kv(llama):
     p1 = e.tokenizer.encode("user: list the files in the current directory")
     toks1, _, out1 = run(e, EngineRequest("t1", p1, GREEDY, session_id="S"))
     info = e.session_info("S")
-    assert info is not None and info["committed_tokens"] == len(p1) + len(toks1) - 1
+    assert info is not None and info.where == "device" and info.committed_tokens == len(p1) + len(toks1) - 1
     p2 = p1 + toks1 + e.tokenizer.encode(" tool: a.txt b.txt")
     cold, _, _ = run(make_engine(llama), EngineRequest("cold", p2, GREEDY))
     toks2, _, out2 = run(e, EngineRequest("t2", p2, GREEDY, session_id="S"))
     assert toks2 == cold
     assert out2.usage.cached_tokens == len(p1) + len(toks1) - 1
-    assert e.session_info("S")["committed_tokens"] == len(p2) + len(toks2) - 1
+    assert e.session_info("S").committed_tokens == len(p2) + len(toks2) - 1
     # a third call that diverges inside a page of the committed tokens (edit of the last turn)
     cut = len(p2) - 3
     p3 = p2[:cut] + e.tokenizer.encode(" tool: c.txt")
@@ -121,7 +121,7 @@ def test_session_second_call_reuses_committed_kv(llama):
     toks4, _, out4 = run(e, EngineRequest("t4", p2, GREEDY))
     assert toks4 == cold and out4.usage.cached_tokens >= cut - cut % PAGE
     st = e.stats()
-    assert [s["session_id"] for s in st["sessions"]] == ["S"]
+    assert [s.session_id for s in st.sessions] == ["S"]
 
 
 def test_seeded_sampling_reproducible(llama):
@@ -185,12 +185,12 @@ def test_kv_pressure_preemption_matches_unpressured(llama):
     tight = make_engine(llama, num_pages=need + 2)
     # a cached session entry and radix pages that must be evicted first
     run(tight, EngineRequest("warm", ps[0][:8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), session_id="S"))
-    assert tight.stats()["session_pages"] > 0
+    assert tight.stats().session_pages > 0
     out = tight.generate(ps, sp)
     assert out == ref
     st = tight.stats()
-    assert st["num_preemptions"] > 0
-    assert st["session_pages"] == 0
+    assert st.num_preemptions > 0
+    assert st.session_pages == 0
     tight.check_integrity()
 
 
@@ -228,9 +228,9 @@ def test_abort_releases_everything(llama):
     assert all(o.finished and o.finish_reason == FinishReason.ABORT for o in outs)
     assert not e.has_unfinished()
     st = e.stats()
-    assert st["num_running"] == 0 and st["kv_pages_free"] == st["kv_pages_total"] - st["radix_pages"]
+    assert st.num_running == 0 and st.kv_pages_free == st.kv_pages_total - st.radix_pages
     e.flush_cache()
-    assert e.stats()["kv_pages_free"] == st["kv_pages_total"]
+    assert e.stats().kv_pages_free == st.kv_pages_total
     e.check_integrity()
 
 
@@ -272,4 +272,4 @@ def test_intake_from_another_thread(llama):
     th.join()
     assert [got[f"t{i}"] for i in range(len(ps))] == ref
     st = e.stats()
-    assert st["tokens_generated"] == len(ps) * GREEDY.max_tokens and st["num_unfinished"] == 0
+    assert st.tokens_generated == len(ps) * GREEDY.max_tokens and st.num_unfinished == 0

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.grammar import GrammarError, GrammarFactory
 from services.engine.sampling import Sampler
-from services.engine.tokenizer import Tokenizer
+from talaria.tokenizer import Tokenizer
 from services.engine.types import SamplingParams
 from talaria.tool_parsers import parse
 

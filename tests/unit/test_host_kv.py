@@ -15,7 +15,9 @@ from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from services.kvstore.server import KvStoreServer
 from services.kvstore.transfer import MooncakeEndpoint
-from talaria.config import KvStoreConfig
+from services.engine import wire
+from talaria.config import EngineConfig, KvStoreConfig
+from talaria.v1 import engine_pb2
 
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -242,3 +244,101 @@ def test_host_sessions_state():
     s.committed("b", 4, 1, 0)
     s.committed("c", 4, 1, 0)
     assert s.get("a") is None and len(s.entries()) == 2
+
+
+def test_slow_restore_never_stalls_running_decodes(synth_models, store, mooncake, monkeypatch):
+    """Issue 19 #3: a restore runs off the executor thread. While the store read is held back, another
+    call keeps decoding one token per step, the restoring call is not scheduled and its reserved pages are
+    held (integrity holds); once the read completes the call joins the batch and its tokens equal
+    recomputation."""
+    import services.engine.host_kv as host_kv_mod
+
+    path = synth_models["tiny-llama"]
+    ref = engine(path)
+    p = prompt_for(ref, 14, head="slow restore session ")
+    ref1, ref2, _ = two_turns(ref, p)
+
+    e = engine(path)
+    hk = tier(e, store.address, mooncake)
+    out1, _ = call(e, "slow-1", p, "slow")
+    assert e.drain_checkpoints(timeout=10)
+    assert e.session_info("slow").where == "device"
+    e.flush_cache()
+    info = e.session_info("slow")  # the device entry is gone: the typed answer says the KV is in the store
+    assert info is not None and info.where == "host" and info.committed_tokens == (len(p) + len(out1) - 1) // PAGE * PAGE
+    snap = wire.instance_snapshot(EngineConfig(id="e0", models=[e.model_id]), e.stats(), [], epoch=1, seq=1, draining=False, rounds=0)
+    assert [(x.session_id, x.state) for x in snap.sessions] == [("slow", engine_pb2.KV_HOST)]
+    assert snap.profile.restore_per_token == hk.restore_per_token.value > 0
+
+    gate, entered = threading.Event(), threading.Event()
+    real_read = host_kv_mod.read_pages
+
+    def slow_read(*a, **kw):
+        entered.set()
+        assert gate.wait(30), "test gate never opened"
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(host_kv_mod, "read_pages", slow_read)
+    other = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    e.add_request(EngineRequest("busy", e.tokenizer.encode("an unrelated call decodes meanwhile"), other))
+    while not e.scheduler.running or e.scheduler.running[0].num_completion_tokens == 0:
+        e.step()
+    e.add_request(EngineRequest("slow-2", p + out1 + [11, 12, 13, 14, 15], GREEDY, session_id="slow"))
+    toks2: list[int] = []
+    while not entered.is_set():  # the restore reaches the store read
+        for o in e.step():
+            assert o.request_id == "busy"
+    busy = e._requests["busy"].seq
+    before = busy.num_completion_tokens
+    for _ in range(5):  # the read is stuck: the other call still decodes a token every step
+        for o in e.step():
+            assert o.request_id == "busy" and not o.finished
+    assert busy.num_completion_tokens == before + 5
+    assert e.kv.num_restoring_pages > 0 and hk.num_restoring == 1  # the restore holds its pages
+    assert all(s.request_id != "slow-2" for s in e.scheduler.running)
+    e.check_integrity()
+    gate.set()
+    final = None
+    while final is None:
+        for o in e.step():
+            if o.request_id == "slow-2":
+                toks2 += o.new_token_ids
+                final = o if o.finished else None
+    assert toks2 == ref2  # restored KV gives the tokens of recomputation
+    assert final.usage.restored_tokens > 0 and hk.counters["restores"] == 1
+    assert e.kv.num_restoring_pages == 0
+    e.check_integrity()
+    hk.close()
+
+
+def test_abort_during_restore_releases_everything(synth_models, store, mooncake, monkeypatch):
+    import services.engine.host_kv as host_kv_mod
+
+    path = synth_models["tiny-llama"]
+    e = engine(path)
+    hk = tier(e, store.address, mooncake)
+    p = prompt_for(e, 10, head="aborted restore session ")
+    out1, _ = call(e, "ab-1", p, "abort")
+    assert e.drain_checkpoints(timeout=10)
+    e.flush_cache()
+    gate, entered = threading.Event(), threading.Event()
+    real_read = host_kv_mod.read_pages
+
+    def slow_read(*a, **kw):
+        entered.set()
+        assert gate.wait(30)
+        return real_read(*a, **kw)
+
+    monkeypatch.setattr(host_kv_mod, "read_pages", slow_read)
+    e.add_request(EngineRequest("ab-2", p + out1, GREEDY, session_id="abort"))
+    while not entered.is_set():
+        e.step()
+    e.abort("ab-2")
+    outs = e.step()
+    assert [o.finish_reason.value for o in outs if o.request_id == "ab-2"] == ["abort"]
+    gate.set()
+    assert e.drain_checkpoints(timeout=10)  # the barrier waits for the restore, which ends published
+    assert not e.has_unfinished() and hk.num_restoring == 0 and e.kv.num_restoring_pages == 0
+    e.check_integrity()
+    assert e.flush_cache() > 0 and e.kv.num_free_pages == e.kv.num_pages
+    hk.close()

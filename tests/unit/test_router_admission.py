@@ -142,3 +142,31 @@ def test_unknown_model_is_404_known_but_unhealthy_is_503():
     clock.advance(60)  # heartbeats stopped
     step = gw.admission(gw.request("s", "m", 10, 4), OverloadPolicy()).next()
     assert (step.status, step.code) == (503, "no_healthy_instance")
+
+
+def test_a_late_only_instance_still_gets_the_call():
+    """A single instance whose snapshot is past the staleness limit (2 periods) but whose heartbeats are within
+    the miss limit is healthy: the call goes there (placement "late"), not 503. Once it is silent past the miss
+    limit it is suspect, and only then does the call fail with 503 no_healthy_instance."""
+    clock = ManualClock(100.0)
+    gw = gateway(clock)  # period 0.5 s: stale after 1 s, suspect after 1.5 s
+    gw.on_snapshot(snap("a", 1, clock))
+    clock.advance(1.2)
+    d, _ = gw.decide(gw.request("s", "m", 100, 16))
+    assert d.reason == "no-instance" and d.costs[0].reject == "stale"  # the policy's verdict is unchanged
+    step = gw.admission(gw.request("s", "m", 100, 16), OverloadPolicy("reject")).next()
+    assert (step.kind, step.decision.instance_id, step.decision.reason) == ("forward", "a", "late")
+    assert gw.stats["admitted_late"] == 1
+    clock.advance(0.5)  # 1.7 s of silence: suspect
+    step = gw.admission(gw.request("s2", "m", 100, 16), OverloadPolicy("reject")).next()
+    assert (step.kind, step.status, step.code) == ("reject", 503, "no_healthy_instance")
+
+
+def test_a_late_instance_is_not_chosen_over_a_fresh_one():
+    clock = ManualClock(100.0)
+    gw = gateway(clock, ids=("a", "b"))
+    gw.on_snapshot(snap("a", 1, clock))
+    clock.advance(1.2)
+    gw.on_snapshot(snap("b", 1, clock, running=3))
+    step = gw.admission(gw.request("s", "m", 100, 16), OverloadPolicy("reject")).next()
+    assert (step.kind, step.decision.instance_id) == ("forward", "b") and step.decision.reason != "late"

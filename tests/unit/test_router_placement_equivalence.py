@@ -16,7 +16,6 @@ from services.router.policy import (
     KV_HOST,
     CallRequest,
     CallShape,
-    CostBreakdown,
     InstanceIndex,
     InstanceState,
     LeaseView,
@@ -44,9 +43,7 @@ def reference(state: PlacementState, now: float):
         return "lease", inst.instance_id, lease, (breakdown(inst, state),)
     if lease != "none":
         state = replace(state, lease=None)
-    terms = [list(breakdown(i, state)) for i in serving]
-    apply_eq2(terms, {i.instance_id: i for i in serving}, state)
-    costs = tuple(CostBreakdown(*t) for t in terms)
+    costs = tuple(apply_eq2([breakdown(i, state) for i in serving], {i.instance_id: i for i in serving}, state))
     ok = [c for c in costs if not c.reject]
     if not ok:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)

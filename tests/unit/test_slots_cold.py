@@ -131,8 +131,8 @@ def test_interleaved_sessions_match_single_model_runs_with_sp(synth_models, spec
     sums = ce.take_round_summaries()
     assert sums and all(abs(s.wall_s - s.active_s - s.switch_s) < 1e-9 for s in sums)
     assert sum(s.sp_admitted for s in sums) > 0  # returns captured inside the active slot
-    st = ce.stats()["slots"]
-    assert st["rounds"] == len(sums) and "deadline_risk" in st and "shortfall_s" in st
+    st = ce.stats().slots
+    assert st is not None and st.rounds == len(sums) and st.shortfall_s >= 0
 
 
 def test_round_only_matches_too_and_never_sp(synth_models, specs, ref):
@@ -151,4 +151,3 @@ def test_ablation_switches_from_engine_config():
     assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}
     on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], slot_ttft_s=3.0, slot_gamma=0.5))
     assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True} and on.ttft_s == 3.0 and on.gamma == 0.5
-    assert policy_from_config(EngineConfig(id="h", models=["a"])).endless  # a hot instance: one endless slot

@@ -7,7 +7,8 @@ import torch
 
 from services.engine.substrate.arena import Arena, ArenaBudgetError
 from services.engine.substrate.bank import WeightBank, bind_model
-from services.engine.substrate.policy import EngineView, IdleSwitchRule, SwitchCostModel, classify_path, plan_staging, predict_next
+from services.engine.substrate.policy import EngineView, IdleSwitchRule, classify_path, plan_staging, predict_next
+from talaria.switch_path import SwitchCostModel
 from services.engine.substrate.staging import ChunkState, KVGeometry, StagingArea, StagingAwareAllocator
 
 

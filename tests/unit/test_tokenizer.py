@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from services.engine.tokenizer import IncrementalDecoder, TemplateError, Tokenizer
+from talaria.tokenizer import IncrementalDecoder, TemplateError, Tokenizer
 
 TEXTS = [
     "Hello, world! The engine streams tokens.",

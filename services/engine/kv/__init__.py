@@ -7,24 +7,28 @@ Layers, lowest first; a layer never imports the ones above it:
 ``radix``          prefix cache of full pages keyed by cumulative page hash (what to keep/evict)
 ``session_cache``  per-session committed tokens + pages (incl. the partial last page)
 ``manager``        the block manager the scheduler talks to: prefix match, admission, append,
-                   release, eviction across the two caches, copy-on-write decisions
+                   release, eviction across the two caches, copy-on-write decisions, host
+                   restores (reserve / adopt / cancel: the pages a restore writes are its)
+``host_tier``      pure host-store policy and bookkeeping: restore-or-recompute, the host index
 =================  ==========================================================================
 
 The physical pool (tensors) belongs to the executor; these modules only hand out page ids.
 """
 
 from services.engine.kv.allocator import OutOfPagesError, PageAllocator
-from services.engine.kv.manager import CopyOp, KVManager, PrefixMatch
+from services.engine.kv.manager import CopyOp, HostIndex, KVManager, PrefixMatch, RestoreReservation
 from services.engine.kv.radix import RadixCache
 from services.engine.kv.session_cache import SessionCache, SessionEntry
 
 __all__ = [
     "CopyOp",
+    "HostIndex",
     "KVManager",
     "OutOfPagesError",
     "PageAllocator",
     "PrefixMatch",
     "RadixCache",
+    "RestoreReservation",
     "SessionCache",
     "SessionEntry",
 ]

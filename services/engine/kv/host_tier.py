@@ -12,10 +12,14 @@ what it decides with, so the decision can be tested and reused by the router's s
 * :class:`HostSessions` — which sessions this engine has checkpointed, how far, into which store epoch,
   so the instance snapshot can say *host* (restorable from the store) or *missing* (the store restarted
   or is unreachable) for sessions whose device entry is gone.
+* :class:`StoreIndex` — the page hashes and sessions known to be in the current store epoch; the KV
+  manager's ``HostIndex`` port (``PrefixMatch.host_pages``).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -71,3 +75,65 @@ class HostSessions:
 
     def entries(self) -> list[HostSession]:
         return list(self._s.values())
+
+
+class StoreIndex:
+    """What this engine knows the host store holds: the page hashes committed into the current store epoch
+    and the sessions checkpointed into it (pure, in memory; thread-safe). It is the KV manager's
+    ``HostIndex`` port: ``match_prefix`` asks it how much of a prompt beyond the device may be restorable,
+    so "how much of this session's prefix is where" is answered in one place (``kv/manager.py``).
+
+    A call inside a session always asks the store (this engine may have restarted, or another instance of
+    the node may have checkpointed it); a call outside any session asks only when the next page is known."""
+
+    def __init__(self, max_sessions: int = 4096) -> None:
+        self.sessions = HostSessions(max_sessions)
+        self.epoch = 0
+        self._stored: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ the port
+    def restorable_pages(self, hashes: Sequence[int], start: int, session_id: str) -> int:
+        if start >= len(hashes):
+            return 0
+        with self._lock:
+            known = hashes[start] in self._stored
+        return len(hashes) - start if (session_id or known) else 0
+
+    def session_tokens(self, session_id: str) -> int:
+        with self._lock:
+            s = self.sessions.get(session_id)
+        return s.tokens if s is not None else 0
+
+    # ------------------------------------------------------------ updates (mutate the index)
+    def saw_epoch(self, epoch: int) -> bool:
+        """The store replied with ``epoch``; a new one means it restarted: forget what the old one held.
+        Returns whether the epoch changed."""
+        with self._lock:
+            if epoch == self.epoch:
+                return False
+            old, self.epoch = self.epoch, epoch
+            self._stored.clear()
+            return bool(old)
+
+    def forget(self) -> None:
+        """The store failed: whether it comes back as the same store is unknown."""
+        with self._lock:
+            self.epoch = 0
+            self._stored.clear()
+
+    def all_stored(self, hashes: Sequence[int]) -> bool:
+        with self._lock:
+            return all(h in self._stored for h in hashes)
+
+    def committed(self, session_id: str, hashes: Sequence[int], tokens: int, epoch: int, now_unix: float, *, add: bool = True) -> None:
+        """Pages ``hashes`` of ``session_id`` (``tokens`` tokens) are in the store of ``epoch``."""
+        with self._lock:
+            if add:
+                self._stored.update(hashes)
+            self.sessions.committed(session_id, tokens, epoch, now_unix)
+
+    def states(self, available: bool) -> list[tuple[HostSession, str]]:
+        """Every known session with its state (``host`` | ``missing``)."""
+        with self._lock:
+            return [(s, self.sessions.state(s.session_id, self.epoch, available)) for s in self.sessions.entries()]

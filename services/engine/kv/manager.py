@@ -18,12 +18,20 @@ check-then-commit pairs to the scheduler:
 * ``can_append``/``append`` give a decoding sequence its next page; ``release`` ends a sequence: full
   computed pages go into the radix cache, and with a session id the committed tokens + pages become the
   session entry (the references pass to it); everything else is dereferenced.
+* Host restores (issue 19 #3: the manager owns every page, the host tier only moves bytes): ``match_prefix``
+  with a :class:`HostIndex` port also says how many further full pages the host store may hold
+  (``PrefixMatch.host_pages``); ``reserve_restore`` holds the device part of the prefix and allocates
+  fresh pages for the restore (evicting caches if needed), ``adopt_restore`` publishes the first ``n``
+  restored pages into the radix cache and keeps the path locked for the waiting sequence until its
+  admission (``release_hold``), ``cancel_restore`` gives everything back. A reservation in progress holds
+  its pages: nothing can evict or recycle them while the bytes are being copied in off the executor thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from talaria.hashing import page_hashes
 
@@ -48,6 +56,8 @@ class PrefixMatch:
     radix_hashes: tuple[int, ...] = ()  # radix path to lock (radix source only)
     from_session: bool = False
     needs_copy: bool = False  # the last reused page is partial and shared: copy-on-write
+    device_pages: int = 0  # full pages of the prompt on the device (radix or session entry; not capped)
+    host_pages: int = 0  # further full pages the host store may hold (HostIndex; an upper bound)
 
     @property
     def source(self) -> str:
@@ -62,6 +72,28 @@ class Allocation:
     locked_hashes: list[int]  # radix path the sequence must unlock on release
     num_cached_tokens: int
     copies: list[CopyOp] = field(default_factory=list)
+
+
+class HostIndex(Protocol):
+    """The host tier's in-memory knowledge of what the store holds (a port: pure, no I/O, any thread)."""
+
+    def restorable_pages(self, hashes: Sequence[int], start: int, session_id: str) -> int:
+        """How many of ``hashes[start:]`` the store may hold (an upper bound; its lookup is the truth)."""
+
+    def session_tokens(self, session_id: str) -> int:
+        """Tokens of ``session_id`` checkpointed into the store (0: none known)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreReservation:
+    """Pages held for one host restore (``reserve_restore``): ``chain`` = the device pages of the first
+    ``len(chain)`` full pages (a reference each), ``pages`` = fresh pages the next ``len(pages)`` full pages
+    are restored into. ``hashes`` covers both."""
+
+    rid: int
+    hashes: tuple[int, ...]
+    chain: tuple[int, ...]
+    pages: tuple[int, ...]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -95,6 +127,8 @@ class KVManager:
         # cache/sequence references (Talaria Appendix B, lifetime separation): a pinned page is never
         # recycled, whoever else lets go of it.
         self._transfer_pins: dict[int, int] = {}
+        self._restores: dict[int, RestoreReservation] = {}  # host restores in progress (their pages are held)
+        self._next_restore = 0
 
         # prefix statistics (prompt tokens seen at admission / served from a cache)
         self.num_queried_tokens = 0
@@ -112,8 +146,9 @@ class KVManager:
         return hashes
 
     # ---------------------------------------------------------------- admission
-    def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str = "") -> PrefixMatch:
-        """Longest reusable prefix of ``token_ids`` (``hashes`` = its full-page hashes).
+    def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str = "", host: HostIndex | None = None) -> PrefixMatch:
+        """Longest reusable prefix of ``token_ids`` (``hashes`` = its full-page hashes); with ``host``, also
+        how many further full pages the host store may hold (``host_pages``).
 
         Mutates nothing except LRU access times of matched radix nodes.
         """
@@ -123,14 +158,89 @@ class KVManager:
         radix_n = len(radix_pages) * P
         entry = self.sessions.peek(session_id) if session_id else None
         sess_n = common_prefix_len(list(token_ids), entry.token_ids) if entry is not None else 0
+        device = max(len(radix_pages), min(sess_n // P, len(entry.pages)) if entry is not None else 0)
+        n_full = len(token_ids) // P
+        host_n = host.restorable_pages(hashes[:n_full], device, session_id) if host is not None and device < n_full else 0
         if entry is not None and sess_n > 0 and sess_n >= radix_n:
             n = min(sess_n, cap)
             pages = tuple(entry.pages[: cdiv(n, P)])
             shared = bool(pages) and self.allocator.refcount(pages[-1]) > 1
-            return PrefixMatch(n, pages, (), True, n % P != 0 and shared)
+            return PrefixMatch(n, pages, (), True, n % P != 0 and shared, device, host_n)
         n = min(radix_n, cap)
         k = cdiv(n, P)
-        return PrefixMatch(n, tuple(radix_pages[:k]), tuple(hashes[:k]), False, n % P != 0)
+        return PrefixMatch(n, tuple(radix_pages[:k]), tuple(hashes[:k]), False, n % P != 0, device, host_n)
+
+    def session_prefix(self, session_id: str, token_ids: Sequence[int], host: HostIndex | None = None, device: bool = True) -> tuple[str, int]:
+        """Where the reusable prefix of a session's next prompt is, and how long: ``("device", n)`` from the
+        session cache (when ``device``), else ``("host", n)`` from the host index, else ``("missing", 0)``.
+        Read-only (the slot scheduler's view asks this for every queued call)."""
+        if device:
+            entry = self.sessions.peek(session_id)
+            if entry is not None:
+                return "device", common_prefix_len(entry.token_ids, list(token_ids))
+        n = host.session_tokens(session_id) if host is not None else 0
+        return ("host", min(n, len(token_ids))) if n > 0 else ("missing", 0)
+
+    # ---------------------------------------------------------------- host restores
+    def reserve_restore(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str, k: int) -> RestoreReservation | None:
+        """Hold the device part of the prefix and allocate up to ``k`` fresh pages for the next full pages
+        (``hashes`` = the full-page hashes the source can provide, a prefix of the prompt's), evicting other
+        cache entries if needed.
+
+        Mutates: allocator references (one per held and fresh page), the caches (eviction). Returns None
+        when nothing beyond the device prefix can be restored (no pages, or the device already holds it)."""
+        P = self.page_size
+        radix_pages = self.radix.match(hashes)
+        entry = self.sessions.peek(session_id) if session_id else None
+        chain = list(radix_pages)
+        if entry is not None:
+            sess_full = min(common_prefix_len(list(token_ids), entry.token_ids) // P, len(entry.pages), len(hashes))
+            if sess_full > len(chain):
+                chain += entry.pages[len(chain) : sess_full]
+        k = min(k, len(hashes) - len(chain))
+        if k <= 0:
+            return None
+        self.allocator.incref(chain)  # held until adopt/cancel: evictions cannot recycle them
+        if not self.can_allocate(k):
+            locked = list(hashes[: len(radix_pages)])
+            self.radix.lock(locked)
+            try:
+                self.ensure_free(k, None, session_id)
+            finally:
+                self.radix.unlock(locked)
+            k = min(k, self.num_free_pages)
+        if k <= 0:
+            self.allocator.decref(chain)
+            return None
+        self._next_restore += 1
+        res = RestoreReservation(self._next_restore, tuple(hashes[: len(chain) + k]), tuple(chain), tuple(self.allocator.allocate(k)))
+        self._restores[res.rid] = res
+        return res
+
+    def adopt_restore(self, res: RestoreReservation, n: int) -> list[int]:
+        """Publish the first ``n`` restored pages (their bytes are in place) into the radix cache, after the
+        held device chain; drop the rest. Returns the radix path, locked for the waiting sequence until
+        ``release_hold`` (its admission or end). Mutates: radix cache, allocator references, the reservation."""
+        del self._restores[res.rid]
+        n = max(0, min(n, len(res.pages)))
+        hashes = list(res.hashes[: len(res.chain) + n])
+        self.radix.insert(hashes, [*res.chain, *res.pages[:n]])
+        self.radix.lock(hashes)
+        self.allocator.decref([*res.chain, *res.pages])  # the radix cache holds them now (or they are freed)
+        return hashes
+
+    def cancel_restore(self, res: RestoreReservation) -> None:
+        """Give back a reservation whose restore failed or was declined. Mutates: allocator references."""
+        del self._restores[res.rid]
+        self.allocator.decref([*res.chain, *res.pages])
+
+    def release_hold(self, hashes: Sequence[int]) -> None:
+        """Unlock a radix path returned by ``adopt_restore``."""
+        self.radix.unlock(hashes)
+
+    @property
+    def num_restoring_pages(self) -> int:
+        return sum(len(r.pages) for r in self._restores.values())
 
     def pages_needed(self, match: PrefixMatch, num_tokens: int) -> int:
         """Fresh pages ``admit(match, num_tokens)`` will allocate."""
@@ -290,6 +400,9 @@ class KVManager:
             holders[p] = holders.get(p, 0) + 1
         for p, n in self._transfer_pins.items():
             holders[p] = holders.get(p, 0) + n
+        for r in self._restores.values():
+            for p in (*r.chain, *r.pages):
+                holders[p] = holders.get(p, 0) + 1
         for table in seq_pages:
 
             for p in table:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from talaria.ewma import ewma
-from talaria.switch_path import SwitchPath
+from talaria.switch_path import SwitchCostModel, SwitchPath
 
 from .types import CallView
 
@@ -42,7 +42,7 @@ class CostModel:
         self.alpha = alpha
         self.default = default or CostProfile()
         self._models: dict[str, CostProfile] = dict(per_model or {})
-        self._switch: dict[SwitchPath, float] = {SwitchPath(k): v for k, v in self.default.switch_by_path.items()}
+        self._switch = SwitchCostModel(alpha, priors=self.default.switch_by_path)  # the project's one switch-cost model
 
     def _p(self, model: str) -> CostProfile:
         return self._models.get(model, self.default)
@@ -58,9 +58,10 @@ class CostModel:
         return self._p(model).restore_per_token
 
     def switch(self, path: SwitchPath) -> float:
-        if path in self._switch:
-            return self._switch[path]
-        return self._switch.get(SwitchPath.HOST_ONLY, max(self._switch.values(), default=0.0))
+        known = self._switch.by_path
+        if path in known:
+            return known[path]
+        return known.get(SwitchPath.HOST_ONLY, max(known.values(), default=0.0))
 
     def call(self, c: CallView, host_kv: bool = True) -> CallCost:
         """Predicted prefill + restore of a queued call (its prefix reused from device, or restored from
@@ -92,16 +93,21 @@ class CostModel:
             p = replace(p, restore_per_token=self._ewma(p.restore_per_token, max(rest, 0.0) / restore_tokens))
         self._models[model] = p
 
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        """One real host KV restore of ``tokens`` tokens that took ``seconds`` (it runs off the executor
+        thread, beside the steps): refreshes the restore cost per token."""
+        if tokens > 0:
+            p = self._p(model)
+            self._models[model] = replace(p, restore_per_token=self._ewma(p.restore_per_token, seconds / tokens))
+
     def observe_switch(self, path: SwitchPath, seconds: float) -> None:
-        path = SwitchPath(path)
-        old = self._switch.get(path)
-        self._switch[path] = self._ewma(old, seconds)
+        self._switch.observe(path, seconds)
 
     def snapshot(self, model: str | None = None) -> dict:
         p = self._p(model) if model else self.default
         return {
             "prefill_per_token": p.prefill_per_token, "decode_step": p.decode_step,
-            "restore_per_token": p.restore_per_token, "switch_by_path": dict(self._switch),
+            "restore_per_token": p.restore_per_token, "switch_by_path": self._switch.by_path,
         }
 
 

@@ -58,7 +58,7 @@ class SlotPolicy:
     d2d_staging: bool = True
     sp_max_batch: int = 8
     sp_max_tokens: int = 4096
-    endless: bool = False  # hot pool: one model, no end of slot
+    endless: bool = False  # one model, no end of slot: the simulator's hot instances (talaria/sim); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
 
     def __post_init__(self) -> None:
@@ -165,6 +165,9 @@ class SlotScheduler:
 
     def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
         self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
+
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        self.costs.observe_restore(model, tokens, seconds)
 
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)

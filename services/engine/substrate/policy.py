@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from talaria.ewma import ewma
 from talaria.switch_path import SwitchPath
 
 
@@ -74,39 +73,3 @@ def classify_path(num_chunks: int, d2d_chunks: int) -> SwitchPath:
     return SwitchPath.PARTIAL
 
 
-class SwitchCostModel:
-    """EWMA of measured switch seconds per load path (reported in the snapshot's cost profile) and an
-    estimate for a switch given its expected staged fraction (Talaria §3.4: S_{m→m'} from staging coverage).
-
-    ``OPEN`` (a model that is not loaded) is the measured bank load plus the host-only switch, so it is
-    derived, never observed directly: ``observe_load`` records the load part."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self._switch: dict[SwitchPath, float] = {}
-        self._load: float | None = None
-
-    def observe(self, path: SwitchPath, seconds: float) -> None:
-        """Mutates: the EWMA of ``path``."""
-        old = self._switch.get(path)
-        self._switch[path] = ewma(old, seconds, self.alpha)
-
-    def observe_load(self, seconds: float) -> None:
-        """Mutates: the EWMA of loading a checkpoint into the host weight bank."""
-        self._load = ewma(self._load, seconds, self.alpha)
-
-    @property
-    def by_path(self) -> dict[SwitchPath, float]:
-        """Measured seconds per path (``OPEN`` once a load and a host-only switch were measured)."""
-        out = dict(self._switch)
-        host = self._switch.get(SwitchPath.HOST_ONLY)
-        if self._load is not None and host is not None:
-            out[SwitchPath.OPEN] = self._load + host
-        return out
-
-    def estimate(self, staged_fraction: float) -> float | None:
-        full, host = self._switch.get(SwitchPath.FULL_STAGED), self._switch.get(SwitchPath.HOST_ONLY)
-        if full is None or host is None:
-            return full if host is None else host
-        f = min(max(staged_fraction, 0.0), 1.0)
-        return f * full + (1 - f) * host
