@@ -4,7 +4,7 @@ What is measured (each number in the output says how, in its ``cite``):
 
 * prefill: a fresh prompt of each length in ``--lengths`` (prefix cache flushed), time to the first
   token through ``Engine.step()`` with the engine's default chunked-prefill budget (as served); fitted
-  as ``t = k * n**p`` (``talaria.sim.profile.fit_power``);
+  as ``t = k * n**p`` (``sim.profile.fit_power``);
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
   first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
 * restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.restore_blocking``)
@@ -121,7 +121,7 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
 
 
 def _fit(pts):
-    from talaria.sim.profile import fit_power
+    from sim.profile import fit_power
 
     return fit_power(pts)
 

@@ -199,9 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_cli = None
     if add_bench_cli is not None:
         add_bench_cli(sub)
-    from talaria.sim.cli import add_cli as add_sim_cli
-
-    add_sim_cli(sub)
+    try:  # the simulator is a top-level package above talaria/ (it drives services' policies)
+        from sim.cli import add_cli as add_sim_cli
+    except ImportError:
+        add_sim_cli = None
+    if add_sim_cli is not None:
+        add_sim_cli(sub)
     return p
 
 

@@ -190,7 +190,7 @@ def _prefill_shape(eng, before: dict[str, int]) -> tuple[int, float]:
 def policy_from_config(cfg) -> SlotPolicy:
     """The slot policy of a cold ``EngineConfig`` (talaria/config.py): targets, margin and ablation switches.
     (A hot engine is an ``executor.Engine`` and has no slot policy; ``SlotPolicy.endless`` is the
-    simulator's model of one, ``talaria/sim/cluster.py``.)"""
+    simulator's model of one, ``sim/cluster.py``.)"""
     return SlotPolicy(
         ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
         d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, token_deadlines=cfg.token_deadlines,

@@ -8,7 +8,7 @@ import argparse
 import yaml
 
 from bench.profile_bench import add_args, build_profile
-from talaria.sim.profile import from_dict, uncited
+from sim.profile import from_dict, uncited
 
 
 def test_bench_profile_measures_a_loadable_profile(synth_models):

@@ -1,4 +1,4 @@
-"""The simulator (talaria/sim): profiles, the replay of recorded policy inputs into fresh policy objects
+"""The simulator (sim): profiles, the replay of recorded policy inputs into fresh policy objects
 (the simulated router and slot scheduler decide exactly as the real ones), ablation behaviour and the
 ``summary.json`` contract of ``talaria sim paper``. Small virtual-clock runs only (seconds)."""
 
@@ -17,10 +17,10 @@ from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBo
 from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
-from talaria.sim import paper, report
-from talaria.sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
-from talaria.sim.instance import SimCall
-from talaria.sim.profile import ProfileError, from_dict, load, uncited
+from sim import paper, report
+from sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
+from sim.instance import SimCall
+from sim.profile import ProfileError, from_dict, load, uncited
 from talaria.v1 import engine_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,9 +186,9 @@ def test_router_policies_differ_on_avoidable_opens():
 
 # ------------------------------------------------------------------------------- summary.json contract
 def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
-    from talaria.sim import workload
+    from sim import workload
 
-    monkeypatch.setattr(workload, "paper_tp8", lambda models, **kw: sessions(6, 3, models=models))
+    monkeypatch.setattr(workload, "paper_replay", lambda models, **kw: sessions(6, 3, models=models))
     monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
     s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None)
     got = json.loads((tmp_path / "summary.json").read_text())
@@ -205,8 +205,50 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     assert s["tp8"] == got["tp8"]
 
 
+def test_parking_instance_resumes_parked_calls_with_their_context():
+    """can_park (the paper's engine): long decodes are parked at slot ends and resume in a later slot of
+    their model, restoring prompt + decoded tokens from host KV; every call still finishes, and a first token
+    is never 'earned' twice."""
+    from dataclasses import replace
+
+    def long_outputs():
+        ss = sessions(6, 3, models=paper.TP8_MODELS)
+        for s in ss:
+            for c in s.calls:
+                c.output_tokens = 400  # ~6 s of decode at the profile's step: past a slot budget
+        return ss
+
+    cfg = replace(paper.tp8_config(load(TP8), "Talaria", {}), can_park=True, decode_quantum=4)
+    res = Simulation(cfg, long_outputs()).run()
+    assert res.instances["tp8-0"]["parked"] > 0
+    assert all(c.finished_at is not None and c.decoded == c.output_tokens for c in res.calls)
+    assert all(c.first_token_at <= c.finished_at for c in res.calls)
+    drain = Simulation(replace(cfg, can_park=False), long_outputs()).run()
+    assert drain.instances["tp8-0"]["parked"] == 0
+
+
+def test_paper_replay_has_the_published_shape():
+    """§5.1: 10 tasks x 3 models = 30 model-sessions, 960 calls, each task identical on every model; the
+    depths follow the §2.1 distribution's shape (its p95/p50 = 49/11 sets the spread)."""
+    from sim import workload
+
+    d = workload.paper_depths()
+    assert len(d) == 10 and sum(d) == 320 and d == sorted(d)
+    assert 4.0 < d[-1] / d[4] < 6.0  # the deepest task vs the median one (49/11 = 4.5 in the published shape)
+    ss = workload.paper_replay(paper.TP8_MODELS, start_gap_s=26.0, output_scale=0.1)
+    assert len(ss) == 30 and sum(len(s.calls) for s in ss) == 960
+    by_task: dict[str, list] = {}
+    for s in ss:
+        by_task.setdefault(s.session_id.split("/")[1], []).append([(c.prompt_tokens, c.prefix_tokens, c.output_tokens, c.gap_s) for c in s.calls])
+    assert len(by_task) == 10 and all(v[0] == v[1] == v[2] for v in by_task.values())
+    assert sorted(s.start_s for s in ss) == [26.0 * j for j in range(30)]
+    for s in ss:  # every continuation extends its prompt (prefix <= previous prompt)
+        for a, b in zip(s.calls, s.calls[1:]):
+            assert b.prefix_tokens <= a.prompt_tokens < b.prompt_tokens or b.prefix_tokens < a.prompt_tokens
+
+
 def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
-    from talaria.sim.scale import cluster, run_scale
+    from sim.scale import cluster, run_scale
 
     specs, catalog, weights = cluster(20, 8)
     hot = [s for s in specs if s.pool == "hot"]
@@ -220,7 +262,7 @@ def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
 def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
     from bench.workloads import write_jsonl
     from bench.workloads.synthetic import SynthParams, generate
-    from talaria.sim.cli import main
+    from sim.cli import main
 
     w = generate(SynthParams(sessions=4, models=("qwen3-235b", "glm5-nvfp4"), seed=1, max_depth=4))
     write_jsonl(w, tmp_path / "w.jsonl")
@@ -230,3 +272,16 @@ def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
     assert [r["name"] for r in rows] == ["Talaria", "Round-only"]
     assert all(r["calls"] == w.num_calls for r in rows)
     assert rows[1]["sct_p50_vs_base"] == 1.0 and (tmp_path / "out" / "report.md").exists()
+
+
+def test_dynamic_pool_sizer_moves_instances_and_every_call_finishes(tmp_path):
+    """The pool sizer (services/router/pool_sizing.py) driven from the simulated router's telemetry: on a
+    drifting catalog it moves idle instances between pools; calls placed on a moving instance are retried."""
+    from sim.scale import run_catalog, run_pools
+
+    rows = run_pools(tmp_path, profile=str(TP8), instances=12, models=6, sessions=40, splits=(0.5,), rate_per_s=2.0, say=lambda m: None)
+    assert set(rows) == {"static-0.5", "dynamic"}
+    assert rows["static-0.5"]["moves"] == 0 and rows["dynamic"]["moves"] > 0
+    assert json.loads((tmp_path / "pools.json").read_text())["rows"]["dynamic"]["moves"] == rows["dynamic"]["moves"]
+    cat = run_catalog(tmp_path, profile=str(TP8), instances=6, catalogs=(3, 12), sessions=20, rate_per_s=2.0, say=lambda m: None)
+    assert set(cat) == {"3", "12"} and all(0 <= r["models_at_slo"] <= r["models_requested"] for r in cat.values())

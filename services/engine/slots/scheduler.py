@@ -30,7 +30,9 @@ divided among the slots still to run). Shortfall and infeasible targets are repo
 and in ``status()`` (heartbeat), never hidden (§3.4 "Best-effort prefill does not mean silently deferring").
 
 Limitation (stated, not hidden): the executor cannot park an in-flight sequence across a switch, so Dfin
-drains every in-flight call; time past the slot budget is reported as the slot's ``overrun_s``.
+drains every in-flight call; time past the slot budget is reported as the slot's ``overrun_s``. An executor
+that can park says so with ``InstanceView.can_park`` (the simulator's model of the paper's engine, §5.5): then
+the slot closes when its budget is spent and the calls still decoding resume in the model's next slot.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class SlotPolicy:
     d2d_staging: bool = True
     sp_max_batch: int = 8
     sp_max_tokens: int = 4096
-    endless: bool = False  # one model, no end of slot: the simulator's hot instances (talaria/sim); the engine's hot pool runs executor.Engine
+    endless: bool = False  # one model, no end of slot: the simulator's hot instances (sim/); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
     token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
@@ -269,6 +271,11 @@ class SlotScheduler:
                     s.dfin = True
                     s.enter(Phase.DFIN)
         if mv.running > 0:
+            if view.can_park and s.dfin and left <= 0 and others:
+                # an executor that can park (the paper's, §5.5): the slot closes at its budget and the calls
+                # still decoding are parked at the switch, resuming in this model's next slot (its P phase)
+                self._close_slot(now)
+                return self._next_slot(view, now, None, verdicts)
             return Decision(s.phase, "dfin_drain" if s.dfin else "decode", s.model, run_step=True, verdicts=verdicts)
         if others:
             self._close_slot(now)

@@ -62,6 +62,8 @@ class SimConfig:
     heartbeat_s: float = 0.5
     retry_s: float = 0.1
     decode_quantum: int = 1
+    pool_sizer: Any = None  # sim.scale.PoolLoop: moves instances between hot and cold pools from telemetry
+    can_park: bool = False  # True: the paper's engine (in-flight calls parked at a switch, §5.5); False: this codebase's (Dfin drains)
     record: bool = False
     max_sim_s: float = 1e7
     stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
@@ -104,6 +106,7 @@ class Simulation:
             self.instances[spec.iid] = SimInstance(
                 spec.iid, spec.pool, list(spec.catalog), prof, cfg.slot if spec.pool == "cold" else _hot(cfg.slot), host=host,
                 loaded=list(spec.loaded) if spec.loaded is not None else None, max_loaded=spec.max_loaded, decode_quantum=cfg.decode_quantum,
+                can_park=cfg.can_park,
             )
         self.registry = Registry(self.clock, miss_limit=3.0, stale_after=2.0, wall=self.clock.now)
         table = LeaseTable()
@@ -144,7 +147,10 @@ class Simulation:
                 self._push(s.start_s, "arrive", (s, 0))
         handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive, "retry": self._place, "done": self._done, "heartbeat": self._heartbeat,
+            "pools": self._pools, "moved": self._moved,
         }
+        if self.cfg.pool_sizer is not None:
+            self._push(self.cfg.pool_sizer.period_s, "pools", None)
         self._progress = 0.0
         while self._heap and self._left > 0:
             t, _, kind, payload = heapq.heappop(self._heap)
@@ -196,10 +202,14 @@ class Simulation:
             gw.stats["overload_queued" if d.reason == "overload" else "no_instance_retries"] += 1
             self._push(self.clock.now() + self.cfg.retry_s, "retry", payload)
             return
-        gw.commit(req, d)
         inst = self.instances[d.instance_id]
-        if not inst.submit(s.calls[k], self.clock.now()):
-            raise RuntimeError(f"router placed {req.model} on {d.instance_id}, which cannot serve it")
+        if self._busy.get(d.instance_id) == "moving" or not inst.submit(s.calls[k], self.clock.now()):
+            if not self.cfg.pool_sizer:
+                raise RuntimeError(f"router placed {req.model} on {d.instance_id}, which cannot serve it")
+            gw.stats["placed_on_moved_instance"] = gw.stats.get("placed_on_moved_instance", 0) + 1  # stale view of a move
+            self._push(self.clock.now() + self.cfg.retry_s, "retry", payload)
+            return
+        gw.commit(req, d)
         self._kick(d.instance_id)
 
     def _heartbeat(self, iid: str) -> None:
@@ -250,6 +260,28 @@ class Simulation:
             self.leases.install_now(lease)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "hook": hook.SerializeToString(), "lease": lease is not None})
+
+    # ------------------------------------------------------------------ pool sizing
+    def _pools(self, _: Any) -> None:
+        """A pool-sizing period: the sizer decides from the gateway's telemetry; idle instances move."""
+        loop = self.cfg.pool_sizer
+        for iid, pool, model in loop.step(self, self.clock.now()):
+            inst = self.instances[iid]
+            if not inst.idle() or self._busy[iid]:
+                continue
+            spec = loop.catalog if pool == "cold" else (model,)
+            secs = inst.reconfigure(pool, list(spec), model, self.cfg.slot if pool == "cold" else _hot(self.cfg.slot))
+            self.gateway.pools[iid] = PoolSpec(pool, tuple(spec), self.cfg.profile.page_tokens)
+            self._publish(iid)  # the new epoch and pool reach the router at once
+            self._busy[iid] = "moving"
+            self._push(self.clock.now() + secs, "moved", iid)
+        if self._left > 0:
+            self._push(self.clock.now() + loop.period_s, "pools", None)
+
+    def _moved(self, iid: str) -> None:
+        self._busy[iid] = False
+        self._publish(iid)
+        self._kick(iid)
 
     # ------------------------------------------------------------------ instance side
     def _kick(self, iid: str) -> None:
@@ -317,7 +349,7 @@ class Simulation:
         calls = [c for s in self.sessions for c in s.calls]
         sct = {s.session_id: s.calls[-1].finished_at - s.calls[0].intended for s in self.sessions if s.calls}
         inst = {
-            iid: {"pool": i.pool, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
+            iid: {"pool": i.pool, "parked": i.parked, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
                   "host_kv": asdict(i.host.counters) if i.host else None}
             for iid, i in self.instances.items()
         }

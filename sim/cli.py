@@ -1,4 +1,4 @@
-"""``talaria sim``: run | paper | scale (see talaria/sim/README.md)."""
+"""``talaria sim``: run | paper | scale (see sim/README.md)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _paper(args) -> int:
 
     s = run_paper(Path(args.out), tp8_profile=args.profile, router_profile=args.router_profile, seed=args.seed,
                   configs=args.configs.split(",") if args.configs else None, say=lambda m: print(m, file=sys.stderr),
-                  output_scale=args.output_scale, start_gap_s=args.start_gap, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else ())
+                  output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else ())
     print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
     return 0
 
@@ -66,6 +66,24 @@ def _scale(args) -> int:
     s = run_scale(Path(args.out), profile=args.profile, instances=args.instances, models=args.models, sessions=args.sessions,
                   seed=args.seed, say=lambda m: print(m, file=sys.stderr))
     print(json.dumps(s, indent=2, default=str))
+    return 0
+
+
+def _pools(args) -> int:
+    from .scale import run_pools
+
+    rows = run_pools(Path(args.out), profile=args.profile, instances=args.instances, models=args.models, sessions=args.sessions,
+                     seed=args.seed, rate_per_s=args.rate, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+def _catalog(args) -> int:
+    from .scale import run_catalog
+
+    rows = run_catalog(Path(args.out), profile=args.profile, instances=args.instances, catalogs=tuple(int(x) for x in args.catalogs.split(",")),
+                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(rows, indent=2, default=str))
     return 0
 
 
@@ -91,8 +109,10 @@ def add_cli(sub) -> None:
     pp.add_argument("--configs", help="subset of the TP=8 configurations (default all five)")
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
-    pp.add_argument("--start-gap", type=float, default=60.0, help="seconds between session starts of the TP=8 replay (not published)")
+    pp.add_argument("--start-gap", type=float, default=26.0, help="seconds between session starts of the TP=8 replay (not published)")
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
+    pp.add_argument("--park", action="store_true", help="TP=8 instance parks in-flight calls at a switch (the paper's engine, §5.5); "
+                    "default: drains them (this codebase's engine)")
     pp.add_argument("--json", action="store_true", help="print the whole summary")
     pp.set_defaults(fn=_paper)
     sc = ps.add_parser("scale", help="hot/cold cluster past one machine (placement decision cost, sim speed)")
@@ -103,6 +123,24 @@ def add_cli(sub) -> None:
     sc.add_argument("--sessions", type=int, default=10000)
     sc.add_argument("--seed", type=int, default=0)
     sc.set_defaults(fn=_scale)
+    po = ps.add_parser("pools", help="static hot/cold splits vs the dynamic pool sizer (services/router/pool_sizing.py) on a drifting catalog")
+    po.add_argument("--out", default="sim-pools")
+    po.add_argument("--profile", default=DEFAULT_TP8)
+    po.add_argument("--instances", type=int, default=200)
+    po.add_argument("--models", type=int, default=40)
+    po.add_argument("--sessions", type=int, default=2000)
+    po.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    po.add_argument("--seed", type=int, default=0)
+    po.set_defaults(fn=_pools)
+    ca = ps.add_parser("catalog", help="models served per instance at the TTFT SLO as the catalog grows")
+    ca.add_argument("--out", default="sim-catalog")
+    ca.add_argument("--profile", default=DEFAULT_TP8)
+    ca.add_argument("--instances", type=int, default=100)
+    ca.add_argument("--catalogs", default="25,50,100,200,400")
+    ca.add_argument("--sessions", type=int, default=2000)
+    ca.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.set_defaults(fn=_catalog)
 
 
 def main(argv: list[str] | None = None) -> int:

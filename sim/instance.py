@@ -57,6 +57,13 @@ class SimCall:
     kv_source: str = "none"  # device | host | recompute | none
     decoded: int = 0
     continuation: bool = False
+    prefill_total: int = 0  # tokens this admission computes or restores (prompt, or a parked call's context)
+    parked_ctx: int = 0  # parked at a switch (can_park): context tokens (prompt + decoded) it needs back
+
+    @property
+    def ctx_needed(self) -> int:
+        """Tokens of KV this call needs at admission: its prompt, or, when parked, prompt + decoded."""
+        return self.parked_ctx or self.prompt_tokens
 
 
 @dataclass(slots=True)
@@ -71,7 +78,7 @@ class SimInstance:
 
     def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
                  host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
-                 decode_quantum: int = 1) -> None:
+                 decode_quantum: int = 1, can_park: bool = False) -> None:
         if policy.token_deadlines:  # issue 16: refused, not ignored (the engine has it; the simulator not yet)
             raise ValueError("the simulator does not model token_deadlines (issue 16) yet; run it on the engine (talaria bench coldpool)")
         self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
@@ -79,6 +86,8 @@ class SimInstance:
         self.loaded: list[str] = list(loaded if loaded is not None else catalog)
         self.max_loaded = max_loaded
         self.quantum = max(1, decode_quantum)
+        self.can_park = can_park  # model of the paper's engine (§5.5): in-flight calls parked at a switch
+        self.parked = 0
         m0 = self.loaded[0] if self.loaded else None
         c0 = profile.model(m0 or "")
         seed = CostProfile(
@@ -98,6 +107,8 @@ class SimInstance:
         self.host = host
         self.pages: dict[tuple[str, str], list[int]] = {}  # (model, session) -> page hash chain
         self._hash_ctr = 0
+        self._agreed: dict[tuple[str, str], tuple[tuple[int, int, int, int], int]] = {}
+        self._layouts: dict[str, Layout] = {}
         self.staging: tuple[str, float] | None = None  # (model, started)
         self.busy_until: float | None = None
         self.pending: Decision | None = None
@@ -137,6 +148,28 @@ class SimInstance:
             self.loaded.remove(victim)
             self.seen = {(m, s) for (m, s) in self.seen if m != victim}
 
+    def idle(self) -> bool:
+        return not self.batch and not any(self.queues.values())
+
+    def reconfigure(self, pool: str, catalog: list[str], model: str | None, policy: SlotPolicy) -> float:
+        """Move this (idle) instance to ``pool``: hot pins ``model``; cold serves ``catalog`` starting with
+        ``model`` (or nothing) loaded. Device KV is dropped, host KV kept; a new engine epoch and a fresh
+        scheduler. Returns the seconds the move costs (opening the pinned model host-only). Mutates self."""
+        assert self.idle(), "reconfigure a busy instance"
+        self.pool, self.policy = pool, policy
+        self.catalog = list(catalog)
+        self.loaded = [model] if model else []
+        for m in self.catalog:
+            self.queues.setdefault(m, [])
+        self.device.clear()
+        self.seen.clear()
+        self.previous, self.active = self.active, (model or None)
+        self.staging = None
+        self.scheduler = SlotScheduler(policy, CostModel(self.seed_costs))
+        self.epoch += 1
+        self.seq = 0
+        return self.profile.switch.total(0.0) if model else 0.0
+
     # ------------------------------------------------------------------ views
     def _kv_capacity_tokens(self) -> int:
         c = self.profile.model(self.active or "")
@@ -152,14 +185,21 @@ class SimInstance:
         chain = self.pages.get((model, session))
         if not chain:
             return 0
+        # memoised on the registry's state: only commits (bytes_in) and evictions change what is agreed
+        stamp = (self.host.counters.bytes_in, self.host.counters.evictions, len(chain), chain[-1])
+        hit = self._agreed.get((model, session))
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
         n, _ = self.host.agreed_pages(self._layout(model), chain)
+        self._agreed[(model, session)] = (stamp, n * self.profile.page_tokens)
         return n * self.profile.page_tokens
 
     def prefix_of(self, c: SimCall) -> tuple[int, str]:
         got = self.device.get(c.session_id)
+        want = c.parked_ctx or c.prefix_tokens
         if got is not None and got[0] == c.model and c.model == self.active:
-            return min(got[1], c.prefix_tokens), "device"
-        n = min(self.host_tokens(c.model, c.session_id), c.prefix_tokens)
+            return min(got[1], want), "device"
+        n = min(self.host_tokens(c.model, c.session_id), want)
         if n > 0:
             return n, "host"
         return 0, "missing"
@@ -170,7 +210,8 @@ class SimInstance:
             queued = []
             for c in self.queues[m]:
                 n, where = self.prefix_of(c)
-                queued.append(CallView(c.request_id, m, c.arrival, c.prompt_tokens, c.output_tokens, c.session_id, n, where, c.continuation))
+                queued.append(CallView(c.request_id, m, c.arrival, c.ctx_needed, c.output_tokens - c.decoded, c.session_id, n, where,
+                                       c.continuation or c.parked_ctx > 0))
             batch = self.batch if m == self.active else []
             mvs.append(ModelView(
                 m, running=len(batch), prefilling=sum(1 for c in batch if c.prefill_left > 0 or c.restore_left > 0),
@@ -178,7 +219,7 @@ class SimInstance:
             ))
         free = max(0, self._kv_capacity_tokens() - self._kv_used_tokens())
         staged = {m: self.staged_fraction(m, now) for m in self.loaded if m != self.active}
-        return InstanceView(self.active, tuple(mvs), free, staged)
+        return InstanceView(self.active, tuple(mvs), free, staged, can_park=self.can_park)
 
     def engine_view(self) -> EngineView:
         queued = {m: len(q) for m, q in self.queues.items() if q and m != self.active}
@@ -212,7 +253,8 @@ class SimInstance:
     # ------------------------------------------------------------------ actions
     def switch(self, target: str, now: float) -> tuple[str, float, tuple[float, ...]]:
         """Release the active KV region (to host with host_kv), open ``target``; returns (path, seconds, phases)."""
-        assert not self.batch, "switch with calls in flight"
+        assert not self.batch or self.can_park, "switch with calls in flight"
+        self._park_batch()
         frac = self.staged_fraction(target, now)
         d2d_chunks = int(frac * PATH_CHUNKS + 1e-9)
         path = classify_path(PATH_CHUNKS, d2d_chunks)
@@ -226,6 +268,20 @@ class SimInstance:
         self.switch_s += secs
         return path, secs, phases
 
+    def _park_batch(self) -> None:
+        """Move the in-flight calls back to the front of their queue (the paper's engine parks them at a
+        switch, §5.5); with host KV their context is checkpointed so the next slot restores it."""
+        if not self.batch:
+            return
+        q = self.queues[self.active or ""]
+        for c in reversed(self.batch):
+            c.parked_ctx = c.prompt_tokens + c.decoded
+            if self.host is not None and self.policy.host_kv:
+                self._checkpoint(c, c.parked_ctx)
+            q.insert(0, c)
+            self.parked += 1
+        self.batch.clear()
+
     def admit(self, ids: tuple[str, ...], now: float) -> None:
         q = self.queues[self.active] if self.active else []
         by_id = {c.request_id: c for c in q}
@@ -233,7 +289,14 @@ class SimInstance:
             c = by_id[rid]
             q.remove(c)
             n, where = self.prefix_of(c)
-            reuse = min(n, c.prompt_tokens - 1)
+            need = c.ctx_needed
+            reuse = min(n, need - 1)
+            if c.parked_ctx:  # a parked call resumes: its KV comes back (host) or is recomputed; TTFT is unchanged
+                c.restore_left = reuse if where != "missing" else 0
+                c.prefill_left = need - (reuse if where != "missing" else 0)
+                c.prefill_total, c.parked_ctx = need, 0
+                self.batch.append(c)
+                continue
             if where == "device":
                 self.device.pop(c.session_id, None)
                 c.cached, c.kv_source = reuse, "device"
@@ -243,6 +306,7 @@ class SimInstance:
                 reuse = 0
                 c.kv_source = "recompute" if c.prefix_tokens > 0 else "none"
             c.prefill_left = c.prompt_tokens - reuse
+            c.prefill_total = c.prompt_tokens
             c.admitted_at = now
             self.batch.append(c)
 
@@ -266,7 +330,7 @@ class SimInstance:
                 restore += c.restore_left
                 c.restore_left = 0
             n = min(c.prefill_left, max(budget, 0))
-            done_before = c.prompt_tokens - c.prefill_left
+            done_before = c.prefill_total - c.prefill_left
             secs += cm.prefill_s(done_before, n)
             c.prefill_left -= n
             prefill += n
@@ -296,9 +360,12 @@ class SimInstance:
 
     # ------------------------------------------------------------------ KV bookkeeping
     def _layout(self, model: str) -> Layout:
-        c = self.profile.model(model)
-        pb = c.kv_bytes_per_token * self.profile.page_tokens
-        return Layout(model, 0, 1, self.profile.page_tokens, "bf16", Family.MHA, (pb,), pb)
+        lay = self._layouts.get(model)
+        if lay is None:
+            c = self.profile.model(model)
+            pb = c.kv_bytes_per_token * self.profile.page_tokens
+            lay = self._layouts[model] = Layout(model, 0, 1, self.profile.page_tokens, "bf16", Family.MHA, (pb,), pb)
+        return lay
 
     def keep(self, c: SimCall, now: float) -> None:
         """A call finished: its session's KV stays on device (LRU-bounded) and is checkpointed to host."""
@@ -314,12 +381,13 @@ class SimInstance:
         if self.host is not None and self.policy.host_kv:
             self._checkpoint(c)
 
-    def _checkpoint(self, c: SimCall) -> None:
+    def _checkpoint(self, c: SimCall, ctx: int | None = None) -> None:
         key = (c.model, c.session_id)
         chain = self.pages.get(key, [])
         keep_pages = min(len(chain), c.prefix_tokens // self.profile.page_tokens)
         chain = chain[:keep_pages]
-        full = c.prompt_tokens // self.profile.page_tokens  # generated tokens are not part of the next prompt
+        # generated tokens are not part of the next prompt (but are a parked call's context)
+        full = (ctx or c.prompt_tokens) // self.profile.page_tokens
         while len(chain) < full:
             self._hash_ctr += 1
             chain.append(hash((self.iid, c.session_id, self._hash_ctr)) & ((1 << 63) - 1))
