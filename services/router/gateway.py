@@ -14,6 +14,14 @@ session for the same model), ``same_instance_returns``, ``moved_returns``, ``lea
 ``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
 ``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
 (the chosen instance had to open the model while another healthy instance had it resident).
+
+Tool-aware leases (issue 14 item 1, ``lease_policy: adaptive``; the arithmetic in ``return_gap.py``): a
+hook's tool (its first parsed tool call) keys the return-gap predictor; the lease window is the predicted
+gap's capped quantile; a lease whose expected saving is below the queueing it imposes is not installed
+(``leases_declined``); live leases weigh on their instance by their decaying value; a return whose leased
+instance is costlier than the best alternative drops the lease (``lease_outweighed``). Every return is an
+observation (``arrival``). ``lease_token_s``: committed tokens x seconds held by leases (device KV they
+kept reserved), judged ones plus those still in the table. ``lease_policy: fixed`` is the paper's tau.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
+from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ReturnTracker, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -74,6 +83,7 @@ class Gateway:
         pools: Mapping[str, PoolSpec] | None = None,
         router_id: str = "router-0",
         decisions_kept: int = 256,
+        gaps: GapPredictor | None = None,
     ):
         self.params = params
         self.registry = registry
@@ -99,6 +109,14 @@ class Gateway:
         self._pushed: dict[str, tuple[float, ...]] = {}  # id -> deadlines already on the heap
         self._primed = False
         self._decide_ns = 0
+        self.gaps = gaps or GapPredictor()  # return gaps per (model, tool), learned from every return
+        self.returns = ReturnTracker()
+        self.next_models = NextModelBook()
+        self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
+
+    @property
+    def adaptive(self) -> bool:
+        return self.params.lease_policy == "adaptive"
 
     @property
     def leases_enabled(self) -> bool:
@@ -130,9 +148,18 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
+        tool = hook.tool_names[0] if hook.tool_names else ""
+        self.returns.ended(hook.session_id, hook.model, tool, done)
         if not self.leases_enabled or committed == 0:
             return None
         view = self.registry.instances.get(hook.instance_id)
+        tau, judged = self.tau_s, None
+        if self.adaptive:
+            judged = self.size_lease(hook.instance_id, hook.model, tool, committed)
+            if not judged[1].install:
+                self.stats["leases_declined"] += 1
+                return None
+            tau = judged[1].window_s
         lease = rpb.Lease(
             schema_version=LEASE_SCHEMA_VERSION,
             lease_id=hook.request_id,
@@ -141,12 +168,35 @@ class Gateway:
             instance_id=hook.instance_id,
             prefix=hook.prefix if hook.HasField("prefix") else cpb.PrefixHandle(model=hook.model),
             t_done_unix=done,
-            t_exp_unix=done + self.tau_s,
+            t_exp_unix=done + tau,
             router_id=self.router_id,
             instance_epoch=view.snapshot.epoch if view is not None else 0,
+            tool=tool,
         )
+        if judged is not None:
+            est, j = judged
+            lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
         self.stats["leases_installed"] += 1
         return lease
+
+    def lease_costs(self, instance_id: str, model: str, committed: int) -> LeaseCosts:
+        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``): a hit saves the committed
+        prefix restored or recomputed elsewhere (the cheaper, per the instance's profile); a live lease puts
+        one admission unit of a mean call's queueing on every other call arriving at its instance (the
+        router's arrival rate over all models, spread over the instances). Pure read."""
+        prof = self.profiles.profile(instance_id)
+        per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
+        shape = self.shapes.shape(model)
+        mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
+        now = self.wall()
+        rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
+        return LeaseCosts(saved_s=committed * per_token, harm_per_s=rate * self.params.admission_unit * mean_call_s)
+
+    def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None) -> tuple:
+        """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
+        caller's expected tool time (request hint; wins over the learned gap). Pure read."""
+        est = self.gaps.predict(model, tool, hint_s)
+        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed))
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:
@@ -209,7 +259,7 @@ class Gateway:
         if not self._primed:
             dirty |= set(reg.instances)
             self._primed = True
-        leases = self.leases.live_by_instance(self.wall())
+        leases = self.leases.weighted_by_instance(self.wall()) if self.adaptive else self.leases.live_by_instance(self.wall())
         old = self._lease_counts
         if leases != old:
             dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))
@@ -259,7 +309,14 @@ class Gateway:
         return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), shape.decode_tokens))
 
     def arrival(self, req: CallRequest) -> None:
-        self.demand.arrival(req.model, self.wall())
+        """A call arrived: demand, and (a session's next call) one observed return gap and model transition."""
+        now = self.wall()
+        self.demand.arrival(req.model, now)
+        got = self.returns.returned(req.session_id, now) if req.session_id else None
+        if got is not None:
+            pr, gap = got
+            self.gaps.observe(pr.model, pr.tool, gap)
+            self.next_models.observe(pr.model, pr.tool, req.model)
 
     def state_for(self, req: CallRequest, exclude: Iterable[str] = (), use_lease: bool = True) -> tuple[PlacementState, int | None]:
         now = self.wall()
@@ -304,6 +361,9 @@ class Gateway:
 
     def lease_judged(self, d: Decision) -> None:
         """Count a lease the decision consumed or discarded (call once per lease seen)."""
+        self.lease_token_s += d.lease_held_s * d.lease_tokens
+        if d.lease == "outweighed":
+            self.stats["lease_outweighed"] += 1
         if d.lease == "hit":
             self.stats["lease_hits"] += 1
         elif d.lease == "expired":
@@ -389,7 +449,11 @@ class Gateway:
         return {
             "policy": self.params.policy,
             "lease_ttl_s": self.tau_s,
+            "lease_policy": self.params.lease_policy,
             "leases_live": sum(self.leases.live_by_instance(now).values()),
+            "lease_token_s": self.lease_token_s + self.leases.held_token_s(now),
+            "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
+            "return_gaps": self.gaps.keys(),
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
             "mean_decide_us": (self._decide_ns / 1e3 / s["decisions"]) if s.get("decisions") else None,
@@ -407,6 +471,8 @@ ACCOUNTING = (
     "lease_hits",
     "lease_misses",
     "lease_expiries",
+    "leases_declined",
+    "lease_outweighed",
     "model_opens",
     "model_switches",
     "avoidable_cold_opens",

@@ -72,6 +72,7 @@ class PolicyParams:
     default_weights_gib: float = 1.0
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
+    lease_policy: str = "fixed"  # "adaptive": a lease is honoured only if its instance is not costlier (issue 12 #3)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -158,6 +159,8 @@ class LeaseView:
     t_done_unix: float
     t_exp_unix: float
     epoch: int = 0
+    gap_mu: float = 0.0  # predicted return gap (services/router/return_gap.py); sigma 0 = fixed tau
+    gap_sigma: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,13 +203,15 @@ class Decision:
     instance_id: str | None
     policy: str
     reason: str  # "lease" | "cost" | "least-pressure" | "sticky" | "round-robin" | "overload" | "no-instance"
-    lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid"
+    lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid" | "outweighed" (adaptive)
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
     switches_model: bool = False  # ... must switch to a resident/staged model
     avoidable_open: bool = False  # ... opens it although another healthy instance has it resident
     retry_after_s: float = 0.0  # overload: when trying again makes sense
     shortlisted_out: int = 0  # replica-opening instances not ranked (over the replica_shortlist bound)
+    lease_held_s: float = 0.0  # how long the judged lease had been held (accounting of device KV held by leases)
+    lease_tokens: int = 0  # its committed tokens
 
     def chosen(self) -> CostBreakdown | None:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
@@ -271,7 +276,7 @@ def _terms(inst: InstanceState, state: PlacementState) -> list:
     suffix = max(1, req.prompt_tokens - prefix)
     leases = inst.overlay_leases
     if state.lease is not None and state.lease.instance_id == inst.instance_id and leases > 0:
-        leases -= 1  # the lease reserved for this very call is not queue ahead of it
+        leases = max(0, leases - 1)  # the lease reserved for this very call is not queue ahead of it (weighted: <= 1)
     mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
     queue_s = mean_call_s * queue_pressure(inst, p.admission_unit, p.running_weight, leases)
     delta_r = queue_s + suffix * prof.prefill_per_token + req.expected_decode * prof.decode_step
@@ -638,8 +643,12 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     if lease == "hit":
         assert state.lease is not None
         inst = idx.by_id[state.lease.instance_id]
-        return _finish(state, "lease", inst.instance_id, [breakdown(inst, state)], "hit", idx)
+        mine = breakdown(inst, state)
+        if state.params.lease_policy != "adaptive" or not _outweighed(state, idx, mine):
+            return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)
+        lease = "outweighed"
     # A lease that failed its check is discarded; placement continues as if there were none.
+    judged = state.lease
     if lease != "none":
         state = replace(state, lease=None)
     terms, mus, left_out = _rank(state, idx, shortlist=True)
@@ -648,8 +657,27 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     best = min((c for c in costs if not c.reject), key=_rank_key, default=None)
     if best is None:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)
-        return _finish(state, "overload" if live else "no-instance", None, costs, lease, idx, left_out)
-    return _finish(state, "cost", best.instance_id, costs, lease, idx, left_out)
+        return _held(_finish(state, "overload" if live else "no-instance", None, costs, lease, idx, left_out), judged, now)
+    return _held(_finish(state, "cost", best.instance_id, costs, lease, idx, left_out), judged, now)
+
+
+def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
+    """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
+    another admissible instance has a lower Eq. 1 total (its queue is shorter by more than the C_KV + C_act
+    the leased instance avoids). Pure."""
+    terms, mus, _ = _rank(state, idx, shortlist=True)
+    _eq2(terms, mus, state)
+    others = [_final(t) for t in terms]
+    best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
+    return best is not None and best.total < mine.total
+
+
+def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:
+    """The decision with how long the lease it judged was held (until now, at most until its expiry)."""
+    if lease is None or d.lease == "none":
+        return d
+    held = max(0.0, min(now, lease.t_exp_unix) - lease.t_done_unix)
+    return replace(d, lease_held_s=held, lease_tokens=lease.committed_tokens)
 
 
 def _rank_key(c: CostBreakdown) -> tuple[float, str]:

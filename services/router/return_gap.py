@@ -253,3 +253,25 @@ def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJu
     value = p * costs.saved_s
     harm = hold * costs.harm_per_s
     return LeaseJudgement(value > harm, window_s, p, value, harm, hold, "worth" if value > harm else "harm")
+
+
+class NextModelBook:
+    """Which model a session calls next after a call of ``(model, tool)``, learned from observed returns
+    (counts). Feeds intent prefetch (issue 14 item 3): an agent's final answer is followed by the user
+    simulator's model, a tool call by the agent again. Mutates only itself."""
+
+    def __init__(self) -> None:
+        self._n: dict[tuple[str, str], dict[str, int]] = {}
+
+    def observe(self, model: str, tool: str, next_model: str) -> None:
+        d = self._n.setdefault((model, tool), {})
+        d[next_model] = d.get(next_model, 0) + 1
+
+    def predict(self, model: str, tool: str) -> tuple[str, float, int] | None:
+        """(most likely next model, its share, observations) after ``(model, tool)``; None if never seen."""
+        d = self._n.get((model, tool))
+        if not d:
+            return None
+        total = sum(d.values())
+        best = max(sorted(d), key=lambda m: d[m])
+        return best, d[best] / total, total

@@ -22,6 +22,7 @@ from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
 from services.router.policy import PolicyParams
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import Registry
+from services.router.return_gap import GapParams, GapPredictor
 from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
 from talaria.config import StackConfig
@@ -173,6 +174,7 @@ def make_state(cfg: StackConfig) -> RouterState:
         pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size, e.max_num_seqs) for e in cfg.engines},
         router_id=cfg.router.id,
         decisions_kept=pc.decisions_kept,
+        gaps=GapPredictor(GapParams(prior_median_s=pc.gap_prior_median_s, prior_sigma=pc.gap_prior_sigma, quantile=pc.gap_quantile, cap_s=pc.gap_cap_s)),
     )
     return RouterState(
         cfg=cfg,

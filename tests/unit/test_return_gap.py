@@ -101,3 +101,16 @@ def test_return_tracker_turns_the_next_call_into_a_gap():
     pr, gap = t.returned("c", 14.5)
     assert (pr.model, pr.tool, gap) == ("m", "pytest", 2.5)
     assert t.returned("c", 15.0) is None  # consumed
+
+
+def test_next_model_book_learns_the_handoff():
+    from services.router.return_gap import NextModelBook
+
+    b = NextModelBook()
+    assert b.predict("agent", "") is None
+    for _ in range(4):
+        b.observe("agent", "", "user-sim")
+        b.observe("agent", "ls", "agent")
+    b.observe("agent", "", "agent")
+    assert b.predict("agent", "") == ("user-sim", 0.8, 5)
+    assert b.predict("agent", "ls") == ("agent", 1.0, 4)
