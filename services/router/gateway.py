@@ -183,14 +183,20 @@ class Gateway:
         """Measured inputs of the lease arithmetic (``return_gap.judge_lease``): a hit saves the committed
         prefix restored or recomputed elsewhere (the cheaper, per the instance's profile); a live lease puts
         one admission unit of a mean call's queueing on every other call arriving at its instance (the
-        router's arrival rate over all models, spread over the instances). Pure read."""
+        router's arrival rate over all models, spread over the instances) -- in proportion to how busy the
+        instance is (calls running, waiting and forwarded over its decode slots): a lease on an instance
+        with free slots delays nobody. Pure read."""
         prof = self.profiles.profile(instance_id)
         per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
         shape = self.shapes.shape(model)
         mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
         now = self.wall()
         rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
-        return LeaseCosts(saved_s=committed * per_token, harm_per_s=rate * self.params.admission_unit * mean_call_s)
+        v = self.registry.instances.get(instance_id)
+        spec = self.pools.get(instance_id)
+        calls = (v.snapshot.num_running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
+        busy = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
+        return LeaseCosts(saved_s=committed * per_token, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
 
     def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None) -> tuple:
         """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
