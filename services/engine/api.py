@@ -132,6 +132,9 @@ class Executor(Protocol):
 
     def flush_cache(self) -> int: ...
 
+    def attach_retention(self, book) -> None:
+        """Session caches evict by predicted return (``kv.retention.RetentionBook``; issue 14)."""
+
     def open_model(self, model: str) -> None:
         """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""
 

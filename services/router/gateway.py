@@ -179,6 +179,51 @@ class Gateway:
         self.stats["leases_installed"] += 1
         return lease
 
+    def on_intent(self, intent: pb.ToolIntent) -> rpb.Lease | None:
+        """A tool-call header streamed (issue 14 item 3): with adaptive leases and no lease yet, install one
+        now, sized for the tool, over the KV the call holds so far (``early``; the hook's lease replaces it).
+        Returns the lease to install, or None."""
+        self.stats["intents"] += 1
+        if not (self.adaptive and self.leases_enabled and intent.session_id):
+            return None
+        got = self.leases.get(intent.session_id, intent.model)
+        if got is not None and got[0].t_done_unix >= intent.seen_unix:
+            return None
+        committed = intent.prompt_tokens + intent.generated_tokens
+        est, j = self.size_lease(intent.instance_id, intent.model, intent.tool_name, committed)
+        if not j.install:
+            return None
+        view = self.registry.instances.get(intent.instance_id)
+        t0 = min(intent.seen_unix, self.wall()) if intent.seen_unix > 0 else self.wall()
+        self.stats["leases_early"] += 1
+        return rpb.Lease(
+            schema_version=LEASE_SCHEMA_VERSION, lease_id=intent.request_id, session_id=intent.session_id, model=intent.model,
+            instance_id=intent.instance_id, prefix=cpb.PrefixHandle(model=intent.model, committed_tokens=committed),
+            t_done_unix=t0, t_exp_unix=t0 + j.window_s, router_id=self.router_id,
+            instance_epoch=view.snapshot.epoch if view is not None else 0, gap_mu=est.mu, gap_sigma=est.sigma,
+            p_return=j.p_return, tool=intent.tool_name, early=True,
+        )
+
+    def prefetch_target(self, session_id: str, model: str, tool: str, prompt_tokens: int, min_share: float = 0.6,
+                        min_seen: int = 3) -> tuple[str, str] | None:
+        """Intent prefetch (issue 14 item 3): when the session's next call is predicted (``NextModelBook``,
+        share >= ``min_share`` over >= ``min_seen`` returns) to go to *another* model, the (instance, model)
+        that placement would choose for it now, if that instance would have to switch to or open the model:
+        the caller asks it to open the model ahead (``CONTROL_OPEN_MODEL``). None otherwise. Decides
+        without committing anything (reads the policy)."""
+        got = self.next_models.predict(model, tool)
+        if got is None or got[0] == model or got[1] < min_share or got[2] < min_seen:
+            return None
+        nxt = got[0]
+        d, _ = self.decide(self.request(session_id, nxt, max(1, prompt_tokens), 256), use_lease=False)
+        if d.instance_id is None or not (d.opens_model or d.switches_model):
+            return None
+        spec = self.pools.get(d.instance_id)
+        if spec is not None and spec.pool != "cold":
+            return None
+        self.stats["prefetches"] += 1
+        return d.instance_id, nxt
+
     def lease_costs(self, instance_id: str, model: str, committed: int) -> LeaseCosts:
         """Measured inputs of the lease arithmetic (``return_gap.judge_lease``): a hit saves the committed
         prefix restored or recomputed elsewhere (the cheaper, per the instance's profile); a live lease puts
