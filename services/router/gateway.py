@@ -155,8 +155,8 @@ class Gateway:
         view = self.registry.instances.get(hook.instance_id)
         tau, judged = self.tau_s, None
         if self.adaptive:
-            judged = self.size_lease(hook.instance_id, hook.model, tool, committed)
-            if not judged[1].install:
+            judged = self.size_lease(hook.instance_id, hook.model, tool, committed, session_id=hook.session_id)
+            if not judged[1].install and self.params.lease_arithmetic:
                 self.stats["leases_declined"] += 1
                 return None
             tau = judged[1].window_s
@@ -190,8 +190,8 @@ class Gateway:
         if got is not None and got[0].t_done_unix >= intent.seen_unix:
             return None
         committed = intent.prompt_tokens + intent.generated_tokens
-        est, j = self.size_lease(intent.instance_id, intent.model, intent.tool_name, committed)
-        if not j.install:
+        est, j = self.size_lease(intent.instance_id, intent.model, intent.tool_name, committed, session_id=intent.session_id)
+        if not j.install and self.params.lease_arithmetic:
             return None
         view = self.registry.instances.get(intent.instance_id)
         t0 = min(intent.seen_unix, self.wall()) if intent.seen_unix > 0 else self.wall()
@@ -224,9 +224,12 @@ class Gateway:
         self.stats["prefetches"] += 1
         return d.instance_id, nxt
 
-    def lease_costs(self, instance_id: str, model: str, committed: int) -> LeaseCosts:
-        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``): a hit saves the committed
-        prefix restored or recomputed elsewhere (the cheaper, per the instance's profile); a live lease puts
+    def lease_costs(self, instance_id: str, model: str, committed: int, session_id: str = "") -> LeaseCosts:
+        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``). What a hit saves: with the
+        session known, Eq. 1's KV + activation terms of the session's next call on the best *other* admissible
+        instance minus those on this one, queueing left out (the policy's own view of where the prefix is, how
+        much suffix each must prefill and what each model switch costs); without it, or with no admissible
+        alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's profile). A live lease puts
         one admission unit of a mean call's queueing on every other call arriving at its instance (the
         router's arrival rate over all models, spread over the instances) -- in proportion to how busy the
         instance is (calls running, waiting and forwarded over its decode slots): a lease on an instance
@@ -241,13 +244,22 @@ class Gateway:
         spec = self.pools.get(instance_id)
         calls = (v.snapshot.num_running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
         busy = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
-        return LeaseCosts(saved_s=committed * per_token, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
+        saved = committed * per_token
+        if session_id:
+            nxt = self.request(session_id, model, committed + int(shape.suffix_tokens), max(1, int(shape.decode_tokens)))
+            d, _ = self.decide(nxt, use_lease=False)
+            mine = next((c for c in d.costs if c.instance_id == instance_id), None)
+            alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
+            if mine is not None and alt is not None:
+                saved = max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s))
+        return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
 
-    def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None) -> tuple:
+    def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
         """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
-        caller's expected tool time (request hint; wins over the learned gap). Pure read."""
+        caller's expected tool time (request hint; wins over the learned gap). Reads only (a policy decision
+        for the session's next call is evaluated, not committed)."""
         est = self.gaps.predict(model, tool, hint_s)
-        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed))
+        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed, session_id))
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:

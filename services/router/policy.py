@@ -72,7 +72,8 @@ class PolicyParams:
     default_weights_gib: float = 1.0
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
-    lease_policy: str = "fixed"  # "adaptive": a lease is honoured only if its instance is not costlier (issue 12 #3)
+    lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
+    lease_arithmetic: bool = True  # adaptive: a lease is installed / honoured only when it saves more than it delays (issue 12 #3)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -644,7 +645,8 @@ def decide_full(state: PlacementState, now: float) -> Decision:
         assert state.lease is not None
         inst = idx.by_id[state.lease.instance_id]
         mine = breakdown(inst, state)
-        if state.params.lease_policy != "adaptive" or not _outweighed(state, idx, mine):
+        p = state.params
+        if p.lease_policy != "adaptive" or not p.lease_arithmetic or not _outweighed(state, idx, mine):
             return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)
         lease = "outweighed"
     # A lease that failed its check is discarded; placement continues as if there were none.
