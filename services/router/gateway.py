@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -113,6 +113,7 @@ class Gateway:
         self.returns = ReturnTracker()
         self.next_models = NextModelBook()
         self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
+        self._declared: OrderedDict[str, str] = OrderedDict()  # request id -> tool named by the client (X-Talaria-Tool)
 
     @property
     def adaptive(self) -> bool:
@@ -148,7 +149,8 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
-        tool = hook.tool_names[0] if hook.tool_names else ""
+        declared = self._declared.pop(hook.request_id, "")
+        tool = hook.tool_names[0] if hook.tool_names else declared
         self.returns.ended(hook.session_id, hook.model, tool, done)
         if not self.leases_enabled or committed == 0:
             return None
@@ -178,6 +180,13 @@ class Gateway:
             lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
         self.stats["leases_installed"] += 1
         return lease
+
+    def declare_tool(self, request_id: str, tool: str, keep: int = 4096) -> None:
+        """The client named the tool this call's output invokes (``X-Talaria-Tool``): used as the hook's tool
+        when the engine parsed none (mutates a bounded map; only the replica that took the call knows it)."""
+        self._declared[request_id] = tool
+        while len(self._declared) > keep:
+            self._declared.popitem(last=False)
 
     def on_intent(self, intent: pb.ToolIntent) -> rpb.Lease | None:
         """A tool-call header streamed (issue 14 item 3): with adaptive leases and no lease yet, install one

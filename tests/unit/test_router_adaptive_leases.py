@@ -156,3 +156,17 @@ def test_live_lease_weight_decays_in_the_table():
     assert w[0]["a"] > w[1]["a"] > w[2].get("a", 0.0)
     assert [x.get("b") for x in w] == [1.0, 1.0, 1.0, None]  # fixed tau: the cliff
     assert table.held_token_s(2.0) == pytest.approx(2 * 100 * 2.0)
+
+
+def test_declared_tool_keys_the_lease_when_the_hook_has_none():
+    clock = ManualClock(100.0)
+    gw, store = make(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    teach(gw, store, clock, "pytest", 6.0)
+    gw.on_snapshot(snapshot("a", 2, clock))
+    gw.declare_tool("r-decl", "pytest")
+    lease = gw.on_hook(hook("a", "s9", clock, rid="r-decl"))
+    assert lease.tool == "pytest" and lease.t_exp_unix - lease.t_done_unix > 6.0
+    parsed = hook("a", "s10", clock, tool="pytest", rid="r-parsed")
+    gw.declare_tool("r-parsed", "ls")  # a tool call the engine parsed wins over the declared one
+    assert gw.on_hook(parsed).tool == "pytest"
