@@ -79,7 +79,10 @@ CONFIGS += tuple(
                  f"as Talaria, but the paper's fixed lease tau = {t:g} s for every call", "lease")
     for t in (0.5, 1.0, 2.0, 5.0)
 ) + (MatrixConfig("lease-adaptive-no-arith", {"router.placement.lease_arithmetic": False},
-                  "as Talaria (adaptive lease windows), but every lease installed and honoured (no value-vs-harm check)", "lease"),)
+                  "as Talaria (adaptive lease windows), but every lease installed and honoured (no value-vs-harm check)", "lease"),
+    MatrixConfig("no-prefetch", {"router.placement.intent_prefetch": False},
+                 "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
+)
 QUICK_CONFIGS = ("Talaria", "Round-only")
 
 
