@@ -170,3 +170,14 @@ def test_declared_tool_keys_the_lease_when_the_hook_has_none():
     parsed = hook("a", "s10", clock, tool="pytest", rid="r-parsed")
     gw.declare_tool("r-parsed", "ls")  # a tool call the engine parsed wins over the declared one
     assert gw.on_hook(parsed).tool == "pytest"
+
+
+def test_bad_tool_header_is_400_naming_it():
+    from tests.unit.test_router_placement import BODY, _app
+
+    state, client = _app({"overload": "reject"})
+    r = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "rm -rf /"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Talaria-Tool"
+    ok = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "pytest"})
+    assert ok.status_code == 429  # accepted (the fixture's engine is overloaded), the tool declared for the hook
+    assert list(state.gateway._declared.values()) == ["pytest"]
