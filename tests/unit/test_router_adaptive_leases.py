@@ -181,3 +181,28 @@ def test_bad_tool_header_is_400_naming_it():
     ok = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "pytest"})
     assert ok.status_code == 429  # accepted (the fixture's engine is overloaded), the tool declared for the hook
     assert list(state.gateway._declared.values()) == ["pytest"]
+
+
+def test_prefetch_target_when_the_next_call_switches_models():
+    """Agent + user simulator: after an agent answer without a tool call the user simulator's model comes
+    next; the instance placement would pick for it must switch to it, so the router asks it to open it."""
+    from services.router.gateway import PoolSpec
+
+    clock = ManualClock(100.0)
+    reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
+    pools = {"a": PoolSpec("cold", ("agent", "user")), "b": PoolSpec("cold", ("agent", "user"))}
+    gw = Gateway(PolicyParams(lease_policy="adaptive"), reg, SessionTable(clock), LeaseTable(), clock.now, pools=pools, shapes=ShapeBook())
+    for iid, seq in (("a", 1), ("b", 1)):
+        snap = pb.InstanceSnapshot(instance_id=iid, epoch=1, seq=seq, heartbeat_period_s=0.5, sent_unix=clock.now(), pool=pb.POOL_COLD)
+        snap.models.append(pb.ModelState(model="agent", loaded=True, active=True, max_context=4096))
+        snap.models.append(pb.ModelState(model="user", loaded=True, active=False, max_context=4096))
+        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=1e-3, decode_step=0.01))
+        gw.on_snapshot(snap)
+    assert gw.prefetch_target("s", "agent", "", 500) is None  # nothing learned yet
+    for _ in range(4):
+        gw.next_models.observe("agent", "", "user")
+        gw.next_models.observe("agent", "grep", "agent")
+    assert gw.prefetch_target("s", "agent", "grep", 500) is None  # same model next: nothing to stage
+    target = gw.prefetch_target("s", "agent", "", 500)
+    assert target is not None and target[1] == "user" and target[0] in ("a", "b")
+    assert gw.stats["prefetches"] == 1
