@@ -181,6 +181,11 @@ class Gateway:
         self.stats["leases_installed"] += 1
         return lease
 
+    def lease_window(self, model: str, tool: str = "") -> float:
+        """The lease length after a call of ``(model, tool)``: tau (fixed) or the predicted window (adaptive).
+        Resume tokens are issued with it before the hook names the tool (``tool`` ""). Pure read."""
+        return self.gaps.window(self.gaps.predict(model, tool)) if self.adaptive else self.tau_s
+
     def declare_tool(self, request_id: str, tool: str, keep: int = 4096) -> None:
         """The client named the tool this call's output invokes (``X-Talaria-Tool``): used as the hook's tool
         when the engine parsed none (mutates a bounded map; only the replica that took the call knows it)."""
