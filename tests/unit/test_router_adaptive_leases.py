@@ -206,3 +206,23 @@ def test_prefetch_target_when_the_next_call_switches_models():
     target = gw.prefetch_target("s", "agent", "", 500)
     assert target is not None and target[1] == "user" and target[0] in ("a", "b")
     assert gw.stats["prefetches"] == 1
+
+
+def test_a_mirrored_lease_keeps_its_predicted_gap_across_replicas():
+    """What another router replica's watcher applies from the shared bucket carries the gap, so every replica
+    weighs the lease the same (the bucket value is the Lease proto)."""
+    from types import SimpleNamespace
+
+    from services.router.leases import JetStreamLeases
+    from talaria.v1 import router_pb2 as rpb
+
+    lease = rpb.Lease(lease_id="l", session_id="s", model="m", instance_id="a", t_done_unix=0.0, t_exp_unix=4.0,
+                      gap_mu=math.log(0.5), gap_sigma=0.7, p_return=0.9, tool="grep", prefix=cpb.PrefixHandle(committed_tokens=64))
+    mine, theirs = LeaseTable(), LeaseTable()
+    MemoryLeases(mine).install_now(lease)
+    replica = JetStreamLeases(nc=None, bucket="b", table=theirs, ttl_s=1.0)
+    replica._apply(SimpleNamespace(operation="PUT", value=lease.SerializeToString(), key="k", revision=7))
+    for t in (0.2, 1.0, 3.0):
+        assert theirs.weighted_by_instance(t) == mine.weighted_by_instance(t)
+    view, rev = theirs.get("s", "m")
+    assert (view.gap_mu, view.gap_sigma, rev) == (pytest.approx(math.log(0.5)), 0.7, 7)
