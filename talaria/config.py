@@ -95,8 +95,9 @@ class PlacementConfig(_Strict):
     lease_ttl_s: float = Field(1.0, ge=0, description="soft-reservation timeout tau; 0 disables leases")
     lease_store: Literal["jetstream", "memory"] = Field("jetstream", description="jetstream = shared by router replicas")
     lease_policy: Literal["adaptive", "fixed"] = Field(
-        "adaptive", description="adaptive = lease window from the predicted return gap per (model, tool), installed only when it pays, "
-        "decaying value (services/router/return_gap.py, issue 14); fixed = the paper's tau (lease_ttl_s) for every call"
+        "fixed", description="fixed = the paper's tau (lease_ttl_s) for every call (default: adaptive has not yet been measured to "
+        "match the best fixed tau, see services/router/README.md); adaptive = lease window from the predicted return gap per "
+        "(model, tool), installed only when it pays, decaying value (services/router/return_gap.py, issue 14)"
     )
     lease_arithmetic: bool = Field(True, description="adaptive leases: install / honour a lease only when its expected saving beats the "
                                    "queueing it imposes (issue 12 item 3); false = every adaptive lease, honoured at the return")
