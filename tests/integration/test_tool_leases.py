@@ -22,7 +22,7 @@ def metrics(stack) -> dict:
 
 
 def test_tool_call_intent_early_lease_and_learned_gap(models_dir):
-    stack = start_stack(stack_config(models_dir, [engine("q-a", MODEL)], max_tokens_limit=512, placement={"lease_policy": "adaptive"}))
+    stack = start_stack(stack_config(models_dir, [engine("q-a", MODEL)], max_tokens_limit=512, placement={"lease_policy": "adaptive", "lease_arithmetic": False}))  # plumbing, not the arithmetic
     try:
         client = client_for(stack)
         msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
