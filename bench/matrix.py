@@ -77,7 +77,20 @@ CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("least-pressure", {"router.placement.policy": "least-pressure"}, "engines as Talaria; each call to the least-loaded instance", "router"),
     MatrixConfig("session-sticky", {"router.placement.policy": "session-sticky"}, "engines as Talaria; a session pinned to its first instance", "router"),
 )
-# router policy "full" is the Talaria row (same engines, policy "full").
+# router policy "full" is the Talaria row (same engines, policy "full"; fixed lease tau by default).
+# Issue 14 lease rows (kind "lease"): run only when named (--configs), e.g. on the per-tool workload:
+#   talaria bench matrix --tool-gaps --configs lease-adaptive lease-adaptive-no-arith lease-fixed-0.5 lease-fixed-1 lease-fixed-2 lease-fixed-5
+CONFIGS += tuple(
+    MatrixConfig(f"lease-fixed-{t:g}", {"router.placement.lease_policy": "fixed", "router.placement.lease_ttl_s": t},
+                 f"as Talaria, but the paper's fixed lease tau = {t:g} s for every call", "lease")
+    for t in (0.5, 1.0, 2.0, 5.0)
+) + (MatrixConfig("lease-adaptive", {"router.placement.lease_policy": "adaptive"},
+                  "as Talaria, but adaptive leases: windows from the predicted return gap per (model, tool), lease arithmetic on", "lease"),
+    MatrixConfig("lease-adaptive-no-arith", {"router.placement.lease_policy": "adaptive", "router.placement.lease_arithmetic": False},
+                  "as lease-adaptive, but every lease installed and honoured (no value-vs-harm check)", "lease"),
+    MatrixConfig("no-prefetch", {"router.placement.intent_prefetch": False},
+                 "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
+)
 QUICK_CONFIGS = ("Talaria", "Round-only")
 
 
@@ -366,7 +379,7 @@ def run_matrix(
     desc = describe(w)
     say(f"workload: {desc['sessions']} sessions, {desc['calls']} calls, models {desc['models']}, "
         f"meta {json.dumps(w.meta)} -> {wpath}")
-    wanted = names or (list(QUICK_CONFIGS) if quick else [c.name for c in CONFIGS])
+    wanted = names or (list(QUICK_CONFIGS) if quick else [c.name for c in CONFIGS if c.kind != "lease"])
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")

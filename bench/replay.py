@@ -218,7 +218,11 @@ class HttpSender:
         path, body = self.body(call, prompt)
         out = Outcome()
         try:
-            async with self.client.stream("POST", self.api + path, json=body, headers={"X-Session-ID": session.session_id}) as resp:
+            headers = {"X-Session-ID": session.session_id}
+            nxt = next((c for c in session.calls if c.call_index == call.call_index + 1), None)
+            if nxt is not None and nxt.tool:  # the tool this call invokes (issue 14): the next call's `tool`
+                headers["X-Talaria-Tool"] = nxt.tool
+            async with self.client.stream("POST", self.api + path, json=body, headers=headers) as resp:
                 out.status = resp.status_code
                 out.instance = resp.headers.get("x-talaria-instance", "")
                 out.placement = resp.headers.get("x-talaria-placement", "")

@@ -130,6 +130,14 @@ def _router_metrics(before: dict | None, after: dict | None) -> dict[str, Any]:
         "same_instance_router": d("same_instance_returns") / returns if returns else NA,
         "lease_hits": d("lease_hits"),
         "lease_misses": d("lease_misses"),
+        # issue 14: leases installed but not hit, expiries, declined / outweighed by the lease arithmetic,
+        # committed tokens x seconds held by leases (device KV they reserved)
+        "leases_installed": d("leases_installed"),
+        "leases_unused": d("leases_installed") - d("lease_hits"),
+        "lease_expiries": d("lease_expiries"),
+        "leases_declined": d("leases_declined"),
+        "lease_outweighed": d("lease_outweighed"),
+        "lease_token_s": d("lease_token_s"),
     }
 
 

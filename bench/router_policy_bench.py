@@ -29,6 +29,14 @@ Reported
        TTFT p50/p95, SCT p50/p95.
     2. tau sweep (full router, medium load): same-worker returns, lease hits, unused leases (installed and
        never consumed), model opens, returning-call TTFT p50/p95.
+    4. Lease policies on the per-tool workload (issue 14; ``--lease-sweep-only`` runs just this): gaps drawn
+       per tool from ``bench.workloads.synthetic.TOOLS`` (fast ``ls``/``grep`` ~50 ms ... slow ``pytest`` ~6 s,
+       capped at 10 s; the hook names the tool), ``--lease-calls`` calls per session, ``--lease-loads``;
+       adaptive leases (``lease_policy: adaptive``, with and without the lease arithmetic) vs fixed tau in
+       {0.5, 1, 2, 5} s: SCT p50/p95, lease hits,
+       unused leases (installed - hits), expiries, declined (not worth it), outweighed (dropped at the
+       return), and device KV held by leases in GiB x s (committed tokens x seconds held x
+       ``KV_BYTES_PER_TOKEN``, SmolLM2-135M's 23,040 B/token: 30 layers x 3 KV heads x 64 x K+V x bf16).
     3. Placement decision cost (real time on this machine): microseconds per decision for 10 / 100 / 1000
        cold instances, for the pure ``decide`` on a prepared state and for the gateway path (state build
        from snapshots + overlay + decide); median of ``--cost-repeats`` rounds. ``--decision-cost-only``
@@ -91,6 +99,7 @@ class Call:
     done: float = 0.0
     worker: str = ""
     returning: bool = False
+    tool: str = ""  # the tool this call invokes (its gap_after is that tool's run); "" = none
 
 
 def workload(seed: int, sessions: int, calls: int, start_gap: float) -> list[list[Call]]:
@@ -113,6 +122,22 @@ def workload(seed: int, sessions: int, calls: int, start_gap: float) -> list[lis
     for seq, t0 in zip(out, starts):
         seq[0].arrival = t0
     return out
+
+
+def tool_workload(seed: int, sessions: int, calls: int, start_gap: float) -> list[list[Call]]:
+    """As ``workload``, but each call invokes a tool drawn from ``TOOLS`` and the gap after it is that tool's."""
+    from bench.workloads.synthetic import TOOLS
+
+    out = workload(seed, sessions, calls, start_gap)
+    rng = random.Random(seed + 7919)
+    for seq in out:
+        for c in seq:
+            t = rng.choices(TOOLS, weights=[t.weight for t in TOOLS])[0]
+            c.tool, c.gap_after = t.name, min(10.0, t.gap.draw(rng))
+    return out
+
+
+KV_BYTES_PER_TOKEN = 23_040  # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64 x (K, V) x 2 bytes
 
 
 # -------------------------------------------------------------------------------- simulated worker
@@ -210,7 +235,10 @@ class SimWorker:
 # ------------------------------------------------------------------------------------------ replay
 
 
-def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile, slots: int, workers: int = 2) -> dict:
+def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile, slots: int, workers: int = 2, lease_policy: str = "fixed") -> dict:
+    """``lease_policy``: fixed | adaptive | adaptive-no-arith (adaptive windows, lease arithmetic off)."""
+    arith = lease_policy != "adaptive-no-arith"
+    lease_policy = "adaptive" if lease_policy.startswith("adaptive") else lease_policy
     clock = ManualClock(0.0)
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
     table = LeaseTable()
@@ -218,7 +246,7 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
     pools = {f"w{i}": PoolSpec("cold", MODELS) for i in range(workers)}
     defaults = Defaults(prof.prefill_per_token, prof.decode_step, prof.restore_per_token, prof.switch_s, prof.open_s)
     gw = Gateway(
-        PolicyParams(policy=policy), reg, SessionTable(clock), table, clock.now, profiles=ProfileBook(defaults),
+        PolicyParams(policy=policy, lease_policy=lease_policy, lease_arithmetic=arith), reg, SessionTable(clock), table, clock.now, profiles=ProfileBook(defaults),
         shapes=ShapeBook(), tau_s=tau, pools=pools, decisions_kept=0,
     )
     ws = {wid: SimWorker(wid, prof, slots) for wid in pools}
@@ -283,6 +311,8 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
                 prefix=cpb.PrefixHandle(model=c.model, committed_tokens=c.prompt + c.output),
                 usage=cpb.Usage(prompt_tokens=c.prompt, completion_tokens=c.output),
             )
+            if c.tool:
+                hook.tool_names.append(c.tool)
             lease = gw.on_hook(hook)
             if lease is not None:
                 store.install_now(lease)
@@ -360,6 +390,46 @@ def run_tau_sweep(args, prof: SimProfile) -> list[dict]:
     return rows
 
 
+LEASE_CONFIGS = (("fixed", 0.5), ("fixed", 1.0), ("fixed", 2.0), ("fixed", 5.0), ("adaptive", 1.0), ("adaptive-no-arith", 1.0))
+
+
+def run_lease_sweep(args, prof: SimProfile) -> list[dict]:
+    """Section 4: lease policies on the per-tool workload, pooled over seeds, per load."""
+    rows = []
+    for load in args.lease_loads:
+        for lp, tau in LEASE_CONFIGS:
+            agg = {"sct": [], "ttft": [], "hits": 0, "installed": 0, "expiries": 0, "declined": 0, "outweighed": 0, "token_s": 0.0}
+            for seed in range(args.seeds):
+                res = replay("full", tau, tool_workload(args.seed + seed, args.sessions, args.lease_calls, LOADS[load]), prof, args.slots, lease_policy=lp)
+                st = res["stats"]
+                agg["sct"] += res["sct"]
+                agg["ttft"] += [c.first_token - c.arrival for c in res["calls"] if c.index > 0]
+                agg["hits"] += st["lease_hits"]
+                agg["installed"] += st["leases_installed"]
+                agg["expiries"] += st["lease_expiries"]
+                agg["declined"] += st["leases_declined"]
+                agg["outweighed"] += st["lease_outweighed"]
+                agg["token_s"] += st["lease_token_s"]
+            rows.append({
+                "load": load, "lease_policy": lp if lp.startswith("adaptive") else f"fixed {tau:g}s",
+                "sct_p50": pct(agg["sct"], 50), "sct_p95": pct(agg["sct"], 95),
+                "return_ttft_p50": pct(agg["ttft"], 50), "return_ttft_p95": pct(agg["ttft"], 95),
+                "lease_hits": agg["hits"], "leases_installed": agg["installed"], "unused_leases": agg["installed"] - agg["hits"],
+                "lease_expiries": agg["expiries"], "leases_declined": agg["declined"], "lease_outweighed": agg["outweighed"],
+                "lease_gib_s": agg["token_s"] * KV_BYTES_PER_TOKEN / 2**30,
+            })
+    return rows
+
+
+def print_lease_sweep(rows: list[dict], args) -> None:
+    print(f"4. Lease policies on the per-tool workload (SIMULATION; {args.sessions} sessions x {args.lease_calls} calls x {args.seeds} seeds per load)")
+    print(format_table(
+        ["load", "leases", "SCT p50", "SCT p95", "ret.TTFT p50", "ret.TTFT p95", "hits", "unused", "expiries", "declined", "outweighed", "KV GiB*s"],
+        [[r["load"], r["lease_policy"], r["sct_p50"], r["sct_p95"], r["return_ttft_p50"], r["return_ttft_p95"], r["lease_hits"], r["unused_leases"],
+          r["lease_expiries"], r["leases_declined"], r["lease_outweighed"], r["lease_gib_s"]] for r in rows],
+    ))
+
+
 # ------------------------------------------------------------------------------- decision cost
 
 
@@ -419,6 +489,13 @@ def print_decision_cost(rows: list[dict]) -> None:
 
 
 def main(args) -> int:
+    if args.lease_sweep_only:
+        rows = run_lease_sweep(args, SimProfile())
+        print_lease_sweep(rows, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"simulation": True, "lease_sweep": rows}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0
     if args.decision_cost_only:
         rows = decision_cost(args.sizes, args.seed, args.cost_repeats)
         print_decision_cost(rows)
@@ -447,6 +524,10 @@ def main(args) -> int:
         [[r["tau_s"], f"{100 * r['same_worker_return_rate']:.1f}%", r["lease_hits"], r["unused_leases"], r["model_opens"],
           r["avoidable_cold_opens"], r["return_ttft_p50"], r["return_ttft_p95"]] for r in tau_rows],
     ))
+    lease_rows = run_lease_sweep(args, prof)
+    out["lease_sweep"] = lease_rows
+    print()
+    print_lease_sweep(lease_rows, args)
     cost_rows = decision_cost(args.sizes, args.seed, args.cost_repeats)
     out["decision_cost"] = cost_rows
     print()
@@ -468,4 +549,7 @@ def add_args(p) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000], help="instance counts for the decision cost")
     p.add_argument("--cost-repeats", type=int, default=5, help="timing rounds per size in section 3; medians reported (default 5)")
     p.add_argument("--decision-cost-only", action="store_true", help="run only section 3 (placement decision cost)")
+    p.add_argument("--lease-sweep-only", action="store_true", help="run only section 4 (lease policies on the per-tool workload)")
+    p.add_argument("--lease-calls", type=int, default=20, help="calls per session in section 4 (default 20)")
+    p.add_argument("--lease-loads", nargs="+", choices=list(LOADS), default=["low", "medium"], help="loads of section 4 (default low medium)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")

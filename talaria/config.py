@@ -99,6 +99,19 @@ class PlacementConfig(_Strict):
     )
     lease_ttl_s: float = Field(1.0, ge=0, description="soft-reservation timeout tau; 0 disables leases")
     lease_store: Literal["jetstream", "memory"] = Field("jetstream", description="jetstream = shared by router replicas")
+    lease_policy: Literal["adaptive", "fixed"] = Field(
+        "fixed", description="fixed = the paper's tau (lease_ttl_s) for every call (default: adaptive has not yet been measured to "
+        "match the best fixed tau, see services/router/README.md); adaptive = lease window from the predicted return gap per "
+        "(model, tool), installed only when it pays, decaying value (services/router/return_gap.py, issue 14)"
+    )
+    lease_arithmetic: bool = Field(True, description="adaptive leases: install / honour a lease only when its expected saving beats the "
+                                   "queueing it imposes (issue 12 item 3); false = every adaptive lease, honoured at the return")
+    gap_prior_median_s: float = Field(1.0, gt=0, description="adaptive leases: cold-start median return gap (before a (model, tool) has returns)")
+    gap_prior_sigma: float = Field(1.0, gt=0, description="adaptive leases: cold-start spread of ln(gap)")
+    gap_quantile: float = Field(0.9, gt=0, lt=1, description="adaptive leases: the window is this quantile of the predicted gap")
+    gap_cap_s: float = Field(10.0, gt=0, description="adaptive leases: longest window")
+    intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
+                                  "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")
     admission_budget_s: float = Field(60.0, gt=0, description="round-admission check: predicted TTFT must stay under this")
     hbm_reserve_fraction: float = Field(0.0, ge=0, lt=1, description="memory check: KV fraction kept free")

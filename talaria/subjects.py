@@ -8,7 +8,9 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.engine.<instance>.heartbeat   InstanceSnapshot
     <ns>.engine.<instance>.round       round summaries   (cold pool)
     <ns>.engine.<instance>.switch      switch records    (cold pool)
+    <ns>.engine.<instance>.retention   RetentionHint (router -> engine: predicted return gap of a session)
     <ns>.hook.completed                CompletionHook
+    <ns>.hook.intent                   ToolIntent (a tool-call header seen mid-stream; issue 14)
     <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
     <ns>.kvstore.<store>.stats         KvStoreStatsRecord (periodic; read by the telemetry service)
     <ns>.inbox.<router>.<id>           reply inboxes of one router process; the engine probes an inbox
@@ -64,11 +66,17 @@ class Subjects:
     def switch(self, instance: str) -> str:
         return self._engine(instance, "switch")
 
+    def retention(self, instance: str) -> str:
+        return self._engine(instance, "retention")
+
     def all_heartbeats(self) -> str:
         return f"{self.namespace}.engine.*.heartbeat"
 
     def completed(self) -> str:
         return f"{self.namespace}.hook.completed"
+
+    def intent(self) -> str:
+        return f"{self.namespace}.hook.intent"
 
     def all_rounds(self) -> str:
         return f"{self.namespace}.engine.*.round"

@@ -229,6 +229,9 @@ class Executor(Protocol):
         """Issue 14: drop the session's device entry and the radix pages only it holds, and release its kvstore
         entries (shared prefixes stay). ``token_ids``: its tokens when no device entry remains. Returns pages freed."""
 
+    def attach_retention(self, book) -> None:
+        """Session caches evict by predicted return (``kv.retention.RetentionBook``; issue 14)."""
+
     def open_model(self, model: str) -> None:
         """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""
 

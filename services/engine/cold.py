@@ -117,6 +117,7 @@ class ColdEngine:
         self._shells: dict[str, _Shell] = {}
         self._fresh_shell: str | None = None
         self._host_kv_factory: Callable[[Engine], Any] | None = None
+        self._retention = None  # kv.retention.RetentionBook shared by every model's session cache (issue 14)
         self._host_kv: dict[str, Any] = {}  # model -> its HostKV tier (outlives shell rebuilds)
         self.loaded: list[str] = []
         for m in self.catalog:
@@ -223,6 +224,13 @@ class ColdEngine:
             self._refresh_gauges()
 
     # ------------------------------------------------------------------ host KV tier (Talaria §4.3)
+    def attach_retention(self, book) -> None:
+        """Every model's session cache evicts by predicted return (``kv.retention``; shells built later too)."""
+        with self._step_lock:
+            self._retention = book
+            for sh in self._shells.values():
+                sh.engine.attach_retention(book)
+
     def attach_host_kv_factory(self, factory: Callable[[Engine], Any]) -> None:
         """Give every model's shell a host KV tier built by ``factory(shell_engine)``.
 
@@ -449,6 +457,7 @@ class ColdEngine:
         )
         self._shells[model] = _Shell(eng, now)
         self._bind_host_kv(model, eng)
+        eng.attach_retention(self._retention)
         self._fresh_shell = model  # its runtime state was built with it (phase 4 reports a rebuild)
         return False
 

@@ -597,6 +597,11 @@ class Engine:
         with self._step_lock:
             self.host_kv = host_kv
 
+    def attach_retention(self, book) -> None:
+        """Evict session entries by predicted return (``kv.retention.RetentionBook``, issue 14)."""
+        with self._step_lock:
+            self.kv.sessions.retention = book
+
     def drain_checkpoints(self, timeout: float | None = None) -> bool:
         """Switch barrier (Talaria Appendix B): wait until every outstanding device->host checkpoint copy
         has completed (or been abandoned) and its pages are unpinned. Call before releasing the KV region.

@@ -38,6 +38,8 @@ from services.engine import wire
 from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
 from services.engine.heartbeat import HeartbeatThread
 from services.engine.tracing import CallTracer
+from services.engine.kv.retention import Hint, RetentionBook
+from services.engine.tool_watch import ToolWatch
 from services.engine.wire import SCHEMA_VERSION, CallError
 from talaria import call_hints, otel
 from talaria.config import EngineConfig, StackConfig
@@ -78,6 +80,8 @@ class _Call:
     end_session: bool = False  # issue 14: X-Session-End: the session ends with this call
     stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
+    tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names (issue 14)
+    generated: int = 0
 
 
 class EngineService:
@@ -117,6 +121,7 @@ class EngineService:
         self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
         self._ending: dict[str, str] = {}  # issue 14: session -> tenant, ended while a call of it was in flight
+        self.retention = RetentionBook(time.time)  # router hints: evict by predicted return (issue 14 item 2)
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model)
@@ -203,6 +208,9 @@ class EngineService:
         if call is None:
             return  # cancelled/expired: its final chunk was already sent
         now = time.monotonic()
+        call.generated += len(o.new_token_ids)
+        if call.tools is not None and call.tools.feed(o.new_text, call.generated):
+            self._publish_intent(call)  # as the header streams, even when the tokens below are held
         if not call.stream and call.first_token_at and not o.finished:
             # issue 20 §5: a non-streaming call's reader wants the whole answer, so after its first token
             # (sent at once: TTFT stays observable) its outputs are merged and go out with the finished
@@ -265,6 +273,9 @@ class EngineService:
         )
         if usage is not None:
             hook.usage.CopyFrom(usage)
+        if call.tools is not None and error is None:
+            hook.tool_names.extend(call.tools.finish())
+            hook.tool_call_count = len(hook.tool_names)
         if error is not None:
             hook.error.CopyFrom(error)
         if attribution is not None:
@@ -314,6 +325,35 @@ class EngineService:
             return
         self._ending.pop(req.session_id, None)
         await self._end_now(req.session_id, req.tenant, req.model or self.model)
+
+    def _publish_intent(self, call: _Call) -> None:
+        """A tool-call header streamed (``ToolWatch``): tell the routers now, before the call ends (issue 14
+        item 3). Fire and forget; mutates nothing."""
+        assert call.tools is not None and self.nc is not None
+        intent = pb.ToolIntent(
+            schema_version=SCHEMA_VERSION, request_id=call.request_id, session_id=call.session_id, model=call.model,
+            instance_id=self.cfg.id, tool_name=call.tools.intent, seen_unix=time.time(), prompt_tokens=call.prompt_tokens,
+            generated_tokens=call.generated,
+        )
+        self.counters["tool_intents"] = self.counters.get("tool_intents", 0) + 1
+
+        async def send() -> None:
+            try:
+                await self.nc.publish(self.subjects.intent(), intent.SerializeToString())
+            except Exception as e:  # noqa: BLE001
+                log.warning("tool intent for %s not published: %s", call.request_id, e)
+
+        asyncio.ensure_future(send())
+
+    async def _on_retention(self, msg) -> None:
+        """A router's ``RetentionHint``: the session cache evicts by predicted return (``kv/retention.py``)."""
+        h = pb.RetentionHint()
+        try:
+            h.ParseFromString(msg.data)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the subscription
+            return
+        if h.session_id:
+            self.retention.note(h.session_id, Hint(h.t_done_unix, h.gap_mu, h.gap_sigma, h.window_s))
 
     def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
         call = self._calls.pop(rid, None)
@@ -442,6 +482,8 @@ class EngineService:
         call.accepted_ns = time.time_ns()
         self._wake.set()
         tool_format = self._runtime(req.model).tokenizer.tool_format if req.tools_json else ""
+        if tool_format and req.session_id:
+            call.tools = ToolWatch(tool_format)
         await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
@@ -573,7 +615,9 @@ class EngineService:
             await self.nc.subscribe(self.subjects.generate(self.cfg.id), cb=self._on_generate),
             await self.nc.subscribe(self.subjects.cancel(self.cfg.id), cb=self._on_cancel),
             await self.nc.subscribe(self.subjects.control(self.cfg.id), cb=self._on_control),
+            await self.nc.subscribe(self.subjects.retention(self.cfg.id), cb=self._on_retention),
         ]
+        self.engine.attach_retention(self.retention)
         await self.nc.flush()  # the subscriptions are in place before the first beat says "serving"
         self._beat = HeartbeatThread(
             url, f"engine-{self.cfg.id}-heartbeat", self.stack.nats, self.subjects.heartbeat(self.cfg.id),

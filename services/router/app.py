@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections import Counter
@@ -69,6 +70,13 @@ class Placed:
         return h
 
 
+# Issue 14: a harness whose model does not emit parseable tool calls (a replay of recorded calls, plain
+# completions) names the tool the call's output invokes; the router keys the session's lease by it as if the
+# engine had parsed it (``Gateway.declare_tool``; a parsed tool call in the hook wins).
+TOOL_HEADER = "X-Talaria-Tool"
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 class RouterAPI:
     """The handlers' logic over ``RouterState``; ``create_app`` wires it to routes. Mutates the state's
     counters, gateway (via admission/commit) and lease store."""
@@ -117,6 +125,12 @@ class RouterAPI:
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
         self.resumes.apply(request.headers.get(resume.HEADER), g, self.state.gateway)  # a valid token's lease -> table
+        tool = request.headers.get(TOOL_HEADER)
+        if tool is not None:  # issue 14: the tool this call's output invokes, for outputs the engine cannot parse
+            if not TOOL_NAME.fullmatch(tool):
+                raise APIError(400, f"{TOOL_HEADER} must be 1-64 characters of letters, digits, '_', '-', '.'", code="invalid_value", param=TOOL_HEADER)
+            if g.session_id:
+                self.state.gateway.declare_tool(g.request_id, tool)
         return g
 
     # ------------------------------------------------------------------------------------ placing

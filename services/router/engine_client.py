@@ -96,8 +96,11 @@ class EngineCall:
 
         self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
-        await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
-        await self.nc.flush()
+        try:
+            await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
+            await self.nc.flush()
+        except Exception as e:  # noqa: BLE001 - NATS restarting (flush timeout, connection closed): not a 500
+            raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
         if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)

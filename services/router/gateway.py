@@ -14,6 +14,14 @@ session for the same model), ``same_instance_returns``, ``moved_returns``, ``lea
 ``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
 ``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
 (the chosen instance had to open the model while another healthy instance had it resident).
+
+Tool-aware leases (issue 14 item 1, ``lease_policy: adaptive``; the arithmetic in ``return_gap.py``): a
+hook's tool (its first parsed tool call) keys the return-gap predictor; the lease window is the predicted
+gap's capped quantile; a lease whose expected saving is below the queueing it imposes is not installed
+(``leases_declined``); live leases weigh on their instance by their decaying value; a return whose leased
+instance is costlier than the best alternative drops the lease (``lease_outweighed``). Every return is an
+observation (``arrival``). ``lease_token_s``: committed tokens x seconds held by leases (device KV they
+kept reserved), judged ones plus those still in the table. ``lease_policy: fixed`` is the paper's tau.
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
+from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ReturnTracker, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -76,6 +85,7 @@ class Gateway:
         pools: Mapping[str, PoolSpec] | None = None,
         router_id: str = "router-0",
         decisions_kept: int = 256,
+        gaps: GapPredictor | None = None,
     ):
         self.params = params
         self.registry = registry
@@ -101,6 +111,15 @@ class Gateway:
         self._pushed: dict[str, tuple[float, ...]] = {}  # id -> deadlines already on the heap
         self._primed = False
         self._decide_ns = 0
+        self.gaps = gaps or GapPredictor()  # return gaps per (model, tool), learned from every return
+        self.returns = ReturnTracker()
+        self.next_models = NextModelBook()
+        self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
+        self._declared: OrderedDict[str, str] = OrderedDict()  # request id -> tool named by the client (X-Talaria-Tool)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.params.lease_policy == "adaptive"
 
     @property
     def leases_enabled(self) -> bool:
@@ -138,9 +157,20 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
+        declared = self._declared.pop(hook.request_id, "")
+        tool = hook.tool_names[0] if hook.tool_names else declared
+        self.returns.ended(hook.session_id, hook.model, tool, done)
         if not self.leases_enabled or committed == 0:
             return None
         view = self.registry.instances.get(hook.instance_id)
+        tau, judged = self.tau_s, None
+        if self.adaptive:
+            hint = hook.hints.expected_tool_s if hook.HasField("hints") and hook.hints.expected_tool_s > 0 else None
+            judged = self.size_lease(hook.instance_id, hook.model, tool, committed, hint_s=hint, session_id=hook.session_id)
+            if not judged[1].install and self.params.lease_arithmetic:
+                self.stats["leases_declined"] += 1
+                return None
+            tau = judged[1].window_s
         lease = rpb.Lease(
             schema_version=LEASE_SCHEMA_VERSION,
             lease_id=hook.request_id,
@@ -149,12 +179,110 @@ class Gateway:
             instance_id=hook.instance_id,
             prefix=hook.prefix if hook.HasField("prefix") else cpb.PrefixHandle(model=hook.model),
             t_done_unix=done,
-            t_exp_unix=done + self.lease_tau(hook),
+            t_exp_unix=done + self.lease_tau(hook, tau),
             router_id=self.router_id,
             instance_epoch=view.snapshot.epoch if view is not None else 0,
+            tool=tool,
         )
+        if judged is not None:
+            est, j = judged
+            lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
         self.stats["leases_installed"] += 1
         return lease
+
+    def lease_window(self, model: str, tool: str = "") -> float:
+        """The lease length after a call of ``(model, tool)``: tau (fixed) or the predicted window (adaptive).
+        Resume tokens are issued with it before the hook names the tool (``tool`` ""). Pure read."""
+        return self.gaps.window(self.gaps.predict(model, tool)) if self.adaptive else self.tau_s
+
+    def declare_tool(self, request_id: str, tool: str, keep: int = 4096) -> None:
+        """The client named the tool this call's output invokes (``X-Talaria-Tool``): used as the hook's tool
+        when the engine parsed none (mutates a bounded map; only the replica that took the call knows it)."""
+        self._declared[request_id] = tool
+        while len(self._declared) > keep:
+            self._declared.popitem(last=False)
+
+    def on_intent(self, intent: pb.ToolIntent) -> rpb.Lease | None:
+        """A tool-call header streamed (issue 14 item 3): with adaptive leases and no lease yet, install one
+        now, sized for the tool, over the KV the call holds so far (``early``; the hook's lease replaces it).
+        Returns the lease to install, or None."""
+        self.stats["intents"] += 1
+        if not (self.adaptive and self.leases_enabled and intent.session_id):
+            return None
+        got = self.leases.get(intent.session_id, intent.model)
+        if got is not None and got[0].t_done_unix >= intent.seen_unix:
+            return None
+        committed = intent.prompt_tokens + intent.generated_tokens
+        est, j = self.size_lease(intent.instance_id, intent.model, intent.tool_name, committed, session_id=intent.session_id)
+        if not j.install and self.params.lease_arithmetic:
+            return None
+        view = self.registry.instances.get(intent.instance_id)
+        t0 = min(intent.seen_unix, self.wall()) if intent.seen_unix > 0 else self.wall()
+        self.stats["leases_early"] += 1
+        return rpb.Lease(
+            schema_version=LEASE_SCHEMA_VERSION, lease_id=intent.request_id, session_id=intent.session_id, model=intent.model,
+            instance_id=intent.instance_id, prefix=cpb.PrefixHandle(model=intent.model, committed_tokens=committed),
+            t_done_unix=t0, t_exp_unix=t0 + j.window_s, router_id=self.router_id,
+            instance_epoch=view.snapshot.epoch if view is not None else 0, gap_mu=est.mu, gap_sigma=est.sigma,
+            p_return=j.p_return, tool=intent.tool_name, early=True,
+        )
+
+    def prefetch_target(self, session_id: str, model: str, tool: str, prompt_tokens: int, min_share: float = 0.6,
+                        min_seen: int = 3) -> tuple[str, str] | None:
+        """Intent prefetch (issue 14 item 3): when the session's next call is predicted (``NextModelBook``,
+        share >= ``min_share`` over >= ``min_seen`` returns) to go to *another* model, the (instance, model)
+        that placement would choose for it now, if that instance would have to switch to or open the model:
+        the caller asks it to open the model ahead (``CONTROL_OPEN_MODEL``). None otherwise. Decides
+        without committing anything (reads the policy)."""
+        got = self.next_models.predict(model, tool)
+        if got is None or got[0] == model or got[1] < min_share or got[2] < min_seen:
+            return None
+        nxt = got[0]
+        d, _ = self.decide(self.request(session_id, nxt, max(1, prompt_tokens), 256), use_lease=False)
+        if d.instance_id is None or not (d.opens_model or d.switches_model):
+            return None
+        spec = self.pools.get(d.instance_id)
+        if spec is not None and spec.pool != "cold":
+            return None
+        self.stats["prefetches"] += 1
+        return d.instance_id, nxt
+
+    def lease_costs(self, instance_id: str, model: str, committed: int, session_id: str = "") -> LeaseCosts:
+        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``). What a hit saves: with the
+        session known, Eq. 1's KV + activation terms of the session's next call on the best *other* admissible
+        instance minus those on this one, queueing left out (the policy's own view of where the prefix is, how
+        much suffix each must prefill and what each model switch costs); without it, or with no admissible
+        alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's profile). A live lease puts
+        one admission unit of a mean call's queueing on every other call arriving at its instance (the
+        router's arrival rate over all models, spread over the instances) -- in proportion to how busy the
+        instance is (calls running, waiting and forwarded over its decode slots): a lease on an instance
+        with free slots delays nobody. Pure read."""
+        prof = self.profiles.profile(instance_id)
+        per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
+        shape = self.shapes.shape(model)
+        mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
+        now = self.wall()
+        rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
+        v = self.registry.instances.get(instance_id)
+        spec = self.pools.get(instance_id)
+        calls = (v.snapshot.num_running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
+        busy = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
+        saved = committed * per_token
+        if session_id:
+            nxt = self.request(session_id, model, committed + int(shape.suffix_tokens), max(1, int(shape.decode_tokens)))
+            d, _ = self.decide(nxt, use_lease=False)
+            mine = next((c for c in d.costs if c.instance_id == instance_id), None)
+            alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
+            if mine is not None and alt is not None:
+                saved = max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s))
+        return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
+
+    def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
+        """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
+        caller's expected tool time (request hint; wins over the learned gap). Reads only (a policy decision
+        for the session's next call is evaluated, not committed)."""
+        est = self.gaps.predict(model, tool, hint_s)
+        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed, session_id))
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:
@@ -217,7 +345,7 @@ class Gateway:
         if not self._primed:
             dirty |= set(reg.instances)
             self._primed = True
-        leases = self.leases.live_by_instance(self.wall())
+        leases = self.leases.weighted_by_instance(self.wall()) if self.adaptive else self.leases.live_by_instance(self.wall())
         old = self._lease_counts
         if leases != old:
             dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))
@@ -255,12 +383,12 @@ class Gateway:
         for iid in again:
             heapq.heappush(heap, (later, iid))
 
-    def lease_tau(self, hook: pb.CompletionHook) -> float:
-        """The lease length after a call (Talaria §3.3 tau). Issue 14: the caller's ``cache_ttl_s`` hint is an
-        upper bound. Hook for the tool-aware predictor (branch ``lease``): ``hook.hints.expected_tool_s`` (the
-        caller's expected tool time, 0 = none) is carried here for it to read; the fixed tau ignores it."""
+    def lease_tau(self, hook: pb.CompletionHook, tau: float) -> float:
+        """The lease length after a call: ``tau`` (the fixed Talaria §3.3 tau, or the adaptive window, which
+        already took the caller's ``expected_tool_s`` hint), capped by the caller's ``cache_ttl_s`` hint
+        (issue 14). Pure."""
         ttl = hook.hints.cache_ttl_s if hook.HasField("hints") else 0.0
-        return min(self.tau_s, ttl) if ttl > 0 else self.tau_s
+        return min(tau, ttl) if ttl > 0 else tau
 
     def end_session(self, session_id: str) -> list[str]:
         """Issue 14: forget a session (table entry and local leases). Returns the instances known to hold it
@@ -288,7 +416,14 @@ class Gateway:
         return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), decode))
 
     def arrival(self, req: CallRequest) -> None:
-        self.demand.arrival(req.model, self.wall())
+        """A call arrived: demand, and (a session's next call) one observed return gap and model transition."""
+        now = self.wall()
+        self.demand.arrival(req.model, now)
+        got = self.returns.returned(req.session_id, now) if req.session_id else None
+        if got is not None:
+            pr, gap = got
+            self.gaps.observe(pr.model, pr.tool, gap)
+            self.next_models.observe(pr.model, pr.tool, req.model)
 
     def state_for(self, req: CallRequest, exclude: Iterable[str] = (), use_lease: bool = True) -> tuple[PlacementState, int | None]:
         now = self.wall()
@@ -333,6 +468,9 @@ class Gateway:
 
     def lease_judged(self, d: Decision) -> None:
         """Count a lease the decision consumed or discarded (call once per lease seen)."""
+        self.lease_token_s += d.lease_held_s * d.lease_tokens
+        if d.lease == "outweighed":
+            self.stats["lease_outweighed"] += 1
         if d.lease == "hit":
             self.stats["lease_hits"] += 1
         elif d.lease == "expired":
@@ -437,7 +575,11 @@ class Gateway:
         return {
             "policy": self.params.policy,
             "lease_ttl_s": self.tau_s,
+            "lease_policy": self.params.lease_policy,
             "leases_live": sum(self.leases.live_by_instance(now).values()),
+            "lease_token_s": self.lease_token_s + self.leases.held_token_s(now),
+            "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
+            "return_gaps": self.gaps.keys(),
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
             "mean_decide_us": (self._decide_ns / 1e3 / s["decisions"]) if s.get("decisions") else None,
@@ -455,6 +597,8 @@ ACCOUNTING = (
     "lease_hits",
     "lease_misses",
     "lease_expiries",
+    "leases_declined",
+    "lease_outweighed",
     "model_opens",
     "model_switches",
     "avoidable_cold_opens",

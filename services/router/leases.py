@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from services.router.policy import LeaseView
+from services.router.return_gap import lease_weight
 from talaria.v1 import router_pb2 as rpb
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def view_of(lease: rpb.Lease) -> LeaseView:
         t_done_unix=lease.t_done_unix,
         t_exp_unix=lease.t_exp_unix,
         epoch=lease.instance_epoch,
+        gap_mu=lease.gap_mu,
+        gap_sigma=lease.gap_sigma,
     )
 
 
@@ -97,6 +100,22 @@ class LeaseTable:
             if now < e.view.t_exp_unix:
                 out[e.view.instance_id] = out.get(e.view.instance_id, 0) + 1
         return out
+
+    def weighted_by_instance(self, now: float, quantum: float = 0.125) -> dict[str, float]:
+        """Live leases per instance, each weighted by its decaying value (``return_gap.lease_weight``: a
+        fixed-tau lease weighs 1 until it expires), rounded to ``quantum`` so that placement state is rebuilt
+        only when a weight moved visibly."""
+        acc: dict[str, float] = {}
+        for e in self._by_key.values():
+            v = e.view
+            if now < v.t_exp_unix:
+                acc[v.instance_id] = acc.get(v.instance_id, 0.0) + lease_weight(v.gap_mu, v.gap_sigma, v.t_done_unix, v.t_exp_unix, now)
+        return {k: round(w / quantum) * quantum for k, w in acc.items() if w >= quantum / 2}
+
+    def held_token_s(self, now: float) -> float:
+        """Committed tokens x seconds held so far by the leases in the table (live ones until now, expired
+        ones until their expiry): device KV reserved by leases not judged yet."""
+        return sum(max(0.0, min(now, e.view.t_exp_unix) - e.view.t_done_unix) * e.view.committed_tokens for e in self._by_key.values())
 
     def live_by_model(self, now: float) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -74,6 +74,8 @@ class PolicyParams:
     default_weights_gib: float = 1.0
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
+    lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
+    lease_arithmetic: bool = True  # adaptive: a lease is installed / honoured only when it saves more than it delays (issue 12 #3)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -173,6 +175,8 @@ class LeaseView:
     t_done_unix: float
     t_exp_unix: float
     epoch: int = 0
+    gap_mu: float = 0.0  # predicted return gap (services/router/return_gap.py); sigma 0 = fixed tau
+    gap_sigma: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,13 +244,15 @@ class Decision:
     policy: str
     reason: str  # "lease" | "cost" | "least-pressure" | "sticky" | "round-robin" | "overload" | "no-instance"
     #             (the gateway rewrites a decision as "start-now" or "late": services/router/gateway.py)
-    lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid"
+    lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid" | "outweighed" (adaptive)
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
     switches_model: bool = False  # ... must switch to a resident/staged model
     avoidable_open: bool = False  # ... opens it although another healthy instance has it resident
     retry_after_s: float = 0.0  # overload: when trying again makes sense
     shortlisted_out: int = 0  # replica-opening instances not ranked (over the replica_shortlist bound)
+    lease_held_s: float = 0.0  # how long the judged lease had been held (accounting of device KV held by leases)
+    lease_tokens: int = 0  # its committed tokens
 
     def chosen(self) -> CostBreakdown | None:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
@@ -382,8 +388,8 @@ def _eq1_special(e: _Entry, state: PlacementState, c: _Call) -> CostBreakdown:
     kv_source, prefix = kv_state_on(inst, state.request, state.session, state.lease)
     pressure = e.pressure
     if state.lease is not None and state.lease.instance_id == inst.instance_id and inst.overlay_leases > 0:
-        p = state.params
-        pressure = queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases - 1)
+        p = state.params  # the lease reserved for this very call is not queue ahead of it (weighted: <= 1)
+        pressure = queue_pressure(inst, p.admission_unit, p.running_weight, max(0.0, inst.overlay_leases - 1))
     return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, inst.profile), c)
 
 
@@ -691,8 +697,13 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     if lease == "hit":
         assert state.lease is not None
         inst = idx.by_id[state.lease.instance_id]
-        return _finish(state, "lease", inst.instance_id, [breakdown(inst, state)], "hit", idx)
+        mine = breakdown(inst, state)
+        p = state.params
+        if p.lease_policy != "adaptive" or not p.lease_arithmetic or not _outweighed(state, idx, mine):
+            return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)
+        lease = "outweighed"
     # A lease that failed its check is discarded; placement continues as if there were none.
+    judged = state.lease
     if lease != "none":
         state = replace(state, lease=None)
     rows, mus, left_out = _rank(state, idx, shortlist=True)
@@ -700,8 +711,26 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     best = min((c for c in costs if not c.reject), key=_rank_key, default=None)
     if best is None:
         live = any(c.reject not in ("unhealthy", "stale") for c in costs)
-        return _finish(state, "overload" if live else "no-instance", None, costs, lease, idx, left_out)
-    return _finish(state, "cost", best.instance_id, costs, lease, idx, left_out)
+        return _held(_finish(state, "overload" if live else "no-instance", None, costs, lease, idx, left_out), judged, now)
+    return _held(_finish(state, "cost", best.instance_id, costs, lease, idx, left_out), judged, now)
+
+
+def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
+    """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
+    another admissible instance has a lower Eq. 1 total (its queue is shorter by more than the C_KV + C_act
+    the leased instance avoids). Pure."""
+    rows, mus, _ = _rank(state, idx, shortlist=True)
+    others = _eq2(rows, mus, state)
+    best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
+    return best is not None and best.total < mine.total
+
+
+def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:
+    """The decision with how long the lease it judged was held (until now, at most until its expiry)."""
+    if lease is None or d.lease == "none":
+        return d
+    held = max(0.0, min(now, lease.t_exp_unix) - lease.t_done_unix)
+    return replace(d, lease_held_s=held, lease_tokens=lease.committed_tokens)
 
 
 def _rank_key(c: CostBreakdown) -> tuple[float, str]:

@@ -135,6 +135,10 @@ class DemandMeter:
         if last is not None:
             self._gap[model] = ewma(self._gap.get(model), max(1e-3, now - last), self.alpha)
 
+    def models(self) -> list[str]:
+        """Models that have had arrivals."""
+        return list(self._gap)
+
     def rate(self, model: str, now: float) -> float:
         """Calls per second; decays when arrivals stop (the open gap counts once it exceeds the mean)."""
         gap = self._gap.get(model)

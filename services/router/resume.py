@@ -140,7 +140,7 @@ class Resumes:
             return None
         now = self.signer.wall()
         committed = max(usage.prompt_tokens + usage.completion_tokens - 1, 0)  # the last sampled token has no KV yet
-        c = ResumeClaim(g.tenant, g.session_id, g.model, instance_id, epoch, g.request_id, committed, now, now + gw.tau_s)
+        c = ResumeClaim(g.tenant, g.session_id, g.model, instance_id, epoch, g.request_id, committed, now, now + gw.lease_window(g.model))
         self.counters["resume_token_issued"] += 1
         return self.signer.issue(c)
 

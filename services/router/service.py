@@ -22,6 +22,7 @@ from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
 from services.router.policy import PolicyParams
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import Registry
+from services.router.return_gap import GapParams, GapPredictor
 from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
 from talaria.config import StackConfig
@@ -92,6 +93,71 @@ class RouterState:
             except Exception as e:  # noqa: BLE001 - a lost lease costs affinity, never correctness
                 self.counters["lease_install_failed"] += 1
                 log.warning("lease for session %s not installed: %s", hook.session_id, e)
+        if self.gateway.adaptive and hook.session_id and not hook.HasField("error") and hook.prefix.committed_tokens > 0:
+            self.send_retention(hook.instance_id, hook.session_id, hook.model, hook.request_id, hook.finish_unix, lease)
+        tool = hook.tool_names[0] if hook.tool_names else ""
+        self.prefetch(hook.session_id, hook.model, tool, hook.prefix.committed_tokens)
+
+    async def on_intent(self, data: bytes) -> None:
+        """A ``ToolIntent`` (issue 14 item 3): install the session's lease early, prefetch its next model."""
+        intent = pb.ToolIntent()
+        try:
+            intent.ParseFromString(data)
+        except Exception:  # noqa: BLE001
+            self.counters["bad_intent"] += 1
+            return
+        lease = self.gateway.on_intent(intent)
+        if lease is not None:
+            try:
+                await self.lease_store.install(lease, lease.t_exp_unix - lease.t_done_unix)
+            except Exception:  # noqa: BLE001 - the hook's lease follows anyway
+                self.counters["lease_install_failed"] += 1
+        self.prefetch(intent.session_id, intent.model, intent.tool_name, intent.prompt_tokens + intent.generated_tokens)
+
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def send_retention(self, instance_id: str, session_id: str, model: str, lease_id: str, done: float, lease) -> None:
+        """Tell the engine holding the session's KV how long the session is expected away (``RetentionHint``;
+        window 0 = no lease: the KV may leave the device first). Fire and forget."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return
+        h = pb.RetentionHint(schema_version=1, session_id=session_id, model=model, lease_id=lease_id, t_done_unix=done)
+        if lease is not None:
+            h.gap_mu, h.gap_sigma, h.window_s, h.t_done_unix = lease.gap_mu, lease.gap_sigma, lease.t_exp_unix - lease.t_done_unix, lease.t_done_unix
+        subject, payload = self.subjects.retention(instance_id), h.SerializeToString()
+
+        async def send() -> None:
+            try:
+                await nc.publish(subject, payload)
+            except Exception:  # noqa: BLE001 - a lost hint costs retention order, never correctness
+                self.counters["retention_hint_failed"] += 1
+
+        self._background(send())
+
+    def prefetch(self, session_id: str, model: str, tool: str, prompt_tokens: int) -> None:
+        """Intent prefetch: ask the instance predicted to serve the session's next call (on another model) to
+        open / switch to that model now (``CONTROL_OPEN_MODEL``). Fire and forget."""
+        nc = self.nc
+        if not (self.cfg.router.placement.intent_prefetch and session_id) or nc is None or not nc.is_connected:
+            return
+        target = self.gateway.prefetch_target(session_id, model, tool, prompt_tokens)
+        if target is None:
+            return
+        iid, nxt = target
+        req = pb.ControlRequest(schema_version=1, op=pb.CONTROL_OPEN_MODEL, model=nxt)
+
+        async def send() -> None:
+            try:
+                await nc.request(self.subjects.control(iid), req.SerializeToString(), timeout=5.0)
+                self.counters["prefetch_sent"] += 1
+            except Exception:  # noqa: BLE001
+                self.counters["prefetch_failed"] += 1
+
+        self._background(send())
 
 
 async def probe_gone(state: RouterState, instance_id: str, timeout: float) -> bool:
@@ -175,6 +241,7 @@ def make_state(cfg: StackConfig) -> RouterState:
         pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size, e.max_num_seqs) for e in cfg.engines},
         router_id=cfg.router.id,
         decisions_kept=pc.decisions_kept,
+        gaps=GapPredictor(GapParams(prior_median_s=pc.gap_prior_median_s, prior_sigma=pc.gap_prior_sigma, quantile=pc.gap_quantile, cap_s=pc.gap_cap_s)),
     )
     return RouterState(
         cfg=cfg,
@@ -199,6 +266,9 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     async def on_completed(msg) -> None:
         await state.on_completed(msg.data)
 
+    async def on_intent(msg) -> None:
+        await state.on_intent(msg.data)
+
     if cfg.router.placement.lease_store == "jetstream" and state.gateway.leases_enabled:
         store = JetStreamLeases(state.nc, state.subjects.lease_bucket(), state.gateway.leases, cfg.router.placement.lease_ttl_s)
         try:
@@ -211,6 +281,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     subs = [
         await state.nc.subscribe(state.subjects.all_heartbeats(), cb=on_heartbeat),
         await state.nc.subscribe(state.subjects.completed(), cb=on_completed),
+        await state.nc.subscribe(state.subjects.intent(), cb=on_intent),
     ]
     watcher = asyncio.create_task(watch_health(state))
     app = create_app(state)

@@ -279,7 +279,7 @@ class CancelRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CompletionHook(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error", "attribution", "hints", "session_ended", "kv_restore_verify_failures")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "prefix", "usage", "finish_reason", "arrival_unix", "finish_unix", "ttft_seconds", "error", "attribution", "hints", "session_ended", "kv_restore_verify_failures", "tool_names", "tool_call_count")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,8 @@ class CompletionHook(_message.Message):
     HINTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
     KV_RESTORE_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_COUNT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -312,7 +314,51 @@ class CompletionHook(_message.Message):
     hints: AgentCallHints
     session_ended: bool
     kv_restore_verify_failures: int
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., session_ended: _Optional[bool] = ..., kv_restore_verify_failures: _Optional[int] = ...) -> None: ...
+    tool_names: _containers.RepeatedScalarFieldContainer[str]
+    tool_call_count: int
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., finish_unix: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., session_ended: _Optional[bool] = ..., kv_restore_verify_failures: _Optional[int] = ..., tool_names: _Optional[_Iterable[str]] = ..., tool_call_count: _Optional[int] = ...) -> None: ...
+
+class ToolIntent(_message.Message):
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "instance_id", "tool_name", "seen_unix", "prompt_tokens", "generated_tokens")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    session_id: str
+    model: str
+    instance_id: str
+    tool_name: str
+    seen_unix: float
+    prompt_tokens: int
+    generated_tokens: int
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., seen_unix: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class RetentionHint(_message.Message):
+    __slots__ = ("schema_version", "session_id", "model", "lease_id", "t_done_unix", "gap_mu", "gap_sigma", "window_s")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    T_DONE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    GAP_MU_FIELD_NUMBER: _ClassVar[int]
+    GAP_SIGMA_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    session_id: str
+    model: str
+    lease_id: str
+    t_done_unix: float
+    gap_mu: float
+    gap_sigma: float
+    window_s: float
+    def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., lease_id: _Optional[str] = ..., t_done_unix: _Optional[float] = ..., gap_mu: _Optional[float] = ..., gap_sigma: _Optional[float] = ..., window_s: _Optional[float] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "model", "committed_tokens", "state", "last_use_unix")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from talaria.v1 import common_pb2 as talaria_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17talaria/v1/router.proto\x12\ntalaria.v1\x1a\x17talaria/v1/common.proto\"\xe7\x01\n\x05Lease\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12(\n\x06prefix\x18\x06 \x01(\x0b\x32\x18.talaria.v1.PrefixHandle\x12\x13\n\x0bt_done_unix\x18\x07 \x01(\x01\x12\x12\n\nt_exp_unix\x18\x08 \x01(\x01\x12\x11\n\trouter_id\x18\t \x01(\t\x12\x16\n\x0einstance_epoch\x18\n \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17talaria/v1/router.proto\x12\ntalaria.v1\x1a\x17talaria/v1/common.proto\"\xb9\x02\n\x05Lease\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12(\n\x06prefix\x18\x06 \x01(\x0b\x32\x18.talaria.v1.PrefixHandle\x12\x13\n\x0bt_done_unix\x18\x07 \x01(\x01\x12\x12\n\nt_exp_unix\x18\x08 \x01(\x01\x12\x11\n\trouter_id\x18\t \x01(\t\x12\x16\n\x0einstance_epoch\x18\n \x01(\x04\x12\x0e\n\x06gap_mu\x18\x0b \x01(\x01\x12\x11\n\tgap_sigma\x18\x0c \x01(\x01\x12\x10\n\x08p_return\x18\r \x01(\x01\x12\x0c\n\x04tool\x18\x0e \x01(\t\x12\r\n\x05\x65\x61rly\x18\x0f \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'talaria.v1.router_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LEASE']._serialized_start=65
-  _globals['_LEASE']._serialized_end=296
+  _globals['_LEASE']._serialized_end=378
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,9 @@ def stack(models_dir):
         models_dir,
         [engine("w-a", LLAMA), engine("w-b", LLAMA)],
         accept_timeout_s=3,
-        placement={"lease_ttl_s": TAU, "lease_store": "jetstream"},
+        # the paper's fixed tau: this module checks its mechanics (expiry after tau, replicas sharing leases);
+        # adaptive leases end to end: test_tool_leases.py
+        placement={"lease_ttl_s": TAU, "lease_store": "jetstream", "lease_policy": "fixed"},
     )
     s = start_stack(cfg)
     yield s

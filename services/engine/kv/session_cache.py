@@ -53,6 +53,7 @@ class SessionCache:
         self.max_pages = max_pages
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU first
         self._num_pages = 0
+        self.retention = None  # optional kv.retention.RetentionBook: evict by predicted return (issue 14)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,7 +103,11 @@ class SessionCache:
 
     def evict_lru(self, protect: str | None = None) -> int:
         """Release the least recently used entry (other than ``protect``). Returns pages freed
-        (0 also when nothing could be evicted; see ``len``)."""
+        (0 also when nothing could be evicted; see ``len``). With a retention book attached, the entry
+        whose return is least likely soon goes first (``kv/retention.py``); LRU among equals."""
+        if self.retention is not None:
+            sid = self.retention.victim(self._entries, protect)
+            return self.drop(sid) if sid is not None else 0
         for sid in self._entries:
             if sid != protect:
                 return self.drop(sid)

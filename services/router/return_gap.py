@@ -1,0 +1,277 @@
+"""Tool-aware leases: predicting when a session returns, sizing its lease, and deciding whether a lease pays.
+
+Design note (issue 14 item 1, issue 12 item 3). Talaria §3.3 installs a lease of fixed length tau after
+every call and names an adaptive tau as future work; Continuum sets a KV time-to-live per tool call from
+the reload cost and the queueing it causes; SGLang reverted a hard TTL pin because pinned memory wedged
+the server, and keeps retention *soft and decaying*. Here:
+
+* **Return gap** = response end -> the session's next call (any model). It is learned online per
+  ``(model, tool)`` -- the model that answered and the tool its answer called ("" when it called none: a
+  final answer, a hand-off to another model) -- as a log-normal: an EWMA of the mean and of the variance of
+  ``ln gap`` (``talaria.ewma``). Tool run times are heavy-tailed and multiplicative (an ``ls`` in 50 ms, a
+  test run in minutes), so log space is where a mean and a spread mean something. Until a key has
+  ``min_samples`` returns its model-wide estimate stands in, and before that the cold-start prior (median
+  ``prior_median_s`` = the paper's tau of 1 s, ``prior_sigma``). A caller's own expectation
+  (``hint_s``: e.g. an "expected tool time" request hint, another branch) overrides the median with
+  ``hint_sigma`` of spread. Gaps over ``max_gap_s`` are not returns (the session paused) and teach nothing.
+* **Lease window** = the ``quantile`` (default 0.9) of the predicted gap, clamped to ``[floor_s, cap_s]``.
+* **Decaying value**: a live lease is worth the probability that its return still comes inside the window
+  given that it has not come yet, ``P(gap <= w | gap > elapsed)`` -- 1-ish right after the call, falling
+  smoothly to 0 at the window's end (``lease_weight``). Placement charges a live lease against its
+  instance by that weight instead of a full admission unit until a cliff; a fixed-tau lease keeps the
+  cliff (weight 1 until ``t_exp``).
+* **Lease arithmetic** (``judge_lease``): installing a lease is worth ``P(return within window) x saved_s``
+  (what a hit saves: recomputing or restoring the committed prefix elsewhere, from the router's measured
+  per-token costs) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
+  arriving at its instance meanwhile: their arrival rate x one mean call of queueing, from the measured
+  profiles). A lease that costs more than it saves is not installed. At the return itself the policy
+  honours a lease only when its instance is not costlier than the best alternative by Eq. 1
+  (``policy.decide_full``, ``lease_policy: adaptive``): a lease that would delay the call more than its
+  resident prefix saves is dropped.
+
+Pure: no clock is read (every time is an argument), no I/O. ``GapPredictor`` and ``ReturnTracker`` mutate
+only themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from talaria.ewma import ewma
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def _phi(x: float) -> float:
+    """Standard normal CDF."""
+    return 0.5 * math.erfc(-x / _SQRT2)
+
+
+def _z(q: float) -> float:
+    """Standard normal quantile (Acklam's rational approximation, |error| < 1.2e-9)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError("quantile must be in (0, 1)")
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01, -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+    lo = 0.02425
+    if q < lo:
+        s = math.sqrt(-2 * math.log(q))
+        return (((((c[0] * s + c[1]) * s + c[2]) * s + c[3]) * s + c[4]) * s + c[5]) / ((((d[0] * s + d[1]) * s + d[2]) * s + d[3]) * s + 1)
+    if q > 1 - lo:
+        return -_z(1 - q)
+    r = q - 0.5
+    t = r * r
+    return (((((a[0] * t + a[1]) * t + a[2]) * t + a[3]) * t + a[4]) * t + a[5]) * r / (((((b[0] * t + b[1]) * t + b[2]) * t + b[3]) * t + b[4]) * t + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GapParams:
+    """Knobs of the return-gap predictor (``talaria.config.PlacementConfig`` fields ``gap_*``)."""
+
+    prior_median_s: float = 1.0  # cold start: the paper's fixed tau
+    prior_sigma: float = 1.0  # cold start spread of ln(gap): p90 = 3.6 x the median
+    alpha: float = 0.2  # EWMA weight of the newest return
+    min_samples: int = 3  # returns a (model, tool) key needs before its own estimate is used
+    quantile: float = 0.9  # lease window = this quantile of the predicted gap
+    floor_s: float = 0.05
+    cap_s: float = 10.0  # never reserve longer than this (the replay caps tool gaps at 10 s too)
+    max_gap_s: float = 600.0  # a longer gap is a pause, not a return: not learned
+    hint_sigma: float = 0.5  # spread around a caller-given expected tool time
+    min_sigma: float = 0.05  # a key that always returns in exactly the same time still has some spread
+
+
+@dataclass(frozen=True, slots=True)
+class GapEstimate:
+    """Predicted return gap: ln(gap) ~ N(mu, sigma^2)."""
+
+    mu: float
+    sigma: float
+    samples: int = 0
+    source: str = "prior"  # "tool" | "model" | "prior" | "hint"
+
+    @property
+    def median_s(self) -> float:
+        return math.exp(self.mu)
+
+    def quantile(self, q: float) -> float:
+        return math.exp(self.mu + _z(q) * self.sigma)
+
+    def cdf(self, t: float) -> float:
+        """P(gap <= t)."""
+        if t <= 0:
+            return 0.0
+        return _phi((math.log(t) - self.mu) / self.sigma)
+
+    def p_within(self, start: float, end: float) -> float:
+        """P(gap <= end | gap > start): the return still comes by ``end`` given it has not come by ``start``."""
+        if end <= start:
+            return 0.0
+        tail = 1.0 - self.cdf(start)
+        if tail <= 1e-12:
+            return 0.0
+        return max(0.0, min(1.0, (self.cdf(end) - self.cdf(start)) / tail))
+
+    def expected_hold(self, window: float) -> float:
+        """E[min(gap, window)]: how long a lease of ``window`` is held on average (consumed or expired)."""
+        if window <= 0:
+            return 0.0
+        m, s = self.mu, self.sigma
+        lw = math.log(window)
+        partial = math.exp(m + s * s / 2) * _phi((lw - m - s * s) / s)  # E[gap; gap < window]
+        return partial + window * (1.0 - self.cdf(window))
+
+
+class _LogStats:
+    __slots__ = ("mean", "var", "n")
+
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.var = 0.0
+        self.n = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        if self.mean is None:
+            self.mean = x
+        else:
+            d = x - self.mean
+            self.mean = ewma(self.mean, x, alpha)
+            self.var = ewma(self.var, d * d, alpha) if self.n > 1 else d * d
+        self.n += 1
+
+
+class GapPredictor:
+    """Per-(model, tool) log-normal return gaps learned online. Mutates only itself (``observe``)."""
+
+    def __init__(self, params: GapParams | None = None) -> None:
+        self.p = params or GapParams()
+        self._by_key: dict[tuple[str, str], _LogStats] = {}
+        self._by_model: dict[str, _LogStats] = {}
+
+    def observe(self, model: str, tool: str, gap_s: float) -> bool:
+        """Learn one observed return; False (nothing learned) for a gap <= 0 or over ``max_gap_s``."""
+        if not (0.0 < gap_s <= self.p.max_gap_s):
+            return False
+        x = math.log(max(gap_s, 1e-4))
+        self._by_key.setdefault((model, tool), _LogStats()).add(x, self.p.alpha)
+        self._by_model.setdefault(model, _LogStats()).add(x, self.p.alpha)
+        return True
+
+    def predict(self, model: str, tool: str, hint_s: float | None = None) -> GapEstimate:
+        """The predicted gap after a call of ``model`` that called ``tool`` ("" = none). ``hint_s``: the
+        caller's expected tool time (a request hint), which wins over what was learned."""
+        p = self.p
+        if hint_s is not None and hint_s > 0:
+            return GapEstimate(math.log(hint_s), p.hint_sigma, 0, "hint")
+        for source, st in (("tool", self._by_key.get((model, tool))), ("model", self._by_model.get(model))):
+            if st is not None and st.mean is not None and st.n >= p.min_samples:
+                return GapEstimate(st.mean, max(p.min_sigma, math.sqrt(st.var)), st.n, source)
+        return GapEstimate(math.log(p.prior_median_s), p.prior_sigma, 0, "prior")
+
+    def window(self, est: GapEstimate) -> float:
+        """Lease length for ``est``: its ``quantile``, clamped to [floor_s, cap_s]."""
+        return max(self.p.floor_s, min(self.p.cap_s, est.quantile(self.p.quantile)))
+
+    def keys(self) -> dict[str, dict]:
+        """What was learned (for /router/metrics): ``model|tool`` -> median, sigma, samples."""
+        return {
+            f"{m}|{t}": {"median_s": math.exp(s.mean), "sigma": math.sqrt(s.var), "n": s.n}
+            for (m, t), s in self._by_key.items() if s.mean is not None
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReturn:
+    model: str
+    tool: str
+    done_unix: float
+
+
+class ReturnTracker:
+    """The last finished call of each session, so its next call becomes a gap observation. Bounded (LRU)."""
+
+    def __init__(self, max_sessions: int = 65536) -> None:
+        self.max_sessions = max_sessions
+        self._s: OrderedDict[str, PendingReturn] = OrderedDict()
+
+    def ended(self, session_id: str, model: str, tool: str, done_unix: float) -> None:
+        """Record a finished call (mutates)."""
+        self._s.pop(session_id, None)
+        self._s[session_id] = PendingReturn(model, tool, done_unix)
+        while len(self._s) > self.max_sessions:
+            self._s.popitem(last=False)
+
+    def returned(self, session_id: str, now: float) -> tuple[PendingReturn, float] | None:
+        """The session called again: its pending return and the gap, removed (mutates); None if unknown."""
+        pr = self._s.pop(session_id, None)
+        if pr is None:
+            return None
+        return pr, max(0.0, now - pr.done_unix)
+
+    def peek(self, session_id: str) -> PendingReturn | None:
+        return self._s.get(session_id)
+
+
+def lease_weight(mu: float, sigma: float, t_done: float, t_exp: float, now: float) -> float:
+    """A live lease's value in placement, in [0, 1]. ``sigma <= 0`` (a fixed-tau lease): 1 until ``t_exp``
+    (the cliff). Else ``P(gap <= t_exp - t_done | gap > now - t_done)``: decays as the return fails to come."""
+    if now >= t_exp:
+        return 0.0
+    if sigma <= 0:
+        return 1.0
+    return GapEstimate(mu, sigma).p_within(max(0.0, now - t_done), t_exp - t_done)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCosts:
+    """Measured inputs of the lease arithmetic (router profiles), seconds."""
+
+    saved_s: float  # what a hit saves: the committed prefix recomputed/restored elsewhere (+ activation)
+    harm_per_s: float  # queueing a live lease imposes on other calls per second it is held
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseJudgement:
+    install: bool
+    window_s: float
+    p_return: float  # P(return within the window)
+    value_s: float  # p_return x saved_s
+    harm_s: float  # E[hold] x harm_per_s
+    expected_hold_s: float
+    reason: str  # "worth" | "harm" | "no-window"
+
+
+def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJudgement:
+    """Install a lease of ``window_s`` only if its expected saving beats the delay it imposes on others."""
+    if window_s <= 0:
+        return LeaseJudgement(False, 0.0, 0.0, 0.0, 0.0, 0.0, "no-window")
+    p = est.cdf(window_s)
+    hold = est.expected_hold(window_s)
+    value = p * costs.saved_s
+    harm = hold * costs.harm_per_s
+    return LeaseJudgement(value > harm, window_s, p, value, harm, hold, "worth" if value > harm else "harm")
+
+
+class NextModelBook:
+    """Which model a session calls next after a call of ``(model, tool)``, learned from observed returns
+    (counts). Feeds intent prefetch (issue 14 item 3): an agent's final answer is followed by the user
+    simulator's model, a tool call by the agent again. Mutates only itself."""
+
+    def __init__(self) -> None:
+        self._n: dict[tuple[str, str], dict[str, int]] = {}
+
+    def observe(self, model: str, tool: str, next_model: str) -> None:
+        d = self._n.setdefault((model, tool), {})
+        d[next_model] = d.get(next_model, 0) + 1
+
+    def predict(self, model: str, tool: str) -> tuple[str, float, int] | None:
+        """(most likely next model, its share, observations) after ``(model, tool)``; None if never seen."""
+        d = self._n.get((model, tool))
+        if not d:
+            return None
+        total = sum(d.values())
+        best = max(sorted(d), key=lambda m: d[m])
+        return best, d[best] / total, total

@@ -1,0 +1,228 @@
+"""Tool-aware leases in the gateway under a manual clock (issue 14 item 1, issue 12 item 3): windows per
+(model, tool) learned from returns, leases declined when they cost more than they save, leases outweighed at
+the return, decaying lease weight in placement. No NATS."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.router.gateway import Gateway
+from services.router.leases import LeaseTable, MemoryLeases
+from services.router.policy import CallRequest, InstanceState, LeaseView, ModelRes, PlacementState, PolicyParams, Profile, decide
+from services.router.profiles import ShapeBook
+from services.router.registry import Registry
+from services.router.return_gap import GapParams, GapPredictor
+from services.router.sessions import SessionTable
+from talaria.clock import ManualClock
+from talaria.v1 import common_pb2 as cpb
+from talaria.v1 import engine_pb2 as pb
+
+
+def snapshot(iid, seq, clock, waiting=0):
+    snap = pb.InstanceSnapshot(instance_id=iid, epoch=1, seq=seq, heartbeat_period_s=0.5, num_waiting=waiting, sent_unix=clock.now(), pool=pb.POOL_HOT)
+    snap.models.append(pb.ModelState(model="m", loaded=True, active=True, max_context=4096))
+    snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=1e-3, decode_step=0.01))
+    return snap
+
+
+def hook(iid, session, clock, tool="", tokens=600, rid="r1"):
+    h = pb.CompletionHook(
+        request_id=rid, session_id=session, model="m", instance_id=iid, finish_unix=clock.now(),
+        prefix=cpb.PrefixHandle(model="m", committed_tokens=tokens),
+        usage=cpb.Usage(prompt_tokens=tokens, cached_tokens=max(0, tokens - 100), completion_tokens=20),
+    )
+    if tool:
+        h.tool_names.append(tool)
+        h.tool_call_count = 1
+    return h
+
+
+def make(clock, policy="adaptive", tau=1.0):
+    reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
+    table = LeaseTable()
+    gw = Gateway(PolicyParams(lease_policy=policy), reg, SessionTable(clock), table, clock.now, tau_s=tau, shapes=ShapeBook(),
+                 gaps=GapPredictor(GapParams(min_samples=3)))
+    return gw, MemoryLeases(table)
+
+
+def call(gw, store, session, prompt=800):
+    r = gw.request(session, "m", prompt, 64)
+    gw.arrival(r)
+    d, rev = gw.decide(r)
+    if d.lease != "none" and rev is not None:
+        store.consume_now(session, "m", rev)
+    gw.lease_judged(d)
+    if d.instance_id is not None:
+        gw.commit(r, d)
+    return d
+
+
+def teach(gw, store, clock, tool, gap, n=6):
+    """n returns of one session after calls of ``tool``, each ``gap`` seconds after the response."""
+    for i in range(n):
+        call(gw, store, f"teach-{tool}")
+        clock.advance(0.1)
+        lease = gw.on_hook(hook("a", f"teach-{tool}", clock, tool=tool, rid=f"{tool}{i}"))
+        if lease is not None:
+            store.install_now(lease)
+        clock.advance(gap)
+    call(gw, store, f"teach-{tool}")
+
+
+def test_windows_follow_the_tool_and_leases_carry_the_prediction():
+    clock = ManualClock(100.0)
+    gw, store = make(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    cold = gw.on_hook(hook("a", "x", clock, tool="ls"))
+    assert cold.t_exp_unix - cold.t_done_unix == pytest.approx(math.exp(1.2815516), rel=1e-3)  # prior: median 1 s, sigma 1
+    teach(gw, store, clock, "ls", 0.05)
+    teach(gw, store, clock, "pytest", 6.0)
+    gw.on_snapshot(snapshot("a", 2, clock))  # the taught calls finished: the instance is idle
+    fast = gw.on_hook(hook("a", "s1", clock, tool="ls"))
+    slow = gw.on_hook(hook("a", "s2", clock, tool="pytest"))
+    assert fast.t_exp_unix - fast.t_done_unix < 0.1
+    assert 6.0 <= slow.t_exp_unix - slow.t_done_unix <= 10.0
+    assert (fast.tool, slow.tool) == ("ls", "pytest")
+    assert fast.gap_sigma > 0 and math.exp(fast.gap_mu) == pytest.approx(0.05, rel=0.05)
+    m = gw.metrics()
+    assert m["lease_policy"] == "adaptive" and m["return_gaps"]["m|ls"]["n"] >= 6
+
+
+def test_fixed_policy_keeps_the_papers_tau():
+    clock = ManualClock(100.0)
+    gw, store = make(clock, policy="fixed", tau=2.0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    teach(gw, store, clock, "ls", 0.05)
+    lease = gw.on_hook(hook("a", "s", clock, tool="ls"))
+    assert lease.t_exp_unix - lease.t_done_unix == pytest.approx(2.0) and lease.gap_sigma == 0.0
+
+
+def test_lease_declined_when_it_delays_more_than_it_saves():
+    """A slow uncertain tool on a busy router: holding the reservation for seconds charges every other
+    arrival, while the hit would only save a small prefix."""
+    clock = ManualClock(100.0)
+    gw, store = make(clock)
+    gw.on_snapshot(snapshot("a", 1, clock, waiting=4))
+    for i in range(200):  # 20 calls/s of other traffic
+        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        clock.advance(0.05)
+    assert gw.on_hook(hook("a", "s", clock, tokens=20)) is None
+    assert gw.stats["leases_declined"] == 1
+    # an idle instance (free slots): nobody is delayed, the small lease is installed
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 2, clock, waiting=0))
+    assert gw.on_hook(hook("a", "s3", clock, tokens=20)) is not None
+
+
+def lease_view(iid, t_done, t_exp, sigma=0.8):
+    return LeaseView("l1", iid, "m", 800, t_done, t_exp, 0, math.log(1.0), sigma)
+
+
+PROF = Profile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-4, switch_s=0.5, staged_switch_s=0.2, open_s=4.0)
+
+
+def inst(iid, **kw):
+    return InstanceState(instance_id=iid, healthy=True, fresh=True, models={"m": ModelRes(loaded=True, active=True)}, profile=PROF, **kw)
+
+
+def test_lease_outweighed_at_the_return_only_when_adaptive():
+    """The leased instance got a long queue meanwhile: its device prefix (800 tokens, 0.8 s to recompute)
+    saves less than the queue costs, so the adaptive policy drops the lease; the fixed one honours it."""
+    busy, idle = inst("a", waiting=20), inst("b")
+    r = CallRequest("s", "m", 900, 64, 50.0)
+    lease = lease_view("a", 0.0, 5.0)
+    fixed = decide(PlacementState(r, [busy, idle], PolicyParams(), lease=lease), now=1.0)
+    assert (fixed.instance_id, fixed.lease) == ("a", "hit")
+    ad = decide(PlacementState(r, [busy, idle], PolicyParams(lease_policy="adaptive"), lease=lease), now=1.0)
+    assert (ad.instance_id, ad.lease, ad.reason) == ("b", "outweighed", "cost")
+    assert ad.lease_held_s == pytest.approx(1.0) and ad.lease_tokens == 800
+    # with a short queue the prefix wins and the lease is honoured
+    ok = decide(PlacementState(r, [inst("a", waiting=0), idle], PolicyParams(lease_policy="adaptive"), lease=lease), now=1.0)
+    assert (ok.instance_id, ok.lease) == ("a", "hit")
+
+
+def test_live_lease_weight_decays_in_the_table():
+    table = LeaseTable()
+    store = MemoryLeases(table)
+    from talaria.v1 import router_pb2 as rpb
+
+    store.install_now(rpb.Lease(lease_id="l", session_id="s", model="m", instance_id="a", t_done_unix=0.0, t_exp_unix=4.0,
+                                gap_mu=0.0, gap_sigma=0.8, prefix=cpb.PrefixHandle(committed_tokens=100)))
+    store.install_now(rpb.Lease(lease_id="f", session_id="t", model="m", instance_id="b", t_done_unix=0.0, t_exp_unix=4.0,
+                                prefix=cpb.PrefixHandle(committed_tokens=100)))
+    w = [table.weighted_by_instance(t) for t in (0.1, 1.5, 3.5, 4.0)]
+    assert w[0]["a"] > w[1]["a"] > w[2].get("a", 0.0)
+    assert [x.get("b") for x in w] == [1.0, 1.0, 1.0, None]  # fixed tau: the cliff
+    assert table.held_token_s(2.0) == pytest.approx(2 * 100 * 2.0)
+
+
+def test_declared_tool_keys_the_lease_when_the_hook_has_none():
+    clock = ManualClock(100.0)
+    gw, store = make(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    teach(gw, store, clock, "pytest", 6.0)
+    gw.on_snapshot(snapshot("a", 2, clock))
+    gw.declare_tool("r-decl", "pytest")
+    lease = gw.on_hook(hook("a", "s9", clock, rid="r-decl"))
+    assert lease.tool == "pytest" and lease.t_exp_unix - lease.t_done_unix > 6.0
+    parsed = hook("a", "s10", clock, tool="pytest", rid="r-parsed")
+    gw.declare_tool("r-parsed", "ls")  # a tool call the engine parsed wins over the declared one
+    assert gw.on_hook(parsed).tool == "pytest"
+
+
+def test_bad_tool_header_is_400_naming_it():
+    from tests.unit.test_router_placement import BODY, _app
+
+    state, client = _app({"overload": "reject"})
+    r = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "rm -rf /"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Talaria-Tool"
+    ok = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "pytest"})
+    assert ok.status_code == 429  # accepted (the fixture's engine is overloaded), the tool declared for the hook
+    assert list(state.gateway._declared.values()) == ["pytest"]
+
+
+def test_prefetch_target_when_the_next_call_switches_models():
+    """Agent + user simulator: after an agent answer without a tool call the user simulator's model comes
+    next; the instance placement would pick for it must switch to it, so the router asks it to open it."""
+    from services.router.gateway import PoolSpec
+
+    clock = ManualClock(100.0)
+    reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
+    pools = {"a": PoolSpec("cold", ("agent", "user")), "b": PoolSpec("cold", ("agent", "user"))}
+    gw = Gateway(PolicyParams(lease_policy="adaptive"), reg, SessionTable(clock), LeaseTable(), clock.now, pools=pools, shapes=ShapeBook())
+    for iid, seq in (("a", 1), ("b", 1)):
+        snap = pb.InstanceSnapshot(instance_id=iid, epoch=1, seq=seq, heartbeat_period_s=0.5, sent_unix=clock.now(), pool=pb.POOL_COLD)
+        snap.models.append(pb.ModelState(model="agent", loaded=True, active=True, max_context=4096))
+        snap.models.append(pb.ModelState(model="user", loaded=True, active=False, max_context=4096))
+        snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=1e-3, decode_step=0.01))
+        gw.on_snapshot(snap)
+    assert gw.prefetch_target("s", "agent", "", 500) is None  # nothing learned yet
+    for _ in range(4):
+        gw.next_models.observe("agent", "", "user")
+        gw.next_models.observe("agent", "grep", "agent")
+    assert gw.prefetch_target("s", "agent", "grep", 500) is None  # same model next: nothing to stage
+    target = gw.prefetch_target("s", "agent", "", 500)
+    assert target is not None and target[1] == "user" and target[0] in ("a", "b")
+    assert gw.stats["prefetches"] == 1
+
+
+def test_a_mirrored_lease_keeps_its_predicted_gap_across_replicas():
+    """What another router replica's watcher applies from the shared bucket carries the gap, so every replica
+    weighs the lease the same (the bucket value is the Lease proto)."""
+    from types import SimpleNamespace
+
+    from services.router.leases import JetStreamLeases
+    from talaria.v1 import router_pb2 as rpb
+
+    lease = rpb.Lease(lease_id="l", session_id="s", model="m", instance_id="a", t_done_unix=0.0, t_exp_unix=4.0,
+                      gap_mu=math.log(0.5), gap_sigma=0.7, p_return=0.9, tool="grep", prefix=cpb.PrefixHandle(committed_tokens=64))
+    mine, theirs = LeaseTable(), LeaseTable()
+    MemoryLeases(mine).install_now(lease)
+    replica = JetStreamLeases(nc=None, bucket="b", table=theirs, ttl_s=1.0)
+    replica._apply(SimpleNamespace(operation="PUT", value=lease.SerializeToString(), key="k", revision=7))
+    for t in (0.2, 1.0, 3.0):
+        assert theirs.weighted_by_instance(t) == mine.weighted_by_instance(t)
+    view, rev = theirs.get("s", "m")
+    assert (view.gap_mu, view.gap_sigma, rev) == (pytest.approx(math.log(0.5)), 0.7, 7)
