@@ -127,7 +127,14 @@ class ColdEngine:
         self.requested: str | None = None
         self.switch_records: deque[SwitchRecord] = deque(maxlen=max_switch_records)
         self._unpublished: list[SwitchRecord] = []
+        self._init_intake()
+        first = initial or next(iter(self.catalog))
+        with self._step_lock:
+            self._switch(first, "initial")
+            self._refresh_gauges()
 
+    def _init_intake(self) -> None:
+        """The intake queues, locks and step-boundary gauges (empty)."""
         self._intake_lock = threading.Lock()
         self._pending: list[EngineRequest] = []
         self._pending_aborts: list[str] = []
@@ -138,10 +145,6 @@ class ColdEngine:
         self._staging_busy = False
         self._staged: frozenset[str] = frozenset()  # refreshed at step boundaries (_refresh_gauges)
         self._slack_bytes = 0
-        first = initial or next(iter(self.catalog))
-        with self._step_lock:
-            self._switch(first, "initial")
-            self._refresh_gauges()
 
     def _make_streamer(self, transfer):
         """Partial-layer residency (JointServe §4.4): every copy goes through one transfer scheduler; a switch

@@ -207,17 +207,7 @@ class Engine:
         self.vocab_size = self.config.vocab_size
         self.page_size = page_size
         cfg = self.config
-        if kv_cache is not None:
-            num_pages = kv_cache.k[0].shape[0] // page_size
-        if num_pages is None:
-            page_bytes = lookup(cfg.architecture).kv_shape(cfg).page_bytes(page_size, self.dtype.itemsize)
-            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
-            num_pages = budget // page_bytes
-            if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
-                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
-        if num_pages < 1:
-            raise ValueError(f"KV pool too small: {num_pages} pages")
-        self.num_pages = int(num_pages)
+        self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
@@ -507,6 +497,22 @@ class Engine:
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
         attribution = seq.phases.stop(attribution_clock()) if seq.phases is not None else None
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
+
+    def _kv_pages(self, num_pages: int | None, kv_cache: KVCache | None, kv_cache_bytes: int | None, max_num_seqs: int) -> int:
+        """The KV pool's page count: the given cache's, else ``num_pages``, else what ``kv_cache_bytes`` (or
+        the default budget, capped at ``max_num_seqs`` full contexts) holds."""
+        cfg, page_size = self.config, self.page_size
+        if kv_cache is not None:
+            num_pages = kv_cache.k[0].shape[0] // page_size
+        if num_pages is None:
+            page_bytes = lookup(cfg.architecture).kv_shape(cfg).page_bytes(page_size, self.dtype.itemsize)
+            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+            num_pages = budget // page_bytes
+            if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
+                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
+        if num_pages < 1:
+            raise ValueError(f"KV pool too small: {num_pages} pages")
+        return int(num_pages)
 
     def _record_session(self, session_id: str) -> None:
         """The session's cached entry changed (executor thread): record it for ``session_info``/``stats``

@@ -1,0 +1,58 @@
+"""The renovation's structural rules (issue 19), checked on the source so a change that breaks one fails here:
+no function in ``services/`` longer than 80 lines; no service imports another service's internals (the
+kvstore's declared public client is the one cross-service import); the shared base layer ``talaria/`` never
+imports a service; the engine service never probes its executor with ``hasattr``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = {"services.kvstore.client"}  # services/kvstore/README.md: the store's public API
+
+
+def _modules(top: str):
+    for p in sorted((ROOT / top).rglob("*.py")):
+        if "v1" in p.parts:  # generated protobuf code
+            continue
+        yield p, ast.parse(p.read_text(), str(p))
+
+
+def _imports(tree: ast.AST):
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            yield n.module
+        elif isinstance(n, ast.Import):
+            yield from (a.name for a in n.names)
+
+
+def test_no_function_in_services_is_longer_than_80_lines():
+    long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for p, t in _modules("services") for n in ast.walk(t)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, long
+
+
+def test_no_service_imports_another_services_internals():
+    bad = []
+    for p, t in _modules("services"):
+        own = p.relative_to(ROOT).parts[1]
+        for mod in _imports(t):
+            parts = mod.split(".")
+            if parts[0] == "services" and len(parts) > 1 and parts[1] != own and mod not in PUBLIC:
+                bad.append(f"{p.relative_to(ROOT)} imports {mod}")
+    assert not bad, bad
+
+
+def test_the_base_layer_imports_no_service():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p, t in _modules("talaria") for m in _imports(t)
+           if m.split(".")[0] == "services" and p.name != "cli.py"]  # the CLI starts services (lazily)
+    assert not bad, bad
+
+
+def test_the_engine_service_never_probes_its_executor():
+    for name in ("service.py", "wire.py", "heartbeat.py", "tracing.py"):
+        calls = [n for n in ast.walk(ast.parse((ROOT / "services/engine" / name).read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "hasattr"]
+        assert not calls, f"services/engine/{name}: hasattr at line {calls[0].lineno}"
