@@ -94,17 +94,20 @@ class EngineCall:
                 return
             self._queue.put_nowait(chunk)
 
-        self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
         try:
+            self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
             await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
             await self.nc.flush()
-        except Exception as e:  # noqa: BLE001 - NATS restarting (flush timeout, connection closed): not a 500
+        except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, flush timeout, connection closed): not a 500
             raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
         if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)
-            return self._queue.get_nowait()
+            chunk = self._queue.get_nowait()
+            if chunk is None:  # the no-responders marker (NATS restarting, or the engine gone) came first
+                raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+            return chunk
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

@@ -215,8 +215,12 @@ class JetStreamLeases:
     async def _watch(self, resync: bool) -> None:
         assert self.kv is not None
         self._synced = asyncio.Event()
+        try:  # the bucket's last sequence now: the mirror is in sync once it has applied an entry that recent
+            target = (await self.kv.status()).stream_info.state.last_seq
+        except Exception:  # noqa: BLE001 - unknown: trust the watcher's end-of-initial-values marker alone
+            target = 0
         self._watcher = await self.kv.watchall()
-        self._task = asyncio.create_task(self._mirror(self._watcher, self._synced, resync), name=f"lease-mirror-{self.bucket}")
+        self._task = asyncio.create_task(self._mirror(self._watcher, self._synced, resync, target), name=f"lease-mirror-{self.bucket}")
 
     async def resync(self, timeout: float = 5.0) -> bool:
         """Rebuild the mirror from the bucket now (call after a NATS reconnect: the old watcher can lag for
@@ -232,20 +236,35 @@ class JetStreamLeases:
             return False
         return True
 
-    async def _mirror(self, watcher, synced: asyncio.Event, resync: bool) -> None:
+    async def _mirror(self, watcher, synced: asyncio.Event, resync: bool, target: int = 0) -> None:
+        """Apply the watcher's entries to the table. In sync (``synced``) once the end-of-initial-values marker
+        came *and* an entry at least as recent as ``target`` (the bucket's last sequence when the watch began)
+        was applied: the client library can emit its marker before initial values already in flight (it
+        compares the consumer's pending count with what its callback has delivered so far), so the marker
+        alone may come first. On a resync, keys not among the initial values then leave the table."""
         seen: set[str] = set()
+        marker, latest = False, 0
+
+        def settle() -> None:
+            if synced.is_set() or not marker or latest < target:
+                return
+            if resync:
+                for key in self.table.keys():
+                    if key not in seen:
+                        self.table.remove(key)
+            synced.set()
+
         try:
             async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    if resync:
-                        for key in self.table.keys():
-                            if key not in seen:
-                                self.table.remove(key)
-                    synced.set()
+                if entry is None:  # the library's end of the initial values
+                    marker = True
+                    settle()
                     continue
                 if not synced.is_set():
                     seen.add(entry.key)
                 self._apply(entry)
+                latest = max(latest, entry.revision or 0)
+                settle()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001

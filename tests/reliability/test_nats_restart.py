@@ -122,7 +122,8 @@ def test_nats_restart_under_load(nats_server, rel_models_dir):
         for i in range(6):  # settled: every call succeeds
             r = httpx.post(f"{stack.api}/v1/completions", json={"model": MODEL, "prompt": f"after {i}", "max_tokens": 4}, timeout=60)
             tail.add(r.status_code, r.text)
-        assert figs.s5xx == 0 and figs.lost == 0, f"under restart: {figs}"
+        router_log = [ln for ln in stack.children[stack.cfg.router.id].log if "Error" in ln or "Traceback" in ln or "File " in ln][-30:]
+        assert figs.s5xx == 0 and figs.lost == 0, f"under restart: {figs}; router log: {router_log}"
         assert tail.ok == 6, f"under restart: {figs}; settled: {tail}"
         assert health(stack)["counters"].get("nats_reconnected", 0) >= 1
     finally:

@@ -59,3 +59,16 @@ def test_a_reader_that_keeps_up_sees_every_chunk_and_an_error_comes_alone_after_
 def test_merge_of_one_chunk_is_that_chunk():
     c = _tok(1, 5)
     assert merge_chunks([c]) is c
+
+
+def test_a_no_responders_marker_already_queued_is_engine_unavailable_not_a_crash():
+    """NATS restarting: its no-responders status can be queued before the reader asks for the first chunk;
+    the fast path must turn it into EngineUnavailable (retry / 503), not hand None on (it was a 500)."""
+    import pytest
+
+    from services.router.engine_client import EngineUnavailable
+
+    call = _call()
+    call._queue.put_nowait(None)
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(call.wait_accepted(5.0, lambda: True))

@@ -159,3 +159,21 @@ def expected_path(staged_fraction: float | None, d2d_staging: bool) -> SwitchPat
     if f >= 1.0:
         return SwitchPath.FULL_STAGED
     return SwitchPath.HOST_ONLY if f <= 0.0 else SwitchPath.PARTIAL
+
+
+class MeasuredCosts:
+    """What a cold-pool scheduler learns from its executor (``SlotScheduler`` and ``DeadlineScheduler`` both):
+    every observation goes to its ``costs`` model. Mutates ``self.costs``."""
+
+    costs: CostModel
+
+    def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
+
+    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
+        """One real host KV restore (it runs off the executor thread, beside the steps)."""
+        self.costs.observe_restore(model, tokens, seconds)
+
+    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """The learned curves' part of a measured step (``CostModel.observe_shape``, issue 12 #2)."""
+        self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)

@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .costs import CostModel, expected_path
+from .costs import CostModel, MeasuredCosts, expected_path
 from .types import CallView, Decision, InstanceView, Phase, RoundSummary
 
 # Inter-token gap histogram bucket upper bounds (seconds); the last bucket is +inf.
@@ -253,7 +253,7 @@ class _Epoch:
     paths: list[str] = field(default_factory=list)
 
 
-class DeadlineScheduler:
+class DeadlineScheduler(MeasuredCosts):
     """Token-granularity cold-pool scheduling against per-token deadlines (see the module note).
 
     Same surface as :class:`~services.engine.slots.scheduler.SlotScheduler` (``decide``, ``observe_step``,
@@ -280,15 +280,6 @@ class DeadlineScheduler:
         d = self._decide(view, now)
         self._last_phase, self.last_reason = d.phase, d.reason
         return d
-
-    def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
-        self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
-
-    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
-        self.costs.observe_restore(model, tokens, seconds)
-
-    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
-        self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)
 
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from .admission import SpGain, SpLimits, select_p, select_sp, sp_ineligible_reason
 from .budget import plan_round, reserved_iterations
-from .costs import CostModel, expected_path
+from .costs import CostModel, MeasuredCosts, expected_path
 from .types import SLOT_PHASES, CallView, Decision, InstanceView, ModelView, Phase, RoundPlan, RoundSummary, SlotSummary, SpVerdict
 
 
@@ -135,7 +135,7 @@ class _Round:
     sp_harm_s: float = 0.0
 
 
-class SlotScheduler:
+class SlotScheduler(MeasuredCosts):
     def __init__(self, policy: SlotPolicy | None = None, costs: CostModel | None = None, max_summaries: int = 64) -> None:
         self.policy = policy or SlotPolicy()
         self.costs = costs or CostModel()
@@ -164,16 +164,6 @@ class SlotScheduler:
             if mv.running - mv.prefilling > 0:
                 self._slot.decode_iters += 1
         return d
-
-    def observe_step(self, model: str, prefill_tokens: int, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
-        self.costs.observe_step(model, prefill_tokens, restore_tokens, decode_seqs, seconds)
-
-    def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
-        self.costs.observe_restore(model, tokens, seconds)
-
-    def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
-        """The learned curves' part of a measured step (``CostModel.observe_shape``, issue 12 #2)."""
-        self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)
 
     def observe_switch(self, path: str, seconds: float) -> None:
         self.costs.observe_switch(path, seconds)
