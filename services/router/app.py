@@ -121,6 +121,7 @@ class RouterAPI:
         hints = req.hints().proto()  # issue 14: validated (400 naming the field), aliases resolved
         if hints is not None:
             g.hints.CopyFrom(hints)
+        g.ttft_target_s, g.tpot_target_s = req.ttft_target_s or 0.0, req.tpot_target_s or 0.0  # issue 16 (validated)
         g.end_session = session_end_header(request.headers.get(SESSION_END_HEADER), g.session_id)
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))

@@ -14,6 +14,9 @@ field (Talaria)         Dynamo alias                     used by
 tokens`` (1..2^32-1)                                     tokens in ``dR_req`` (Eq. 1) instead of the model's EWMA
 ``expected_tool_s``     —                                carried to the hook for the lease predictor (branch
 (0..86400)                                               ``lease``: ``Gateway.lease_tau`` is the hook)
+``ttft_target_s`` /     —                                per-token deadlines of a cold pool with ``token_deadlines``
+``tpot_target_s``                                        (issue 16: GenerateRequest; the engine's targets if absent)
+(0..3600]
 ``cache_ttl_s``         ``nvext.cache_control.ttl`` or   upper bound of the session's lease after this call
 (0..86400]              ``cache_control.ttl`` ("300",    (``Gateway.lease_tau``)
                         "5m", "1h"; ``type: ephemeral``)
@@ -44,6 +47,7 @@ from talaria.v1 import engine_pb2 as pb
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 UINT32_MAX = (1 << 32) - 1
 MAX_HINT_S = 86400.0
+MAX_DEADLINE_S = 3600.0  # the engine's bound for token deadline targets (executor.validate_request)
 DYNAMO_DEFAULT_TTL_S = 300.0  # Dynamo's cache_control.ttl default
 _TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -82,6 +86,10 @@ class HintFields(BaseModel):
     expected_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     expected_tool_s: float | None = Field(None, ge=0.0, le=MAX_HINT_S)
     cache_ttl_s: float | None = Field(None, gt=0.0, le=MAX_HINT_S)
+    # issue 16: per-call token deadline targets for a cold pool scheduling by token deadlines (Aegaeon); they go
+    # to GenerateRequest.ttft_target_s / tpot_target_s (the engine's configured slot_ttft_s / slot_tpot_s if absent)
+    ttft_target_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
+    tpot_target_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     nvext: NvExt | None = None
     cache_control: CacheControl | None = None
 

@@ -178,3 +178,15 @@ def test_kv_verify_bench_smoke():
 
     r = run(gib=1 / 1024, page_bytes=4096, repeats=1)
     assert r["pages"] == 256 and r["s_per_gib"]["verify"] > 0
+
+
+def test_token_deadline_targets_are_validated_request_extras():
+    """Issue 16's per-call targets reach the router as request extras (GenerateRequest.ttft_target_s /
+    tpot_target_s); out of range is a 400 naming the field, never ignored."""
+    r = parse(ttft_target_s=0.5, tpot_target_s=0.05)
+    assert (r.ttft_target_s, r.tpot_target_s) == (0.5, 0.05)
+    assert parse().ttft_target_s is None
+    for field, value in (("ttft_target_s", -1), ("tpot_target_s", 0), ("ttft_target_s", 1e9)):
+        with pytest.raises(APIError) as e:
+            parse(**{field: value})
+        assert e.value.status == 400 and e.value.param == field
