@@ -51,6 +51,7 @@ class Figures:
     lost: int = 0
     s5xx: int = 0
     notes: list[str] = field(default_factory=list)
+    clean_notes: list[str] = field(default_factory=list)  # the first clean errors (a test that wants none says which)
     test: str = field(default_factory=lambda: os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
 
     def __post_init__(self) -> None:
@@ -67,13 +68,16 @@ class Figures:
             self.notes.append(f"{status}: {str(body)[:200]}")
         elif _is_error_body(body):
             self.clean += 1
+            if len(self.clean_notes) < 3:
+                self.clean_notes.append(f"{status}: {str(body)[:200]}")
         else:
             self.s5xx += 1  # an error without the OpenAI body counts as a defect
             self.notes.append(f"{status} without an error body: {str(body)[:200]}")
 
     def __str__(self) -> str:
         s = f"sent={self.sent} ok={self.ok} clean_error={self.clean} lost={self.lost} 5xx={self.s5xx}"
-        return s + (f" first defects: {self.notes[:3]}" if self.notes else "")
+        s += f" first defects: {self.notes[:3]}" if self.notes else ""
+        return s + (f" first clean errors: {self.clean_notes}" if self.clean_notes else "")
 
 
 def _is_error_body(body) -> bool:
