@@ -52,6 +52,12 @@ def metrics(api) -> dict:
     return httpx.get(f"{api}/router/metrics", timeout=5).json()["placement"]
 
 
+def leases_live(api, n: int) -> None:
+    """The lease is installed when the engine's completion hook reaches the router, which may be after the
+    HTTP response on a loaded machine: a call that depends on a live lease waits for it first."""
+    wait_until(lambda: metrics(api)["leases_live"] == n, timeout=TAU / 2)
+
+
 def test_returns_land_where_the_kv_is_and_consume_leases(stack):
     api = stack.api
     homes = {}
@@ -59,6 +65,7 @@ def test_returns_land_where_the_kv_is_and_consume_leases(stack):
         r = call(api, f"p{k}", 0)
         homes[f"p{k}"] = r.headers["x-talaria-instance"]
         assert r.headers["x-talaria-placement"] == "cost"
+        leases_live(api, k + 1)
     assert set(homes.values()) == {"w-a", "w-b"}
     for turn in (1, 2):  # quick returns (tool gap << tau): the lease is consumed, same worker, prefix reused
         for s, home in homes.items():
@@ -66,6 +73,7 @@ def test_returns_land_where_the_kv_is_and_consume_leases(stack):
             assert r.headers["x-talaria-instance"] == home
             assert r.headers["x-talaria-placement"] == "lease"
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            leases_live(api, len(homes))  # its renewed lease, before the next return relies on one
     m = metrics(api)
     assert m["lease_hits"] >= 8 and m["same_instance_returns"] >= 8 and m["moved_returns"] == 0
     # After tau the lease is gone; cost placement still finds the device-resident prefix.
