@@ -9,6 +9,7 @@ import pytest
 from talaria.attribution import CallAttribution, Phase, PhaseClock, total
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
+from tests.unit.host_kv_fixtures import mooncake, run_calls, store  # noqa: F401 - fixtures
 
 
 def test_phase_clock_charges_every_instant_to_one_phase():
@@ -88,44 +89,6 @@ def test_sessions_sum_call_attributions_once_per_call():
 A, B = "tiny-llama", "tiny-qwen2"
 
 
-@pytest.fixture(scope="module")
-def store():
-    from services.kvstore.server import KvStoreServer
-    from talaria.config import KvStoreConfig
-
-    srv = KvStoreServer(KvStoreConfig(capacity_mb=64, slab_kb=4))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    from services.kvstore.transfer import MooncakeEndpoint
-
-    mc = MooncakeEndpoint()
-    yield mc
-    mc.close()
-
-
-def _run(ce, reqs):
-    for r in reqs:
-        ce.add_request(r)
-    out, done = {}, set()
-    toks = {r.request_id: [] for r in reqs}
-    for _ in range(10_000):
-        for o in ce.step():
-            if o.request_id in toks:
-                toks[o.request_id] += o.new_token_ids
-            if o.finished and o.request_id in toks:
-                out[o.request_id] = o
-                out[o.request_id + ":tokens"] = toks[o.request_id]
-                done.add(o.request_id)
-        if len(done) == len(reqs):
-            return out
-    raise AssertionError("calls did not finish")
-
-
 def _sums(a: CallAttribution) -> None:
     assert a is not None
     assert all(v >= 0 for v in a.as_dict().values())
@@ -147,7 +110,7 @@ def test_real_cold_engine_records_round_wait_switch_wait_restore_prefill_decode(
     ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
     prompt = list(range(10, 70))
     # A's call runs while B's call waits for B's slot: round wait, then the switch, then its own prefill/decode
-    first = _run(ce, [EngineRequest("t1", prompt, greedy, session_id="s", model=A),
+    first = run_calls(ce, [EngineRequest("t1", prompt, greedy, session_id="s", model=A),
                       EngineRequest("b1", list(range(5, 30)), greedy, model=B)])
     t1, b1 = first["t1"].attribution, first["b1"].attribution
     _sums(t1)
@@ -159,7 +122,7 @@ def test_real_cold_engine_records_round_wait_switch_wait_restore_prefill_decode(
     assert b1.switch_wait_s == pytest.approx(rec.total_seconds, rel=0.5, abs=0.05)
     # A's session returns after B's slot: its KV left the device, the prefix is restored from the host store
     turn2 = prompt + first["t1:tokens"] + [3, 4, 5, 6]
-    second = _run(ce, [EngineRequest("t2", turn2, greedy, session_id="s", model=A)])["t2"]
+    second = run_calls(ce, [EngineRequest("t2", turn2, greedy, session_id="s", model=A)])["t2"]
     assert second.usage.restored_tokens > 0
     t2 = second.attribution
     _sums(t2)
@@ -174,7 +137,7 @@ def test_real_engine_under_kv_pressure_records_time_lost_to_preemption(synth_mod
     ps = [list(range(3 + i, 3 + i + 12 + 2 * i)) for i in range(8)]
     need = max(-(-(len(p) + sp.max_tokens) // 4) for p in ps)
     eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=need + 2)  # barely fits the longest call
-    finals = _run(eng, [EngineRequest(f"p{i}", p, sp) for i, p in enumerate(ps)])
+    finals = run_calls(eng, [EngineRequest(f"p{i}", p, sp) for i, p in enumerate(ps)])
     assert eng.stats().num_preemptions > 0
     splits = [finals[f"p{i}"].attribution for i in range(len(ps))]
     for a in splits:

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from services.engine.executor import Engine
 from services.engine.host_kv import HostKV
@@ -14,36 +13,13 @@ from services.engine.kv.host_tier import HostSessions, decide_restore
 from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from services.kvstore.server import KvStoreServer
-from services.kvstore.transfer import MooncakeEndpoint
 from services.engine import wire
 from talaria.config import EngineConfig, KvStoreConfig
 from talaria.v1 import engine_pb2
+from tests.unit.host_kv_fixtures import mooncake, one_thread, store  # noqa: F401 - fixtures
 
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def store():
-    srv = KvStoreServer(KvStoreConfig(capacity_mb=64, slab_kb=4))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    mc = MooncakeEndpoint()
-    yield mc
-    mc.close()
 
 
 def engine(path, **kw) -> Engine:

@@ -9,7 +9,6 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
 
 from services.engine import host_kv as host_kv_mod
 from services.engine.executor import Engine
@@ -18,35 +17,11 @@ from services.engine.kv_verify import ALGO, page_checksums, verify_pages
 from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from services.kvstore.server import KvStoreServer
-from services.kvstore.transfer import MooncakeEndpoint
-from talaria.config import KvStoreConfig
 from talaria.v1 import kvstore_pb2 as kpb
+from tests.unit.host_kv_fixtures import mooncake, one_thread, store  # noqa: F401 - fixtures
 
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def store():
-    srv = KvStoreServer(KvStoreConfig(capacity_mb=32, slab_kb=4))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    mc = MooncakeEndpoint()
-    yield mc
-    mc.close()
 
 
 def test_verify_pages_finds_the_first_bad_page():

@@ -11,45 +11,11 @@ from services.engine.slots import CostModel, CostProfile, SlotPolicy
 from services.engine.slotted import SlottedColdEngine
 from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
-from services.kvstore.server import KvStoreServer
-from services.kvstore.transfer import MooncakeEndpoint
-from talaria.config import KvStoreConfig
+from tests.unit.host_kv_fixtures import mooncake, run_calls, store  # noqa: F401 - fixtures
 
 A, B = "tiny-llama", "tiny-qwen2"
 PRIOR = 123.0  # seconds per token: no real restore costs that, so a learned value cannot equal it
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def store():
-    srv = KvStoreServer(KvStoreConfig(capacity_mb=64, slab_kb=4))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    mc = MooncakeEndpoint()
-    yield mc
-    mc.close()
-
-
-def run(ce, reqs):
-    for r in reqs:
-        ce.add_request(r)
-    out = {r.request_id: [] for r in reqs}
-    done = set()
-    for _ in range(10_000):
-        for o in ce.step():
-            if o.request_id in out:
-                out[o.request_id] += o.new_token_ids
-                if o.finished:
-                    done.add(o.request_id)
-                    out[o.request_id + ":usage"] = o.usage
-        if len(done) == len(reqs):
-            return out
-    raise AssertionError("calls did not finish")
 
 
 def test_restore_cost_is_learned_from_real_restores(synth_models, store, mooncake):
@@ -59,13 +25,13 @@ def test_restore_cost_is_learned_from_real_restores(synth_models, store, mooncak
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
     )
     ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
-    run(ce, [EngineRequest("warm-a", list(range(100, 160)), GREEDY, model=A)])  # first steps pay one-off costs
+    run_calls(ce, [EngineRequest("warm-a", list(range(100, 160)), GREEDY, model=A)])  # first steps pay one-off costs
     prompt = list(range(10, 70))
-    first = run(ce, [EngineRequest("t1", prompt, GREEDY, session_id="s", model=A)])  # measures A's prefill
-    run(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # switches away: A's device KV is gone
-    turn2 = prompt + first["t1"] + [3, 4, 5, 6]
-    second = run(ce, [EngineRequest("t2", turn2, GREEDY, session_id="s", model=A)])
-    assert second["t2:usage"].restored_tokens > 0, "the second turn was not restored from the host store"
+    first = run_calls(ce, [EngineRequest("t1", prompt, GREEDY, session_id="s", model=A)])  # measures A's prefill
+    run_calls(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # switches away: A's device KV is gone
+    turn2 = prompt + first["t1:tokens"] + [3, 4, 5, 6]
+    second = run_calls(ce, [EngineRequest("t2", turn2, GREEDY, session_id="s", model=A)])
+    assert second["t2"].usage.restored_tokens > 0, "the second turn was not restored from the host store"
     learned = ce.slots.costs.restore_per_token(A)
     hk = ce.shell(A).host_kv
     # restores run off the executor thread (issue 19 #3): the cost model learns each real restore's own
