@@ -8,19 +8,11 @@ way, and the store's threads get the other core). Not a conftest: most unit modu
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.kvstore.server import KvStoreServer
 from services.kvstore.transfer import MooncakeEndpoint
 from talaria.config import KvStoreConfig
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ leave the device, and outputs are unchanged."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.engine.cold import ColdEngine
 from services.engine.cold_residency import ResidencyDriver
@@ -14,6 +13,7 @@ from services.engine.substrate.groups import group_of_layer, layer_groups
 from services.engine.substrate.staging import ChunkState
 from services.engine.substrate.switch import kv_page_bytes
 from services.engine.types import EngineRequest, SamplingParams
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 PAGE = 4
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -27,14 +27,6 @@ class StepClock:
     def __call__(self) -> float:
         self.t += 0.002
         return self.t
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make(synth_models, kv_mb=24, budget_fraction=1.0):

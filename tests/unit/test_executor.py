@@ -13,6 +13,7 @@ from services.engine.executor import (
     InvalidSamplingError,
 )
 from services.engine.types import EngineRequest, FinishReason, SamplingParams
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PAGE = 4
@@ -42,15 +43,6 @@ def run(engine, req: EngineRequest):
                 final = out
     engine.check_integrity()
     return toks, text, final
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is as fast and does not degrade when the CPUs are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from services.router.schemas import ChatCompletionRequest, parse_request
 from services.router.session_api import session_end_header
 from talaria.clock import ManualClock
 from talaria.kv_layout import Family, Layout
-from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 from tests.unit.test_router_placement import hook, make_gateway, place, snapshot
 

@@ -18,7 +18,7 @@ from services.router.registry import Registry
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
 from sim import paper, report
-from sim.cluster import InstanceSpec, SimConfig, SimSession, Simulation
+from sim.cluster import SimConfig, SimSession, Simulation
 from sim.instance import SimCall
 from sim.profile import ProfileError, from_dict, load, uncited
 from talaria.v1 import engine_pb2 as pb

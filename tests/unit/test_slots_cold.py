@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.engine.executor import Engine
 from services.engine.slots import Phase, SlotPolicy
 from services.engine.slotted import SlottedColdEngine
 from services.engine.types import EngineRequest, SamplingParams
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 PAGE = 4
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -28,14 +28,6 @@ class StepClock:
     def __call__(self) -> float:
         self.t += TICK_S
         return self.t
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def sessions_spec(seed=0, per_model=2, depth=3):

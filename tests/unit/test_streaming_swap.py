@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from services.engine.cold import ColdEngine
 from services.engine.executor import Engine
@@ -17,17 +16,10 @@ from services.engine.streaming_swap import startup_prefix, stream_copy
 from services.engine.substrate.groups import layer_groups
 from services.engine.substrate.transfer import TrafficClass, TransferQueue, TransferScheduler, TransferTicket
 from services.engine.types import EngineRequest, SamplingParams
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------ k* (pure)

@@ -8,22 +8,14 @@ the hit count is exactly the one of an open (tenant-less) engine: salting costs 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.engine.executor import Engine
 from services.engine.types import EngineRequest, SamplingParams
 from talaria.hashing import model_salt, page_hashes, tenant_salt
+from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PAGE = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
