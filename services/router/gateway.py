@@ -48,7 +48,7 @@ from services.router.policy import (
     calls_on,
     decide,
 )
-from services.router.profiles import DemandMeter, ProfileBook, ShapeBook
+from services.router.profiles import DemandMeter, ProfileBook, ShapeBook, peer_group
 from services.router.registry import InstanceView, Registry
 from services.router.sessions import SessionTable
 from talaria.cost_curve import points_from_proto
@@ -137,7 +137,7 @@ class Gateway:
             return False
         p = snap.profile
         self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, costs_from_proto(p.switch_costs),
-                              points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch))
+                              points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch), peer_group(snap))
         return True
 
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:

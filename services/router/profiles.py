@@ -3,7 +3,7 @@ profiles ... using an exponentially weighted moving average"). Pure state, injec
 
 | class | fed by | gives |
 |---|---|---|
-| ``ProfileBook`` | instance snapshots (``CostProfile``) | per-instance ``policy.Profile``, config defaults where unmeasured |
+| ``ProfileBook`` | instance snapshots (``CostProfile``) | per-instance ``policy.Profile``; its peers' measurements, then config defaults, where unmeasured |
 | ``ShapeBook`` | completion hooks (usage) | per-model ``policy.CallShape``: uncached suffix, prompt and decode tokens of a typical call |
 | ``DemandMeter`` | call arrivals | per-model arrival rate (EWMA of inter-arrival) -> calls expected in the control window |
 """
@@ -44,20 +44,33 @@ ACTIVATION_PATHS: dict[str, tuple[SwitchPath, ...]] = {
 }
 
 
+# Design note (issue 12 #2, "cold-start priors only until measured"; the brief: "costs that policies use are
+# measured and learned, never left at defaults"). An instance that has not yet measured a cost borrows it from
+# its *peers* -- instances of the same peer group (same pool, device and served models, so the same work on the
+# same kind of hardware) that have measured it: the median of their EWMAs for a scalar, the most-sampled peer's
+# curve for a learned curve. Only when no peer has measured it either does the config prior price it. Without
+# this, a fresh replica priced at a pessimistic prior looked dearer than a measured twin holding a queue of
+# leases, so new sessions piled onto the measured one (two identical workers: three of four new sessions went to
+# the first). An instance's own measurement always wins over its peers'.
+
+
 class ProfileBook:
     def __init__(self, defaults: Defaults = Defaults(), alpha: float = 0.2):
         self.defaults = defaults
         self.alpha = alpha
         self._v: dict[str, dict[str, float]] = {}
         self._curves: dict[str, tuple[CostCurve | None, CostCurve | None]] = {}  # issue 12: (prefill, decode)
+        self._group: dict[str, tuple] = {}  # instance -> peer group (pool, device, served models)
 
     def observe(
         self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
-        switch_costs: Mapping[SwitchPath, float], prefill_by_context=(), decode_by_batch=(),
+        switch_costs: Mapping[SwitchPath, float], prefill_by_context=(), decode_by_batch=(), group: tuple = (),
     ) -> None:
         """Fold one snapshot's measured profile in; zero means "not measured" and is skipped. The learned
         curves (``(at, seconds, samples)`` buckets, ``talaria.cost_curve``) are the engine's own EWMAs: the
-        latest snapshot's replace the previous ones. Mutates: the instance's EWMAs and curves."""
+        latest snapshot's replace the previous ones. ``group``: the instance's peer group (``peer_group``);
+        ``()`` = no peers. Mutates: the instance's EWMAs, curves and group."""
+        self._group[instance_id] = group
         self._curves[instance_id] = (_curve(prefill_by_context, self.defaults.prefill_per_token),
                                      _curve(decode_by_batch, self.defaults.decode_step))
         cur = self._v.setdefault(instance_id, {})
@@ -74,21 +87,54 @@ class ProfileBook:
     def forget(self, instance_id: str) -> None:
         self._v.pop(instance_id, None)
         self._curves.pop(instance_id, None)
+        self._group.pop(instance_id, None)
+
+    def _peers(self, instance_id: str) -> list[str]:
+        group = self._group.get(instance_id, ())
+        if not group:
+            return []
+        return sorted(j for j, g in self._group.items() if g == group and j != instance_id)
 
     def profile(self, instance_id: str) -> Profile:
+        """The instance's measured costs; what it has not measured, its peers' (design note above); else the
+        config priors. Pure read."""
         v, d = self._v.get(instance_id, {}), self.defaults
-        switch = v.get("switch_s", d.switch_s)
+        peers = self._peers(instance_id)
+
+        def cost(name: str, prior: float) -> float:
+            if name in v:
+                return v[name]
+            seen = sorted(self._v[j][name] for j in peers if name in self._v.get(j, {}))
+            return seen[len(seen) // 2] if seen else prior
+
+        switch = cost("switch_s", d.switch_s)
         prefill_curve, decode_curve = self._curves.get(instance_id, (None, None))
         return Profile(
-            prefill_per_token=v.get("prefill_per_token", d.prefill_per_token),
-            decode_step=v.get("decode_step", d.decode_step),
-            restore_per_token=v.get("restore_per_token", d.restore_per_token),
+            prefill_per_token=cost("prefill_per_token", d.prefill_per_token),
+            decode_step=cost("decode_step", d.decode_step),
+            restore_per_token=cost("restore_per_token", d.restore_per_token),
             switch_s=switch,
-            staged_switch_s=v.get("staged_switch_s", switch),
-            open_s=v.get("open_s", d.open_s),
-            prefill_by_context=prefill_curve,
-            decode_by_batch=decode_curve,
+            staged_switch_s=cost("staged_switch_s", switch),
+            open_s=cost("open_s", d.open_s),
+            prefill_by_context=prefill_curve or self._peer_curve(peers, 0),
+            decode_by_batch=decode_curve or self._peer_curve(peers, 1),
         )
+
+    def _peer_curve(self, peers: list[str], which: int) -> CostCurve | None:
+        """The most-sampled measured curve among ``peers`` (``which``: 0 prefill, 1 decode), or None."""
+        best, most = None, 0
+        for j in peers:
+            c = self._curves.get(j, (None, None))[which]
+            n = sum(p[2] for p in c.points()) if c is not None else 0
+            if n > most:
+                best, most = c, n
+        return best
+
+
+def peer_group(snap) -> tuple:
+    """The peer group of an ``InstanceSnapshot``: instances that do the same work on the same kind of hardware
+    (pool, device, served models) and so may lend each other their measured costs."""
+    return (int(snap.pool), snap.device, tuple(sorted(m.model for m in snap.models)))
 
 
 def _curve(points, prior: float) -> CostCurve | None:

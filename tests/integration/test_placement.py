@@ -52,6 +52,13 @@ def metrics(api) -> dict:
     return httpx.get(f"{api}/router/metrics", timeout=5).json()["placement"]
 
 
+def decisions(api, n: int) -> list:
+    """The router's last ``n`` decisions, each instance's cost terms (for a failing assertion's message)."""
+    keep = ("instance_id", "total", "delta_r", "queue_s", "c_kv", "c_act", "kv_source", "reject")
+    return [{"chosen": d.get("instance_id"), "reason": d.get("reason"), "costs": [{k: c.get(k) for k in keep} for c in d["costs"]]}
+            for d in httpx.get(f"{api}/router/decisions", timeout=5).json()["decisions"][-n:]]
+
+
 def leases_live(api, n: int) -> None:
     """The lease is installed when the engine's completion hook reaches the router, which may be after the
     HTTP response on a loaded machine: a call that depends on a live lease waits for it first."""
@@ -66,7 +73,7 @@ def test_returns_land_where_the_kv_is_and_consume_leases(stack):
         homes[f"p{k}"] = r.headers["x-talaria-instance"]
         assert r.headers["x-talaria-placement"] == "cost"
         leases_live(api, k + 1)
-    assert set(homes.values()) == {"w-a", "w-b"}
+    assert set(homes.values()) == {"w-a", "w-b"}, decisions(api, 4)
     for turn in (1, 2):  # quick returns (tool gap << tau): the lease is consumed, same worker, prefix reused
         for s, home in homes.items():
             r = call(api, s, turn)

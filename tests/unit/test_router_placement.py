@@ -412,3 +412,42 @@ def test_overload_queue_is_bounded_in_size_and_time():
     state.gateway.queued = 1  # the queue is full: answered at once
     r2 = client.post("/v1/chat/completions", json=BODY)
     assert r2.status_code == 429 and "full" in r2.json()["error"]["message"]
+
+
+def test_an_unmeasured_replica_borrows_its_peers_costs_not_the_priors():
+    """Issue 12 #2: a replica that has measured nothing yet is priced like its measured twin (same pool, device,
+    models), not at the config priors; its own measurement wins once it has one; another group keeps the priors."""
+    from services.router.profiles import Defaults
+
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=5.0)
+    cheap = pb.CostProfile(prefill_per_token=1e-5, decode_step=1e-3)  # far below the priors (2e-4, 0.02)
+    a = snapshot("a", 1, clock)
+    a.profile.CopyFrom(cheap)
+    b = snapshot("b", 1, clock)
+    b.ClearField("profile")  # a fresh replica: nothing measured
+    other = snapshot("c", 1, clock, models=[pb.ModelState(model="x", loaded=True, active=True, max_context=4096)])
+    other.ClearField("profile")
+    for s in (a, b, other):
+        gw.on_snapshot(s)
+    pb_, pc = gw.profiles.profile("b"), gw.profiles.profile("c")
+    assert (pb_.prefill_per_token, pb_.decode_step) == (1e-5, 1e-3)
+    assert (pc.prefill_per_token, pc.decode_step) == (Defaults().prefill_per_token, Defaults().decode_step)
+    # a new session lands on a, which then holds its lease: the next new session goes to the twin without one
+    assert place(gw, store, "s1").instance_id == "a"
+    lease = gw.on_hook(hook("a", "s1", clock, tokens=200))
+    store.install_now(lease)
+    gw.on_snapshot(_with_profile(snapshot("a", 2, clock), cheap))
+    gw.on_snapshot(_with_profile(snapshot("b", 2, clock), None))
+    d = place(gw, store, "s2")
+    assert d.instance_id == "b", d.costs
+    # b's own measurement replaces the borrowed one
+    gw.on_snapshot(_with_profile(snapshot("b", 3, clock), pb.CostProfile(prefill_per_token=3e-5, decode_step=2e-3)))
+    assert gw.profiles.profile("b").prefill_per_token == pytest.approx(3e-5)
+
+
+def _with_profile(snap, profile):
+    snap.ClearField("profile")
+    if profile is not None:
+        snap.profile.CopyFrom(profile)
+    return snap
