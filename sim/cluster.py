@@ -255,6 +255,8 @@ class Simulation:
             finish_reason="length", arrival_unix=c.intended, finish_unix=self.clock.now(),
             ttft_seconds=(c.first_token_at or 0.0) - c.intended,
         )
+        if c.tool:
+            hook.tool_names.append(c.tool)
         lease = self.gateway.on_hook(hook)
         if lease is not None:
             self.leases.install_now(lease)
