@@ -87,6 +87,16 @@ def _catalog(args) -> int:
     return 0
 
 
+def _leases(args) -> int:
+    from .leases import run_leases, table
+
+    s = run_leases(Path(args.out), profile=args.profile, workloads=tuple(args.workloads.split(",")), seeds=args.seeds, seed=args.seed,
+                   sessions=args.sessions, max_depth=args.max_depth, taus=tuple(float(t) for t in args.taus.split(",")), start_gap_s=args.start_gap,
+                   miniswe_path=args.miniswe, with_no_arith=args.no_arith, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(s, indent=2, default=str) if args.json else table(s))
+    return 0
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("sim", help="discrete-event simulator: the real policies under a virtual clock")
     ps = p.add_subparsers(dest="sim_cmd", required=True)
@@ -132,6 +142,20 @@ def add_cli(sub) -> None:
     po.add_argument("--rate", type=float, default=5.0, help="session starts per second")
     po.add_argument("--seed", type=int, default=0)
     po.set_defaults(fn=_pools)
+    le = ps.add_parser("leases", help="adaptive (tool-aware) leases vs fixed tau on the per-tool and mini-swe-agent workloads (issue 14)")
+    le.add_argument("--out", default="sim-leases")
+    le.add_argument("--profile", default=DEFAULT_TP4)
+    le.add_argument("--workloads", default="tools,miniswe", help="comma list of tools,miniswe")
+    le.add_argument("--seeds", type=int, default=3, help="workload seeds (repetitions; medians reported)")
+    le.add_argument("--seed", type=int, default=0, help="first seed")
+    le.add_argument("--sessions", type=int, default=24, help="sessions per seed (miniswe: at most the trace's 20)")
+    le.add_argument("--max-depth", type=int, default=40, help="synthetic sessions' depth cap")
+    le.add_argument("--taus", default="0.5,1,2,5", help="fixed tau values")
+    le.add_argument("--start-gap", type=float, default=4.0, help="mean seconds between session starts (Poisson)")
+    le.add_argument("--miniswe", default="../shared/data/lmcache_miniswe_trace.jsonl.gz")
+    le.add_argument("--no-arith", action="store_true", help="also run adaptive leases without the lease arithmetic")
+    le.add_argument("--json", action="store_true")
+    le.set_defaults(fn=_leases)
     ca = ps.add_parser("catalog", help="models served per instance at the TTFT SLO as the catalog grows")
     ca.add_argument("--out", default="sim-catalog")
     ca.add_argument("--profile", default=DEFAULT_TP8)

@@ -49,6 +49,7 @@ class InstanceSpec:
     catalog: tuple[str, ...]
     loaded: tuple[str, ...] | None = None  # None: the whole catalog
     max_loaded: int = 0
+    max_num_seqs: int = 32  # decode slots the router is told (talaria.config.EngineConfig's default; the service passes it too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +116,7 @@ class Simulation:
         defaults = Defaults(c0.prefill_per_token_at(8192), c0.decode_s(1, 0), c0.restore_per_token_s, prof.switch.total(1.0), prof.switch.total(0.0))
         self.gateway = Gateway(
             cfg.params, self.registry, SessionTable(self.clock), table, self.clock.now, profiles=ProfileBook(defaults), shapes=ShapeBook(),
-            demand=DemandMeter(), tau_s=cfg.tau_s, pools={s.iid: PoolSpec(s.pool, s.catalog, prof.page_tokens) for s in cfg.instances},
+            demand=DemandMeter(), tau_s=cfg.tau_s, pools={s.iid: PoolSpec(s.pool, s.catalog, prof.page_tokens, s.max_num_seqs) for s in cfg.instances},
         )
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
@@ -255,6 +256,8 @@ class Simulation:
             finish_reason="length", arrival_unix=c.intended, finish_unix=self.clock.now(),
             ttft_seconds=(c.first_token_at or 0.0) - c.intended,
         )
+        if c.tool:
+            hook.tool_names.append(c.tool)
         lease = self.gateway.on_hook(hook)
         if lease is not None:
             self.leases.install_now(lease)
@@ -271,7 +274,7 @@ class Simulation:
                 continue
             spec = loop.catalog if pool == "cold" else (model,)
             secs = inst.reconfigure(pool, list(spec), model, self.cfg.slot if pool == "cold" else _hot(self.cfg.slot))
-            self.gateway.pools[iid] = PoolSpec(pool, tuple(spec), self.cfg.profile.page_tokens)
+            self.gateway.pools[iid] = PoolSpec(pool, tuple(spec), self.cfg.profile.page_tokens, self.gateway.pools[iid].max_num_seqs)
             self._publish(iid)  # the new epoch and pool reach the router at once
             self._busy[iid] = "moving"
             self._push(self.clock.now() + secs, "moved", iid)

@@ -59,6 +59,7 @@ class SimCall:
     continuation: bool = False
     prefill_total: int = 0  # tokens this admission computes or restores (prompt, or a parked call's context)
     parked_ctx: int = 0  # parked at a switch (can_park): context tokens (prompt + decoded) it needs back
+    tool: str = ""  # the tool this call's answer invoked (the gap after it is that tool's run; the hook names it)
 
     @property
     def ctx_needed(self) -> int:

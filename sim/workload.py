@@ -49,8 +49,10 @@ def session_of(s: Session, model: str | None = None, sid: str | None = None, sta
         n = _len(c, prev)
         calls.append(SimCall("", sid, c.call_index, model or c.model, n, min(c.prefix_tokens, n), max(1, round(c.output_tokens * output_scale)), c.gap_s if c.call_index else 0.0))
         prev = n
+    ordered = sorted(s.calls, key=lambda c: c.call_index)
     for i, c in enumerate(calls):
         c.index = i
+        c.tool = (ordered[i + 1].tool or "") if i + 1 < len(ordered) else ""  # a replay call names the tool run *before* it
     return SimSession(sid, s.start_offset_s if start is None else start, calls)
 
 

@@ -20,7 +20,9 @@ hook's tool (its first parsed tool call) keys the return-gap predictor; the leas
 gap's capped quantile; a lease whose expected saving is below the queueing it imposes is not installed
 (``leases_declined``); live leases weigh on their instance by their decaying value; a return whose leased
 instance is costlier than the best alternative drops the lease (``lease_outweighed``). Every return is an
-observation (``arrival``). ``lease_token_s``: committed tokens x seconds held by leases (device KV they
+observation (``arrival``), and every return's hook teaches ``residency`` (``ResidencyBook``: whether returns
+on / off their lease found their prefix on the device, and what losing it cost in TTFT), which prices
+what a lease saves. ``lease_token_s``: committed tokens x seconds held by leases (device KV they
 kept reserved), judged ones plus those still in the table. ``lease_policy: fixed`` is the paper's tau.
 """
 
@@ -34,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ReturnTracker, judge_lease
+from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ResidencyBook, ReturnTracker, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -115,6 +117,8 @@ class Gateway:
         self.returns = ReturnTracker()
         self.next_models = NextModelBook()
         self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
+        self.residency = ResidencyBook()  # what a lease saves a return, measured from the returns' hooks
+        self._returning: OrderedDict[tuple[str, str], bool] = OrderedDict()  # (session, model) -> placed on its lease
         self._declared: OrderedDict[str, str] = OrderedDict()  # request id -> tool named by the client (X-Talaria-Tool)
 
     @property
@@ -157,6 +161,7 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
+        self._observe_return(hook)
         declared = self._declared.pop(hook.request_id, "")
         tool = hook.tool_names[0] if hook.tool_names else declared
         self.returns.ended(hook.session_id, hook.model, tool, done)
@@ -189,6 +194,14 @@ class Gateway:
             lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
         self.stats["leases_installed"] += 1
         return lease
+
+    def _observe_return(self, hook: pb.CompletionHook) -> None:
+        """A returning call finished: teach ``residency`` whether it was placed on its lease, whether its prefix
+        was still on the device (cached tokens beyond those restored from host) and its TTFT. Mutates both."""
+        on_lease = self._returning.pop((hook.session_id, hook.model), None)
+        if on_lease is not None and hook.HasField("usage") and hook.ttft_seconds > 0:
+            u = hook.usage
+            self.residency.observe(on_lease, u.cached_tokens > u.restored_tokens, hook.ttft_seconds)
 
     def lease_window(self, model: str, tool: str = "") -> float:
         """The lease length after a call of ``(model, tool)``: tau (fixed) or the predicted window (adaptive).
@@ -275,6 +288,9 @@ class Gateway:
             alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
             if mine is not None and alt is not None:
                 saved = max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s))
+        kept = self.residency.saving()  # the residency a lease buys, priced by what losing it cost (measured)
+        if kept is not None:
+            saved = max(saved, kept)
         return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
 
     def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
@@ -455,6 +471,7 @@ class Gateway:
             seq=self._seq,
             index=None if exclude else self._index,  # with exclusions the policy indexes the subset itself
             index_version=self._index.version,
+            lease_saving_s=(self.residency.saving() or 0.0) if lease is not None and self.adaptive else 0.0,
         )
         return st, rev
 
@@ -492,6 +509,10 @@ class Gateway:
         entry = self.sessions.get(req.session_id) if req.session_id else None
         if entry is not None and entry.model == req.model:
             self.stats["returns"] += 1
+            if self.leases_enabled:  # its hook teaches what a lease saves (``ResidencyBook``)
+                self._returning[(req.session_id, req.model)] = d.lease == "hit"
+                while len(self._returning) > 65536:
+                    self._returning.popitem(last=False)
             self.stats["same_instance_returns" if entry.instance_id == inst else "moved_returns"] += 1
         if d.opens_model:
             self.stats["model_opens"] += 1
@@ -580,6 +601,7 @@ class Gateway:
             "lease_token_s": self.lease_token_s + self.leases.held_token_s(now),
             "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
             "return_gaps": self.gaps.keys(),
+            "lease_residency": self.residency.snapshot(),
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
             "mean_decide_us": (self._decide_ns / 1e3 / s["decisions"]) if s.get("decisions") else None,

@@ -193,6 +193,9 @@ class PlacementState:
     # version still equals ``index_version``, else the policy builds one from ``instances``.
     index: InstanceIndex | None = None
     index_version: int = -1
+    # Adaptive leases: what honouring the lease saves beyond Eq. 1's terms, measured (``return_gap.ResidencyBook``:
+    # the device residency a lease buys x what losing it cost); the lease is outweighed only by more than this.
+    lease_saving_s: float = 0.0
 
 
 class CostBreakdown(NamedTuple):
@@ -718,11 +721,12 @@ def decide_full(state: PlacementState, now: float) -> Decision:
 def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
     """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
     another admissible instance has a lower Eq. 1 total (its queue is shorter by more than the C_KV + C_act
-    the leased instance avoids). Pure."""
+    the leased instance avoids) by more than the measured saving of a lease (``state.lease_saving_s``: on a
+    cold instance a return that lost its device residency also waits for its model's next slot). Pure."""
     rows, mus, _ = _rank(state, idx, shortlist=True)
     others = _eq2(rows, mus, state)
     best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
-    return best is not None and best.total < mine.total
+    return best is not None and best.total + state.lease_saving_s < mine.total
 
 
 def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:

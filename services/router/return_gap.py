@@ -22,15 +22,19 @@ the server, and keeps retention *soft and decaying*. Here:
   cliff (weight 1 until ``t_exp``).
 * **Lease arithmetic** (``judge_lease``): installing a lease is worth ``P(return within window) x saved_s``
   (what a hit saves: recomputing or restoring the committed prefix elsewhere, from the router's measured
-  per-token costs) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
+  per-token costs -- or, once measured, more: Continuum prices a KV TTL by the reload *and the queueing*
+  a returning call pays without it. On a cold instance a return that lost its device residency (its model
+  switched out meanwhile) waits for the model's next slot: measured in the simulator, 0.5 s to first
+  token resident vs 17-24 s not, while the host restore of a 20K-token prefix is ~30 ms. ``ResidencyBook``
+  learns that from the returns' hooks: the residency share a lease buys x what losing it costs) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
   arriving at its instance meanwhile: their arrival rate x one mean call of queueing, from the measured
   profiles). A lease that costs more than it saves is not installed. At the return itself the policy
-  honours a lease only when its instance is not costlier than the best alternative by Eq. 1
-  (``policy.decide_full``, ``lease_policy: adaptive``): a lease that would delay the call more than its
-  resident prefix saves is dropped.
+  honours a lease only when its instance is not costlier than the best alternative by Eq. 1 plus the
+  measured saving (``policy.decide_full``, ``lease_policy: adaptive``): a lease that would delay the call
+  more than its resident prefix saves is dropped.
 
-Pure: no clock is read (every time is an argument), no I/O. ``GapPredictor`` and ``ReturnTracker`` mutate
-only themselves.
+Pure: no clock is read (every time is an argument), no I/O. ``GapPredictor``, ``ReturnTracker`` and
+``ResidencyBook`` mutate only themselves.
 """
 
 from __future__ import annotations
@@ -223,6 +227,52 @@ def lease_weight(mu: float, sigma: float, t_done: float, t_exp: float, now: floa
     if sigma <= 0:
         return 1.0
     return GapEstimate(mu, sigma).p_within(max(0.0, now - t_done), t_exp - t_done)
+
+
+class ResidencyBook:
+    """What a lease saves a returning call, *measured* (Continuum: a KV time-to-live is worth the reload and
+    the queueing the returning call pays without it). From the completion hooks of returning calls, pooled
+    over models (it is a property of the instances' schedules, and pooling keeps it learned on sparse
+    traffic): the EWMA time to first token of returns whose prefix was still on the device (``resident``:
+    cached tokens beyond those restored from host) and of those that were not (restored from host or
+    recomputed; on a cold instance also the wait for the model's next slot), and the EWMA share of resident
+    returns among those placed on their lease and those not. ``saving`` = (share resident with a lease -
+    share without) x (TTFT not resident - TTFT resident): the residency a lease buys, priced by what losing
+    it cost the calls that lost it. Both sides are observed whatever the lease policy decides, so it does
+    not feed on its own decisions the way a hit-vs-miss TTFT difference does (under the lease arithmetic
+    the few hits are a selected sample: measured here, hits looked *slower* than misses). Mutates only itself."""
+
+    def __init__(self, alpha: float = 0.05, min_samples: int = 5) -> None:
+        self.alpha = alpha
+        self.min_samples = min_samples
+        self._ttft: dict[bool, tuple[float, int]] = {}  # resident -> (EWMA ttft, samples)
+        self._share: dict[bool, tuple[float, int]] = {}  # placed on its lease -> (EWMA resident share, samples)
+
+    def _add(self, book: dict, key: bool, x: float) -> None:
+        mean, n = book.get(key, (x, 0))
+        book[key] = (ewma(mean, x, self.alpha) if n else x, n + 1)
+
+    def observe(self, on_lease: bool, resident: bool, ttft_s: float) -> None:
+        """One returning call: placed on its lease or not, its prefix found on device or not, its TTFT (mutates)."""
+        if ttft_s <= 0 or not math.isfinite(ttft_s):
+            return
+        self._add(self._ttft, resident, ttft_s)
+        self._add(self._share, on_lease, 1.0 if resident else 0.0)
+
+    def saving(self) -> float | None:
+        """Seconds of TTFT a lease saves a return (>= 0); None until every side has ``min_samples`` returns."""
+        parts = [self._ttft.get(True), self._ttft.get(False), self._share.get(True), self._share.get(False)]
+        if any(p is None or p[1] < self.min_samples for p in parts):
+            return None
+        (t_res, _), (t_lost, _), (s_lease, _), (s_none, _) = parts  # type: ignore[misc]
+        return max(0.0, s_lease - s_none) * max(0.0, t_lost - t_res)
+
+    def snapshot(self) -> dict[str, object]:
+        """What was learned (for /router/metrics)."""
+        out: dict[str, object] = {f"ttft_{'resident' if k else 'lost'}_s": {"mean": v, "n": n} for k, (v, n) in self._ttft.items()}
+        out.update({f"resident_share_{'lease' if k else 'no_lease'}": {"mean": v, "n": n} for k, (v, n) in self._share.items()})
+        out["saving_s"] = self.saving()
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from services.router.return_gap import (
     GapParams,
     GapPredictor,
     LeaseCosts,
+    ResidencyBook,
     ReturnTracker,
     _z,
     judge_lease,
@@ -114,3 +115,26 @@ def test_next_model_book_learns_the_handoff():
     b.observe("agent", "", "agent")
     assert b.predict("agent", "") == ("user-sim", 0.8, 5)
     assert b.predict("agent", "ls") == ("agent", 1.0, 4)
+
+
+def test_residency_book_prices_the_residency_a_lease_buys():
+    """Returns placed on their lease found their prefix on the device, the others did not; a resident return
+    waited 0.5 s, one that lost residency 10.5 s: a lease saves (1 - 0) x 10 s. A lease that buys no
+    residency (same share with and without) saves nothing, whatever losing residency costs."""
+    b = ResidencyBook(alpha=0.3, min_samples=5)
+    assert b.saving() is None
+    for _ in range(5):
+        b.observe(on_lease=True, resident=True, ttft_s=0.5)
+    assert b.saving() is None  # nothing yet about returns without a lease
+    for _ in range(4):
+        b.observe(on_lease=False, resident=False, ttft_s=10.5)
+    assert b.saving() is None  # 4 < min_samples
+    b.observe(on_lease=False, resident=False, ttft_s=10.5)
+    assert b.saving() == pytest.approx(10.0)
+    same = ResidencyBook(alpha=0.3, min_samples=1)
+    for on in (True, False):
+        same.observe(on, True, 0.5)
+        same.observe(on, False, 10.5)
+    assert same.saving() == 0.0
+    same.observe(True, True, float("nan"))  # no TTFT: not learned
+    assert same.snapshot()["resident_share_lease"]["n"] == 2

@@ -116,6 +116,57 @@ def test_lease_declined_when_it_delays_more_than_it_saves():
     assert gw.on_hook(hook("a", "s3", clock, tokens=20)) is not None
 
 
+def returned(gw, store, clock, session, i, on_lease, resident, ttft):
+    """One return of ``session`` placed on its lease (or with the lease left uninstalled), then its hook:
+    prefix found on device (cached, nothing restored) or not (all of it restored from host)."""
+    lease = gw.on_hook(hook("a", session, clock, rid=f"{session}-{i}"))
+    if on_lease:
+        assert lease is not None
+        store.install_now(lease)
+    clock.advance(0.05)
+    d = call(gw, store, session)
+    assert d.lease == ("hit" if on_lease else "none")
+    h = hook("a", session, clock, rid=f"{session}-{i}r")
+    h.usage.restored_tokens = 0 if resident else h.usage.cached_tokens
+    h.ttft_seconds = ttft
+    gw.on_hook(h)  # the return's own lease (installed or not) is not used again
+    clock.advance(0.05)
+
+
+def test_lease_saving_is_the_measured_residency_it_buys():
+    """Issue 14 (why adaptive lost to fixed tau in the simulator): the arithmetic priced a hit as the prefix
+    restored from host (600 tokens here: 60 ms), so on a busy router it declined nearly every lease; but a
+    return that loses its device residency on a cold instance also waits for its model's next slot. Once
+    the router has seen that returns on their lease keep residency (0.3 s to first token) and the others
+    lose it (8 s), the same lease is worth installing."""
+    clock = ManualClock(100.0)
+    gw, store = make(clock)
+    for i in range(5):
+        gw.on_snapshot(snapshot("a", 1 + i, clock))  # an idle instance: the teaching leases are installed
+        returned(gw, store, clock, "kept", i, True, True, 0.3)
+        returned(gw, store, clock, "lost", i, False, False, 8.0)
+    assert gw.residency.saving() == pytest.approx(7.7)
+    gw.on_snapshot(snapshot("a", 9, clock, waiting=4))
+    for _ in range(200):  # 20 calls/s of other traffic: the same busy router as the declined case above
+        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        clock.advance(0.05)
+    est, j = gw.size_lease("a", "m", "", 600)
+    assert j.install and j.value_s == pytest.approx(j.p_return * 7.7) and j.value_s > j.harm_s
+    assert gw.metrics()["lease_residency"]["saving_s"] == pytest.approx(7.7)
+
+
+def test_measured_saving_keeps_a_lease_from_being_outweighed():
+    """At the return the leased instance is 1 queue-second costlier by Eq. 1 than an idle one; a lease that
+    is measured to save 5 s of residency is honoured, one with no measured saving is outweighed."""
+    busy, idle = inst("a", waiting=20), inst("b")
+    r = CallRequest("s", "m", 900, 64, 50.0)
+    lease = lease_view("a", 0.0, 5.0)
+    p = PolicyParams(lease_policy="adaptive")
+    assert decide(PlacementState(r, [busy, idle], p, lease=lease), now=1.0).lease == "outweighed"
+    kept = decide(PlacementState(r, [busy, idle], p, lease=lease, lease_saving_s=1e6), now=1.0)
+    assert (kept.instance_id, kept.lease) == ("a", "hit")
+
+
 def lease_view(iid, t_done, t_exp, sigma=0.8):
     return LeaseView("l1", iid, "m", 800, t_done, t_exp, 0, math.log(1.0), sigma)
 

@@ -1,0 +1,151 @@
+"""``talaria sim leases``: adaptive (tool-aware) leases vs fixed tau, side by side (issue 14, "Measure").
+
+Design NOTE. One run compares ``lease_policy: adaptive`` (``services/router/return_gap.py``) with the
+paper's fixed tau in {0.5, 1, 2, 5} s on two workloads, with the router's real gateway and policy under the
+simulator's virtual clock (so the numbers do not move with this machine's load):
+
+* ``tools``: the synthetic generator's per-tool gaps (``SynthParams(tool_gaps=True)``: ``ls``/``grep`` ~50 ms
+  ... ``pytest`` ~6 s), full-scale lengths;
+* ``miniswe``: the shared mini-swe-agent trace (``bench/workloads/miniswe.py``), ~4 characters per token,
+  the commands it ran as the hooks' tools, gaps as recorded (start-to-start, capped at 10 s).
+
+Both on the §5.3 router testbed (``profiles/paper-tp4-router.yaml``: two cold TP=4 workers, three models,
+one resident per worker). Each workload is drawn with ``seeds`` seeds; the seeds are the outer loop and
+the lease policies the inner one (interleaved repetitions), every policy sees the same sessions. Reported
+per (workload, policy): medians over the seeds of SCT p50/p95, returning-call TTFT p50/p95, lease hits,
+unused leases (installed - hits), expiries (a return that found its lease expired), declined / outweighed
+(adaptive), and device KV held by leases in GiB x s (``lease_token_s`` x the profile's KV bytes per token);
+ratios of adaptive to the best fixed tau of that workload (best = lowest median SCT p50; p95 against the
+best p95). The goal (issue 14): adaptive <= best fixed on SCT with less GiB x s, on every workload, with
+the same knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.router.policy import PolicyParams
+
+from . import report, workload
+from .cluster import InstanceSpec, SimConfig, Simulation
+from .paper import ROUTER_MODELS, slot_policy
+from .profile import GIB, Profile, load
+
+TAUS = (0.5, 1.0, 2.0, 5.0)
+MINISWE_PATH = "../shared/data/lmcache_miniswe_trace.jsonl.gz"
+METRICS = ("sct_p50_s", "sct_p95_s", "ttft_returning_p50_s", "ttft_returning_p95_s", "lease_hits", "unused_leases", "lease_expiries",
+           "leases_declined", "lease_outweighed", "lease_gib_s", "same_instance_return_rate")
+
+
+def sessions_for(kind: str, seed: int, sessions: int, max_depth: int, miniswe_path: str, start_gap_s: float) -> list[workload.SimSession]:
+    """Fresh simulator sessions of workload ``kind`` ("tools" | "miniswe") for ``seed``. Pure (reads the trace file)."""
+    if kind == "tools":
+        from bench.workloads.synthetic import SynthParams, generate
+
+        w = generate(SynthParams(sessions=sessions, models=ROUTER_MODELS, seed=seed, length_scale=1.0, max_depth=max_depth,
+                                 max_prompt=workload.FULL_SCALE_MAX_PROMPT, min_prompt=256, max_output=4096, mean_interarrival_s=start_gap_s,
+                                 vocab=32000, tool_gaps=True))
+    elif kind == "miniswe":
+        from bench.workloads.miniswe import MiniSweParams, import_miniswe
+
+        w = import_miniswe(MiniSweParams(path=miniswe_path, sessions=min(sessions, 20), models=ROUTER_MODELS, seed=seed, length_scale=1.0,
+                                         max_prompt=workload.FULL_SCALE_MAX_PROMPT, max_output=4096, vocab=32000, mean_interarrival_s=start_gap_s))
+    else:
+        raise ValueError(f"unknown workload {kind!r} (tools | miniswe)")
+    return workload.from_workload(w)
+
+
+def config(profile: Profile, lease: str, tau: float) -> SimConfig:
+    """The §5.3 two-worker testbed with ``lease`` ("adaptive" | "adaptive-no-arith" | "fixed") leases; ``tau`` for fixed."""
+    ml = int(profile.knobs.get("max_loaded", 1))
+    specs = (InstanceSpec("tp4-0", "cold", ROUTER_MODELS, ROUTER_MODELS[:ml], ml), InstanceSpec("tp4-1", "cold", ROUTER_MODELS, ROUTER_MODELS[-ml:], ml))
+    gib = {m: profile.model(m).weights_gib for m in ROUTER_MODELS}
+    params = PolicyParams(policy="full", model_weights_gib=gib, lease_policy="fixed" if lease == "fixed" else "adaptive",
+                          lease_arithmetic=lease != "adaptive-no-arith")
+    name = lease if lease.startswith("adaptive") else f"fixed {tau:g}s"
+    return SimConfig(name, profile, specs, slot=slot_policy(profile), params=params, tau_s=tau)
+
+
+def one_run(profile: Profile, lease: str, tau: float, sessions: list[workload.SimSession]) -> dict[str, Any]:
+    """One simulation; the report's summary plus the lease counters. Mutates ``sessions`` (call timings)."""
+    r = Simulation(config(profile, lease, tau), sessions).run()
+    s = report.summarize(r)
+    rt = r.router
+    s.update(lease_hits=rt.get("lease_hits", 0), leases_installed=rt.get("leases_installed", 0), unused_leases=rt.get("leases_unused", 0),
+             lease_expiries=rt.get("lease_expiries", 0), leases_declined=rt.get("leases_declined", 0), lease_outweighed=rt.get("lease_outweighed", 0),
+             lease_gib_s=rt.get("lease_token_s", 0.0) * profile.default.kv_bytes_per_token / GIB,
+             same_instance_return_rate=rt.get("same_instance_return_rate") or 0.0)
+    return s
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    return {k: statistics.median(float(r[k]) for r in runs) for k in METRICS}
+
+
+def compare(rows: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Adaptive against the best fixed tau (lowest median SCT p50; p95 against the lowest p95). Pure."""
+    fixed = {k: v for k, v in rows.items() if k.startswith("fixed")}
+    ad = rows.get("adaptive")
+    if not fixed or ad is None:
+        return {}
+    best50 = min(fixed, key=lambda k: fixed[k]["sct_p50_s"])
+    best95 = min(fixed, key=lambda k: fixed[k]["sct_p95_s"])
+    gib = fixed[best50]["lease_gib_s"]
+    out = {
+        "best_fixed_p50": best50, "best_fixed_p95": best95,
+        "sct_p50_vs_best": ad["sct_p50_s"] / fixed[best50]["sct_p50_s"],
+        "sct_p95_vs_best": ad["sct_p95_s"] / fixed[best95]["sct_p95_s"],
+        "gib_s_vs_best": ad["lease_gib_s"] / gib if gib > 0 else float("nan"),
+    }
+    out["goal_met"] = out["sct_p50_vs_best"] <= 1.0 and out["sct_p95_vs_best"] <= 1.0 and ad["lease_gib_s"] < gib
+    return out
+
+
+def run_leases(out: Path, *, profile: str, workloads: tuple[str, ...] = ("tools", "miniswe"), seeds: int = 3, seed: int = 0,
+               sessions: int = 24, max_depth: int = 40, taus: tuple[float, ...] = TAUS, start_gap_s: float = 4.0,
+               miniswe_path: str = MINISWE_PATH, with_no_arith: bool = False, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Every (workload, seed, policy) run, medians, ratios; writes ``OUT/summary.json`` and one report per
+    workload (``OUT/<workload>/report.md``, the sim's report code). Returns the summary."""
+    prof = load(profile)
+    if "miniswe" in workloads and not Path(miniswe_path).exists():
+        raise FileNotFoundError(f"mini-swe-agent trace not found: {miniswe_path} (pass --miniswe PATH)")
+    policies = [("adaptive", 0.0)] + ([("adaptive-no-arith", 0.0)] if with_no_arith else []) + [("fixed", t) for t in taus]
+    summary: dict[str, Any] = {"profile": profile, "seeds": seeds, "first_seed": seed, "sessions": sessions, "max_depth": max_depth,
+                               "start_gap_s": start_gap_s, "taus": list(taus), "workloads": {}}
+    for kind in workloads:
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for k in range(seeds):  # seeds outer, policies inner: interleaved repetitions
+            for lease, tau in policies:
+                s = one_run(prof, lease, tau if lease == "fixed" else 1.0, sessions_for(kind, seed + k, sessions, max_depth, miniswe_path, start_gap_s))
+                runs.setdefault(s["name"], []).append(s)
+                say(f"{kind} seed {seed + k} {s['name']:10s} SCT p50 {s['sct_p50_s']:.1f} p95 {s['sct_p95_s']:.1f} hits {s['lease_hits']} "
+                    f"unused {s['unused_leases']} declined {s['leases_declined']} outweighed {s['lease_outweighed']} GiB*s {s['lease_gib_s']:.0f} "
+                    f"({s['wall_s']:.0f} s wall)")
+        rows = {name: medians(rs) for name, rs in runs.items()}
+        summary["workloads"][kind] = {"medians": rows, "vs_best_fixed": compare(rows),
+                                      "per_seed": {n: [{m: r[m] for m in METRICS} for r in rs] for n, rs in runs.items()}}
+        report.write(out / kind, [rs[len(rs) // 2] for rs in runs.values()], {"workload": kind, "profile": profile, "seeds": seeds},
+                     f"Lease policies on the {kind} workload (one seed's runs; medians in ../summary.json)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    head = ("workload", "leases", "SCT p50", "SCT p95", "ret. TTFT p50", "ret. TTFT p95", "hits", "unused", "expiries", "declined", "outweighed", "GiB*s")
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind, w in summary["workloads"].items():
+        for name, r in w["medians"].items():
+            out.append("| " + " | ".join([kind, name, f"{r['sct_p50_s']:.1f}", f"{r['sct_p95_s']:.1f}", f"{r['ttft_returning_p50_s']:.2f}",
+                                          f"{r['ttft_returning_p95_s']:.2f}", f"{r['lease_hits']:.0f}", f"{r['unused_leases']:.0f}",
+                                          f"{r['lease_expiries']:.0f}", f"{r['leases_declined']:.0f}", f"{r['lease_outweighed']:.0f}",
+                                          f"{r['lease_gib_s']:.0f}"]) + " |")
+        c = w["vs_best_fixed"]
+        if c:
+            out.append(f"| {kind} | adaptive / best fixed | {c['sct_p50_vs_best']:.3f}x ({c['best_fixed_p50']}) | {c['sct_p95_vs_best']:.3f}x "
+                       f"({c['best_fixed_p95']}) | | | | | | | | {c['gib_s_vs_best']:.3f}x; goal met: {c['goal_met']} |")
+    return "\n".join(out)

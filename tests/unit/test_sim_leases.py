@@ -1,0 +1,40 @@
+"""``talaria sim leases`` (issue 14 "Measure"): simulated hooks name the tool, the comparison's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.workloads import Call, Session, Workload
+from sim import leases, workload
+from sim.cluster import Simulation
+from sim.profile import load
+
+
+def test_replay_tools_reach_the_hook_of_the_call_that_ran_them():
+    """A replay call names the tool run *before* it; the simulator's call names the tool its answer invoked."""
+    calls = [Call("s", 0, "m", 5, prompt_tokens=[3] * 10), Call("s", 1, "m", 5, 0.2, 10, append_tokens=[4] * 5, tool="grep"),
+             Call("s", 2, "m", 5, 4.0, 20, append_tokens=[5] * 5, tool="pytest")]
+    (s,) = workload.from_workload(Workload([Session("s", 0.0, calls)], {}))
+    assert [c.tool for c in s.calls] == ["grep", "pytest", ""]
+
+
+def test_simulated_router_learns_gaps_per_tool():
+    prof = load("profiles/paper-tp4-router.yaml")
+    sessions = leases.sessions_for("tools", 0, 4, 6, leases.MINISWE_PATH, 4.0)
+    tools = {c.tool for s in sessions for c in s.calls if c.tool}
+    assert tools
+    r = Simulation(leases.config(prof, "adaptive", 1.0), sessions).run()
+    learned = {k.split("|")[1] for k in r.router["return_gaps"]}
+    assert learned & tools and learned <= tools | {""}
+    assert r.router["lease_policy"] == "adaptive"
+
+
+def test_comparison_against_the_best_fixed_tau():
+    row = lambda p50, p95, gib: {"sct_p50_s": p50, "sct_p95_s": p95, "lease_gib_s": gib}  # noqa: E731
+    rows = {"adaptive": row(95.0, 200.0, 10.0), "fixed 1s": row(100.0, 190.0, 50.0), "fixed 5s": row(120.0, 180.0, 90.0)}
+    c = leases.compare(rows)
+    assert (c["best_fixed_p50"], c["best_fixed_p95"]) == ("fixed 1s", "fixed 5s")
+    assert c["sct_p50_vs_best"] == pytest.approx(0.95) and c["sct_p95_vs_best"] == pytest.approx(200 / 180)
+    assert c["gib_s_vs_best"] == pytest.approx(0.2) and c["goal_met"] is False  # p95 worse than the best fixed p95
+    rows["adaptive"] = row(95.0, 170.0, 10.0)
+    assert leases.compare(rows)["goal_met"] is True
