@@ -397,6 +397,7 @@ COLUMNS = [
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
+    ("engine CPU s", "engine_cpu_s", "/proc: CPU seconds the engine processes used during the replay (work done; hardly depends on machine load)"),
     ("load 1m", "load", "/proc/loadavg 1-minute average before -> after this run"),
 ]
 
@@ -485,6 +486,9 @@ def _cell(s: dict[str, Any], key: str) -> object:
     if key == "same_instance_router":
         v = s.get(key, NA)
         return f"{v:.1%}" if _finite(v) else "n/a"
+    if key == "engine_cpu_s":
+        v = s.get(key, NA)
+        return f"{v:.1f}" if _finite(v) else "n/a"
     v = s.get(key, NA)
     if isinstance(v, float) and _finite(v) and key == "avoidable_cold_opens":
         return int(v)
@@ -784,6 +788,7 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         loads = [v[0] for _i, s in ok for key in ("loadavg_before", "loadavg_after") if (v := s.get(key))]
         agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
+        agg["engine_cpu_s"] = _median([s["engine_cpu_s"] for _i, s in ok if _finite(s.get("engine_cpu_s"))])
         ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
         agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
         agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
@@ -846,7 +851,7 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
     b = "RO" if baseline == "Round-only" else baseline
     headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
                f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}",
-               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "load 1m", "failed"]
+               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "engine CPU s", "load 1m", "failed"]
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
@@ -861,6 +866,7 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
                     + best
                     + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
+                       f"{a['engine_cpu_s']:.1f}" if _finite(a.get("engine_cpu_s", NA)) else "n/a",
                        f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
     return format_table(headers, body)
 
