@@ -292,7 +292,44 @@ def latency_split(records: list[dict[str, Any]] | None) -> dict[str, Any]:
     total = sum(totals) / len(totals) if totals else NA
     recorded = sum(v for v in comps.values() if v is not None)
     return {"source": "telemetry call records (phase end)", "calls": len(ends), "components": comps, "total_s": total,
-            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA, "by_placement": _split_by_placement(records, ends)}
+            "unattributed_s": max(0.0, total - recorded) if _finite(total) else NA, "by_placement": _split_by_placement(records, ends),
+            "compute": compute_overlap(records)}
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of ``spans``."""
+    out, cur = 0.0, None
+    for a, b in sorted(spans):
+        if cur is None or a > cur[1]:
+            out += (cur[1] - cur[0]) if cur else 0.0
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    return out + ((cur[1] - cur[0]) if cur else 0.0)
+
+
+def compute_overlap(records: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What the per-call split cannot show (issue 12): how much work the engines did and how fast. From the
+    completion hooks (warmup sessions left out): prompt tokens actually prefilled (prompt - cached), each
+    call's compute span (its prefill + decode phases, ending at its finish), the seconds any engine computed
+    (the union of all spans), the seconds two or more instances computed at once (sum of the per-instance
+    unions minus the union), and compute seconds per prefilled token. Instances that share CPU cores (the
+    local stack on a small machine) slow each other down while both compute: a configuration that spreads
+    the same work over both engines then shows a higher ``ms_per_prefill_token`` and ``overlap_s``. Pure."""
+    hooks = [r for r in records or () if r.get("kind") == "hook" and not str(r.get("session_id", "")).startswith("warmup")]
+    spans: dict[str, list[tuple[float, float]]] = {}
+    tokens = 0
+    for h in hooks:
+        u, a = h.get("usage") or {}, h.get("attribution") or {}
+        tokens += max(0, int(u.get("prompt_tokens", 0) or 0) - int(u.get("cached_tokens", 0) or 0))
+        end = float(h.get("finish_unix") or 0.0)
+        busy = float(a.get("prefill_s", 0.0) or 0.0) + float(a.get("decode_s", 0.0) or 0.0)
+        if end > 0 and busy > 0:
+            spans.setdefault(str(h.get("instance_id", "")), []).append((end - busy, end))
+    any_s = _union([s for v in spans.values() for s in v])
+    per = sum(_union(v) for v in spans.values())
+    return {"calls": len(hooks), "prefill_tokens": tokens, "compute_s": any_s, "overlap_s": per - any_s,
+            "ms_per_prefill_token": 1e3 * any_s / tokens if tokens else NA}
 
 
 def _split_by_placement(records: list[dict[str, Any]], ends: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -327,13 +364,17 @@ def placement_split_table(ls: dict[str, Any]) -> str:
 
 def latency_table(rows: list[dict[str, Any]]) -> str:
     ran = [r for r in rows if r.get("summary") and r["summary"].get("latency_split")]
-    headers = ["configuration", "calls"] + [n for n, _k in LATENCY_COMPONENTS] + ["unattributed", "call latency"]
+    headers = ["configuration", "calls"] + [n for n, _k in LATENCY_COMPONENTS] + ["unattributed", "call latency",
+                                                                                  "prefilled tok", "compute s", "engines overlap s", "ms/prefilled tok"]
     body = []
     for r in ran:
         ls = r["summary"]["latency_split"]
+        cp = ls.get("compute") or {}
         body.append([r["name"], ls.get("calls", 0)] + [f"{v:.3f}" if v is not None else "not recorded" for v in ls["components"].values()]
                     + [f"{ls.get('unattributed_s', NA):.3f}" if _finite(ls.get("unattributed_s", NA)) else "n/a",
-                       f"{ls.get('total_s', NA):.3f}" if _finite(ls.get("total_s", NA)) else "n/a"])
+                       f"{ls.get('total_s', NA):.3f}" if _finite(ls.get("total_s", NA)) else "n/a"]
+                    + ([cp["prefill_tokens"], f"{cp['compute_s']:.1f}", f"{cp['overlap_s']:.1f}",
+                        f"{cp['ms_per_prefill_token']:.2f}" if _finite(cp["ms_per_prefill_token"]) else "n/a"] if cp else ["n/a"] * 4))
     return format_table(headers, body)
 
 
@@ -356,6 +397,7 @@ COLUMNS = [
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
+    ("engine CPU s", "engine_cpu_s", "/proc: CPU seconds the engine processes used during the replay (work done; hardly depends on machine load)"),
     ("load 1m", "load", "/proc/loadavg 1-minute average before -> after this run"),
 ]
 
@@ -444,6 +486,9 @@ def _cell(s: dict[str, Any], key: str) -> object:
     if key == "same_instance_router":
         v = s.get(key, NA)
         return f"{v:.1%}" if _finite(v) else "n/a"
+    if key == "engine_cpu_s":
+        v = s.get(key, NA)
+        return f"{v:.1f}" if _finite(v) else "n/a"
     v = s.get(key, NA)
     if isinstance(v, float) and _finite(v) and key == "avoidable_cold_opens":
         return int(v)
@@ -743,6 +788,7 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         loads = [v[0] for _i, s in ok for key in ("loadavg_before", "loadavg_after") if (v := s.get(key))]
         agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
+        agg["engine_cpu_s"] = _median([s["engine_cpu_s"] for _i, s in ok if _finite(s.get("engine_cpu_s"))])
         ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
         agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
         agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
@@ -805,7 +851,7 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
     b = "RO" if baseline == "Round-only" else baseline
     headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
                f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}",
-               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "load 1m", "failed"]
+               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "engine CPU s", "load 1m", "failed"]
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
@@ -820,6 +866,7 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
                     + best
                     + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
+                       f"{a['engine_cpu_s']:.1f}" if _finite(a.get("engine_cpu_s", NA)) else "n/a",
                        f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
     return format_table(headers, body)
 

@@ -210,7 +210,7 @@ class Simulation:
             gw.stats["placed_on_moved_instance"] = gw.stats.get("placed_on_moved_instance", 0) + 1  # stale view of a move
             self._push(self.clock.now() + self.cfg.retry_s, "retry", payload)
             return
-        gw.commit(req, d)
+        gw.commit(req, d, s.calls[k].request_id)
         self._kick(d.instance_id)
 
     def _heartbeat(self, iid: str) -> None:

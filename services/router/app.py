@@ -206,7 +206,7 @@ class RouterAPI:
             g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
         g.lease_id = lease_id
         g.resume_epoch = epoch if d.lease == "hit" else 0  # fencing: the engine refuses a lease from another epoch
-        state.gateway.commit(adm.req, d)
+        state.gateway.commit(adm.req, d, g.request_id)
         if step.deadline_risk_s is not None:
             log.info("call %s placed on %s past admission: predicted TTFT %.1fs (deadline risk)", g.request_id, inst, step.deadline_risk_s)
         call = EngineCall(state.nc, state.subjects, self.cfg.id, inst, g)

@@ -147,6 +147,8 @@ class Gateway:
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
         """Update the session table from a completion hook; returns the lease to install (or None)."""
         self.stats["hooks"] += 1
+        # issue 12: the finished call is no longer queue ahead of anyone (its session's return included)
+        self.registry.completed(hook.instance_id, hook.request_id, hook.finish_unix or self.wall())
         if hook.HasField("usage"):
             u = hook.usage
             self.shapes.observe(hook.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
@@ -278,7 +280,7 @@ class Gateway:
         rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
         v = self.registry.instances.get(instance_id)
         spec = self.pools.get(instance_id)
-        calls = (v.snapshot.num_running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
+        calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
         busy = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
         saved = committed * per_token
         if session_id:
@@ -322,7 +324,7 @@ class Gateway:
     def _state_of(self, iid: str, v: InstanceView, n_leases: int) -> InstanceState:
         snap = v.snapshot
         healthy, fresh = self.registry.healthy(v), self.registry.fresh(v)
-        key = (snap.epoch, snap.seq, v.inflight, n_leases, healthy, fresh)
+        key = (snap.epoch, snap.seq, v.inflight, v.running, n_leases, healthy, fresh)
         cached = self._states.get(iid)
         if cached is not None and cached[0] == key:
             return cached[1]  # nothing this instance's view depends on changed
@@ -336,7 +338,7 @@ class Gateway:
             profile=self.profiles.profile(iid),
             pool="cold" if snap.pool == pb.POOL_COLD else "hot",
             kv=kv,
-            running=snap.num_running,
+            running=v.running,
             waiting=snap.num_waiting,
             overlay_calls=v.inflight,
             overlay_leases=n_leases,
@@ -500,8 +502,9 @@ class Gateway:
         self.stats["lease_misses"] += 1
         self.stats["lease_miss_raced"] += 1
 
-    def commit(self, req: CallRequest, d: Decision) -> None:
-        """Record a forwarded call: overlay, session table, accounting, decision log."""
+    def commit(self, req: CallRequest, d: Decision, call_id: str = "") -> None:
+        """Record a forwarded call: overlay (keyed by ``call_id``, which its completion hook removes),
+        session table, accounting, decision log."""
         assert d.instance_id is not None
         inst = d.instance_id
         self.stats["decisions"] += 1
@@ -520,7 +523,7 @@ class Gateway:
             self.stats["model_switches"] += 1
         if d.avoidable_open:
             self.stats["avoidable_cold_opens"] += 1
-        self.registry.forwarded(inst)
+        self.registry.forwarded(inst, call_id)
         if req.session_id:
             self.sessions.record(req.session_id, req.model, inst)
         self.log(req, d)

@@ -21,6 +21,10 @@ non-reserved calls until fresh telemetry arrives. ``sweep`` reports every state 
 
 In-flight overlay (§4.1): calls this router forwarded are stamped with the wall time; a snapshot sent
 after a forward already counts that call, so only forwards newer than the snapshot stay in the overlay.
+Completions correct it the other way (issue 12: a session's return must not queue behind its own finished
+call): a completion hook removes its call from the overlay when no snapshot has counted it yet, and when the
+last snapshot was sent before the call finished (it still counts the call as running) the call is kept in
+``done`` until a snapshot sent after its finish arrives; ``running`` is the snapshot's count less those.
 
 Change feed: every mutation through ``observe`` / ``forwarded`` / ``mark_suspect`` / ``mark_gone`` records
 the instance id in a set that ``take_changed`` drains, and ``deadlines`` gives the clock times at which an
@@ -45,7 +49,8 @@ class InstanceView:
     snapshot: pb.InstanceSnapshot
     received_at: float
     received_wall: float = 0.0
-    overlay: list[float] = field(default_factory=list)  # wall times of calls forwarded since the snapshot
+    overlay: dict[str, float] = field(default_factory=dict)  # call id -> wall time of calls forwarded since the snapshot
+    done: dict[str, float] = field(default_factory=dict)  # call id -> finish time of calls the snapshot still counts
     suspect_until: float = 0.0  # set when a call to it timed out; cleared by a newer snapshot
     gone: str = ""  # why it is known dead (NATS no-responders); cleared by a newer snapshot
 
@@ -53,6 +58,11 @@ class InstanceView:
     def inflight(self) -> int:
         """In-flight overlay: calls this router forwarded that the last snapshot does not count yet."""
         return len(self.overlay)
+
+    @property
+    def running(self) -> int:
+        """Calls running per the snapshot, less those whose completion arrived after it was sent."""
+        return max(0, self.snapshot.num_running - len(self.done))
 
     def serves(self, model: str) -> bool:
         return any(m.model == model and m.loaded for m in self.snapshot.models)
@@ -75,6 +85,7 @@ class Registry:
     dead_after_s: float = 0.0  # seconds of silence before dead (in-flight calls aborted); 0: the miss limit
     _changed: set[str] = field(default_factory=set, init=False, repr=False)  # ids mutated since take_changed()
     _reported: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # id -> state last swept
+    _anon: int = field(default=0, init=False, repr=False)  # keys of forwards without a call id
 
     def observe(self, snap: pb.InstanceSnapshot) -> bool:
         """Record a snapshot; returns False (and changes nothing) when it is stale. Mutates ``instances``."""
@@ -90,7 +101,8 @@ class Registry:
             cur.suspect_until = 0.0
             cur.gone = ""
             # Forwards older than the snapshot are now part of its own counters.
-            cur.overlay = [t for t in cur.overlay if snap.sent_unix and self.wall is not None and t > snap.sent_unix]
+            cur.overlay = {k: t for k, t in cur.overlay.items() if snap.sent_unix and self.wall is not None and t > snap.sent_unix}
+            cur.done = {k: t for k, t in cur.done.items() if snap.sent_unix and t > snap.sent_unix}
             self._changed.add(snap.instance_id)
             return True
         self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now, self.wall() if self.wall is not None else 0.0)
@@ -136,11 +148,27 @@ class Registry:
                 return False
         return True
 
-    def forwarded(self, instance_id: str) -> None:
-        """Add one call to an instance's in-flight overlay."""
+    def forwarded(self, instance_id: str, call_id: str = "") -> None:
+        """Add one call to an instance's in-flight overlay (``call_id`` "": an anonymous one, which only a
+        snapshot removes). Mutates the view's overlay and the change feed."""
         v = self.instances.get(instance_id)
         if v is not None:
-            v.overlay.append(self.wall() if self.wall is not None else 0.0)
+            self._anon += 1
+            v.overlay[call_id or f"#{self._anon}"] = self.wall() if self.wall is not None else 0.0
+            self._changed.add(instance_id)
+
+    def completed(self, instance_id: str, call_id: str, finish_unix: float) -> None:
+        """A call ended on ``instance_id`` at ``finish_unix`` (the engine's wall clock, as ``sent_unix``): it
+        is no longer queue ahead of anyone. Still in the overlay (no snapshot counted it): removed from it;
+        counted by a snapshot sent before it finished: kept in ``done`` until a later snapshot. Mutates the
+        view's overlay / done set and the change feed."""
+        v = self.instances.get(instance_id)
+        if v is None or not call_id:
+            return
+        if v.overlay.pop(call_id, None) is not None:
+            self._changed.add(instance_id)
+        elif v.snapshot.sent_unix and finish_unix > v.snapshot.sent_unix and call_id not in v.done:
+            v.done[call_id] = finish_unix
             self._changed.add(instance_id)
 
     def healthy(self, view: InstanceView) -> bool:

@@ -378,3 +378,31 @@ def test_matrix_has_the_issue_16_rows_and_they_are_available():
     for name in ("+token-deadlines", "+unified-residency", "+partial-layers", "+JointServe+Aegaeon"):
         assert by[name].kind == "ablation" and availability(by[name]) is None
     assert by["+JointServe+Aegaeon"].overrides == {"engines[].token_deadlines": True, "engines[].unified_residency": True, "engines[].partial_layers": True}
+
+
+def test_group_cpu_seconds_counts_the_work_of_a_process_group():
+    """Issue 12: the matrix records the CPU seconds each service used (work, not wall time): a child in its own
+    session that burns 0.3 s of CPU in a helper process of its group is counted in full (the idle group
+    leader too), and a group no process can have is 0."""
+    import subprocess
+    import sys
+
+    from bench.matrix import group_cpu_seconds
+
+    burn = ("import time, subprocess, sys\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass\\ntime.sleep(30)'])\n"
+            "print('started', flush=True); time.sleep(30)")
+    p = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        while group_cpu_seconds(p.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_cpu_seconds(p.pid) >= 0.3
+    finally:
+        import os
+        import signal
+
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert group_cpu_seconds(int(Path("/proc/sys/kernel/pid_max").read_text()) + 1) == 0.0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from bench.replay import CallResult, Outcome, ReplayResult, replay
 from bench.report import matrix_table, summarize_run
 from bench.workloads import Call, Session, Workload
@@ -56,3 +58,27 @@ def test_kv_hits_fall_back_to_the_estimate_without_restored_tokens():
     assert s["kv_hits_source"] == "estimate" and s["kv_hit_calls_by_source"] == {}
     table = matrix_table([{"name": "Talaria", "summary": s}])
     assert " ~2/3 " in table  # calls with cached tokens (client) / host restores (kvstore Stats), marked `~`
+
+
+def test_compute_overlap_counts_work_and_instances_computing_at_once():
+    """Issue 12: the report shows what the per-call split cannot — prefilled tokens, seconds any engine
+    computed, seconds two engines computed at once, and compute ms per prefilled token (hooks; warmup out)."""
+    from bench.report import compute_overlap, latency_split
+
+    def hook(iid, end, prefill, decode, prompt, cached, sid="s"):
+        return {"kind": "hook", "session_id": sid, "instance_id": iid, "finish_unix": end,
+                "usage": {"prompt_tokens": prompt, "cached_tokens": cached},
+                "attribution": {"prefill_s": prefill, "decode_s": decode}}
+
+    recs = [
+        hook("e0", 10.0, 1.5, 0.5, 1000, 200),   # e0 computes 8..10
+        hook("e1", 11.0, 2.0, 0.0, 600, 0),      # e1 computes 9..11: 1 s together with e0
+        hook("e0", 14.0, 1.0, 0.0, 300, 100),    # e0 alone 13..14
+        hook("e0", 50.0, 9.0, 0.0, 9999, 0, sid="warmup-0-m"),  # warmup: left out
+    ]
+    c = compute_overlap(recs)
+    assert (c["calls"], c["prefill_tokens"]) == (3, 800 + 600 + 200)
+    assert c["compute_s"] == pytest.approx(4.0)  # 8..11 and 13..14
+    assert c["overlap_s"] == pytest.approx(1.0)
+    assert c["ms_per_prefill_token"] == pytest.approx(4000 / 1600)
+    assert latency_split(recs)["compute"] == c

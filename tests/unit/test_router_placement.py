@@ -228,9 +228,10 @@ def test_baselines_least_pressure_sticky_round_robin():
 # ----------------------------------------------------------------------------- gateway + manual clock
 
 
-def snapshot(iid, seq, clock, waiting=0, epoch=1, sessions=(), period=0.5, pool=pb.POOL_HOT, models=None):
+def snapshot(iid, seq, clock, waiting=0, epoch=1, sessions=(), period=0.5, pool=pb.POOL_HOT, models=None, running=0):
     snap = pb.InstanceSnapshot(
-        instance_id=iid, epoch=epoch, seq=seq, heartbeat_period_s=period, num_waiting=waiting, sent_unix=clock.now(), pool=pool
+        instance_id=iid, epoch=epoch, seq=seq, heartbeat_period_s=period, num_waiting=waiting, sent_unix=clock.now(), pool=pool,
+        num_running=running,
     )
     for m in models or [pb.ModelState(model="m", loaded=True, active=True, max_context=4096)]:
         snap.models.append(m)
@@ -255,8 +256,8 @@ def make_gateway(clock, tau=1.0, policy="full", pools=None):
     return gw, MemoryLeases(table)
 
 
-def place(gw, store, session, prompt=800):
-    """What the app does: decide, consume/discard the judged lease, commit."""
+def place(gw, store, session, prompt=800, rid=""):
+    """What the app does: decide, consume/discard the judged lease, commit (with the call's id)."""
     r = gw.request(session, "m", prompt, 64)
     d, rev = gw.decide(r)
     if d.lease == "hit":
@@ -265,7 +266,7 @@ def place(gw, store, session, prompt=800):
         store.consume_now(session, "m", rev)
     gw.lease_judged(d)
     if d.instance_id is not None:
-        gw.commit(r, d)
+        gw.commit(r, d, rid)
     return d
 
 
@@ -348,6 +349,38 @@ def test_gateway_overlay_cleared_only_by_a_snapshot_sent_after_the_forward():
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 3, clock, waiting=1))
     assert gw.registry.instances["a"].inflight == 0
+
+
+def test_a_finished_call_is_not_queue_ahead_of_anyone():
+    """Issue 12: the completion hook takes the call out of the router's view of the instance's load, both
+    when no snapshot counted it yet (overlay) and when the last snapshot, sent before it finished, still
+    counts it as running; a snapshot sent after the finish is the truth again."""
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    clock.advance(0.01)
+    assert place(gw, store, "s", rid="c1").instance_id == "a"
+    v = gw.registry.instances["a"]
+    assert v.inflight == 1
+    clock.advance(0.05)
+    gw.on_hook(hook("a", "s", clock, rid="c1"))  # finished before any snapshot counted it
+    assert (v.inflight, v.running) == (0, 0)
+    st = gw.instance_states()[0]
+    assert (st.overlay_calls, st.running) == (0, 0)
+    # counted as running by a snapshot sent before it finished
+    assert place(gw, store, "t", rid="c2").instance_id == "a"
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 2, clock, running=1))
+    assert (v.inflight, v.running) == (0, 1)
+    clock.advance(0.05)
+    gw.on_hook(hook("a", "t", clock, rid="c2"))
+    assert v.running == 0
+    assert gw.instance_states()[0].running == 0
+    assert gw.lease_costs("a", "m", 600).harm_per_s == 0.0  # an idle instance: a lease there delays nobody
+    # a snapshot sent after the finish replaces the correction; one sent before it does not
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 3, clock, running=2))
+    assert v.running == 2
 
 
 def test_gateway_engine_restart_drops_sessions_and_leases():

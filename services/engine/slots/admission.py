@@ -20,9 +20,12 @@ steps and switches): the **benefit** is the round wait the returning call avoids
 the rest of this slot, every other model's slot (its switch in, its queued prefill, its protected decode)
 and the switch back (``SpGain.wait_saved_s``, computed by the scheduler); the **harm** is the call's SP cost
 (prefill + restore, plus the decode iterations it adds to an undrainable slot) times the calls of other
-models waiting (``SpGain.waiting_others``). ``harm > benefit`` defers the call with reason ``no_gain``; it
+models waiting (``SpGain.waiting_others``), plus its prefill + restore time for every call of the active
+model still decoding (``SpGain.decoding_same``): chunked prefill puts the SP call's prefill chunks into the
+steps those calls decode in, so each of them finishes that much later (issue 12: on a CPU a 512-token chunk
+turns a ~10 ms decode step into ~0.5 s). ``harm > benefit`` defers the call with reason ``no_gain``; it
 then joins the next P of its model, exactly as without SP, so SP can only move a call earlier when that
-pays. With no other model waiting the harm is 0 and SP admits as before.
+pays. With no other model waiting and nothing of its own model decoding the harm is 0 and SP admits as before.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ class SpGain:
 
     wait_saved_s: float  # round wait a returning call avoids: the time until its model's next slot opens
     waiting_others: int  # calls of other models waiting for their slots (each delayed by an SP call's cost)
+    decoding_same: int = 0  # calls of the active model decoding now (each delayed by the SP call's prefill steps)
 
-    def verdict(self, cost_s: float) -> tuple[bool, float, float]:
-        """(pays, benefit, harm) of one SP call costing ``cost_s``: pays when the harm is 0 or the benefit
-        exceeds it."""
-        harm = cost_s * self.waiting_others
+    def verdict(self, cost_s: float, step_s: float | None = None) -> tuple[bool, float, float]:
+        """(pays, benefit, harm) of one SP call costing ``cost_s`` (its prefill + restore, plus any decode
+        iterations it adds to the slot), of which ``step_s`` (default ``cost_s``) runs in the decoding calls'
+        steps: pays when the harm is 0 or the benefit exceeds it."""
+        harm = cost_s * self.waiting_others + (cost_s if step_s is None else step_s) * self.decoding_same
         return harm <= 0.0 or self.wait_saved_s > harm, self.wait_saved_s, harm
 
 
@@ -103,10 +108,10 @@ def select_sp(
             out.append(SpVerdict(c.request_id, False, "budget", cost))
         elif free_kv_tokens is not None and used_kv + cc.kv_tokens > free_kv_tokens:
             out.append(SpVerdict(c.request_id, False, "memory", cost))
-        elif gain is not None and not (g := gain.verdict(cost))[0]:
+        elif gain is not None and not (g := gain.verdict(cost, cc.seconds))[0]:
             out.append(SpVerdict(c.request_id, False, "no_gain", cost, g[1], g[2]))
         else:
-            b, h = gain.verdict(cost)[1:] if gain is not None else (0.0, 0.0)
+            b, h = gain.verdict(cost, cc.seconds)[1:] if gain is not None else (0.0, 0.0)
             out.append(SpVerdict(c.request_id, True, "admitted", cost, b, h))
             used_s += cost
             used_tokens += work

@@ -448,14 +448,16 @@ class SlotScheduler(MeasuredCosts):
         the budget left when calls can be parked), then every other model with work in rotation order (the
         switch in by its expected path, its queued prefill, its protected decode iterations), then the
         switch back to this model. Every call of another model that waits (queued or running) is delayed by
-        whatever SP adds to this slot. Pure: reads the view and the cost model, mutates nothing."""
+        whatever SP adds to this slot, and every call of this model still decoding by the SP call's prefill
+        (its chunks share their steps). Pure: reads the view and the cost model, mutates nothing."""
         pol, r = self.policy, self._round
         assert r is not None
         rotation = self._rotation(view)
         others = [view.model(m) for m in rotation if m != s.model and view.model(m).has_work]
-        if not others:  # the call would be admitted by the next round's P once this slot's budget runs out
-            return SpGain(max(0.0, left_s) if mv.running > 0 else 0.0, 0)
+        decoding = max(0, mv.running - mv.prefilling)
         rest = mv.max_remaining_decode * s.t_decode
+        if not others:  # admitted by the next round's P once this slot drains or its budget runs out
+            return SpGain(min(max(0.0, left_s), rest) if mv.running > 0 else 0.0, 0, decoding)
         wait = min(rest, max(0.0, left_s)) if view.can_park else rest
         for m in others:
             d_m = r.plan.reserved_iters.get(m.model) or reserved_iterations(r.plan.bound_s, pol.tpot_s)
@@ -463,4 +465,4 @@ class SlotScheduler(MeasuredCosts):
             wait += self.costs.switch(expected_path(view.staged_fraction.get(m.model), pol.d2d_staging))
             wait += sum(self.costs.call(c, pol.host_kv).seconds for c in m.queued) + iters * self.costs.decode_step_at(m.model, m.running + len(m.queued))
         wait += self.costs.switch(expected_path(view.staged_fraction.get(s.model), pol.d2d_staging))
-        return SpGain(wait, sum(len(m.queued) + m.running for m in others))
+        return SpGain(wait, sum(len(m.queued) + m.running for m in others), decoding)
