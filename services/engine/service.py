@@ -197,6 +197,7 @@ class EngineService:
         """Timer of a streaming call's held tokens (``stream_interval_ms``): an empty output queued behind
         the outputs already waiting, so the publisher sends what is held, in order, if nothing did."""
         if call.flush_timer and self._calls.get(call.request_id) is call:
+            call.flush_timer = False  # a hold after this one sets its own timer
             self._out.put_nowait([RequestOutput(call.request_id, [], "")])
 
     async def _send(self, call: _Call, chunk: pb.TokenChunk) -> None:
