@@ -66,6 +66,8 @@ def add_cli(subparsers) -> None:
     r.add_argument("--calls", type=int, default=30, help="sequential calls per path per repetition (default 30)")
     r.add_argument("--warmup", type=int, default=3, help="warm-up calls per path (default 3)")
     r.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default 12, under one KV page)")
+    r.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="the engine's stream_interval_ms (streaming calls: tokens after the first wait up to this long to share a message; default 0 = a message per step)")
     r.set_defaults(fn=_router)
 
     k = bs.add_parser("kvstore", help="restore a prefix from the host KV store vs recompute it; restore vs Mooncake TCP vs memcpy bandwidth")

@@ -54,14 +54,15 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _stack_config(models_dir: Path, model: str) -> dict[str, Any]:
+def _stack_config(models_dir: Path, model: str, stream_interval_ms: float = 0.0) -> dict[str, Any]:
     return {
         "namespace": f"bench{uuid.uuid4().hex[:8]}",
         "models_dir": str(models_dir),
         "synthesize_models": False,
         "router": {"port": 0},
         "engines": [
-            {"id": ENGINE_ID, "models": [model], "device": "cpu", "dtype": "float32", "kv_cache_mb": KV_CACHE_MB, "torch_threads": 1}
+            {"id": ENGINE_ID, "models": [model], "device": "cpu", "dtype": "float32", "kv_cache_mb": KV_CACHE_MB, "torch_threads": 1,
+             "stream_interval_ms": stream_interval_ms}
         ],
     }
 
@@ -208,6 +209,7 @@ def run_router_bench(
     repeats: int = 3,
     prompt_len: int = 12,
     seed: int = 0,
+    stream_interval_ms: float = 0.0,
     say=print,
 ) -> dict[str, Any]:
     import torch
@@ -220,7 +222,7 @@ def run_router_bench(
     mdir = ensure_models(models_dir, [model], say=say)
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    stack = LocalStack(parse_config(_stack_config(mdir, model)), say=lambda _m: None, quiet=True)
+    stack = LocalStack(parse_config(_stack_config(mdir, model, stream_interval_ms)), say=lambda _m: None, quiet=True)
     nats_client = None
     quiet = quiet_loggers("httpx", "httpx2", "openai", "talaria.natsutil")
     quiet.__enter__()
@@ -284,6 +286,7 @@ def run_router_bench(
         "warmup": warmup,
         "repeats": repeats,
         "torch_threads": 1,
+        "stream_interval_ms": stream_interval_ms,
         "rows": rows,
     }
 
@@ -291,14 +294,27 @@ def run_router_bench(
 def render(result: dict[str, Any]) -> str:
     head = (
         f"router bench: {result['model']} fp32 cpu, 1 torch thread per engine, prompt {result['prompt_len']} tokens, "
-        f"{result['calls']} sequential calls per round after {result['warmup']} warm-up, median of {result['repeats']} rounds"
+        f"{result['calls']} sequential calls per round after {result['warmup']} warm-up, median of {result['repeats']} rounds, "
+        f"engine stream_interval_ms {result.get('stream_interval_ms', 0.0):g}"
     )
     t = format_table(
         ["max_tokens", "path", "p50 ms", "p95 ms", "added p50 ms", "p50 / in-process", "output agrees"],
         [[r["max_tokens"], r["path"], r["p50_ms"], r["p95_ms"], r["added_p50_ms"], r["ratio_p50"], "yes" if r["output_agrees"] else "NO"]
          for r in result["rows"]],
     )
-    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API, non-streaming and streaming)\n{t}"
+    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API, non-streaming and streaming)\n{t}{_per_token(result)}"
+
+
+def _per_token(result: dict[str, Any]) -> str:
+    """What each path adds per call (at the smallest max_tokens) and per further token (the slope of the
+    added p50 between the smallest and the largest max_tokens)."""
+    mts = sorted({r["max_tokens"] for r in result["rows"]})
+    if len(mts) < 2:
+        return ""
+    lo, hi = mts[0], mts[-1]
+    added = {(r["path"], r["max_tokens"]): r["added_p50_ms"] for r in result["rows"]}
+    rows = [[p, added[(p, lo)], (added[(p, hi)] - added[(p, lo)]) / (hi - lo)] for p in PATHS[1:] if (p, lo) in added and (p, hi) in added]
+    return f"\n\nadded cost: per call (max_tokens {lo}) and per token (slope to max_tokens {hi})\n" + format_table(["path", "added per call ms", "added per token ms"], rows)
 
 
 def main(args) -> int:
@@ -311,5 +327,6 @@ def main(args) -> int:
         repeats=args.repeats,
         prompt_len=args.prompt_len,
         seed=args.seed,
+        stream_interval_ms=args.stream_interval_ms,
     )
     return emit(result, render(result), args.json)

@@ -56,6 +56,7 @@ class EngineConfig(_Strict):
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None => every core the engine may run on")
+    stream_interval_ms: float = Field(0.0, ge=0, le=10_000, description="streaming calls: after the first token (sent at once), tokens wait up to this long and go out as one message; the finished chunk is never held; 0 = one message per step (issue 20 §5)")
     packed_weights: bool | None = Field(None, description="hot CPU engine: prepack the linear weights for oneDNN (services/engine/model/packed.py; one extra copy of them); None => on for bfloat16, where it measured 1.3-2x per decode step")
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
     arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")

@@ -82,6 +82,7 @@ class _Call:
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
     tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names (issue 14)
     generated: int = 0
+    flush_timer: bool = False  # a ``_flush_held`` timer is pending for ``held`` (streaming, stream_interval_ms)
 
 
 class EngineService:
@@ -98,6 +99,7 @@ class EngineService:
         self.subjects = Subjects(stack.namespace)
         self.drain_timeout_s = drain_timeout_s
         self.requester_probe_s = requester_probe_s
+        self.stream_interval_s = cfg.stream_interval_ms / 1e3
         self.epoch = time.time_ns()
         self.seq = 0
         self._seq_lock = threading.Lock()  # snapshot() runs on the heartbeat thread and the loop
@@ -106,6 +108,7 @@ class EngineService:
         self.draining = False
         self._calls: dict[str, _Call] = {}
         self._out: asyncio.Queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget work of finished calls (``_spawn``)
         self._wake = threading.Event()
         self._stop_thread = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,6 +193,13 @@ class EngineService:
             for o in outs:
                 await self._publish_output(o)
 
+    def _flush_held(self, call: _Call) -> None:
+        """Timer of a streaming call's held tokens (``stream_interval_ms``): an empty output queued behind
+        the outputs already waiting, so the publisher sends what is held, in order, if nothing did."""
+        if call.flush_timer and self._calls.get(call.request_id) is call:
+            call.flush_timer = False  # a hold after this one sets its own timer
+            self._out.put_nowait([RequestOutput(call.request_id, [], "")])
+
     async def _send(self, call: _Call, chunk: pb.TokenChunk) -> None:
         chunk.schema_version = SCHEMA_VERSION
         chunk.request_id = call.request_id
@@ -211,12 +221,21 @@ class EngineService:
         call.generated += len(o.new_token_ids)
         if call.tools is not None and call.tools.feed(o.new_text, call.generated):
             self._publish_intent(call)  # as the header streams, even when the tokens below are held
-        if not call.stream and call.first_token_at and not o.finished:
+        timer = not (o.new_token_ids or o.new_text or o.finished)  # ``_flush_held``'s output: send what is held
+        if call.first_token_at and not o.finished and (not call.stream or (now < call.last_sent + self.stream_interval_s and not timer)):
             # issue 20 §5: a non-streaming call's reader wants the whole answer, so after its first token
             # (sent at once: TTFT stays observable) its outputs are merged and go out with the finished
-            # one -- two token messages per call instead of one per token; keepalives cover the silence
+            # one -- two token messages per call instead of one per token; keepalives cover the silence.
+            # A streaming call with ``stream_interval_ms`` holds its tokens until that long after its last
+            # message (a timer sends them if no step comes sooner)
             call.held = o if call.held is None else coalesce_outputs([[call.held], [o]])[0]
+            if call.stream and not call.flush_timer:
+                call.flush_timer = True
+                asyncio.get_running_loop().call_at(call.last_sent + self.stream_interval_s, self._flush_held, call)
             return
+        call.flush_timer = False
+        if timer and call.held is None:
+            return  # a step sent the held tokens before the timer fired
         if call.held is not None:
             o, call.held = coalesce_outputs([[call.held], [o]])[0], None
         if o.new_token_ids and not call.first_token_at:
@@ -246,9 +265,24 @@ class EngineService:
                 chunk.attribution.CopyFrom(o.attribution.explained(max(0.0, time.monotonic() - call.arrival)).to_proto())
         await self._send(call, chunk)
         if o.finished:
-            self.tracer.trace(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error.code if chunk.HasField("error") else None, o.usage.restored_tokens if o.usage is not None else 0)
-            await self._hook(call, chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds,
-                             chunk.attribution if chunk.HasField("attribution") else None)
+            # the call's spans and hook are built after the finished chunk is on the wire (issue 20 §5: per-call
+            # work off the token path): a task that runs once the NATS flusher has written the chunk; the
+            # hook still follows the chunk on this connection
+            self._spawn(self._after_call(call, chunk, o.usage.restored_tokens if o.usage is not None else 0))
+
+    async def _after_call(self, call: _Call, chunk: pb.TokenChunk, restored: int) -> None:
+        """A finished call's completion hook (``_hook``: first, routers install the session's lease from it)
+        and spans (``CallTracer.trace``)."""
+        usage = chunk.usage if chunk.HasField("usage") else None
+        await self._hook(call, chunk.finish_reason, usage, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds,
+                         chunk.attribution if chunk.HasField("attribution") else None)
+        self.tracer.trace(call, chunk.finish_reason, usage, chunk.error.code if chunk.HasField("error") else None, restored)
+
+    def _spawn(self, coro) -> None:
+        """Run ``coro`` as a task held in ``_tasks`` until it ends (a bare ensure_future can be collected)."""
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
         """Sampler log-probabilities as wire entries, each token decoded alone (mutates ``chunk``)."""
@@ -438,7 +472,10 @@ class EngineService:
         if rid in self._calls:
             return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
         try:
-            sampling, prompt = await asyncio.to_thread(self._intake, req)
+            # tokenizing text, rendering a chat template or compiling a grammar runs on a worker thread; a
+            # token-id prompt without a constraint is decoded here (issue 20 §5: no thread hop per call)
+            cheap = req.WhichOneof("prompt") == "token_ids" and not req.sampling.constraint.kind
+            sampling, prompt = self._intake(req) if cheap else await asyncio.to_thread(self._intake, req)
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
@@ -646,6 +683,8 @@ class EngineService:
         for rid in list(self._calls):
             self._abort(rid, "engine shutting down")
         await asyncio.sleep(0.05)  # let the publisher flush final chunks
+        if self._tasks:  # and the finished calls' hooks go out
+            await asyncio.wait(set(self._tasks), timeout=self.drain_timeout_s)
         self._stop_thread.set()
         self._wake.set()
         for t in tasks:

@@ -23,7 +23,8 @@ def coalesce_outputs(batches: list[list[RequestOutput]]) -> list[RequestOutput]:
     """One output per request, in order of first appearance, merging its outputs across ``batches``.
 
     Token ids, text and log-probabilities (one entry per token) are concatenated in step order; ``finished``/``finish_reason``/``usage``/``error``
-    come from the request's last output (an output after a finished one cannot exist). Mutates nothing.
+    come from the request's last output. An output after a finished one carries nothing (the executor makes
+    none; the service's stream-interval timer may queue an empty one) and is dropped. Mutates nothing.
     """
     merged: dict[str, RequestOutput] = {}
     for batch in batches:
@@ -31,7 +32,7 @@ def coalesce_outputs(batches: list[list[RequestOutput]]) -> list[RequestOutput]:
             prev = merged.get(o.request_id)
             if prev is None:
                 merged[o.request_id] = o
-            else:
+            elif not prev.finished:
                 lps = (prev.logprobs or []) + (o.logprobs or []) if (prev.logprobs or o.logprobs) else None
                 merged[o.request_id] = replace(
                     o, new_token_ids=prev.new_token_ids + o.new_token_ids, new_text=prev.new_text + o.new_text, logprobs=lps,

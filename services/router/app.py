@@ -87,6 +87,7 @@ class RouterAPI:
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
         self.resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing (issue 17)
+        self._closing: set[asyncio.Task] = set()  # calls being closed after their stream ended (close_soon)
 
     # ------------------------------------------------------------------------------ parse / encode
     async def read_json(self, request: Request) -> dict:
@@ -266,6 +267,7 @@ class RouterAPI:
         call, created, model = placed.call, int(time.time()), req.model
         collect = asyncio.ensure_future(self.collect(call, alive, lps))
         gone = asyncio.ensure_future(_disconnected(request))
+        answered = False
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
@@ -276,13 +278,27 @@ class RouterAPI:
                 await call.cancel("client disconnected")
                 raise APIError(499, "client disconnected", code="client_disconnected")
             content, reason, usage = collect.result()
+            answered = True
         finally:
             for t in (collect, gone):
                 t.cancel()
             await asyncio.gather(collect, gone, return_exceptions=True)
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("client disconnected" if gone.done() else "call abandoned")
+            if not answered:
+                await call.close()
+        try:
+            return self.answer(placed, req, rid, chat, created, content, reason, usage, out, lps)
+        except BaseException:
             await call.close()
+            raise
+
+    def answer(self, placed: Placed, req, rid: str, chat: bool, created: int, content: str, reason, usage,
+               out: ChatOutput | None, lps: Logprobs) -> Response:
+        """The JSON body of a finished non-streaming call; the call is closed (its trace ended, its inbox
+        unsubscribed) by a task that runs once this one yields, after the response is written (issue 20
+        §5: per-call work off the answer's path). Mutates ``out`` and ``lps``."""
+        call, model = placed.call, req.model
         content = echo_prefix(req) + content
         if out is not None:
             out.feed(content)
@@ -297,6 +313,7 @@ class RouterAPI:
         token = self.resume_token(call, usage)
         if token:
             headers[resume.HEADER] = token
+        self.close_soon(call)
         return JSONResponse(body, headers=headers)
 
     def resume_token(self, call: EngineCall, usage) -> str | None:
@@ -378,7 +395,14 @@ class RouterAPI:
             if not call.finished:
                 self.state.counters["client_disconnect"] += 1
                 await call.cancel("client disconnected")
-            await call.close()
+            self.close_soon(call)  # after the stream's last write (issue 20 §5)
+
+    def close_soon(self, call: EngineCall) -> None:
+        """Close ``call`` (end its trace, unsubscribe its inbox) in a task of its own, held in ``_closing``
+        until it ends, so a response's last write does not wait for it. Mutates ``_closing``."""
+        t = asyncio.ensure_future(call.close())
+        self._closing.add(t)
+        t.add_done_callback(self._closing.discard)
 
     # ----------------------------------------------------------------------------------- handlers
     async def chat(self, request: Request) -> Response:

@@ -95,11 +95,15 @@ class EngineCall:
             self._queue.put_nowait(chunk)
 
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
+        # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path): the
+        # subscription and the request go out together on the next write, in order, and a connection
+        # that is down now (NATS restarting) is refused here instead of by a flush timeout.
         try:
+            if not self.nc.is_connected:
+                raise ConnectionError("not connected")
             self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
             await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
-            await self.nc.flush()
-        except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, flush timeout, connection closed): not a 500
+        except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, connection closed or down): not a 500
             raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:

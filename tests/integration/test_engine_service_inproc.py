@@ -239,3 +239,86 @@ async def test_a_non_streaming_call_gets_its_first_token_then_the_rest_in_one_ch
             assert len(streamed) > 3  # accepted + a chunk per step (or per lagging run of steps)
         finally:
             await nc.close()
+
+
+async def _stream(nc, instance: str, req: pb.GenerateRequest, on_chunk=None) -> list[pb.TokenChunk]:
+    """One call on ``instance``: its chunks (keepalives and probes left out) up to the finished one;
+    ``on_chunk(chunk)`` sees each as it arrives."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(SUBJ.generate(instance), req.SerializeToString(), reply=inbox)
+    got: list[pb.TokenChunk] = []
+    while not got or not got[-1].finished:
+        msg = await sub.next_msg(30)
+        if msg.headers and PROBE_HEADER in msg.headers:
+            continue
+        c = pb.TokenChunk.FromString(msg.data)
+        if not c.keepalive:
+            got.append(c)
+            if on_chunk is not None:
+                on_chunk(c)
+    await sub.unsubscribe()
+    return got
+
+
+async def test_a_stream_interval_holds_tokens_after_the_first_and_never_the_last(synth_models, nats_url):
+    """Issue 20 #5: with ``stream_interval_ms`` longer than the whole call, a streaming call gets its first
+    token at once and every other token with the finished chunk, in order, logprobs included: the tokens
+    equal those of an engine without the interval, which sends a chunk per step."""
+    calls = {}
+    for iid, interval in (("si0", 0.0), ("si1", 10_000.0)):
+        eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=128)
+        cfg = EngineConfig(id=iid, models=["tiny-llama"], heartbeat_period_s=5.0, stream_interval_ms=interval)
+        with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+            nc = await connect(nats_url, "test")
+            try:
+                await until_serving(nc, iid)
+                req = gen("tiny-llama", 12, stream=True)
+                req.sampling.logprobs = 1
+                calls[iid] = await _stream(nc, iid, req)
+            finally:
+                await nc.close()
+    tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
+    plain, held = calls["si0"], calls["si1"]
+    assert tokens(plain) == tokens(held) and len(tokens(held)) == 12
+    assert len(plain) > 3  # accepted + a chunk per step (or per lagging run of steps)
+    assert [len(c.token_ids) for c in held] == [0, 1, 11] and [c.seq for c in held] == [0, 1, 2]
+    assert sum(len(c.logprobs) for c in held) == 12 and held[-1].usage.completion_tokens == 12
+
+
+class ThirdStepSlow(Engine):
+    """A real engine whose third step (the second decode step after prefill) takes ``slow_s`` longer."""
+
+    slow_s = 3.0
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.steps = 0
+        self.slow_done = threading.Event()
+
+    def step(self):
+        self.steps += 1
+        if self.steps != 3:
+            return super().step()
+        time.sleep(self.slow_s)
+        out = super().step()
+        self.slow_done.set()
+        return out
+
+
+async def test_held_stream_tokens_go_out_when_the_interval_ends_even_without_a_step(synth_models, nats_url):
+    """Issue 20 #5: a held token is sent by the interval's timer, not by the next step: token 2 (held, the
+    interval is 0.3 s) reaches the reader while step 3 is still running (3 s)."""
+    eng = ThirdStepSlow(synth_models["tiny-llama"], page_size=4, num_pages=128)
+    cfg = EngineConfig(id="si2", models=["tiny-llama"], heartbeat_period_s=5.0, stream_interval_ms=300.0)
+    seen: list[tuple[int, bool]] = []  # (tokens so far, step 3 done) per chunk
+    with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        try:
+            await until_serving(nc, "si2")
+            got = await _stream(nc, "si2", gen("tiny-llama", 4, stream=True),
+                                on_chunk=lambda c: seen.append(((seen[-1][0] if seen else 0) + len(c.token_ids), eng.slow_done.is_set())))
+        finally:
+            await nc.close()
+    assert sum(len(c.token_ids) for c in got) == 4 and [c.seq for c in got] == list(range(len(got)))
+    assert (2, False) in seen, seen  # tokens 1-2 delivered before the slow step ended

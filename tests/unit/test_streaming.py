@@ -24,6 +24,17 @@ def test_coalesce_merges_per_request_in_order_and_keeps_the_terminal_fields():
     assert steps[0][0].new_token_ids == [1]  # inputs untouched
 
 
+def test_an_empty_output_queued_after_a_finished_one_does_not_unfinish_it():
+    """The engine's stream-interval timer queues an empty output for a call; when the call's finished output
+    is queued before it and both are folded, the call stays finished (it hung the stream: seen in bench router)."""
+    usage = Usage(5, 2, 0)
+    steps = [[RequestOutput("a", [1], "x")], [RequestOutput("a", [2], "y", True, FinishReason.LENGTH, usage)], [RequestOutput("a", [], "")]]
+    (a,) = coalesce_outputs(steps)
+    assert (a.new_token_ids, a.new_text, a.finished, a.finish_reason, a.usage) == ([1, 2], "xy", True, FinishReason.LENGTH, usage)
+    (b,) = coalesce_outputs([[RequestOutput("b", [1], "x")], [RequestOutput("b", [], "")]])  # timer after a held token
+    assert (b.new_token_ids, b.new_text, b.finished) == ([1], "x", False)
+
+
 def test_next_coalesced_takes_everything_queued_but_never_waits_for_more():
     async def scenario():
         q: asyncio.Queue = asyncio.Queue()
