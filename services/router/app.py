@@ -264,7 +264,7 @@ class RouterAPI:
     async def complete(self, request: Request, placed: Placed, req, rid: str, chat: bool, alive: Callable[[], bool],
                        out: ChatOutput | None, lps: Logprobs) -> Response:
         """A non-streaming answer. A client that disconnects first cancels the engine work (issue 18 item 3)."""
-        call, created, model = placed.call, int(time.time()), req.model
+        call, created = placed.call, int(time.time())
         collect = asyncio.ensure_future(self.collect(call, alive, lps))
         gone = asyncio.ensure_future(_disconnected(request))
         answered = False
