@@ -56,6 +56,7 @@ class EngineConfig(_Strict):
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None => every core the engine may run on")
+    compile: Literal["off", "auto", "on"] = Field("off", description="hot engine: torch.compile (inductor) each layer's pure math at start (services/engine/model/compiled.py; a warm-up of ~10-70 s on a CPU, cached on disk); auto = keep it only if a start-up measurement of a decode and a prefill step shows it >= 5% faster; off (default) = eager (measured: ~1.3x on a 512-token bf16 prefill, no gain on decode steps)")
     packed_weights: bool | None = Field(None, description="hot CPU engine: prepack the linear weights for oneDNN (services/engine/model/packed.py; one extra copy of them); None => on for bfloat16, where it measured 1.3-2x per decode step")
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
     arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")
