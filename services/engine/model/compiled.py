@@ -15,10 +15,12 @@ that tell the warmed graphs apart are checked); an input no warmed graph fits is
 ``CompiledDense.fallbacks``), never recompiled mid-serving. The prepacked bf16 linears (``packed.py``)
 enter the graph as the opaque ``talaria::packed_linear`` op.
 
-Where it pays (measured on this repository's 2-core AVX512/AMX machine under load, eager vs compiled
-interleaved in one process, bf16 SmolLM2-135M): the 512-token prefill ~1.3x; decode steps at batch 1 and 8
-no better (0.85-1.05x: the linears are 65-85% of a decode step and the ~60 compiled calls per step cost
-about what the fused elementwise work saved). So the engine default is ``compile: off``; ``auto``
+Where it pays (measured on this repository's 2-core AVX512/AMX machine under load 6-8, eager vs compiled
+interleaved in one process, SmolLM2-135M): without precision emulation, bf16 512-token prefill ~1.3x,
+decode steps at batch 1 and 8 0.85-1.05x (the linears are 65-85% of a decode step and the ~60 compiled
+calls per step cost about what the fused elementwise work saved); with ``emulate_precision_casts`` (needed
+for eager-identical bf16 greedy tokens) the ``auto`` measurement gave bf16 0.95x, fp32 1.06x. So the
+engine default is ``compile: off``; ``auto``
 compiles, measures a decode step and a prefill step eager vs compiled at start and keeps the compiled
 parts only when they are at least ``AUTO_MIN_GAIN`` faster; ``on`` keeps them regardless.
 
