@@ -6,21 +6,23 @@ up, residual adds) and per-op dispatch. Inductor fuses the elementwise chains in
 "compile the model" step of vLLM's CPU backend). What is compiled here is *each layer's two pure parts*,
 ``llama.layer_in`` (input norm, q/k/v, RoPE) and ``llama.layer_out`` (o_proj, residual, post norm, MLP,
 residual); the paged KV write and the attention stay eager (they mutate the pool and depend on the step's
-plan). One compiled function serves all layers (the layer's parameters are graph inputs), with a dynamic
+plan). RMSNorm and the prepacked bf16 linears enter the graph as opaque ops (``talaria::rms_norm``,
+``talaria::packed_linear``): inductor's own RMSNorm reduction rounds differently in bf16 (measured: q/v
+of a 64-token prefill off by 1 ulp, greedy tokens diverging after 3 tokens at batch 1), and with the rest
+elementwise under ``emulate_precision_casts`` every layer output is bit-identical to eager, so greedy
+tokens are too. One compiled function serves all layers (the layer's parameters are graph inputs), with a dynamic
 token dimension: two graphs per part, ``T == 1`` and ``T >= 2`` (dynamo specializes size 1), built by a
 warm-up at start (:func:`compile_model`, a progress line per phase; inductor caches them on disk, so a
 restart is faster). Guards of 30 layers per step would cost more than the fusion saves (measured
 ~220 us per call), so the calls run with dynamo's ``skip_guard_eval_unsafe`` stance (only the guards
 that tell the warmed graphs apart are checked); an input no warmed graph fits is run eagerly (counted in
-``CompiledDense.fallbacks``), never recompiled mid-serving. The prepacked bf16 linears (``packed.py``)
-enter the graph as the opaque ``talaria::packed_linear`` op.
-
+``CompiledDense.fallbacks``), never recompiled mid-serving. 
 Where it pays (measured on this repository's 2-core AVX512/AMX machine under load 6-8, eager vs compiled
 interleaved in one process, SmolLM2-135M): without precision emulation, bf16 512-token prefill ~1.3x,
 decode steps at batch 1 and 8 0.85-1.05x (the linears are 65-85% of a decode step and the ~60 compiled
-calls per step cost about what the fused elementwise work saved); with ``emulate_precision_casts`` (needed
-for eager-identical bf16 greedy tokens) the ``auto`` measurement gave bf16 0.95x, fp32 1.06x. So the
-engine default is ``compile: off``; ``auto``
+calls per step cost about what the fused elementwise work saved); made bit-identical (opaque RMSNorm,
+precision emulation) the ``auto`` measurement (decode batch 8 + 256-token prefill) gave bf16 0.82x, fp32
+0.93x -- slower. So the engine default is ``compile: off``; ``auto``
 compiles, measures a decode step and a prefill step eager vs compiled at start and keeps the compiled
 parts only when they are at least ``AUTO_MIN_GAIN`` faster; ``on`` keeps them regardless.
 

@@ -65,9 +65,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 normalization, cast back, then the weight (the order of the HF reference implementation)
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        if torch.compiler.is_compiling():  # opaque in a compiled graph: inductor's own reduction order differs
+            return torch.ops.talaria.rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # fp32 normalization, cast back, then the weight (the order of the HF reference implementation)
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * h.to(x.dtype)
+
+
+@torch.library.custom_op("talaria::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Eager RMSNorm as one opaque op for torch.compile (model/compiled.py): bit-identical to eager."""
+    return _rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
