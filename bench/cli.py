@@ -58,6 +58,8 @@ def add_cli(subparsers) -> None:
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/compute dtype of both sides (default float32; auto = bf16 where the device computes it natively)")
     e.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; e.g. cuda:0)")
+    e.add_argument("--compile", default="off", choices=["off", "auto", "on"],
+                   help="our engine's compile mode (engine config `compile`; default off)")
     e.set_defaults(fn=_engine)
 
     r = bs.add_parser("router", help="per-call latency: in-process Engine vs NATS to an engine process vs router HTTP API")

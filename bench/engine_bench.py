@@ -135,6 +135,7 @@ def run_engine_bench(
     seed: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
+    compile_mode: str = "off",
     say=print,
 ) -> dict[str, Any]:
     import torch
@@ -159,8 +160,10 @@ def run_engine_bench(
         engine = Engine(
             path, device=device, dtype=torch_dtype, model_id=model,
             max_num_seqs=max(32, max(batches)),
-            max_num_batched_tokens=max(512, max(batches) * prompt_len),
+            max_num_batched_tokens=max(512, max(batches) * prompt_len), compile_mode=compile_mode,
         )
+        if compile_mode != "off":
+            say(engine.compile_verdict)
         transformers.utils.logging.disable_progress_bar()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
         vocab = engine.vocab_size
@@ -203,6 +206,7 @@ def run_engine_bench(
         "models_dir": str(mdir),
         "dtype": dtype_name,
         "device": device,
+        "compile": compile_mode,
         "torch_threads": n_threads,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -215,7 +219,7 @@ def run_engine_bench(
 
 def render(result: dict[str, Any]) -> str:
     head = (
-        f"engine bench: {result['model']} {result['dtype']} {result['device']} (both sides), {result['torch_threads']} torch threads, prompt {result['prompt_len']} "
+        f"engine bench: {result['model']} {result['dtype']} {result['device']} (both sides; ours compile={result.get('compile', 'off')}), {result['torch_threads']} torch threads, prompt {result['prompt_len']} "
         f"+ {result['new_tokens']} new tokens, greedy, EOS ignored; median of {result['repeats']} "
         f"(transformers {result['transformers']}, torch {result['torch']})"
     )
@@ -243,5 +247,6 @@ def main(args) -> int:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        compile_mode=getattr(args, "compile", "off"),
     )
     return emit(result, render(result), args.json)

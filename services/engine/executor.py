@@ -51,6 +51,7 @@ from services.engine.kv.allocator import PageAllocator
 from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
+from services.engine.model.compiled import compile_model
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
 from services.engine.model.registry import lookup
@@ -188,6 +189,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         page_allocator: PageAllocator | None = None,
         packed_weights: bool | None = None,
+        compile_mode: str = "off",
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -210,6 +212,8 @@ class Engine:
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
+        # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
+        self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
         self.kv = KVManager(

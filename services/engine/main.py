@@ -44,6 +44,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         session_cache_entries=cfg.session_cache_entries,
         model_id=cfg.models[0],
         packed_weights=cfg.packed_weights,
+        compile_mode=cfg.compile,
     )
 
 

@@ -46,6 +46,7 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -64,9 +65,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 normalization, cast back, then the weight (the order of the HF reference implementation)
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        if torch.compiler.is_compiling():  # opaque in a compiled graph: inductor's own reduction order differs
+            return torch.ops.talaria.rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # fp32 normalization, cast back, then the weight (the order of the HF reference implementation)
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * h.to(x.dtype)
+
+
+@torch.library.custom_op("talaria::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Eager RMSNorm as one opaque op for torch.compile (model/compiled.py): bit-identical to eager."""
+    return _rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -137,15 +155,9 @@ class Attention(nn.Module):
         qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
         return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer_k: torch.Tensor,
-        layer_v: torch.Tensor,
-        plan: "_AttnPlan",
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k and v ``[T, KVH, D]`` of the normed input ``x`` (RoPE and q/k norms applied).
+        Pure: reads the parameters only (the part of the layer ``compiled.py`` may compile)."""
         T = x.shape[0]
         if self.qkv_weight is not None and self.q_norm is None:
             # q and k are adjacent columns of the fused projection: one RoPE over both (same math per element)
@@ -153,28 +165,37 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = self._qkv(x)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.view(T, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            return q, k, v
+        q, k, v = self._qkv(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-        # The only mutation: new K/V into their slots.
+    def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k: torch.Tensor,
+                   layer_v: torch.Tensor, plan: "_AttnPlan") -> torch.Tensor:
+        """Write the new K/V into their slots (the only mutation), then attend every query of the plan;
+        returns ``[T, H * D]`` (before ``o_proj``)."""
+        T = q.shape[0]
         layer_k.index_copy_(0, plan.slot_mapping, k.to(layer_k.dtype))
         layer_v.index_copy_(0, plan.slot_mapping, v.to(layer_v.dtype))
-
         if plan.single is not None:  # one group covers the whole flat batch, in order
             o = self._attend(q, layer_k, layer_v, plan.single, whole=True)
         else:
             o = torch.empty_like(q)
             for g in plan.groups:
                 o.index_copy_(0, g.q_index, self._attend(q, layer_k, layer_v, g, whole=False))
-        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_packed, self.o_proj.weight, self.o_proj.bias)
+        return o.reshape(T, self.num_heads * self.head_dim)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return linear(o, self.o_packed, self.o_proj.weight, self.o_proj.bias)
+
+    def forward(self, x, cos, sin, layer_k, layer_v, plan: "_AttnPlan") -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.out(self.attend_all(q, k, v, layer_k, layer_v, plan))
 
     def _attend(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, g: "_Group", whole: bool) -> torch.Tensor:
         """Attention of one query group (see the module notes): ``q`` is the step's ``[T, H, D]`` queries
@@ -204,12 +225,14 @@ class Attention(nn.Module):
                 q.view(B, self.num_heads, 1, D), kc, vc, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa
             )
             return o.view(B, self.num_heads, D)
-        kc = layer_k.index_select(0, g.slots).transpose(0, 1).to(q.dtype)  # [KVH, S, D]
-        vc = layer_v.index_select(0, g.slots).transpose(0, 1).to(q.dtype)
+        # 4-D [1, heads, S, D]: a 3-D call falls back to SDPA's math kernel on CPU (bmm + softmax + mask
+        # checks), measured 10x slower at 512 tokens than the flash kernel a 4-D call gets
+        kc = layer_k.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]  # [1, KVH, S, D]
+        vc = layer_v.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kc, vc, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=gqa
+            q.transpose(0, 1)[None], kc, vc, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=gqa
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
 
 def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -262,9 +285,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, layer_k, layer_v, plan):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_k, layer_v, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, layer_k, layer_v, plan, dense: "DenseFns | None" = None):
+        """One layer; ``dense`` (default eager) runs its two pure parts, e.g. compiled (``compiled.py``)."""
+        pre, post = (layer_in, layer_out) if dense is None else (dense.pre, dense.post)
+        q, k, v = pre(self, h, cos, sin)
+        return post(self, h, self.self_attn.attend_all(q, k, v, layer_k, layer_v, plan))
+
+
+def layer_in(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Input norm + q/k/v projection + RoPE of one layer (pure; the first part a compiled step fuses)."""
+    return layer.self_attn.project(layer.input_layernorm(h), cos, sin)
+
+
+def layer_out(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """o_proj + residual + post-attention norm + MLP + residual of one layer (pure; the second part)."""
+    h = h + layer.self_attn.out(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class DenseFns:
+    """The two pure parts of every layer (``layer_in`` / ``layer_out`` or compiled versions of them)."""
+
+    __slots__ = ("pre", "post")
+
+    def __init__(self, pre, post) -> None:
+        self.pre, self.post = pre, post
+
+    def scope(self):
+        """The context a forward runs its layers in."""
+        return contextlib.nullcontext()
 
 
 class _Backbone(nn.Module):
@@ -438,6 +487,7 @@ class LlamaForCausalLM(nn.Module):
         self._inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self._rope_table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.lm_head_packed: PackedLinear | None = None  # set by pack_weights()
+        self.dense: DenseFns | None = None  # compiled layer parts (compiled.py); None = eager
 
     @property
     def is_packed(self) -> bool:
@@ -497,11 +547,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
         cos, sin = self._rope(positions, h.dtype, max_pos)
-        gate = self.layer_gate
-        for l, layer in enumerate(self.model.layers):
-            if gate is not None:
-                gate(l)
-            h = layer(h, cos, sin, kv.k[l], kv.v[l], plan)
+        gate, dense = self.layer_gate, self.dense
+        with dense.scope() if dense is not None else contextlib.nullcontext():
+            for l, layer in enumerate(self.model.layers):
+                if gate is not None:
+                    gate(l)
+                h = layer(h, cos, sin, kv.k[l], kv.v[l], plan, dense)
         if gate is not None:
             gate(len(self.model.layers))
         return self.model.norm(h)

@@ -43,7 +43,21 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inside a torch.compile graph: the opaque kernel as one extern call
+            return torch.ops.talaria.packed_linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("talaria::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The prepacked linear as an opaque op for torch.compile (inductor's own lowering of
+    ``mkldnn._linear_pointwise`` expects weights it packed itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def linear(x: torch.Tensor, packed: PackedLinear | None, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
