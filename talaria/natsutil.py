@@ -122,7 +122,7 @@ class EmbeddedNats:
             f.write(f'authorization {{\n  user: "{self.user}"\n  password: ${_PASSWORD_ENV}\n}}\n')
         return path
 
-    def start(self, timeout: float = 15.0) -> str:
+    def start(self, timeout: float = 30.0) -> str:
         if self._store_dir is None:
             self._store_dir = tempfile.mkdtemp(prefix="talaria-nats-")
         cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self._store_dir]

@@ -195,7 +195,9 @@ def test_call_records_carry_the_time_split_summed_per_session(stack):
         a = r["attribution"]
         assert a["total_s"] == pytest.approx(r["end_unix"] - r["arrival_unix"], abs=1e-3)
         assert sum(v for k, v in a.items() if k != "total_s") == pytest.approx(a["total_s"], abs=1e-6)
-        assert a["placement_s"] > 0 and a["engine_queue_s"] > 0 and a["prefill_s"] > 0 and a["decode_s"] > 0
+        # engine queue may be 0.0: a call that arrives while a step is being scheduled is taken by that step,
+        # whose phase moves are stamped at the step's start (before the arrival; the clock never runs back)
+        assert a["placement_s"] > 0 and a["engine_queue_s"] >= 0 and a["prefill_s"] > 0 and a["decode_s"] > 0
         assert a["round_wait_s"] == 0 and a["switch_wait_s"] == 0  # a hot engine has no rounds
     for h in hooks:
         a = h["attribution"]
