@@ -215,21 +215,9 @@ async def test_a_non_streaming_call_gets_its_first_token_then_the_rest_in_one_ch
             await until_serving(nc, "ns0")
 
             async def call(stream: bool) -> list[pb.TokenChunk]:
-                inbox = nc.new_inbox()
-                sub = await nc.subscribe(inbox)
                 req = gen("tiny-llama", 12, stream=stream)
                 req.sampling.logprobs = 1
-                await nc.publish(SUBJ.generate("ns0"), req.SerializeToString(), reply=inbox)
-                got: list[pb.TokenChunk] = []
-                while not got or not got[-1].finished:
-                    msg = await sub.next_msg(30)
-                    if msg.headers and PROBE_HEADER in msg.headers:
-                        continue
-                    c = pb.TokenChunk.FromString(msg.data)
-                    if not c.keepalive:
-                        got.append(c)
-                await sub.unsubscribe()
-                return got
+                return await _stream(nc, "ns0", req)
 
             held, streamed = await call(False), await call(True)
             tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
