@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ResidencyBook, ReturnTracker, judge_lease
+from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -569,6 +569,17 @@ class Gateway:
         return replace(d, instance_id=c.instance_id, reason="start-now", opens_model=c.act == "open", switches_model=c.act == "switch",
                        avoidable_open=False, retry_after_s=0.0)
 
+    def silent_candidate(self, d: Decision) -> bool:
+        """Whether a candidate of ``d`` is rejected only for silence (suspect by heartbeats, not known dead,
+        not refused a call): its heartbeat may be unread. Pure read."""
+        reg = self.registry
+        for c in d.costs:
+            v = reg.instances.get(c.instance_id)
+            if v is not None and c.reject == "unhealthy" and reg.alive(v) and not v.gone and v.suspect_until <= reg.clock.now() \
+                    and reg.silence(v) > reg.miss_limit_of(v) and not v.snapshot.draining:
+                return True
+        return False
+
     def late_fallback(self, d: Decision) -> Decision | None:
         """No fresh candidate at all: the least loaded candidate that is merely *late* (its snapshot is past
         the staleness limit, its heartbeats are still within the miss limit, so it is healthy) gets the call,
@@ -632,6 +643,7 @@ ACCOUNTING = (
     "overload_queue_timeouts",
     "admitted_start_now",
     "admitted_late",
+    "silence_waits",
     "deadline_risk",
 )
 
@@ -656,6 +668,10 @@ ACCOUNTING = (
 #   3. Otherwise the overload policy: 429 + Retry-After at once ("reject"), or a bounded wait in the
 #      gateway queue ("queue": at most ``queue_max`` calls, ``queue_timeout_s`` each), re-deciding every
 #      ``poll_s``, then 429.
+#   4. No candidate is healthy but one is only *silent* (past the miss limit, not known dead): the call waits
+#      ``poll_s`` at a time, ``silence_waits`` times at most (0.5 s by default), re-deciding, before the 503.
+#      A router whose loop was busy has heartbeats waiting to be read; they are read while the call waits,
+#      and the instance is healthy again. A silent instance still gets no call while it stays silent.
 # A forward the engine does not accept (nothing ran) is retried on another instance, ``max_attempts`` in all.
 
 
@@ -666,6 +682,7 @@ class OverloadPolicy:
     queue_timeout_s: float = 10.0
     poll_s: float = 0.05
     max_attempts: int = 3
+    silence_waits: int = 10  # no healthy candidate but a silent, not dead one: polls (poll_s each) before 503
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,6 +715,7 @@ class Admission:
     attempts: int = 0
     last_error: str = ""
     queue_deadline: float | None = None
+    silence_waits: int = 0  # polls spent waiting for a silent (not dead) candidate's heartbeat
 
     def next(self, use_lease: bool = True) -> Step:
         """Decide again (excluding instances already tried) and say what to do."""
@@ -718,6 +736,10 @@ class Admission:
             if late is not None:
                 gw.stats["admitted_late"] += 1
                 return self._forward(late, rev)
+            if self.silence_waits < self.overload.silence_waits and gw.silent_candidate(d):
+                self.silence_waits += 1  # 4. below: a heartbeat may be waiting to be read
+                gw.stats["silence_waits"] += 1
+                return Step("wait", d, rev, wait_s=self.overload.poll_s)
         if d.reason != "overload":
             return replace(self._exhausted(), decision=d, lease_rev=rev)
         fb = gw.start_now(req, d, over)

@@ -32,9 +32,13 @@ def test_dead_otlp_endpoint_changes_nothing_for_callers(models_dir):
         client = client_for(stack)
         for i in range(4):
             t = time.monotonic()
-            r = client.chat.completions.create(
-                model=LLAMA, messages=[{"role": "user", "content": f"collector is down {i}"}], max_tokens=6, temperature=0, extra_headers={"X-Session-ID": "otlp-down"}
-            )
+            try:
+                r = client.chat.completions.create(
+                    model=LLAMA, messages=[{"role": "user", "content": f"collector is down {i}"}], max_tokens=6, temperature=0, extra_headers={"X-Session-ID": "otlp-down"}
+                )
+            except Exception as e:  # say what the router and the engine were doing
+                logs = {n: c.log[-25:] for n, c in stack.children.items() if n in (stack.cfg.router.id, "llama-a")}
+                raise AssertionError(f"call {i} failed: {e}\nrecent logs: {logs}") from e
             assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
             assert time.monotonic() - t < 10
     finally:

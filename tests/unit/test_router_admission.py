@@ -158,8 +158,33 @@ def test_a_late_only_instance_still_gets_the_call():
     assert (step.kind, step.decision.instance_id, step.decision.reason) == ("forward", "a", "late")
     assert gw.stats["admitted_late"] == 1
     clock.advance(0.5)  # 1.7 s of silence: suspect
+    gw.registry.dead_after_s = 20.0  # as the service configures it (engine_dead_after_s): silent, not dead
+    adm = gw.admission(gw.request("s2", "m", 100, 16), OverloadPolicy("reject", silence_waits=2))
+    steps = [adm.next() for _ in range(3)]  # silent, not dead: it waits for a heartbeat twice, then 503
+    assert [s.kind for s in steps] == ["wait", "wait", "reject"] and steps[0].wait_s == OverloadPolicy().poll_s
+    assert (steps[2].status, steps[2].code) == (503, "no_healthy_instance") and gw.stats["silence_waits"] == 2
+
+
+def test_a_call_waits_for_the_heartbeat_of_a_silent_instance_and_then_goes_there():
+    """A router whose loop was busy sees its only instance silent past the miss limit while the heartbeats wait
+    unread: the call waits (poll_s at a time, bounded) instead of a 503, and goes to the instance once a
+    heartbeat is read. A dead instance (gone) or one that refused a call is not waited for."""
+    clock = ManualClock(100.0)
+    gw = gateway(clock)  # period 0.5 s: suspect after 1.5 s of silence
+    gw.registry.dead_after_s = 20.0  # as the service configures it (engine_dead_after_s)
+    gw.on_snapshot(snap("a", 1, clock))
+    clock.advance(1.7)
+    adm = gw.admission(gw.request("s", "m", 100, 16), OverloadPolicy("reject"))
+    assert adm.next().kind == "wait"
+    gw.on_snapshot(snap("a", 2, clock))  # the heartbeat the busy loop had not read yet
+    step = adm.next()
+    assert (step.kind, step.decision.instance_id) == ("forward", "a")
+    gw.registry.mark_suspect("a", 5.0)  # refused a call: no waiting for it
     step = gw.admission(gw.request("s2", "m", 100, 16), OverloadPolicy("reject")).next()
-    assert (step.kind, step.status, step.code) == ("reject", 503, "no_healthy_instance")
+    assert (step.kind, step.code) == ("reject", "no_healthy_instance")
+    clock.advance(25.0)  # silent past engine_dead_after_s: dead, not waited for
+    step = gw.admission(gw.request("s3", "m", 100, 16), OverloadPolicy("reject")).next()
+    assert (step.kind, step.code) == ("reject", "no_healthy_instance") and gw.stats["silence_waits"] == 1
 
 
 def test_a_late_instance_is_not_chosen_over_a_fresh_one():
