@@ -263,20 +263,22 @@ class EngineService:
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
             if o.attribution is not None:  # issue 12: the executor's phases; other_s = what they leave of our latency
                 chunk.attribution.CopyFrom(o.attribution.explained(max(0.0, time.monotonic() - call.arrival)).to_proto())
+        sent_ns = time.time_ns() if o.finished else 0  # the call's end, as its spans record it
         await self._send(call, chunk)
         if o.finished:
             # the call's spans and hook are built after the finished chunk is on the wire (issue 20 §5: per-call
             # work off the token path): a task that runs once the NATS flusher has written the chunk; the
             # hook still follows the chunk on this connection
-            self._spawn(self._after_call(call, chunk, o.usage.restored_tokens if o.usage is not None else 0))
+            self._spawn(self._after_call(call, chunk, o.usage.restored_tokens if o.usage is not None else 0, sent_ns))
 
-    async def _after_call(self, call: _Call, chunk: pb.TokenChunk, restored: int) -> None:
+    async def _after_call(self, call: _Call, chunk: pb.TokenChunk, restored: int, sent_ns: int) -> None:
         """A finished call's completion hook (``_hook``: first, routers install the session's lease from it)
-        and spans (``CallTracer.trace``)."""
+        and spans (``CallTracer.trace``), which end at ``sent_ns`` (when the finished chunk went out: inside
+        the router's call span, which ends after it received that chunk)."""
         usage = chunk.usage if chunk.HasField("usage") else None
         await self._hook(call, chunk.finish_reason, usage, chunk.error if chunk.HasField("error") else None, chunk.ttft_seconds,
                          chunk.attribution if chunk.HasField("attribution") else None)
-        self.tracer.trace(call, chunk.finish_reason, usage, chunk.error.code if chunk.HasField("error") else None, restored)
+        self.tracer.trace(call, chunk.finish_reason, usage, chunk.error.code if chunk.HasField("error") else None, restored, end_ns=sent_ns)
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` as a task held in ``_tasks`` until it ends (a bare ensure_future can be collected)."""

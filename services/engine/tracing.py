@@ -38,13 +38,13 @@ class CallTracer:
             return 0
         return next((m for m in marks if m >= t_ns), 0)
 
-    def trace(self, call, reason: str, usage, error: str | None, restored_tokens: int = 0, message: str = "") -> None:
+    def trace(self, call, reason: str, usage, error: str | None, restored_tokens: int = 0, message: str = "", end_ns: int | None = None) -> None:
         """The engine's spans of one finished call, written after the fact from its timestamps:
         ``talaria.engine.call`` (child of the router's span) with ``intake`` (decode, tokenize, validate),
         ``queue`` (until the first executor step after intake), ``prefill`` (until the first token) and
         ``decode`` (until the end). Never raises."""
         try:
-            end = time.time_ns()
+            end = end_ns or time.time_ns()  # end_ns: when the finished chunk went out (spans built later end there)
             prompt = int(usage.prompt_tokens) if usage is not None else call.prompt_tokens
             out = int(usage.completion_tokens) if usage is not None else 0
             cached = int(usage.cached_tokens) if usage is not None else 0

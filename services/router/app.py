@@ -310,14 +310,19 @@ class RouterAPI:
         )
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
         headers = placed.headers()
-        token = self.resume_token(call, usage)
+        token = self.finished(call, usage)
         if token:
             headers[resume.HEADER] = token
         self.close_soon(call)
         return JSONResponse(body, headers=headers)
 
-    def resume_token(self, call: EngineCall, usage) -> str | None:
-        """The signed resume token for a finished call (issue 17), or None."""
+    def finished(self, call: EngineCall, usage) -> str | None:
+        """A call's finished chunk arrived: record where the session's KV now is (the engine's completion hook
+        confirms it later; a return that arrives first must still find it), then the signed resume token
+        (issue 17), or None. Mutates the session table."""
+        g = call.req
+        if g.session_id and not g.end_session and usage is not None and usage.prompt_tokens > 0:
+            self.state.gateway.call_ended(g.session_id, g.model, call.instance_id, usage.prompt_tokens + usage.completion_tokens)
         view = self.state.registry.instances.get(call.instance_id)
         return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 
@@ -382,7 +387,7 @@ class RouterAPI:
                         deltas, reason = out.finish(reason)
                         for d in deltas:
                             yield event([choice(None, None, delta=d)])
-                    yield event([choice(None if chat else "", reason)], token=self.resume_token(call, c.usage))
+                    yield event([choice(None if chat else "", reason)], token=self.finished(call, c.usage))
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"

@@ -144,6 +144,12 @@ class Gateway:
                               points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch), peer_group(snap))
         return True
 
+    def call_ended(self, session_id: str, model: str, instance_id: str, tokens: int) -> None:
+        """The router saw a session call's finished chunk: the session's KV (about ``tokens`` tokens) is on
+        ``instance_id`` now. Recorded as the hook records it; the hook's exact committed count (full pages,
+        at most ``tokens``) replaces this estimate when it arrives. Mutates the session table."""
+        self.sessions.record(session_id, model, instance_id, tokens, done_unix=self.wall())
+
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
         """Update the session table from a completion hook; returns the lease to install (or None)."""
         self.stats["hooks"] += 1
