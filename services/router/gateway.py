@@ -581,8 +581,7 @@ class Gateway:
         reg = self.registry
         for c in d.costs:
             v = reg.instances.get(c.instance_id)
-            if v is not None and c.reject == "unhealthy" and reg.alive(v) and not v.gone and v.suspect_until <= reg.clock.now() \
-                    and reg.silence(v) > reg.miss_limit_of(v) and not v.snapshot.draining:
+            if v is not None and c.reject == "unhealthy" and reg.is_silent(v) and v.suspect_until <= reg.clock.now() and not v.snapshot.draining:
                 return True
         return False
 

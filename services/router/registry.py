@@ -212,9 +212,13 @@ class Registry:
             v.gone = why
             self._changed.add(instance_id)
 
+    def is_silent(self, view: InstanceView) -> bool:
+        """Suspect because of silence (past the miss limit) and not yet known dead."""
+        return self.alive(view) and self.silence(view) > self.miss_limit_of(view)
+
     def silent(self) -> list[str]:
         """Instances suspect because of silence and not yet known dead: the ones worth probing."""
-        return [i for i, v in self.instances.items() if not v.gone and self.alive(v) and self.silence(v) > self.miss_limit_of(v)]
+        return [i for i, v in self.instances.items() if self.is_silent(v)]
 
     def sweep(self) -> list[tuple[str, str, str, str]]:
         """State changes since the last sweep as (id, old, new, why); mutates the remembered states."""
