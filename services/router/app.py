@@ -175,7 +175,9 @@ class RouterAPI:
             while True:
                 step = adm.next(use_lease)
                 lease_id, epoch, stands = await self.settle_lease(step, g.session_id, g.model)
-                if not stands:
+                if not stands:  # the lease went elsewhere first: nothing was sent, place again without it
+                    if step.decision is not None and step.decision.instance_id is not None:
+                        adm.raced(step.decision.instance_id)
                     use_lease = False
                     continue
                 if step.kind == "wait":

@@ -801,6 +801,13 @@ class Admission:
         self.tried.add(instance_id)
         self.last_error = error
 
+    def raced(self, instance_id: str) -> None:
+        """The forward step's lease was consumed by another router replica (or replaced by a newer one)
+        before this one could: nothing was sent, so the instance is not tried and the attempt not spent; the
+        next step places the call again without the lease."""
+        self.tried.discard(instance_id)
+        self.attempts = max(0, self.attempts - 1)
+
     def fenced(self, instance_id: str) -> None:
         """The instance refused the call's lease as from an older engine epoch (issue 17 fencing; nothing ran):
         the lease is spent, so the next step places the call again without it, that instance included."""
