@@ -30,8 +30,9 @@ SCHEMA_VERSION = 1
 
 def merge_chunks(chunks: list[pb.TokenChunk]) -> pb.TokenChunk:
     """One chunk for consecutive in-order ``chunks``: token ids, text and logprobs concatenated; seq,
-    finished, finish reason, usage, error and ttft of the last. Returns the only chunk unchanged;
-    mutates the first chunk otherwise (the caller owns them)."""
+    finished, finish reason, ttft and every message field of the last (usage, error, attribution: a
+    finished chunk merged with the tokens before it keeps the engine's time split). Returns the only chunk
+    unchanged; mutates the first chunk otherwise (the caller owns them)."""
     if len(chunks) == 1:
         return chunks[0]
     out = chunks[0]
@@ -46,10 +47,14 @@ def merge_chunks(chunks: list[pb.TokenChunk]) -> pb.TokenChunk:
     out.finished = last.finished
     out.finish_reason = last.finish_reason
     out.ttft_seconds = last.ttft_seconds
-    for field in ("usage", "error"):
+    for field in _LAST_MESSAGES:
         if last.HasField(field):
             getattr(out, field).CopyFrom(getattr(last, field))
     return out
+
+
+# the TokenChunk message fields a merged chunk takes from its last part (all of them: a new one is not lost)
+_LAST_MESSAGES = tuple(f.name for f in pb.TokenChunk.DESCRIPTOR.fields if f.message_type is not None and not f.is_repeated)
 
 
 class EngineUnavailable(Exception):

@@ -34,11 +34,15 @@ def test_queued_chunks_come_merged_in_seq_order_with_the_terminal_fields_of_the_
     call = _call()
     usage = cpb.Usage(prompt_tokens=3, completion_tokens=4)
     for c in (_tok(2, 12), _tok(1, 11), pb.TokenChunk(keepalive=True), _tok(3, 13),
-              _tok(4, 14, finished=True, finish_reason="length", usage=usage, ttft_seconds=0.5)):
+              _tok(4, 14, finished=True, finish_reason="length", usage=usage, ttft_seconds=0.5,
+                   attribution=cpb.CallAttribution(prefill_s=0.25, decode_s=0.5))):
         call._queue.put_nowait(c)  # the reader lagged: four token chunks (out of order) and a keepalive wait
     (c,) = _read(call, lambda *_: None)
     assert list(c.token_ids) == [11, 12, 13, 14] and c.text == "<11><12><13><14>" and len(c.logprobs) == 4
     assert (c.seq, c.finished, c.finish_reason, c.usage.completion_tokens, c.ttft_seconds) == (4, True, "length", 4, 0.5)
+    # the engine's time split rides on the finished chunk: merged away, the call record had prefill_s 0
+    # (test_telemetry's time-split test, 1 run in ~40)
+    assert (c.attribution.prefill_s, c.attribution.decode_s) == (0.25, 0.5)
     assert call.finished and call.keepalives == 1
 
 
