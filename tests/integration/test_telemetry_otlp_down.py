@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import client_for, engine, health, stack_config, start_stack
+from tests.integration.conftest import client_for, engine, stack_config, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,9 @@ def test_dead_otlp_endpoint_changes_nothing_for_callers(models_dir):
     stack = start_stack(cfg)
     try:
         assert stack.telemetry_url is None
-        # A settled stack: the engine healthy on fresh heartbeats for 3 s (past the 2 s miss limit). In three of
-        # eight fresh CI runs the engine went silent past the miss limit right after start with the dead
-        # collector configured (503 no_healthy_instance on an early call; cause not found yet, see the stop's
-        # note); this test's claim is about serving once up, the startup stall is tracked separately.
-        t_ok = deadline = time.monotonic()
-        while time.monotonic() - t_ok < 3.0:
-            if not health(stack)["instances"]["llama-a"]["healthy"]:
-                t_ok = time.monotonic()
-            assert time.monotonic() - deadline < 30, "the engine never stayed healthy for 3 s"
-            time.sleep(0.1)
+        # Calls of one session back to back: each return may find the previous call's lease being replaced by
+        # its hook (a lease race); that once excluded the only engine (503 no_healthy_instance in CI), fixed in
+        # the router (Admission.raced), and is why this test keeps the session header.
         client = client_for(stack)
         for i in range(4):
             t = time.monotonic()
