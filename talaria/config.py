@@ -48,7 +48,7 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on a CPU with AVX512-BF16/AMX or a bf16 CUDA device, else float32 (fp16 on old CUDA)")
     page_size: int = Field(16, ge=1, le=1024)
-    kv_cache_mb: int = Field(256, ge=1)
+    kv_cache_mb: int | None = Field(None, ge=1, description="KV pool of the engine, MiB. None (default) => hot engine: sized to the machine (services/engine/memory.py: on a CPU a quarter of the memory available at start, at most 4 GiB; on CUDA half the device memory free after the weights), never more than max_num_seqs full contexts; cold engine: 256 MiB of its arena")
     max_num_seqs: int = Field(32, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16)
     session_cache_entries: int = Field(256, ge=0)

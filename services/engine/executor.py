@@ -21,6 +21,7 @@ from __future__ import annotations
 
 
 import itertools
+import logging
 import math
 import threading
 import time
@@ -57,6 +58,7 @@ from services.engine.model.packed import can_pack
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.memory import default_kv_cache_bytes
 from services.engine.sequence import Sequence, SequenceStatus
 from talaria.tokenizer import IncrementalDecoder, Tokenizer
 from services.engine.session_chains import SessionChains
@@ -66,7 +68,8 @@ from talaria.cost_curve import CostCurve
 from talaria.ewma import ewma
 from talaria.hashing import model_salt, tenant_salt
 
-DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024  # a cold engine's KV share of its arena when not configured
+log = logging.getLogger(__name__)
 
 
 class StopStringBuffer:
@@ -504,16 +507,17 @@ class Engine:
 
     def _kv_pages(self, num_pages: int | None, kv_cache: KVCache | None, kv_cache_bytes: int | None, max_num_seqs: int) -> int:
         """The KV pool's page count: the given cache's, else ``num_pages``, else what ``kv_cache_bytes`` (or
-        the default budget, capped at ``max_num_seqs`` full contexts) holds."""
+        the machine-sized budget of ``memory.py``, capped at ``max_num_seqs`` full contexts) holds."""
         cfg, page_size = self.config, self.page_size
         if kv_cache is not None:
             num_pages = kv_cache.k[0].shape[0] // page_size
         if num_pages is None:
             page_bytes = lookup(cfg.architecture).kv_shape(cfg).page_bytes(page_size, self.dtype.itemsize)
-            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+            budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_cache_bytes(self.device)
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
                 num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
+                log.info("KV pool sized to the machine: %d pages (%.0f MiB; engine.kv_cache_mb sets it)", num_pages, num_pages * page_bytes / 2**20)
         if num_pages < 1:
             raise ValueError(f"KV pool too small: {num_pages} pages")
         return int(num_pages)

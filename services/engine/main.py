@@ -38,7 +38,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         device=cfg.device,
         dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
-        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,
+        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024 if cfg.kv_cache_mb else None,  # None: sized to the machine (memory.py)
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         session_cache_entries=cfg.session_cache_entries,
@@ -53,6 +53,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     import torch
 
     from services.engine.cold import ColdEngine
+    from services.engine.executor import DEFAULT_KV_CACHE_BYTES
     from services.engine.model.loader import engine_dtype
 
     cls, extra = ColdEngine, {}
@@ -81,7 +82,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         dtype=engine_dtype(cfg.dtype, cfg.device),
         page_size=cfg.page_size,
         arena_bytes=arena,
-        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024,
+        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024 if cfg.kv_cache_mb else DEFAULT_KV_CACHE_BYTES,
         runtime_bytes=int(cfg.runtime_mb * 1024 * 1024),
         chunk_bytes=cfg.weight_chunk_kb * 1024,
         max_num_seqs=cfg.max_num_seqs,

@@ -332,7 +332,8 @@ class JetStreamLeases:
         key = lease_key(session_id, model)
         try:
             await self.kv.delete(key, last=revision)
-        except Exception:  # noqa: BLE001 - wrong last sequence: consumed by another replica or replaced
+        except Exception as e:  # noqa: BLE001 - wrong last sequence: consumed by another replica or replaced
+            log.info("lease %s not consumed at revision %d: %s", key, revision, e)  # the store's own words (its last sequence)
             self.table.remove(key, revision)
             return False
         self.table.remove(key, revision)
