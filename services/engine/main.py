@@ -26,6 +26,10 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
     from services.engine.model.loader import engine_dtype
 
     torch.set_num_threads(torch_threads(cfg))
+    if cfg.tune_allocator:  # before the weights and the first step allocate (allocator_tuning.py)
+        from services.engine.allocator_tuning import tune_allocator
+
+        tune_allocator()
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"engine {cfg.id}: device {cfg.device!r} requested but CUDA is not available")
     if cfg.pool == "cold":
