@@ -10,6 +10,7 @@ profiles ... using an exponentially weighted moving average"). Pure state, injec
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -61,6 +62,9 @@ class ProfileBook:
         self._v: dict[str, dict[str, float]] = {}
         self._curves: dict[str, tuple[CostCurve | None, CostCurve | None]] = {}  # issue 12: (prefill, decode)
         self._group: dict[str, tuple] = {}  # instance -> peer group (pool, device, served models)
+        # per peer group, kept sorted as members' values change (a lookup never scans the fleet, see the note):
+        self._sorted: dict[tuple, dict[str, list[float]]] = {}  # metric -> the members' EWMAs, ascending
+        self._ranked: dict[tuple, tuple[list, list]] = {}  # (prefill, decode) -> [(-samples, id)] of members' curves
 
     def observe(
         self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
@@ -69,10 +73,13 @@ class ProfileBook:
         """Fold one snapshot's measured profile in; zero means "not measured" and is skipped. The learned
         curves (``(at, seconds, samples)`` buckets, ``talaria.cost_curve``) are the engine's own EWMAs: the
         latest snapshot's replace the previous ones. ``group``: the instance's peer group (``peer_group``);
-        ``()`` = no peers. Mutates: the instance's EWMAs, curves and group."""
-        self._group[instance_id] = group
-        self._curves[instance_id] = (_curve(prefill_by_context, self.defaults.prefill_per_token),
-                                     _curve(decode_by_batch, self.defaults.decode_step))
+        ``()`` = no peers. Mutates: the instance's EWMAs, curves and group, and its group's sorted views."""
+        if self._group.get(instance_id) != group:
+            self._unindex(instance_id)
+            self._group[instance_id] = group
+            self._index(instance_id)
+        self._rank_curves(instance_id, (_curve(prefill_by_context, self.defaults.prefill_per_token),
+                                        _curve(decode_by_batch, self.defaults.decode_step)))
         cur = self._v.setdefault(instance_id, {})
         samples = {"prefill_per_token": prefill_per_token, "decode_step": decode_step, "restore_per_token": restore_per_token}
         for name, paths in ACTIVATION_PATHS.items():
@@ -80,31 +87,68 @@ class ProfileBook:
                 if switch_costs.get(path, 0.0) > 0:
                     samples[name] = switch_costs[path]
                     break
+        vals = self._sorted.get(group) if group else None
         for k, v in samples.items():
             if v > 0:
-                cur[k] = ewma(cur.get(k), v, self.alpha)
+                old, cur[k] = cur.get(k), ewma(cur.get(k), v, self.alpha)
+                if vals is not None:
+                    _move(vals.setdefault(k, []), old, cur[k])
 
     def forget(self, instance_id: str) -> None:
+        self._unindex(instance_id)
         self._v.pop(instance_id, None)
         self._curves.pop(instance_id, None)
         self._group.pop(instance_id, None)
 
-    def _peers(self, instance_id: str) -> list[str]:
+    def _index(self, instance_id: str) -> None:
+        """Add the instance's values and curves to its group's sorted views. Mutates them."""
         group = self._group.get(instance_id, ())
         if not group:
-            return []
-        return sorted(j for j, g in self._group.items() if g == group and j != instance_id)
+            return
+        vals = self._sorted.setdefault(group, {})
+        for k, v in self._v.get(instance_id, {}).items():
+            insort(vals.setdefault(k, []), v)
+        ranked = self._ranked.setdefault(group, ([], []))
+        for which, c in enumerate(self._curves.get(instance_id, (None, None))):
+            if c is not None:
+                insort(ranked[which], (-_samples(c), instance_id))
+
+    def _unindex(self, instance_id: str) -> None:
+        """Take the instance's values and curves out of its group's sorted views. Mutates them."""
+        group = self._group.get(instance_id, ())
+        if not group or group not in self._sorted:
+            return
+        vals = self._sorted[group]
+        for k, v in self._v.get(instance_id, {}).items():
+            _move(vals.get(k, []), v, None)
+        for which, c in enumerate(self._curves.get(instance_id, (None, None))):
+            if c is not None:
+                _move(self._ranked[group][which], (-_samples(c), instance_id), None)
+
+    def _rank_curves(self, instance_id: str, curves: tuple) -> None:
+        """Replace the instance's curves, keeping its group's ranking of curves by samples. Mutates both."""
+        group = self._group.get(instance_id, ())
+        old = self._curves.get(instance_id, (None, None))
+        self._curves[instance_id] = curves
+        if not group:
+            return
+        ranked = self._ranked.setdefault(group, ([], []))
+        for which in (0, 1):
+            a, b = old[which], curves[which]
+            _move(ranked[which], None if a is None else (-_samples(a), instance_id), None if b is None else (-_samples(b), instance_id))
 
     def profile(self, instance_id: str) -> Profile:
         """The instance's measured costs; what it has not measured, its peers' (design note above); else the
-        config priors. Pure read."""
+        config priors. Pure read. The peers are looked up only for what the instance has not measured (a
+        measured instance costs O(1), whatever the fleet's size)."""
         v, d = self._v.get(instance_id, {}), self.defaults
-        peers = self._peers(instance_id)
+        group = self._group.get(instance_id, ())
+        vals = self._sorted.get(group, {}) if group else {}
 
         def cost(name: str, prior: float) -> float:
             if name in v:
                 return v[name]
-            seen = sorted(self._v[j][name] for j in peers if name in self._v.get(j, {}))
+            seen = vals.get(name)  # the peers' values only: this instance has not measured ``name``
             return seen[len(seen) // 2] if seen else prior
 
         switch = cost("switch_s", d.switch_s)
@@ -116,19 +160,34 @@ class ProfileBook:
             switch_s=switch,
             staged_switch_s=cost("staged_switch_s", switch),
             open_s=cost("open_s", d.open_s),
-            prefill_by_context=prefill_curve or self._peer_curve(peers, 0),
-            decode_by_batch=decode_curve or self._peer_curve(peers, 1),
+            prefill_by_context=prefill_curve or self._peer_curve(instance_id, group, 0),
+            decode_by_batch=decode_curve or self._peer_curve(instance_id, group, 1),
         )
 
-    def _peer_curve(self, peers: list[str], which: int) -> CostCurve | None:
-        """The most-sampled measured curve among ``peers`` (``which``: 0 prefill, 1 decode), or None."""
-        best, most = None, 0
-        for j in peers:
-            c = self._curves.get(j, (None, None))[which]
-            n = sum(p[2] for p in c.points()) if c is not None else 0
-            if n > most:
-                best, most = c, n
-        return best
+    def _peer_curve(self, instance_id: str, group: tuple, which: int) -> CostCurve | None:
+        """The most-sampled measured curve of the instance's peers (``which``: 0 prefill, 1 decode; ties: the
+        smallest id), or None."""
+        for neg, j in self._ranked.get(group, ([], []))[which] if group else ():
+            if neg < 0 and j != instance_id:
+                return self._curves[j][which]
+            if neg >= 0:
+                break
+        return None
+
+
+def _samples(c: CostCurve) -> int:
+    return sum(p[2] for p in c.points())
+
+
+def _move(lst: list, old, new) -> None:
+    """In the sorted ``lst``, replace one ``old`` (None: nothing to take out) by ``new`` (None: nothing to put
+    in). O(len) memmove, no Python loop. Mutates ``lst``."""
+    if old is not None:
+        i = bisect_left(lst, old)
+        if i < len(lst) and lst[i] == old:
+            del lst[i]
+    if new is not None:
+        insort(lst, new)
 
 
 def peer_group(snap) -> tuple:

@@ -477,6 +477,11 @@ def test_an_unmeasured_replica_borrows_its_peers_costs_not_the_priors():
     # b's own measurement replaces the borrowed one
     gw.on_snapshot(_with_profile(snapshot("b", 3, clock), pb.CostProfile(prefill_per_token=3e-5, decode_step=2e-3)))
     assert gw.profiles.profile("b").prefill_per_token == pytest.approx(3e-5)
+    # a replica that changes groups (now serves "x" only) lends and borrows in its new group only
+    gw.on_snapshot(_with_profile(snapshot("a", 3, clock, models=[pb.ModelState(model="x", loaded=True, active=True, max_context=4096)]), cheap))
+    assert gw.profiles.profile("c").prefill_per_token == pytest.approx(1e-5)  # a's costs, now its peer
+    gw.profiles.forget("a")
+    assert gw.profiles.profile("c").prefill_per_token == Defaults().prefill_per_token  # a forgotten: priors again
 
 
 def _with_profile(snap, profile):
