@@ -240,9 +240,10 @@ class Simulation:
                                    restore_per_token=cost["restore_per_token"], switch_costs=costs_to_proto(by_path)),
         )
         staged = inst.staging[0] if inst.staging else None
+        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" else {}  # as the engine's SlotStats
         for m in inst.loaded:
             snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
-                                             num_waiting=len(inst.queues[m])))
+                                             num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))
         for sid, m, tokens, where in inst.sessions():
             snap.sessions.append(pb.SessionState(session_id=sid, model=m, committed_tokens=tokens,
                                                  state=pb.KV_DEVICE if where == "device" else pb.KV_HOST))

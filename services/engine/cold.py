@@ -523,9 +523,11 @@ class ColdEngine:
         queued = sum(len(q) for q in list(self._queues.values()))
         running = st.num_running if st is not None else 0
         staged = self._staged
+        slots = self._slot_stats()
+        waits = dict(slots.slot_wait_s) if slots is not None else {}
         models = tuple(
             ModelStats(m, True, m == active, m in staged, self._info[m].max_context, running if m == active else 0,
-                       max(per_model.get(m, 0) - (running if m == active else 0), 0))
+                       max(per_model.get(m, 0) - (running if m == active else 0), 0), waits.get(m, waits.get("", 0.0)))
             for m in list(self.loaded)
         )
         sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where == "device"]
@@ -547,7 +549,7 @@ class ColdEngine:
                               prefill_by_context=prof.prefill_by_context, decode_by_batch=prof.decode_by_batch),
             host_kv=bool(self._host_kv), kv_restore_verify_failures=sum(hk.counters["restore_verify_failures"] for hk in list(self._host_kv.values())),
             staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
-            slots=self._slot_stats(), transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
+            slots=slots, transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
         )
 
     def session_info(self, session_id: str) -> SessionInfo | None:

@@ -127,7 +127,8 @@ class SlottedColdEngine(ColdEngine):
         st = self.slots.status(self.clock())  # the pure policy is not thread-safe: read at step boundaries
         dl = self.deadlines.totals()  # per-token deadlines, scored in both modes (issue 16)
         self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]),
-                                    int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s)
+                                    int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s,
+                                    tuple((st.get("slot_wait_s") or {}).items()))
 
     def _slot_stats(self) -> SlotStats | None:
         return self._slots_now

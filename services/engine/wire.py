@@ -110,7 +110,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
     for m in st.models:  # every loaded catalog model is served; `active` marks the resident one
         snap.models.append(pb.ModelState(
             model=m.model, loaded=m.loaded, active=m.active, staged=m.staged, max_context=m.max_context,
-            num_running=m.num_running, num_waiting=m.num_waiting,
+            num_running=m.num_running, num_waiting=m.num_waiting, slot_wait_s=m.slot_wait_s,
         ))
     if cfg.pool == "cold":
         snap.staging_slack_bytes = st.staging_slack_bytes

@@ -319,7 +319,8 @@ class Gateway:
         models: dict[str, ModelRes] = {}
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
-                models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged)
+                models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
+                                           wait_s=m.slot_wait_s if cold and not m.active else 0.0)
         if cold and spec is not None:
             for name in spec.models:
                 models.setdefault(name, ModelRes())

@@ -117,6 +117,7 @@ class ModelRes:
     loaded: bool = False  # weights resident (a replica exists here)
     active: bool = False  # currently serving (hot: always)
     staged: bool = False  # weights (partly) pre-staged for a switch
+    wait_s: float = 0.0  # cold instance with rounds: predicted seconds until this model's slot (engine-reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,11 +317,12 @@ def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     res = inst.models[model]
     if res.active:
         return "active", 0.0
+    # a cold instance serving other models first: the call also waits for this model's slot (issue 12)
     if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
-        return "switch", inst.profile.staged_switch_s
+        return "switch", inst.profile.staged_switch_s + res.wait_s
     if res.loaded:
-        return "switch", inst.profile.switch_s
-    return "open", inst.profile.open_s
+        return "switch", inst.profile.switch_s + res.wait_s
+    return "open", inst.profile.open_s + res.wait_s
 
 
 class _Call(NamedTuple):

@@ -298,3 +298,24 @@ def test_reserved_iterations_edge_cases():
     assert math.isclose(SlotPolicy.round_only().gamma, 0.8)
     with pytest.raises(ValueError):
         SlotPolicy(gamma=1.2)
+
+
+def test_slot_waits_predict_each_models_turn_in_the_open_round():
+    """Issue 12 (Eq. 1's wait term for a cold instance): while ``a`` holds its slot, ``b`` (next in the round)
+    waits for the rest of a's slot plus one switch, ``c`` also for b's slot and another switch; a model outside
+    the round waits for the whole rest of the round. The waits shrink as the slot runs; idle: none."""
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2), CostModel(TRUTH))
+    assert sched.slot_waits(0.0) == {}
+    views = tuple(ModelView(m, queued=(_call(f"{m}0", model=m, arrival=0.0, cont=False, state="missing", prefix=0),)) for m in ("a", "b", "c"))
+    d0 = sched.decide(InstanceView("a", views), 0.0)
+    assert d0.phase is Phase.P and d0.admit == ("a0",)
+    w = sched.slot_waits(0.0)
+    switch = sched.costs.switch(expected_path(None, False))
+    assert w["a"] == 0.0 and switch > 0
+    slot_a = sched._slot.budget_s
+    assert w["b"] == pytest.approx(slot_a + switch)
+    assert w["c"] > w["b"] + switch  # b's slot and one more switch come first
+    assert w[""] > w["c"]  # a model with no work this round: after c
+    later = sched.slot_waits(0.25)
+    assert later["b"] == pytest.approx(max(0.0, slot_a - 0.25) + switch)
+    assert sched.status(0.25)["slot_wait_s"] == later

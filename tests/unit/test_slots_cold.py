@@ -172,3 +172,30 @@ def test_per_call_deadline_hints_override_the_configured_targets(synth_models):
         ce.step()
     t = ce.deadlines.totals()
     assert (t.first_tokens, t.first_on_time) == (2, 1)  # only the hinted call missed its first token
+
+
+def test_heartbeat_carries_each_models_predicted_slot_wait(synth_models):
+    """Issue 12: with one model's slot open and another model's call queued, the real cold engine's stats (and
+    so its heartbeat) give the active model no wait and the queued one the rest of the slot plus a switch."""
+    from services.engine import wire
+    from talaria.config import EngineConfig
+    from talaria.v1 import engine_pb2 as pb
+
+    ce, clock = make(synth_models, SlotPolicy(ttft_s=2.0, tpot_s=0.1, gamma=0.8))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ce.add_request(EngineRequest("first", [5, 6, 7, 8], sp, arrival_time=clock.t, model=MODELS[0]))
+    ce.add_request(EngineRequest("other", [5, 6, 7, 8], sp, arrival_time=clock.t, model=MODELS[1]))
+    for _ in range(50):
+        ce.step()
+        st = ce.stats()
+        if st.slots is not None and dict(st.slots.slot_wait_s).get(MODELS[0]) == 0.0 and ce.active == MODELS[0]:
+            break
+    else:
+        pytest.fail("no slot of the first model opened")
+    waits = {m.model: m.slot_wait_s for m in st.models}
+    assert waits[MODELS[0]] == 0.0 and waits[MODELS[1]] > 0.0, waits
+    cfg = EngineConfig(id="c0", pool="cold", models=list(MODELS))
+    snap = pb.InstanceSnapshot.FromString(wire.instance_snapshot(cfg, st, [], epoch=1, seq=1, draining=False, rounds=0).SerializeToString())
+    assert {m.model: m.slot_wait_s for m in snap.models} == pytest.approx(waits)
+    while ce.has_unfinished():
+        ce.step()

@@ -40,6 +40,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from talaria.switch_path import SwitchPath
+
 from .admission import SpGain, SpLimits, select_p, select_sp, sp_ineligible_reason
 from .budget import plan_round, reserved_iterations
 from .costs import CostModel, MeasuredCosts, expected_path
@@ -186,7 +188,29 @@ class SlotScheduler(MeasuredCosts):
             "infeasible": list(r.plan.infeasible if r else (last.infeasible if last else ())),
             "active_model": self._slot.model if self._slot else None,
             "phase": self._last_kind.value,
+            "slot_wait_s": self.slot_waits(now),
         })
+        return out
+
+    def slot_waits(self, now: float) -> dict[str, float]:
+        """Predicted seconds until each model of the open round gets its slot (issue 12, Eq. 1's wait term for
+        a cold instance): 0 for the model holding the slot; for a model still to be served this round, what
+        is left of the current slot plus, per slot before it, one switch (measured, host-only) and that
+        slot's length (its protected decode plus its share of the prefill pool). A model outside the round
+        gets the whole rest of the round plus one switch. Empty when no slot is open (an idle instance
+        switches at once: the router prices that switch itself). Pure read."""
+        s, r = self._slot, self._round
+        if s is None or r is None:
+            return {}
+        switch = self.costs.switch(SwitchPath.HOST_ONLY)
+        left = max(0.0, s.budget_s - (now - s.opened))
+        todo = [m for m in r.order if m not in r.served and m != s.model]
+        share = max(0.0, r.plan.prefill_pool_s - r.prefill_used_s) / max(1, len(todo) + 1)
+        out = {s.model: 0.0}
+        for m in todo:
+            out[m] = left + switch
+            left += switch + r.plan.reserved_iters.get(m, 0) * r.plan.decode_step_s.get(m, 0.0) + share
+        out[""] = left + switch  # any other model: after the round's remaining slots
         return out
 
     # ================================================================== time accounting
