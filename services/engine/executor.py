@@ -55,6 +55,7 @@ from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.compiled import compile_model
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
+from services.engine.model.paged_attn import load_kernel
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -193,6 +194,7 @@ class Engine:
         page_allocator: PageAllocator | None = None,
         packed_weights: bool | None = None,
         compile_mode: str = "off",
+        paged_decode: str = "auto",
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -216,6 +218,7 @@ class Engine:
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
+        self.paged_decode = self._paged_decode(paged_decode)
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
@@ -504,6 +507,16 @@ class Engine:
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens, min(seq.num_restored_tokens, seq.num_cached_tokens))
         attribution = seq.phases.stop(attribution_clock()) if seq.phases is not None else None
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
+
+    def _paged_decode(self, mode: str) -> bool:
+        """Give the model the CPU paged decode kernel (``model/paged_attn.py``) for ``mode`` ``auto`` on a CPU
+        (built on first use, cached; None if it cannot be built: gather + SDPA stays) or take it away
+        (``off``, or any other device). Sets ``self.model.paged_decode``; returns whether the kernel is on."""
+        if mode not in ("auto", "off"):
+            raise ValueError(f"paged_decode must be 'auto' or 'off', got {mode!r}")
+        kernel = load_kernel() if mode == "auto" and self.device.type == "cpu" else None
+        self.model.paged_decode = kernel
+        return kernel is not None
 
     def _kv_pages(self, num_pages: int | None, kv_cache: KVCache | None, kv_cache_bytes: int | None, max_num_seqs: int) -> int:
         """The KV pool's page count: the given cache's, else ``num_pages``, else what ``kv_cache_bytes`` (or

@@ -49,6 +49,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         model_id=cfg.models[0],
         packed_weights=cfg.packed_weights,
         compile_mode=cfg.compile,
+        paged_decode=cfg.paged_decode,
     )
 
 

@@ -18,8 +18,10 @@ Design notes
   varlen "packed" prefill of FlashAttention-2 §3 / vLLM's chunked prefill): a step has at most two
   attention calls per layer, whatever its number of sequences:
 
-  - *single-token queries* (decodes, and 1-token prefill chunks): one padded ``[B, Lmax]`` gather of
-    their context K/V and one SDPA call with a key-padding mask;
+  - *single-token queries* (decodes, and 1-token prefill chunks): on a CPU with the paged decode kernel
+    (``paged_attn.py``, ``LlamaForCausalLM.paged_decode``), one call reading the context K/V in place
+    through int32 block tables; otherwise one padded ``[B, Lmax]`` gather of their context K/V and one SDPA
+    call with a key-padding mask;
   - *multi-token queries* (prefill chunks, mixed in the same forward as the decodes): one gather and
     one SDPA call in whichever layout has the smaller score area: *packed* -- queries ``[Tp]`` against
     the concatenated contexts ``[Sp]`` with a block-diagonal causal mask (query of sequence ``i`` at
@@ -218,6 +220,9 @@ class Attention(nn.Module):
             )
             return o.transpose(1, 2).reshape(B * Q, self.num_heads, D).index_select(0, g.out_pos)
         if g.kind == "decode":
+            if g.paged is not None:  # CPU kernel over the pool in place (paged_attn.py); no gather, no mask
+                kernel, tables, lens, page_size, window = g.paged
+                return kernel(q, layer_k, layer_v, tables, lens, page_size, self.scale, window)
             B, L = g.slots.shape
             kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
             vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
@@ -329,25 +334,30 @@ class _Group:
     sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask) or
     ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask). ``q_index``: flat
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
-    row, and the padded rows holding the real queries in ``q_index`` order."""
+    row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
+    CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
+    context lengths [B], page_size, window or 0)``."""
 
-    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos")
+    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged")
 
-    def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None) -> None:
+    def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor | None, mask: torch.Tensor | None,
+                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None, paged: tuple | None = None) -> None:
         self.kind, self.q_index, self.slots, self.mask, self.q_src, self.out_pos = kind, q_index, slots, mask, q_src, out_pos
+        self.paged = paged
 
 
 class _AttnPlan:
     """Per-forward precomputation shared by all layers: KV write slots and the (at most two) query groups.
 
     ``single`` is set when one group holds every query in flat order (no gather/scatter of queries).
+    ``decode_kernel``: the paged decode kernel (``paged_attn.py``) the decode group calls instead of gather
+    + SDPA (its int32 tables are built here, once per forward); None = gather + SDPA.
     """
 
     __slots__ = ("slot_mapping", "groups", "single")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device,
-                 window: int | None = None) -> None:
+                 window: int | None = None, decode_kernel=None) -> None:
         cu = batch.cu_q
         B = batch.num_seqs
         if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != num_tokens:
@@ -364,7 +374,7 @@ class _AttnPlan:
         self.slot_mapping = batch.slot_mapping.to(device=device, dtype=torch.long)
         dec = [i for i in range(B) if q_lens[i] == 1]
         pre = [i for i in range(B) if q_lens[i] > 1]
-        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window)] if dec else []
+        self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window, decode_kernel)] if dec else []
         self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device, window)
                         for part in _split_packed(pre, q_lens, ctx)]
         self.single = self.groups[0] if len(self.groups) == 1 else None
@@ -379,8 +389,14 @@ def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device
     return slots.to(device)
 
 
-def _decode_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Group:
+def _decode_group(rows, cu, ctx, tables, page_size, device, window=None, kernel=None) -> _Group:
     lens = [ctx[i] for i in rows]
+    q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
+    if kernel is not None:  # int32 block tables [B, pages needed] (pad page 0, never read) + lengths
+        width = -(-max(lens) // page_size)
+        table = torch.tensor([tables[i][:width] + [0] * (width - len(tables[i][:width])) for i in rows], dtype=torch.int32)
+        paged = (kernel, table, torch.tensor(lens, dtype=torch.int32), page_size, window or 0)
+        return _Group("decode", q_index, None, None, paged=paged)
     slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
     L = slots.shape[1]
     mask = None
@@ -392,7 +408,6 @@ def _decode_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Gro
         if windowed:  # the query is at n - 1: keys n - window .. n - 1
             mask &= k >= n - window
         mask = mask[:, None, None, :]
-    q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
     return _Group("decode", q_index, slots, mask)
 
 
@@ -488,6 +503,9 @@ class LlamaForCausalLM(nn.Module):
         self._rope_table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.lm_head_packed: PackedLinear | None = None  # set by pack_weights()
         self.dense: DenseFns | None = None  # compiled layer parts (compiled.py); None = eager
+        # the CPU paged decode kernel (paged_attn.load_kernel(); set by the engine, config ``paged_decode``);
+        # None = decode attention by gather + SDPA. Used only on a CPU with the pool in the compute dtype.
+        self.paged_decode = None
 
     @property
     def is_packed(self) -> bool:
@@ -543,7 +561,8 @@ class LlamaForCausalLM(nn.Module):
         dev = self.model.embed_tokens.weight.device
         input_ids = input_ids.to(dev)
         positions = positions.to(dev)
-        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window)
+        kernel = self.paged_decode if dev.type == "cpu" and kv.k[0].dtype == self.model.embed_tokens.weight.dtype else None
+        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window, kernel)
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
         cos, sin = self._rope(positions, h.dtype, max_pos)
