@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,8 +19,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int kLanes = 16;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
@@ -36,19 +35,93 @@ inline void load_row(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
 }
 
+// Reductions as OpenMP simd loops: the pragma allows the reassociation a vectorized sum needs (compiled
+// without OpenMP it is ignored and the loops run in order: slower, same results up to rounding).
 inline float dot(const float* a, const float* b, int64_t d) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
   float s = 0.f;
-  for (; i < d; ++i) s += a[i] * b[i];
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
   return s;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
+inline float max_of(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = mx > x[i] ? mx : x[i];
+  return mx;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+
+// exp(x) for x <= 0 in branch-free float arithmetic the compiler vectorizes (libm's expf is a call per
+// element): x = (i + f) ln2 with i the integer nearest x / ln2 (found by adding 1.5 * 2^23, which leaves i
+// in the low mantissa bits under round-to-nearest), 2^f by its degree-7 Taylor polynomial in f ln2
+// (|f| <= 1/2: relative error < 1e-8), 2^i through the exponent bits. Underflows to exp(-87).
+inline float exp_nonpos(float x) {
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
+  x = x > -87.f ? x : -87.f;
+  const float y = x * 1.44269504088896341f + kShift;
+  const float fi = y - kShift;  // round(x / ln2)
+  const int32_t i = std::bit_cast<int32_t>(y) - std::bit_cast<int32_t>(kShift);
+  const float r = x - fi * 0.69314718055994531f;  // f ln2, |r| <= ln2 / 2 (+ rounding)
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * std::bit_cast<float>((i + 127) << 23);
+}
+
+constexpr int64_t kBlock = 16;  // K/V rows converted to float and used together (at most one page's run)
+constexpr int64_t kChunk = 16;  // accumulator lanes kept in registers across a block of V rows
+
+// acc[0:d] += sum_r w[r] * rows[r][0:d] over cnt rows of length d (row stride d): the accumulator chunk
+// stays in registers across the rows instead of a load and store per row.
+inline void axpy_block(const float* w, const float* rows, int64_t cnt, int64_t d, float* __restrict acc) {
+  int64_t i0 = 0;
+  for (; i0 + kChunk <= d; i0 += kChunk) {
+    float a[kChunk];
+    for (int64_t l = 0; l < kChunk; ++l) a[l] = acc[i0 + l];
+    for (int64_t r = 0; r < cnt; ++r)
+      for (int64_t l = 0; l < kChunk; ++l) a[l] += w[r] * rows[r * d + i0 + l];
+    for (int64_t l = 0; l < kChunk; ++l) acc[i0 + l] = a[l];
+  }
+  for (; i0 < d; ++i0)
+    for (int64_t r = 0; r < cnt; ++r) acc[i0] += w[r] * rows[r * d + i0];
+}
+
+// Calls fn(j, slot, cnt) for runs of cnt <= kBlock consecutive context positions j.. in [start, n) that lie
+// in one page (one table read and one division per run): slot = block_table[j / page_size] * page_size +
+// j % page_size is the pool row of position j, and the run's rows are slot .. slot + cnt - 1.
+// Before each run, the rows of the next run are prefetched (pages are scattered: the hardware prefetcher
+// cannot guess where the next one starts): row(slot) is a row's address, row_bytes its length.
+template <typename Row, typename Fn>
+inline void for_blocks(const int32_t* table, int64_t page_size, int64_t start, int64_t n, Row&& row,
+                       int64_t row_bytes, Fn&& fn) {
+  auto run_at = [&](int64_t j, int64_t& slot) {
+    const int64_t page = j / page_size, off = j - page * page_size;
+    slot = static_cast<int64_t>(table[page]) * page_size + off;
+    return std::min({n - j, page_size - off, kBlock});
+  };
+  int64_t slot = 0, cnt = start < n ? run_at(start, slot) : 0;
+  for (int64_t j = start; j < n;) {
+    int64_t next_slot = 0;
+    const int64_t next_cnt = j + cnt < n ? run_at(j + cnt, next_slot) : 0;
+    for (int64_t r = 0; r < next_cnt; ++r)
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row(next_slot + r)) + b);
+    fn(j, slot, cnt);
+    j += cnt;
+    slot = next_slot;
+    cnt = next_cnt;
+  }
 }
 
 struct Shape {
@@ -58,46 +131,53 @@ struct Shape {
 };
 
 // One task: sequence b, kv head kh. buf holds G*n scores + G*D accumulators + G*D scaled queries + D row.
-template <typename T>
+// DC: the head dim when known at compile time (the row loops then unroll and stay in registers), else 0.
+template <typename T, int DC>
 void attend_one(const Shape& s, int64_t b, int64_t kh, const T* q, const T* k, const T* v, const int32_t* tables,
                 const int32_t* lens, T* out, std::vector<float>& buf) {
   const int64_t n = lens[b];
   const int64_t start = s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0;
   const int64_t m = n - start;  // visible keys: start .. n-1
-  const int64_t G = s.G, D = s.D;
-  buf.resize(static_cast<size_t>(G * m + 2 * G * D + D));
+  const int64_t G = s.G, D = DC > 0 ? DC : s.D;
+  buf.resize(static_cast<size_t>(G * m + 2 * G * D + kBlock * D));
   float* scores = buf.data();
   float* acc = scores + G * m;
   float* qf = acc + G * D;
-  float* row = qf + G * D;
+  float* rows = qf + G * D;
   for (int64_t g = 0; g < G; ++g) {
     const T* qrow = q + b * s.qs0 + (kh * G + g) * s.qs1;
     for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(qrow[i]) * s.scale;
   }
   std::fill(acc, acc + G * D, 0.f);
   const int32_t* table = tables + b * s.P;
-  for (int64_t j = start; j < n; ++j) {  // pass 1: scores of the G heads for each visible K row
-    const int64_t slot = static_cast<int64_t>(table[j / s.page_size]) * s.page_size + j % s.page_size;
-    load_row(k + slot * s.ks0 + kh * s.ks1, row, D);
-    for (int64_t g = 0; g < G; ++g) scores[g * m + (j - start)] = dot(qf + g * D, row, D);
-  }
+  const T* kh_base = k + kh * s.ks1;
+  auto krow = [&](int64_t slot) { return kh_base + slot * s.ks0; };
+  for_blocks(table, s.page_size, start, n, krow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // scores
+    for (int64_t r = 0; r < cnt; ++r) load_row(krow(slot + r), rows + r * D, D);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < cnt; ++r) scores[g * m + (j - start) + r] = dot(qf + g * D, rows + r * D, D);
+  });
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized), 1 / sum kept
     float* sg = scores + g * m;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < m; ++j) mx = std::max(mx, sg[j]);
-    float sum = 0.f;
-    for (int64_t j = 0; j < m; ++j) {
-      sg[j] = std::exp(sg[j] - mx);
-      sum += sg[j];
-    }
+    const float mx = max_of(sg, m);
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) sg[j] = exp_nonpos(sg[j] - mx);
+    const float sum = sum_of(sg, m);
     inv[g] = m > 0 ? 1.f / sum : 0.f;
   }
-  for (int64_t j = start; j < n; ++j) {  // pass 2: weighted V rows
-    const int64_t slot = static_cast<int64_t>(table[j / s.page_size]) * s.page_size + j % s.page_size;
-    load_row(v + slot * s.vs0 + kh * s.vs1, row, D);
-    for (int64_t g = 0; g < G; ++g) axpy(scores[g * m + (j - start)], row, acc + g * D, D);
-  }
+  const T* vh_base = v + kh * s.vs1;
+  auto vrow = [&](int64_t slot) { return vh_base + slot * s.vs0; };
+  for_blocks(table, s.page_size, start, n, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // V sum
+    for (int64_t r = 0; r < cnt; ++r) load_row(vrow(slot + r), rows + r * D, D);
+    for (int64_t r = 0; r < cnt; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = scores[g * m + (j - start) + r];
+        float* __restrict a = acc + g * D;
+        const float* x = rows + r * D;
+        for (int64_t i = 0; i < D; ++i) a[i] += w * x[i];
+      }
+  });
   for (int64_t g = 0; g < G; ++g) {
     T* orow = out + b * s.os0 + (kh * G + g) * s.os1;
     for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(acc[g * D + i] * inv[g]);
@@ -113,9 +193,10 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
+  auto task = s.D == 64 ? attend_one<T, 64> : s.D == 128 ? attend_one<T, 128> : attend_one<T, 0>;
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
-    for (int64_t t = lo; t < hi; ++t) attend_one<T>(s, t / s.KVH, t % s.KVH, qp, kp, vp, tp, lp, op, buf);
+    for (int64_t t = lo; t < hi; ++t) task(s, t / s.KVH, t % s.KVH, qp, kp, vp, tp, lp, op, buf);
   });
 }
 

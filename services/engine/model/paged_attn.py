@@ -76,7 +76,8 @@ def _build():
     return cpp_extension.load(
         name=f"talaria_paged_attn_{_cpu_tag()}",
         sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-march=native"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # OpenMP: at::parallel_for's threads (torch's libgomp)
+        extra_ldflags=["-fopenmp"],
         verbose=False,
     )
 
