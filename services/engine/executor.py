@@ -217,8 +217,8 @@ class Engine:
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
+        self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
-        self.paged_decode = self._paged_decode(paged_decode)
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
