@@ -13,7 +13,17 @@ SYNTH_TEST_SEED = 0
 
 
 @pytest.fixture(scope="session")
-def synth_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def paged_decode_built() -> bool:
+    """Build (or load from torch's extension cache) the CPU paged decode kernel once, before any engine
+    starts: a first build takes tens of seconds and must not land inside a timed test or a subprocess
+    engine's start deadline. False if it cannot build (engines then use gather + SDPA)."""
+    from services.engine.model.paged_attn import load_kernel
+
+    return load_kernel() is not None
+
+
+@pytest.fixture(scope="session")
+def synth_models(tmp_path_factory: pytest.TempPathFactory, paged_decode_built: bool) -> dict[str, Path]:
     """name -> checkpoint directory of the tiny synthesized models (seed 0)."""
     from talaria.models import synthesize
 
