@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -69,12 +70,30 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
+STALE_LOCK_S = 600.0  # a build takes ~30-60 s here: a lock this old was left by a build that was killed
+
+
+def _clear_stale_lock(cpp_extension, name: str) -> None:
+    """torch's build lock (``<build dir>/lock``) outlives a build that was killed, and every later load then
+    waits on it forever; remove it when it is older than any real build (mutates the extension cache)."""
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (OSError, AttributeError):
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale extension build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build():
     from torch.utils import cpp_extension
 
     _ninja_on_path()
+    name = f"talaria_paged_attn_{_cpu_tag()}"
+    _clear_stale_lock(cpp_extension, name)
     return cpp_extension.load(
-        name=f"talaria_paged_attn_{_cpu_tag()}",
+        name=name,
         sources=[str(_SOURCE)],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],  # OpenMP: at::parallel_for's threads (torch's libgomp)
         extra_ldflags=["-fopenmp"],
