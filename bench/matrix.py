@@ -88,6 +88,8 @@ CONFIGS += tuple(
                   "as Talaria, but adaptive leases: windows from the predicted return gap per (model, tool), lease arithmetic on", "lease"),
     MatrixConfig("lease-adaptive-no-arith", {"router.placement.lease_policy": "adaptive", "router.placement.lease_arithmetic": False},
                   "as lease-adaptive, but every lease installed and honoured (no value-vs-harm check)", "lease"),
+    MatrixConfig("no-slot-wait", {"router.placement.slot_wait": False},
+                 "as Talaria, but the router prices a cold instance at the bare switch cost, not adding the predicted wait for the model's slot (issue 12)", "lease"),
     MatrixConfig("no-prefetch", {"router.placement.intent_prefetch": False},
                  "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
 )

@@ -114,6 +114,8 @@ class PlacementConfig(_Strict):
     gap_prior_sigma: float = Field(1.0, gt=0, description="adaptive leases: cold-start spread of ln(gap)")
     gap_quantile: float = Field(0.9, gt=0, lt=1, description="adaptive leases: the window is this quantile of the predicted gap")
     gap_cap_s: float = Field(10.0, gt=0, description="adaptive leases: longest window")
+    slot_wait: bool = Field(True, description="Eq. 1 on a cold instance adds the wait for the model's slot that the engine's round "
+                            "scheduler predicts (ModelState.slot_wait_s, issue 12); false = the bare switch / open cost")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
                                   "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")

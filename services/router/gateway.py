@@ -320,7 +320,7 @@ class Gateway:
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
                 models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
-                                           wait_s=m.slot_wait_s if cold and not m.active else 0.0)
+                                           wait_s=m.slot_wait_s if cold and not m.active and self.params.slot_wait else 0.0)
         if cold and spec is not None:
             for name in spec.models:
                 models.setdefault(name, ModelRes())
@@ -365,6 +365,8 @@ class Gateway:
         if self._index.params is not self.params:  # knobs replaced: every precomputed term is void
             self._index = InstanceIndex(self.params)
             self._cur.clear()
+            self._static.clear()  # its ModelRes depend on the knobs too (slot_wait)
+            self._states.clear()
             self._primed = False
         dirty = reg.take_changed()
         if not self._primed:

@@ -76,6 +76,7 @@ class PolicyParams:
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
     lease_arithmetic: bool = True  # adaptive: a lease is installed / honoured only when it saves more than it delays (issue 12 #3)
+    slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:

@@ -109,6 +109,11 @@ def test_a_cold_instance_prices_the_wait_for_its_models_slot():
     assert d.instance_id == "soon", d.costs
     assert by["late"].c_act - by["soon"].c_act == pytest.approx(2.9)
     assert gw.instance_states()[0].models["n"].wait_s == 0.0
+    from dataclasses import replace as _replace
+
+    gw.params = _replace(gw.params, slot_wait=False)  # the ablation (bench matrix "no-slot-wait"): bare switch costs
+    d2 = gw.decide(gw.request("s2", "m", 800, 64))[0]
+    assert {c.instance_id: c.c_act for c in d2.costs}["late"] == pytest.approx({c.instance_id: c.c_act for c in d2.costs}["soon"])
 
 
 # --------------------------------------------------------------------------- pure policy: leases
