@@ -44,39 +44,49 @@ async def _scripted_engine(nc, subject: str, seen: list[int]):
     return sub
 
 
-async def test_a_fenced_lease_call_is_placed_again_without_the_lease(nats_url):
+async def _lease_call(nats_url: str, namespace: str, epoch: int, state_hook=None) -> tuple:
+    """One session call through the real router app with a lease on ``e0`` from engine ``epoch`` (the router's
+    snapshot of ``e0`` says that epoch too); ``state_hook(state)`` may alter the router first. Returns (the
+    response, the router state, the ``resume_epoch`` of every call the scripted engine saw)."""
     from services.router.app import create_app
     from services.router.service import make_state
     from talaria.config import parse_config
 
-    cfg = parse_config({"namespace": "fence", "router": {"placement": {"lease_store": "memory", "lease_ttl_s": 60}}, "engines": [{"id": "e0", "models": ["m"]}]})
+    cfg = parse_config({"namespace": namespace, "router": {"placement": {"lease_store": "memory", "lease_ttl_s": 60}}, "engines": [{"id": "e0", "models": ["m"]}]})
     state = make_state(cfg)
     state.nc = await connect(nats_url, "router-test")
     engine_nc = await connect(nats_url, "engine-test")
     seen: list[int] = []
     sub = await _scripted_engine(engine_nc, state.subjects.generate("e0"), seen)
+    if state_hook is not None:
+        state_hook(state)
     try:
         now = time.time()
-        snap = pb.InstanceSnapshot(instance_id="e0", epoch=OLD_EPOCH, seq=1, heartbeat_period_s=3600, sent_unix=now - 1)
+        snap = pb.InstanceSnapshot(instance_id="e0", epoch=epoch, seq=1, heartbeat_period_s=3600, sent_unix=now - 1)
         snap.models.append(pb.ModelState(model="m", loaded=True, active=True, max_context=4096))
-        state.gateway.on_snapshot(snap)  # the router's view: the engine before its restart
+        state.gateway.on_snapshot(snap)
         lease = rpb.Lease(
-            schema_version=1, lease_id="prev", session_id="s", model="m", instance_id="e0", instance_epoch=OLD_EPOCH,
+            schema_version=1, lease_id="prev", session_id="s", model="m", instance_id="e0", instance_epoch=epoch,
             prefix=cpb.PrefixHandle(model="m", committed_tokens=10), t_done_unix=now, t_exp_unix=now + 60,
         )
         state.lease_store.install_now(lease)
         app = create_app(state)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
             r = await asyncio.wait_for(http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1}, headers={"X-Session-ID": "s"}), 30)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == "ok"
-        assert seen == [OLD_EPOCH, 0]  # the lease call was fenced, the retry carried no lease
-        assert state.counters["resume_fenced"] == 1
-        assert r.headers["x-talaria-placement"] != "lease"
+        return r, state, seen
     finally:
         await sub.unsubscribe()
         await engine_nc.close()
         await state.nc.close()
+
+
+async def test_a_fenced_lease_call_is_placed_again_without_the_lease(nats_url):
+    r, state, seen = await _lease_call(nats_url, "fence", OLD_EPOCH)  # the router's view: the engine before its restart
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "ok"
+    assert seen == [OLD_EPOCH, 0]  # the lease call was fenced, the retry carried no lease
+    assert state.counters["resume_fenced"] == 1
+    assert r.headers["x-talaria-placement"] != "lease"
 
 
 async def test_a_lease_raced_away_leaves_its_instance_a_candidate(nats_url):
@@ -84,39 +94,15 @@ async def test_a_lease_raced_away_leaves_its_instance_a_candidate(nats_url):
     the revision moved) sends nothing; the call is placed again without the lease, its instance included.
     The instance used to count as tried, so the one engine of the model was excluded and the caller got
     503 ``no_healthy_instance`` (seen in CI with one router racing its own hook's lease update)."""
-    from services.router.app import create_app
-    from services.router.service import make_state
-    from talaria.config import parse_config
-
-    cfg = parse_config({"namespace": "race", "router": {"placement": {"lease_store": "memory", "lease_ttl_s": 60}}, "engines": [{"id": "e0", "models": ["m"]}]})
-    state = make_state(cfg)
-    state.nc = await connect(nats_url, "router-test")
-    engine_nc = await connect(nats_url, "engine-test")
-    seen: list[int] = []
-    sub = await _scripted_engine(engine_nc, state.subjects.generate("e0"), seen)
 
     async def lost(session_id, model, rev) -> bool:  # another replica consumed it first
         return False
 
-    state.lease_store.consume = lost
-    try:
-        now = time.time()
-        snap = pb.InstanceSnapshot(instance_id="e0", epoch=NEW_EPOCH, seq=1, heartbeat_period_s=3600, sent_unix=now - 1)
-        snap.models.append(pb.ModelState(model="m", loaded=True, active=True, max_context=4096))
-        state.gateway.on_snapshot(snap)
-        lease = rpb.Lease(
-            schema_version=1, lease_id="prev", session_id="s", model="m", instance_id="e0", instance_epoch=NEW_EPOCH,
-            prefix=cpb.PrefixHandle(model="m", committed_tokens=10), t_done_unix=now, t_exp_unix=now + 60,
-        )
-        state.lease_store.install_now(lease)
-        app = create_app(state)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
-            r = await asyncio.wait_for(http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1}, headers={"X-Session-ID": "s"}), 30)
-        assert r.status_code == 200, r.text
-        assert seen == [0]  # one forward, without the lease
-        assert state.gateway.stats["lease_miss_raced"] == 1
-        assert r.headers["x-talaria-placement"] != "lease"
-    finally:
-        await sub.unsubscribe()
-        await engine_nc.close()
-        await state.nc.close()
+    def lose_every_consume(state) -> None:
+        state.lease_store.consume = lost
+
+    r, state, seen = await _lease_call(nats_url, "race", NEW_EPOCH, lose_every_consume)
+    assert r.status_code == 200, r.text
+    assert seen == [0]  # one forward, without the lease
+    assert state.gateway.stats["lease_miss_raced"] == 1
+    assert r.headers["x-talaria-placement"] != "lease"
