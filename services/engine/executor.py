@@ -55,6 +55,7 @@ from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.compiled import compile_model
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
+from services.engine.model.fused_ops import load_fused_ops
 from services.engine.model.paged_attn import load_kernel
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
@@ -195,6 +196,7 @@ class Engine:
         packed_weights: bool | None = None,
         compile_mode: str = "off",
         paged_decode: str = "auto",
+        fused_ops: str = "auto",
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -218,6 +220,7 @@ class Engine:
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
+        self.fused_ops = self._fused_ops(fused_ops)  # fused elementwise CPU ops (model/fused_ops.py)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
@@ -517,6 +520,16 @@ class Engine:
         kernel = load_kernel() if mode == "auto" and self.device.type == "cpu" else None
         self.model.paged_decode = kernel
         return kernel is not None
+
+    def _fused_ops(self, mode: str) -> bool:
+        """Give the model the fused elementwise CPU ops (``model/fused_ops.py``) for ``mode`` ``auto`` on a
+        CPU (the paged-attention extension, built on first use; eager ops if it cannot be built) or take
+        them away (``off``, or any other device). Mutates the model's modules; returns whether they are on."""
+        if mode not in ("auto", "off"):
+            raise ValueError(f"fused_ops must be 'auto' or 'off', got {mode!r}")
+        ops = load_fused_ops() if mode == "auto" and self.device.type == "cpu" else None
+        self.model.use_fused_ops(ops)
+        return ops is not None
 
     def _kv_pages(self, num_pages: int | None, kv_cache: KVCache | None, kv_cache_bytes: int | None, max_num_seqs: int) -> int:
         """The KV pool's page count: the given cache's, else ``num_pages``, else what ``kv_cache_bytes`` (or

@@ -50,6 +50,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         packed_weights=cfg.packed_weights,
         compile_mode=cfg.compile,
         paged_decode=cfg.paged_decode,
+        fused_ops=cfg.fused_ops,
     )
 
 

@@ -57,6 +57,7 @@ from torch import nn
 
 from .batch import AttnBatch, KVCache
 from .config import ModelConfig, RopeScaling
+from .fused_ops import FusedOps
 from .packed import PackedLinear, linear
 
 
@@ -65,10 +66,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: FusedOps | None = None  # fused CPU ops (fused_ops.py), set by LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # opaque in a compiled graph: inductor's own reduction order differs
             return torch.ops.talaria.rms_norm(x, self.weight, self.eps)
+        if self.ops is not None and (out := self.ops.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         return _rms_norm(x, self.weight, self.eps)
 
 
@@ -141,6 +145,7 @@ class Attention(nn.Module):
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_packed: PackedLinear | None = None  # set by pack() (model/packed.py)
         self.o_packed: PackedLinear | None = None
+        self.ops: FusedOps | None = None  # fused CPU ops (fused_ops.py), set by LlamaForCausalLM.use_fused_ops
 
     def fuse(self) -> None:
         """Concatenate q/k/v into one weight (and bias); rebind the three parameters as views into it."""
@@ -164,7 +169,7 @@ class Attention(nn.Module):
         if self.qkv_weight is not None and self.q_norm is None:
             # q and k are adjacent columns of the fused projection: one RoPE over both (same math per element)
             qkv = linear(x, self.qkv_packed, self.qkv_weight, self.qkv_bias)
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
             return q, k, v
@@ -175,7 +180,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and (out := self.ops.rope(x, cos, sin)) is not None:
+            return out
+        return apply_rope(x, cos, sin)
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k: torch.Tensor,
                    layer_v: torch.Tensor, plan: "_AttnPlan") -> torch.Tensor:
@@ -265,6 +275,7 @@ class MLP(nn.Module):
         self.gate_up_bias: torch.Tensor | None = None
         self.gate_up_packed: PackedLinear | None = None  # set by pack()
         self.down_packed: PackedLinear | None = None
+        self.ops: FusedOps | None = None  # fused CPU ops (fused_ops.py), set by LlamaForCausalLM.use_fused_ops
 
     def fuse(self) -> None:
         """Concatenate gate/up into one weight; rebind both parameters as views into it."""
@@ -278,8 +289,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_packed, self.down_proj.weight, self.down_proj.bias)
+        gate_up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias)
+        act = self.ops.silu_mul(gate_up) if self.ops is not None else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return linear(act, self.down_packed, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -304,8 +319,14 @@ def layer_in(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def layer_out(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """o_proj + residual + post-attention norm + MLP + residual of one layer (pure; the second part)."""
-    h = h + layer.self_attn.out(o)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    a = layer.self_attn.out(o)
+    norm, ops = layer.post_attention_layernorm, layer.mlp.ops
+    fused = ops.add_rms_norm(h, a, norm.weight, norm.eps) if ops is not None else None
+    if fused is None:
+        h = h + a
+        return h + layer.mlp(norm(h))
+    h, normed = fused
+    return h + layer.mlp(normed)
 
 
 class DenseFns:
@@ -506,6 +527,15 @@ class LlamaForCausalLM(nn.Module):
         # the CPU paged decode kernel (paged_attn.load_kernel(); set by the engine, config ``paged_decode``);
         # None = decode attention by gather + SDPA. Used only on a CPU with the pool in the compute dtype.
         self.paged_decode = None
+        self.fused_ops: FusedOps | None = None  # fused elementwise CPU ops (fused_ops.py); None = eager ops
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Give every norm, attention and MLP the fused CPU ops (or take them away with None); mutates those
+        modules' ``ops`` and ``self.fused_ops``. The ops apply only where their guards hold (fused_ops.py)."""
+        self.fused_ops = ops
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.ops = ops
 
     @property
     def is_packed(self) -> bool:

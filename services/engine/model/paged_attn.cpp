@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -235,7 +236,18 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   return out;
 }
 
+// the fused elementwise ops of fused_ops.cpp (same extension: one build, one load)
+at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor res, at::Tensor w, double eps);
+at::Tensor fused_silu_mul(at::Tensor gu);
+at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, in place over the pool)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm in one pass (fused_ops.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_silu_mul", &fused_silu_mul, "SiLU(gate) * up in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("fused_rope", &fused_rope, "rotary embedding in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
 }

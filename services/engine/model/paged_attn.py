@@ -20,12 +20,14 @@ for all ``G = H / KVH`` query heads sharing them (scores for G heads per K row),
 score buffer (scores, then weighted V sum), float32 throughout; bf16 converts by a 16-bit shift. Tasks run
 in parallel with ``at::parallel_for`` (torch's intra-op threads). Code written from scratch for this repo.
 
-Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_kernel`), cached in torch's
-extension directory (a rebuild only when the source or flags change). ``-O3 -march=native``; the extension
-name carries a hash of the CPU's flags so a cache shared by another CPU is not loaded. Needs a C++ compiler
+Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_extension`; the same
+extension carries the fused elementwise ops of ``fused_ops.cpp``, see ``fused_ops.py``), cached in torch's
+extension directory (a rebuild only when a source or the flags change). ``-O3 -march=native``; the extension
+name carries a hash of the CPU's flags so a cache shared by another CPU is not loaded, and one of the sources so
+two checkouts (or versions) never build over each other's cache. Needs a C++ compiler
 and ``ninja`` (the PyPI package, a runtime requirement: its ``bin`` directory is put on ``PATH`` for the
 build). If the build or load fails, one warning is logged and :func:`load_kernel` returns ``None``: the
-model keeps its gather + SDPA path.
+model keeps its gather + SDPA path (and its eager elementwise ops).
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attn.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp")]  # one extension (fused_ops.py)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "kernel": the loaded function or None once tried
+_state: dict[str, object] = {}  # "module": the loaded extension or None once tried
 
 PagedDecodeFn = Callable[..., torch.Tensor]
 
@@ -56,6 +58,15 @@ def _cpu_tag() -> str:
     except OSError:
         flags = ""
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _source_tag() -> str:
+    """A short hash of the sources: checkouts with different sources (worktrees, versions) build into
+    different cache directories instead of rebuilding over each other's extension."""
+    h = hashlib.sha1()
+    for p in _SOURCES:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:8]
 
 
 def _ninja_on_path() -> None:
@@ -90,30 +101,36 @@ def _build():
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    name = f"talaria_paged_attn_{_cpu_tag()}"
+    name = f"talaria_paged_attn_{_cpu_tag()}_{_source_tag()}"
     _clear_stale_lock(cpp_extension, name)
     return cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(p) for p in _SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],  # OpenMP: at::parallel_for's threads (torch's libgomp)
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
 
 
-def load_kernel() -> PagedDecodeFn | None:
-    """The compiled :func:`paged_decode_attention` kernel, built on the first call (may take tens of
-    seconds; later calls and processes reuse torch's extension cache), or ``None`` if it cannot be built or
-    loaded (one warning logged, once per process). Thread-safe."""
+def load_extension():
+    """The compiled extension module (``paged_attn.cpp`` + ``fused_ops.cpp``), built on the first call (may
+    take tens of seconds; later calls and processes reuse torch's extension cache), or ``None`` if it cannot
+    be built or loaded (one warning logged, once per process). Thread-safe."""
     with _lock:
-        if "kernel" not in _state:
+        if "module" not in _state:
             try:
-                _state["kernel"] = _build().paged_decode_attention
-            except Exception as e:  # no compiler, no ninja, a failed compile: keep the gather + SDPA path
-                log.warning("paged decode attention kernel unavailable (%s: %s); decode keeps gather + SDPA",
+                _state["module"] = _build()
+            except Exception as e:  # no compiler, no ninja, a failed compile: the eager paths stay
+                log.warning("CPU kernels unavailable (%s: %s); decode keeps gather + SDPA, layers keep eager ops",
                             type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
-                _state["kernel"] = None
-        return _state["kernel"]  # type: ignore[return-value]
+                _state["module"] = None
+        return _state["module"]
+
+
+def load_kernel() -> PagedDecodeFn | None:
+    """The compiled :func:`paged_decode_attention` kernel (:func:`load_extension`), or ``None``."""
+    module = load_extension()
+    return None if module is None else module.paged_decode_attention
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
