@@ -74,6 +74,13 @@ from talaria.kv_layout import Family, Layout
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 32 * 1024 * 1024
+COUNTERS = (
+    "checkpoints", "checkpoint_pages", "checkpoint_bytes", "checkpoints_dropped",
+    "restores", "restore_pages", "restore_bytes", "restores_declined", "store_failures",
+    "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
+    # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
+    "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
+)
 
 
 def weights_revision(model_dir: str | Path, sample_bytes: int = 1 << 20, samples: int = 8) -> str:
@@ -189,13 +196,7 @@ class HostKV:
         self._unpins: deque[list[int]] = deque()  # gathered: pins to return on the executor thread
         self._inflight = 0
         self._idle = threading.Condition()
-        self.counters = {
-            "checkpoints": 0, "checkpoint_pages": 0, "checkpoint_bytes": 0, "checkpoints_dropped": 0,
-            "restores": 0, "restore_pages": 0, "restore_bytes": 0, "restores_declined": 0, "store_failures": 0,
-            "restore_verify_failures": 0, "restore_unverified_pages": 0, "sessions_released": 0, "released_pages": 0,
-            "dirty_marked": 0, "dirty_dropped": 0, "write_backs_eviction": 0, "write_backs_switch": 0,
-            "write_backs_slot_end": 0, "write_backs_hint": 0, "write_backs_close": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.last_decision: RestoreDecision | None = None
         # restores: a worker of their own (a slow store read never stalls the executor thread)
         self._restore_jobs: queue.Queue[_Restore | None] = queue.Queue()
@@ -280,7 +281,7 @@ class HostKV:
     # ---------------------------------------------------------------- write-back (executor thread)
     def write_back(self, session_ids=None, reason: str = "switch") -> list[_Job]:
         """Queue the copy of the dirty chains of ``session_ids`` (all when None); ``reason`` (eviction |
-        switch | slot_end | hint | close) names the counter. Mutates: the dirty set, the job queue."""
+        switch | slot_end | hint) names the counter. Mutates: the dirty set, the job queue."""
         jobs = self.dirty.take(session_ids)
         for job in jobs:
             job.queued_ns = time.time_ns()
