@@ -5,8 +5,11 @@ to the executor (``Engine.attach_host_kv``); the executor calls it at three poin
 thread:
 
 * ``checkpoint(seq)`` when a call ends (before its pages are released into the caches): the full pages of
-  its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them) and a
-  job is queued. A worker thread then reserves slabs in the store (gRPC), gathers the reserved pages from
+  its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them). Under
+  write-through a job is queued now; under write-back (the default, ``kv/write_back.py``) the session is
+  marked dirty and the job is queued by ``write_back`` when the pages are about to leave the device (the KV
+  manager's ``pressure_hook`` -> ``relieve_pressure``, the switch barrier ``drain``, the slot's end, a
+  retention hint expecting a late return); a session end drops it unwritten. A worker thread then reserves slabs in the store (gRPC), gathers the reserved pages from
   the device pool into a host staging buffer in page-first layout (the device->host copy), hands the pins
   back (through ``poll``), pushes the staging bytes into the store's slabs over Mooncake, and commits —
   the store publishes only after the copy completed.
@@ -25,7 +28,7 @@ thread:
 * ``poll()`` at each step start: returns the transfer pins of finished gathers to the block manager and
   advances restores (reserve, publish).
 
-``drain(timeout)`` is the switch barrier: it waits until every queued checkpoint has been gathered and
+``drain(timeout)`` is the switch barrier: it writes back every dirty session, waits until every queued checkpoint has been gathered and
 written (or abandoned) and every restore has ended, then returns the pins, so the caller may release the KV region. The cold-pool
 switch calls it through ``Engine.drain_checkpoints()``.
 
