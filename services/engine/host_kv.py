@@ -58,7 +58,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from opentelemetry import trace
@@ -83,7 +83,7 @@ COUNTERS = (
     "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
     # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
     "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
-    "write_backs_residency",
+    "write_backs_residency", "write_backs_next_switch",
 )
 
 
@@ -165,6 +165,9 @@ class HostKV:
         self.write_policy = write_policy  # kv/write_back.py: copy when pages leave the device, or at once
         self.dirty = DirtySet()  # write-back: sessions pinned on the device, not in the store yet (executor thread)
         self._hints_seen = 0
+        # a cold engine (cold.py): True while another model has queued calls, i.e. this model's KV leaves the
+        # device at the next switch and a session's return comes after it: write back as the call ends
+        self.leaving_soon: Callable[[], bool] | None = None
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.engine = engine
@@ -267,8 +270,11 @@ class HostKV:
         pages = list(seq.pages[:n])
         kv.pin_pages(pages)
         job = _Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns())
-        if self.write_policy == "through":
+        if self.write_policy == "through" or (self.leaving_soon is not None and self.leaving_soon()):
+            self._drop_dirty([seq.session_id], count=False)  # superseded by this chain
             self._queue(job)
+            if self.write_policy == "back":
+                self.counters["write_backs_next_switch"] += 1
             return True
         old = self.dirty.mark(seq.session_id, job)
         if old is not None:
@@ -285,7 +291,7 @@ class HostKV:
     # ---------------------------------------------------------------- write-back (executor thread)
     def write_back(self, session_ids=None, reason: str = "switch") -> list[_Job]:
         """Queue the copy of the dirty chains of ``session_ids`` (all when None); ``reason`` (eviction |
-        switch | slot_end | hint | residency) names the counter. Mutates: the dirty set, the job queue."""
+        switch | slot_end | hint | residency | next_switch) names the counter. Mutates: the dirty set, the job queue."""
         jobs = self.dirty.take(session_ids)
         for job in jobs:
             job.queued_ns = time.time_ns()

@@ -136,3 +136,13 @@ def test_cold_switch_writes_back_the_outgoing_models_dirty_sessions_and_a_return
     r1 = run_calls(ref, [EngineRequest("c1", prompt, GREEDY, session_id="cold")])["c1:tokens"]
     r2 = run_calls(ref, [EngineRequest("c2", turn2, GREEDY, session_id="cold")])["c2:tokens"]
     assert (first["c1:tokens"], second["c2:tokens"]) == (r1, r2)
+    # a call of A that ends while B has queued calls: the next switch takes A's KV off the device, so it is
+    # written at once (HostKV.leaving_soon), not left dirty for the barrier
+    before = hk.counters["checkpoints"]
+    ce.add_request(EngineRequest("c3", list(range(900, 960)), GREEDY, session_id="cold-3", model=A))
+    for _ in range(10_000):  # until c3 produced its first token on A (its slot is open)
+        if any(o.request_id == "c3" for o in ce.step()):
+            break
+    run_calls(ce, [EngineRequest("b2", list(range(40, 70)), GREEDY, model=B)])  # queued while c3 decodes
+    assert ce.active == B and hk.counters["write_backs_next_switch"] == 1 and hk.counters["checkpoints"] == before + 2  # c2 dirty at the barrier, c3 at its end
+    assert len(hk.dirty) == 0 and ce.shell(A).kv.num_transfer_pins == 0
