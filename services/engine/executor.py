@@ -639,9 +639,12 @@ class Engine:
             return self.host_kv.drain(timeout) if self.host_kv is not None else True
 
     def flush_cache(self) -> int:
-
-        """Drop all cached prefixes and session entries not in use. Returns pages freed."""
+        """Drop all cached prefixes and session entries not in use; with a write-back host tier their dirty
+        sessions are written back first (the pages leave the device; the pins go when the copies are
+        gathered). Returns pages freed now."""
         with self._step_lock:
+            if self.host_kv is not None:
+                self.host_kv.write_back(None, "flush")
             return self.kv.flush()
 
     def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:

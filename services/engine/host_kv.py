@@ -83,7 +83,7 @@ COUNTERS = (
     "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
     # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
     "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
-    "write_backs_residency", "write_backs_next_switch",
+    "write_backs_residency", "write_backs_next_switch", "write_backs_flush",
 )
 
 
@@ -291,7 +291,7 @@ class HostKV:
     # ---------------------------------------------------------------- write-back (executor thread)
     def write_back(self, session_ids=None, reason: str = "switch") -> list[_Job]:
         """Queue the copy of the dirty chains of ``session_ids`` (all when None); ``reason`` (eviction |
-        switch | slot_end | hint | residency | next_switch) names the counter. Mutates: the dirty set, the job queue."""
+        switch | slot_end | hint | residency | next_switch | flush) names the counter. Mutates: the dirty set, the job queue."""
         jobs = self.dirty.take(session_ids)
         for job in jobs:
             job.queued_ns = time.time_ns()
