@@ -259,6 +259,9 @@ class ColdEngine:
         else:
             hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
+        # write-back (kv/write_back.py): while another model has queued calls the next switch takes this
+        # model's KV off the device, so a call ending now is written back at once (issue 14 item 2)
+        hk.leaving_soon = lambda m=model: any(q for k, q in self._queues.items() if k != m)
         if self.streamer is not None:  # issue 16: restores share the one transfer scheduler (κ-floor)
             hk.channel = self.streamer.transfer
 

@@ -166,6 +166,8 @@ class ResidencyDriver:
             return
         for act in plan.actions:
             if act.key[0] == "kv" and act.op in ("release", "offload") and act.key[1] == ce.active:
+                if eng.host_kv is not None and act.key[2] in eng.host_kv.dirty:  # write-back: it leaves the device
+                    eng.host_kv.write_back([act.key[2]], "residency")
                 if eng.kv.sessions.drop(act.key[2]) or act.key[2] not in eng.kv.sessions:
                     self.released_sessions += 1
 

@@ -496,7 +496,7 @@ class Engine:
             seq.status = SequenceStatus.FINISHED  # ended while restoring: it holds no pages
         else:
             if self.host_kv is not None and seq.session_id:
-                self.host_kv.checkpoint(seq)  # pins the pages, copies them to the kvstore asynchronously
+                self.host_kv.checkpoint(seq)  # pins the pages; copies them now (write-through) or marks them dirty
             self.scheduler.finish(seq, cache=True)
 
         if seq.session_id:
@@ -632,10 +632,12 @@ class Engine:
         return None
 
     def attach_host_kv(self, host_kv) -> None:
-        """Use a host KV tier (``services.engine.host_kv.HostKV``): checkpoint session pages when calls end,
-        restore prefixes from it when calls arrive."""
+        """Use a host KV tier (``services.engine.host_kv.HostKV``): checkpoint session pages when calls end
+        (write-through) or when they are about to leave the device (write-back: the KV manager's
+        ``pressure_hook``, the switch barrier), restore prefixes from it when calls arrive."""
         with self._step_lock:
             self.host_kv = host_kv
+            self.kv.pressure_hook = host_kv.relieve_pressure if host_kv is not None else None
 
     def attach_retention(self, book) -> None:
         """Evict session entries by predicted return (``kv.retention.RetentionBook``, issue 14)."""
@@ -650,9 +652,12 @@ class Engine:
             return self.host_kv.drain(timeout) if self.host_kv is not None else True
 
     def flush_cache(self) -> int:
-
-        """Drop all cached prefixes and session entries not in use. Returns pages freed."""
+        """Drop all cached prefixes and session entries not in use; with a write-back host tier their dirty
+        sessions are written back first (the pages leave the device; the pins go when the copies are
+        gathered). Returns pages freed now."""
         with self._step_lock:
+            if self.host_kv is not None:
+                self.host_kv.write_back(None, "flush")
             return self.kv.flush()
 
     def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:

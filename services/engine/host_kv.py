@@ -5,8 +5,11 @@ to the executor (``Engine.attach_host_kv``); the executor calls it at three poin
 thread:
 
 * ``checkpoint(seq)`` when a call ends (before its pages are released into the caches): the full pages of
-  its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them) and a
-  job is queued. A worker thread then reserves slabs in the store (gRPC), gathers the reserved pages from
+  its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them). Under
+  write-through a job is queued now; under write-back (the default, ``kv/write_back.py``) the session is
+  marked dirty and the job is queued by ``write_back`` when the pages are about to leave the device (the KV
+  manager's ``pressure_hook`` -> ``relieve_pressure``, the switch barrier ``drain``, the slot's end, a
+  retention hint expecting a late return); a session end drops it unwritten. A worker thread then reserves slabs in the store (gRPC), gathers the reserved pages from
   the device pool into a host staging buffer in page-first layout (the device->host copy), hands the pins
   back (through ``poll``), pushes the staging bytes into the store's slabs over Mooncake, and commits —
   the store publishes only after the copy completed.
@@ -25,7 +28,7 @@ thread:
 * ``poll()`` at each step start: returns the transfer pins of finished gathers to the block manager and
   advances restores (reserve, publish).
 
-``drain(timeout)`` is the switch barrier: it waits until every queued checkpoint has been gathered and
+``drain(timeout)`` is the switch barrier: it writes back every dirty session, waits until every queued checkpoint has been gathered and
 written (or abandoned) and every restore has ended, then returns the pins, so the caller may release the KV region. The cold-pool
 switch calls it through ``Engine.drain_checkpoints()``.
 
@@ -55,7 +58,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from opentelemetry import trace
@@ -64,6 +67,7 @@ from opentelemetry.trace import Tracer
 from services.engine.api import SessionInfo
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.manager import RestoreReservation
+from services.engine.kv.write_back import WRITE_POLICIES, DirtySet
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from talaria import otel
@@ -73,6 +77,14 @@ from talaria.kv_layout import Family, Layout
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 32 * 1024 * 1024
+COUNTERS = (
+    "checkpoints", "checkpoint_pages", "checkpoint_bytes", "checkpoints_dropped",
+    "restores", "restore_pages", "restore_bytes", "restores_declined", "store_failures",
+    "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
+    # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
+    "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
+    "write_backs_residency", "write_backs_next_switch", "write_backs_flush",
+)
 
 
 def weights_revision(model_dir: str | Path, sample_bytes: int = 1 << 20, samples: int = 8) -> str:
@@ -103,6 +115,7 @@ class _Job:
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
     release: list[list[int]] | None = None  # issue 14: not a checkpoint but a session end (chains to release)
+    gathered: threading.Event | None = None  # set once its pins are handed back (or the job ended)
 
 
 @dataclass(slots=True, eq=False)
@@ -142,10 +155,19 @@ class HostKV:
         tp_rank: int = 0,
         tp_size: int = 1,
         mode: str = "auto",
+        write_policy: str = "back",
         tracer: Tracer | None = None,
     ) -> None:
         if mode not in ("auto", "always", "never"):
             raise ValueError(f"mode must be auto, always or never, got {mode!r}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be back or through, got {write_policy!r}")
+        self.write_policy = write_policy  # kv/write_back.py: copy when pages leave the device, or at once
+        self.dirty = DirtySet()  # write-back: sessions pinned on the device, not in the store yet (executor thread)
+        self._hints_seen = 0
+        # a cold engine (cold.py): True while another model has queued calls, i.e. this model's KV leaves the
+        # device at the next switch and a session's return comes after it: write back as the call ends
+        self.leaving_soon: Callable[[], bool] | None = None
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.engine = engine
@@ -181,11 +203,7 @@ class HostKV:
         self._unpins: deque[list[int]] = deque()  # gathered: pins to return on the executor thread
         self._inflight = 0
         self._idle = threading.Condition()
-        self.counters = {
-            "checkpoints": 0, "checkpoint_pages": 0, "checkpoint_bytes": 0, "checkpoints_dropped": 0,
-            "restores": 0, "restore_pages": 0, "restore_bytes": 0, "restores_declined": 0, "store_failures": 0,
-            "restore_verify_failures": 0, "restore_unverified_pages": 0, "sessions_released": 0, "released_pages": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.last_decision: RestoreDecision | None = None
         # restores: a worker of their own (a slow store read never stalls the executor thread)
         self._restore_jobs: queue.Queue[_Restore | None] = queue.Queue()
@@ -232,7 +250,11 @@ class HostKV:
 
     # ---------------------------------------------------------------- checkpoint (executor thread)
     def checkpoint(self, seq) -> bool:
-        """Queue an asynchronous checkpoint of the full committed pages of a finishing session call."""
+        """A session call ends (executor thread, before its pages are released into the caches): its full
+        committed pages get a transfer pin. ``write_policy`` "through": their copy is queued now; "back": the
+        session is marked dirty instead (``kv/write_back.py``; replacing, and unpinning, its previous dirty
+        chain) and the copy waits until the pages are about to leave the device (``write_back``).
+        Mutates: transfer pins, the job queue or the dirty set. Returns whether pages were pinned."""
         if not seq.session_id or self._closed or not self.available():
             return False
         kv = self.engine.kv
@@ -243,28 +265,94 @@ class HostKV:
         hashes = kv.extend_hashes(seq.hashes, seq.token_ids[: n * P], seq.salt)[:n]
         if self.index.all_stored(hashes):
             self.index.committed(seq.session_id, hashes, n * P, self.epoch, time.time(), add=False)
+            self._drop_dirty([seq.session_id], count=False)  # its dirty chain is a prefix of a stored one
             return False
         pages = list(seq.pages[:n])
         kv.pin_pages(pages)
+        job = _Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns())
+        if self.write_policy == "through" or (self.leaving_soon is not None and self.leaving_soon()):
+            self._drop_dirty([seq.session_id], count=False)  # superseded by this chain
+            self._queue(job)
+            if self.write_policy == "back":
+                self.counters["write_backs_next_switch"] += 1
+            return True
+        old = self.dirty.mark(seq.session_id, job)
+        if old is not None:
+            kv.unpin_pages(old.pages)  # the new chain's pins (taken first) keep the pages both share
+        self.counters["dirty_marked"] += 1
+        return True
+
+    def _queue(self, job: _Job) -> None:
+        job.gathered = threading.Event()
         with self._idle:
             self._inflight += 1
-        self._jobs.put(_Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns()))
-        return True
+        self._jobs.put(job)
+
+    # ---------------------------------------------------------------- write-back (executor thread)
+    def write_back(self, session_ids=None, reason: str = "switch") -> list[_Job]:
+        """Queue the copy of the dirty chains of ``session_ids`` (all when None); ``reason`` (eviction |
+        switch | slot_end | hint | residency | next_switch | flush) names the counter. Mutates: the dirty set, the job queue."""
+        jobs = self.dirty.take(session_ids)
+        for job in jobs:
+            job.queued_ns = time.time_ns()
+            self._queue(job)
+        if jobs:
+            with self._lock:
+                self.counters[f"write_backs_{reason}"] += len(jobs)
+        return jobs
+
+    def relieve_pressure(self, timeout: float = 10.0) -> int:
+        """The KV manager's ``pressure_hook``: evicting every cache entry did not free enough pages. Writes back
+        the dirty chains with a page only its pins still hold (evicted from the caches; pages a running call
+        holds stay pinned), waits until their pages are gathered into staging, then returns every pin of a
+        finished gather. Mutates: the dirty set, transfer pins. Returns pages freed."""
+        kv = self.engine.kv
+        orphaned = [sid for sid, job in self.dirty.items() if any(kv.allocator.refcount(p) == kv.pin_count(p) for p in job.pages)]
+        deadline = time.monotonic() + timeout
+        for job in self.write_back(orphaned, "eviction"):
+            job.gathered.wait(max(0.0, deadline - time.monotonic()))
+        return self._return_pins()
+
+    def _return_pins(self) -> int:
+        freed = 0
+        while self._unpins:
+            freed += self.engine.kv.unpin_pages(self._unpins.popleft())
+        return freed
+
+    def _drop_dirty(self, session_ids, count: bool = True) -> None:
+        for job in self.dirty.take(session_ids):
+            self.engine.kv.unpin_pages(job.pages)
+            if count:
+                self.counters["dirty_dropped"] += 1
+
+    def _hinted_write_backs(self) -> None:
+        """Issue 14 item 2: a dirty session whose retention hint expects its return after the lease window
+        (``RetentionBook.value`` -1) is written back at once (it may leave the device). Checked when new
+        hints arrived."""
+        book = self.engine.kv.sessions.retention
+        if book is None or not self.dirty or book.counters["hints"] == self._hints_seen:
+            return
+        self._hints_seen = book.counters["hints"]
+        now = time.time()
+        late = [sid for sid in self.dirty.sessions() if book.value(sid, now) < 0]
+        if late:
+            self.write_back(late, "hint")
 
     def poll(self) -> int:
         """Executor thread, at each step start: return the transfer pins of completed device->host gathers,
         reserve pages for restores the store agreed to, publish restores whose pages landed (their
         sequences then come from ``take_ready``). Returns pages freed by unpinning."""
-        freed = 0
-        while self._unpins:
-            freed += self.engine.kv.unpin_pages(self._unpins.popleft())
+        freed = self._return_pins()
+        self._hinted_write_backs()
         self._service_restores()
         return freed
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Switch barrier: wait for every queued checkpoint to finish (or be abandoned), then return pins.
+        """Switch barrier: write back every dirty session, wait for every queued checkpoint to finish (or be
+        abandoned), then return pins.
 
         Call on the executor thread (or holding its step lock). Returns False on timeout."""
+        self.write_back(None, "switch")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._inflight:
@@ -306,6 +394,8 @@ class HostKV:
             finally:
                 if job.pages:  # not handed back yet (failure before the gather)
                     self._unpins.append(job.pages)
+                if job.gathered is not None:
+                    job.gathered.set()
                 with self._idle:
                     self._inflight -= 1
                     self._idle.notify_all()
@@ -333,6 +423,8 @@ class HostKV:
                 if i + self.staging_pages >= len(blocks):
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
+                    if job.gathered is not None:
+                        job.gathered.set()
                 write_pages(self.mooncake, r.data_plane, part, self._ckpt_buf.data_ptr(), self.page_bytes)
                 written += [b.block_id for b in part]
             if written:
@@ -659,10 +751,12 @@ class HostKV:
     def release_session(self, session_id: str, chains: list[list[int]]) -> None:
         """Queue the release of an ended session's chains (newest first) in the store, after its queued
         checkpoints, on the worker: the pages nothing else extends are dropped (``Release`` with
-        ``leaves_only``, one RPC per chain). Any thread.
+        ``leaves_only``, one RPC per chain). Its dirty chain (write-back) is dropped unwritten and unpinned:
+        call on the executor thread or holding its step lock.
         The session is forgotten now (for the next snapshot) and again after its queued checkpoints."""
         with self._lock:
             self.sessions.drop(session_id)
+        self._drop_dirty([session_id])  # never written: nothing will ask for it
         if self._closed:
             return
         with self._idle:
@@ -711,6 +805,9 @@ class HostKV:
                 "restore_per_token": self.restore_per_token.value,
                 "restore_overhead_s": self.restore_overhead.value,
                 "outstanding_checkpoints": self._inflight,
+                "write_policy": self.write_policy,
+                "dirty_sessions": len(self.dirty),
+                "dirty_pages": self.dirty.num_pages,
                 "sessions": sessions,
                 **self.counters,
             }
@@ -721,8 +818,11 @@ class HostKV:
         return [SessionInfo(s.session_id, state, s.tokens, model, 0, s.last_use_unix) for s, state in self.index.states(available)]
 
     def close(self) -> None:
+        """Stop the workers. Dirty chains are dropped unwritten (their pins returned): call on the executor
+        thread or holding its step lock, after the switch barrier when the model leaves the device."""
         if self._closed:
             return
+        self._drop_dirty(None, count=False)
         self._closed = True
         self._jobs.put(None)
         self._restore_jobs.put(None)

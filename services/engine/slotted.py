@@ -98,8 +98,19 @@ class SlottedColdEngine(ColdEngine):
             t0 = self.clock()
             rec = self._switch(self.requested, "requested")
             self.slots.observe_switch(rec.path, self.clock() - t0)
+        elif d.phase is Phase.DFIN and self.active is not None:
+            self._write_back_early(self.active)
         self.last_decision = d
         return frozenset(d.admit or ()) if d.run_step else None
+
+    def _write_back_early(self, model: str) -> None:
+        """The slot ends (its final drain, Dfin): start writing back the model's dirty sessions now, so the
+        switch barrier (``HostKV.drain``) waits only for what the last calls leave (``kv/write_back.py``).
+        Mutates: the tier's dirty set and job queue."""
+        sh = self._shells.get(model)
+        hk = sh.engine.host_kv if sh is not None else None
+        if hk is not None and len(hk.dirty):
+            hk.write_back(None, "slot_end")
 
     def _admitted(self, req: EngineRequest) -> None:
         if req.session_id:

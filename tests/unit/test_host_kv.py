@@ -124,9 +124,10 @@ def test_stale_entries_are_never_restored(synth_models, store, mooncake):
     hk.close()
 
 
-def test_switch_barrier_drains_device_to_host_copies(synth_models, store, mooncake):
+@pytest.mark.parametrize("policy", ["through", "back"])
+def test_switch_barrier_drains_device_to_host_copies(synth_models, store, mooncake, policy):
     e = engine(synth_models["tiny-llama"])
-    hk = tier(e, store.address, mooncake)
+    hk = tier(e, store.address, mooncake, write_policy=policy)
     gate = threading.Event()
     real_reserve = hk.client.reserve
 
@@ -135,8 +136,11 @@ def test_switch_barrier_drains_device_to_host_copies(synth_models, store, moonca
         return real_reserve(*a, **kw)
 
     hk.client.reserve = slow_reserve
-    call(e, "b-1", prompt_for(e), "barrier")
-    assert hk.outstanding == 1 and e.kv.num_transfer_pins > 0  # copy outstanding: pages pinned
+    call(e, "b-1", prompt_for(e), f"barrier-{policy}")
+    if policy == "through":
+        assert hk.outstanding == 1 and len(hk.dirty) == 0 and e.kv.num_transfer_pins > 0  # copy outstanding: pages pinned
+    else:
+        assert hk.outstanding == 0 and len(hk.dirty) == 1 and e.kv.num_transfer_pins > 0  # dirty: pinned, no copy yet
     e.flush_cache()
     assert e.kv.num_free_pages < e.kv.num_pages  # pinned pages survive the caches letting go
     assert not e.drain_checkpoints(timeout=0.2)  # the barrier holds while the copy is outstanding

@@ -128,6 +128,9 @@ class KVManager:
         # recycled, whoever else lets go of it.
         self._transfer_pins: dict[int, int] = {}
         self._restores: dict[int, RestoreReservation] = {}  # host restores in progress (their pages are held)
+        # write-back port (kv/write_back.py): called when evicting every cache entry could not free enough
+        # pages; a host tier writes back the dirty pages only its pins hold, returns the pins, says pages freed
+        self.pressure_hook: Callable[[], int] | None = None
         self._next_restore = 0
 
         # prefix statistics (prompt tokens seen at admission / served from a cache)
@@ -251,7 +254,8 @@ class KVManager:
 
     def ensure_free(self, n: int, protect: PrefixMatch | None = None, protect_session: str = "") -> bool:
         """Evict cache entries until ``n`` pages are free: unlocked radix leaves LRU first, then session
-        entries LRU. The match ``protect`` (its radix path / the session ``protect_session``) is kept.
+        entries LRU, then (``pressure_hook``) pages only a host write-back's pins held, once written back.
+        The match ``protect`` (its radix path / the session ``protect_session``) is kept.
         Returns whether ``n`` pages are now free (the caches may have shrunk even when not)."""
         if self.allocator.num_free >= n:
             return True
@@ -265,6 +269,8 @@ class KVManager:
                 if self.sessions.num_evictable(protect_session):
                     self.sessions.evict_lru(protect_session)
                     continue
+                if self.pressure_hook is not None and self.pressure_hook():
+                    continue  # dirty pages written back and unpinned (host write-back)
                 return False
             return True
         finally:
@@ -370,6 +376,10 @@ class KVManager:
             else:
                 del self._transfer_pins[p]
         return self.allocator.decref(pages)
+
+    def pin_count(self, page: int) -> int:
+        """Transfer pins on ``page``."""
+        return self._transfer_pins.get(page, 0)
 
     @property
     def num_transfer_pins(self) -> int:

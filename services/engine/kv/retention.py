@@ -12,8 +12,9 @@ router sees every return; one predictor, one truth, and the engine's part stays 
 The session cache evicts by value instead of pure recency. A hinted entry is worth the probability that its
 return still comes within its window given it has not come yet, ``P(gap <= w | gap > elapsed)`` -- high
 right after the call, decaying to 0 at the window's end. Victims, in order: entries whose return is expected
-*after* the window (no lease, or a return unlikely within it: the host checkpoint written when the call ended
--- ``host_kv.checkpoint``, at once, always -- is the copy that matters, so they may leave the device), then
+*after* the window (no lease, or a return unlikely within it: under write-back the host tier writes such a
+dirty session back as soon as the hint arrives -- ``HostKV._hinted_write_backs``, ``kv/write_back.py`` -- and
+any dirty page is written before it is freed, so they may leave the device), then
 unhinted entries and hinted ones whose value is spent, least recently used first, then live hinted entries,
 lowest value first. Never a hard pin: when memory is needed every entry can go, a decayed one first.
 

@@ -1,0 +1,148 @@
+"""Host KV write-back (``kv/write_back.py``, issue 12 item 3): a session's pages are copied to the kvstore only
+when they are about to leave the device. Real engines (tiny models, CPU), a real in-process kvstore over
+Mooncake TCP on loopback; outputs compared with engines that never had a host tier."""
+
+from __future__ import annotations
+
+import time
+
+from services.engine.executor import Engine
+from services.engine.host_kv import HostKV
+from services.engine.kv.retention import Hint, RetentionBook
+from services.engine.slots import SlotPolicy
+from services.engine.slotted import SlottedColdEngine
+from services.engine.types import EngineRequest, SamplingParams
+from services.kvstore.client import KvStoreClient
+from tests.unit.host_kv_fixtures import mooncake, one_thread, run_calls, store  # noqa: F401 - fixtures
+
+PAGE = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+A, B = "tiny-llama", "tiny-qwen2"
+
+
+def tier(e: Engine, address: str, mc, **kw) -> HostKV:
+    hk = HostKV(e, KvStoreClient(address, timeout_s=2.0), mooncake=mc, mode="always", staging_bytes=1 << 20, retry_after_s=0.2, **kw)
+    e.attach_host_kv(hk)
+    return hk
+
+
+def call(e: Engine, rid: str, prompt: list[int], session: str):
+    toks = run_calls(e, [EngineRequest(rid, list(prompt), GREEDY, session_id=session)])
+    e.check_integrity()
+    return toks[rid + ":tokens"], toks[rid].usage
+
+
+def test_evicted_under_memory_pressure_is_written_back_and_restored_equal_to_recompute(synth_models, store, mooncake):
+    path = synth_models[A]
+    a_prompt = list(range(100, 180))  # 20 pages
+    b_prompt = list(range(300, 420))  # 30 pages: with A's pages held, 48 pages cannot fit it
+    ref = Engine(path, page_size=PAGE, num_pages=256)  # no host tier, nothing ever evicted
+    ref_a1, _ = call(ref, "a1", a_prompt, "A")
+    ref_b1, _ = call(ref, "b1", b_prompt, "B")
+    a2_prompt = a_prompt + ref_a1 + [7, 8, 9, 10, 11]
+    ref_a2, _ = call(ref, "a2", a2_prompt, "A")
+
+    e = Engine(path, page_size=PAGE, num_pages=48)
+    hk = tier(e, store.address, mooncake)
+    out_a1, _ = call(e, "a1", a_prompt, "wb-A")
+    assert hk.counters["checkpoints"] == 0 and len(hk.dirty) == 1  # write-back: dirty, nothing copied yet
+    out_b1, _ = call(e, "b1", b_prompt, "wb-B")  # needs A's pages: evicted, written back first, then freed
+    assert hk.counters["write_backs_eviction"] >= 1 and "wb-A" not in hk.dirty
+    assert hk.drain(timeout=10)  # the Mooncake write and Commit finish on the worker
+    assert hk.counters["checkpoints"] >= 1 and hk.sessions.get("wb-A") is not None
+    assert e.kv.sessions.peek("wb-A") is None and e.kv.radix.match(e.kv.extend_hashes([], a_prompt)) == []  # A left the device
+    out_a2, usage = call(e, "a2", a2_prompt, "wb-A")
+    assert (out_a1, out_b1, out_a2) == (ref_a1, ref_b1, ref_a2)
+    assert hk.counters["restores"] == 1 and usage.restored_tokens >= (len(a_prompt) // PAGE) * PAGE
+    hk.close()
+    assert e.kv.num_transfer_pins == 0
+    e.check_integrity()
+
+
+def test_hot_engine_without_eviction_writes_nothing_and_session_end_drops_dirty_state(synth_models, store, mooncake):
+    path = synth_models[A]
+    ref = Engine(path, page_size=PAGE, num_pages=256)
+    e = Engine(path, page_size=PAGE, num_pages=256)
+    hk = tier(e, store.address, mooncake)
+    history = {s: list(range(10 + 50 * i, 50 + 50 * i)) for i, s in enumerate(("hot-1", "hot-2"))}
+    for turn in range(3):
+        for sid, prompt in history.items():
+            want, _ = call(ref, f"{sid}-{turn}", prompt, sid)
+            got, usage = call(e, f"{sid}-{turn}", prompt, sid)
+            assert got == want
+            if turn:
+                assert usage.cached_tokens > 0 and usage.restored_tokens == 0  # the device kept it
+            history[sid] = prompt + got + [1, 2, 3]
+    assert hk.counters["dirty_marked"] == 6 and len(hk.dirty) == 2
+    assert hk.counters["checkpoints"] == 0 and hk.counters["checkpoint_pages"] == 0 and hk.outstanding == 0
+    pinned = e.kv.num_transfer_pins
+    assert pinned == hk.dirty.num_pages > 0  # one pin per dirty page, the newest chain of each session only
+    e.end_session("hot-1")
+    assert hk.counters["dirty_dropped"] == 1 and "hot-1" not in hk.dirty and e.kv.num_transfer_pins < pinned
+    e.end_session("hot-2")
+    assert hk.drain(timeout=10)
+    assert e.kv.num_transfer_pins == 0 and hk.counters["checkpoints"] == 0  # ended sessions are never written
+    e.check_integrity()
+    hk.close()
+
+
+def test_write_through_copies_every_call_at_once(synth_models, store, mooncake):
+    e = Engine(synth_models[A], page_size=PAGE, num_pages=256)
+    hk = tier(e, store.address, mooncake, write_policy="through")
+    prompt = list(range(500, 560))
+    out, _ = call(e, "wt-1", prompt, "wt")
+    call(e, "wt-2", prompt + out + [4, 5, 6], "wt")
+    assert hk.drain(timeout=10)
+    assert hk.counters["checkpoints"] == 2 and hk.counters["dirty_marked"] == 0 and len(hk.dirty) == 0
+    assert hk.sessions.get("wt") is not None and e.kv.num_transfer_pins == 0
+    hk.close()
+
+
+def test_retention_hint_expecting_a_late_return_writes_back_at_once(synth_models, store, mooncake):
+    e = Engine(synth_models[A], page_size=PAGE, num_pages=256)
+    hk = tier(e, store.address, mooncake)
+    book = RetentionBook(time.time)
+    e.attach_retention(book)
+    call(e, "h-1", list(range(600, 660)), "late")
+    call(e, "h-2", list(range(700, 760)), "soon")
+    assert len(hk.dirty) == 2
+    now = time.time()
+    book.note("late", Hint(now, 0.0, 0.0, 0.0))  # no lease: its return is expected after the window
+    book.note("soon", Hint(now, 0.0, 0.0, 30.0))  # a fixed lease of 30 s: expected within it
+    e.step()  # the executor's poll sees the new hints
+    assert hk.counters["write_backs_hint"] == 1 and list(hk.dirty.sessions()) == ["soon"]
+    assert hk.drain(timeout=10) and hk.sessions.get("late") is not None
+    hk.close()
+
+
+def test_cold_switch_writes_back_the_outgoing_models_dirty_sessions_and_a_return_restores(synth_models, store, mooncake):
+    ce = SlottedColdEngine(
+        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
+        kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
+    )
+    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
+    prompt = list(range(800, 860))
+    first = run_calls(ce, [EngineRequest("c1", prompt, GREEDY, session_id="cold", model=A)])
+    hk = ce.shell(A).host_kv
+    assert hk.write_policy == "back" and len(hk.dirty) == 1 and hk.counters["checkpoints"] == 0
+    run_calls(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # switches away from A
+    assert ce.active == B
+    assert hk.counters["write_backs_switch"] + hk.counters["write_backs_slot_end"] == 1 and len(hk.dirty) == 0
+    assert hk.counters["checkpoints"] == 1 and ce.shell(A).kv.num_transfer_pins == 0
+    turn2 = prompt + first["c1:tokens"] + [3, 4, 5, 6]
+    second = run_calls(ce, [EngineRequest("c2", turn2, GREEDY, session_id="cold", model=A)])
+    assert second["c2"].usage.restored_tokens >= (len(prompt) // PAGE) * PAGE
+    ref = Engine(synth_models[A], page_size=PAGE, num_pages=256)
+    r1 = run_calls(ref, [EngineRequest("c1", prompt, GREEDY, session_id="cold")])["c1:tokens"]
+    r2 = run_calls(ref, [EngineRequest("c2", turn2, GREEDY, session_id="cold")])["c2:tokens"]
+    assert (first["c1:tokens"], second["c2:tokens"]) == (r1, r2)
+    # a call of A that ends while B has queued calls: the next switch takes A's KV off the device, so it is
+    # written at once (HostKV.leaving_soon), not left dirty for the barrier
+    before = hk.counters["checkpoints"]
+    ce.add_request(EngineRequest("c3", list(range(900, 960)), GREEDY, session_id="cold-3", model=A))
+    for _ in range(10_000):  # until c3 produced its first token on A (its slot is open)
+        if any(o.request_id == "c3" for o in ce.step()):
+            break
+    run_calls(ce, [EngineRequest("b2", list(range(40, 70)), GREEDY, model=B)])  # queued while c3 decodes
+    assert ce.active == B and hk.counters["write_backs_next_switch"] == 1 and hk.counters["checkpoints"] == before + 2  # c2 dirty at the barrier, c3 at its end
+    assert len(hk.dirty) == 0 and ce.shell(A).kv.num_transfer_pins == 0
