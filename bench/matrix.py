@@ -90,8 +90,8 @@ CONFIGS += tuple(
                   "as lease-adaptive, but every lease installed and honoured (no value-vs-harm check)", "lease"),
     MatrixConfig("no-slot-wait", {"router.placement.slot_wait": False},
                  "as Talaria, but the router prices a cold instance at the bare switch cost, not adding the predicted wait for the model's slot (issue 12)", "lease"),
-    MatrixConfig("write-through", {"engines[].host_kv_write_policy": "through"},
-                 "as Talaria, but the host KV store is written when every session call ends (write-through), not when pages leave the device (issue 12)", "lease"),
+    MatrixConfig("write-back", {"engines[].host_kv_write_policy": "back"},
+                 "as Talaria, but the host KV store is written only when pages leave the device (write-back), not when every session call ends (issue 12)", "lease"),
     MatrixConfig("no-prefetch", {"router.placement.intent_prefetch": False},
                  "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
 )

@@ -155,7 +155,7 @@ class HostKV:
         tp_rank: int = 0,
         tp_size: int = 1,
         mode: str = "auto",
-        write_policy: str = "back",
+        write_policy: str = "through",
         tracer: Tracer | None = None,
     ) -> None:
         if mode not in ("auto", "always", "never"):
