@@ -173,6 +173,8 @@ def run_to_completion(
     return [results[rid] for rid in ids]
 
 
+SMALL_STEP_TOKENS = 64  # a step this small is decode (or a tiny prefill): see Engine._step_threads
+
 class Engine:
     def __init__(
         self,
@@ -197,6 +199,7 @@ class Engine:
         compile_mode: str = "off",
         paged_decode: str = "auto",
         fused_ops: str = "auto",
+        small_step_threads: int | None = None,
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -221,6 +224,11 @@ class Engine:
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
         self.fused_ops = self._fused_ops(fused_ops)  # fused elementwise CPU ops (model/fused_ops.py)
+        if small_step_threads is not None and small_step_threads < 1:
+            raise ValueError(f"small_step_threads must be >= 1, got {small_step_threads}")
+        # intra-op threads of a step of <= SMALL_STEP_TOKENS tokens (decode): None = the configured count
+        self.small_step_threads = small_step_threads if self.device.type == "cpu" else None
+        self._big_threads: int | None = None  # the configured count, read on the first step's thread
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
@@ -384,6 +392,7 @@ class Engine:
                 kv.v[layer][d : d + op.num_rows].copy_(kv.v[layer][s : s + op.num_rows])
         flat, cu_q, context_lens, block_tables = self._flat_batch(sched)
         T = cu_q[-1]
+        self._step_threads(T)
         rows = [i for i, sc in enumerate(sched.scheduled) if sc.sample]
         # one host tensor (ids | positions | slots | sampled rows), one transfer to the device
         flat += [cu_q[i + 1] - 1 for i in rows]
@@ -396,6 +405,19 @@ class Engine:
             logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
             seqs = [sched.scheduled[i].seq for i in rows]
             return self._sample(logits, seqs)
+
+    def _step_threads(self, tokens: int) -> None:
+        """``small_step_threads``: a step of at most SMALL_STEP_TOKENS tokens runs with that many intra-op
+        threads, a larger one with the configured count. A decode step is ~150 short parallel regions, each
+        ending at a team barrier, where a prefill chunk's regions are long; mutates torch's thread count for
+        the calling (executor) thread only when it changes."""
+        if self.small_step_threads is None:
+            return
+        if self._big_threads is None:
+            self._big_threads = torch.get_num_threads()
+        want = self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self._big_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _phases_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """Issue 12: move the phase clocks the schedule changed — preempted calls lose time from ``now`` until

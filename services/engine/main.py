@@ -51,6 +51,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         compile_mode=cfg.compile,
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,
+        small_step_threads=cfg.small_step_threads,
     )
 
 

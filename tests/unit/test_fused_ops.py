@@ -160,3 +160,32 @@ def test_bf16_fused_logits_as_close_to_fp32_as_eager(ops, synth_models, name):
 def test_engine_refuses_an_unknown_mode(synth_models):
     with pytest.raises(ValueError, match="fused_ops"):
         Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, fused_ops="on")
+
+
+def test_small_steps_run_with_small_step_threads(synth_models):
+    """``small_step_threads``: steps of <= SMALL_STEP_TOKENS tokens (decode) run with that many intra-op
+    threads, larger ones (a prefill chunk) with the configured count; None leaves every step alone."""
+    from services.engine.executor import SMALL_STEP_TOKENS
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for small, want in ((1, {1, 2}), (None, {2})):
+            torch.set_num_threads(2)  # the configured count (a step changes the calling thread's)
+            eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=256, max_num_batched_tokens=256,
+                         small_step_threads=small)
+            seen: list[tuple[int, int]] = []
+            fwd = eng.model.forward
+
+            def spy(ids, *a, **kw):
+                seen.append((ids.shape[0], torch.get_num_threads()))
+                return fwd(ids, *a, **kw)
+
+            eng.model.forward = spy
+            eng.generate([list(range(5, 5 + 3 * SMALL_STEP_TOKENS))], GREEDY)
+            assert {n for _, n in seen} == want
+            assert all(n == (1 if small and t <= SMALL_STEP_TOKENS else 2) for t, n in seen), seen
+        with pytest.raises(ValueError, match="small_step_threads"):
+            Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, small_step_threads=0)
+    finally:
+        torch.set_num_threads(prev)
