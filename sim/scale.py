@@ -78,6 +78,7 @@ def run_scale(out: Path, *, profile: str, instances: int, models: int, sessions:
         "sim_s": s["sim_s"], "wall_s": time.perf_counter() - t0, "sim_s_per_wall_s": s["sim_s"] / (time.perf_counter() - t0),
         "decide_p50_us": s["decide_p50_us"], "decide_p99_us": s["decide_p99_us"],
         "policy_p50_us": s["policy_p50_us"], "policy_p99_us": s["policy_p99_us"],
+        "snapshot_p50_us": s["snapshot_p50_us"], "snapshot_p99_us": s["snapshot_p99_us"], "decide_clock": "thread CPU time (decide, snapshot); perf_counter (policy)",
         "sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"], "ttft_p50_s": s["ttft_p50_s"], "ttft_p95_s": s["ttft_p95_s"],
         "avoidable_opens": s["avoidable_opens"], "model_opens": s["router"]["model_opens"],
         "ttft_slo_s": slo_s, "instances_meeting_slo": len(ok), "instances_used": len(by_inst),
