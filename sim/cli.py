@@ -82,7 +82,8 @@ def _catalog(args) -> int:
     from .scale import run_catalog
 
     rows = run_catalog(Path(args.out), profile=args.profile, instances=args.instances, catalogs=tuple(int(x) for x in args.catalogs.split(",")),
-                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, per_model=args.per_model, say=lambda m: print(m, file=sys.stderr))
+                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, per_model=args.per_model,
+                       hot_fraction=args.hot_fraction, gpus_per_instance=args.gpus_per_instance, say=lambda m: print(m, file=sys.stderr))
     print(json.dumps(rows, indent=2, default=str))
     return 0
 
@@ -164,6 +165,8 @@ def add_cli(sub) -> None:
     ca.add_argument("--catalogs", default="25,50,100,200,400")
     ca.add_argument("--sessions", type=int, default=2000)
     ca.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    ca.add_argument("--hot-fraction", type=float, default=0.5, help="share of instances in the hot pool (0: all pooled)")
+    ca.add_argument("--gpus-per-instance", type=int, default=8, help="GPUs per instance, for the per-GPU figure (8: the TP=8 profile)")
     ca.add_argument("--per-model", action="store_true", help="--sessions and --rate are per catalog model: load grows with the catalog "
                     "until the SLO breaks (the ceiling)")
     ca.add_argument("--seed", type=int, default=0)
