@@ -464,13 +464,13 @@ class Gateway:
             return
         counts = self._lease_counts
         if not self._leases_synced:
-            self.leases.take_live_changes(now)
+            self.leases.take_live_changes(now, self)
             fresh = self.leases.live_by_instance(now)
             dirty.update(k for k in fresh.keys() | counts.keys() if fresh.get(k, 0) != counts.get(k, 0))
             self._lease_counts = fresh
             self._leases_synced = True
             return
-        for iid in self.leases.take_live_changes(now):
+        for iid in self.leases.take_live_changes(now, self):
             n = self.leases.live_count(iid, now)
             if n != counts.get(iid, 0):
                 dirty.add(iid)

@@ -80,7 +80,7 @@ class LeaseTable:
         self._expiry: list[tuple[float, int, _Entry]] = []  # heap of counted entries by t_exp (stale ones skipped)
         self._seq = 0
         self._at = -math.inf  # the counts are those of a scan at this ``now``
-        self._touched: set[str] = set()  # instances whose live count may have changed since take_live_changes()
+        self._touched: dict[object, set[str]] = {}  # consumer -> instances whose live count may have changed since it took them
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -88,7 +88,8 @@ class LeaseTable:
     def _count(self, e: _Entry, sign: int) -> None:
         e.counted = sign > 0
         v = e.view
-        self._touched.add(v.instance_id)
+        for touched in self._touched.values():
+            touched.add(v.instance_id)
         for d, k in ((self._live_inst, v.instance_id), (self._live_model, v.model)):
             n = d.get(k, 0) + sign
             if n:
@@ -115,7 +116,8 @@ class LeaseTable:
         if now < self._at:  # the clock went back: recount everything
             self._live_inst.clear()
             self._live_model.clear()
-            self._touched.update(e.view.instance_id for e in self._by_key.values())
+            for touched in self._touched.values():
+                touched.update(e.view.instance_id for e in self._by_key.values())
             self._expiry.clear()
             self._at = now
             for e in self._by_key.values():
@@ -169,12 +171,13 @@ class LeaseTable:
         self._advance(now)
         return self._live_inst.get(instance_id, 0)
 
-    def take_live_changes(self, now: float) -> set[str]:
-        """Instances whose live count may have changed since the last call (a superset; one consumer: the
-        gateway). Advances the counts to ``now`` and clears the set."""
+    def take_live_changes(self, now: float, consumer: object = None) -> set[str]:
+        """Instances whose live count may have changed since ``consumer``'s last call (a superset; on its first
+        call, every instance with a live lease). Advances the counts to ``now``; mutates the consumer's set."""
         self._advance(now)
-        out, self._touched = self._touched, set()
-        return out
+        got = self._touched.get(consumer)
+        self._touched[consumer] = set()
+        return set(self._live_inst) if got is None else got
 
     def weighted_by_instance(self, now: float, quantum: float = 0.125) -> dict[str, float]:
         """Live leases per instance, each weighted by its decaying value (``return_gap.lease_weight``: a

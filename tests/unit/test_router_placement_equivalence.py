@@ -348,7 +348,7 @@ def test_lease_table_live_counts_equal_a_scan_at_every_now():
 
     rng = random.Random(11)
     table = LeaseTable()
-    now, mirror = 0.0, {}  # what a consumer of the change feed (the gateway) believes
+    now, mirrors = 0.0, ({}, {})  # what two consumers of the change feed (two gateways) believe
 
     def scan(attr):
         out = {}
@@ -372,8 +372,9 @@ def test_lease_table_live_counts_equal_a_scan_at_every_now():
             table.prune(now)
         else:
             now += rng.choice([0.1, 0.5, 1.0]) if rng.random() < 0.95 else -2.0
-        if rng.random() < 0.5:  # the consumer looks only now and then; the feed must cover everything between
-            for k in table.take_live_changes(now):
-                mirror[k] = table.live_count(k, now)
-            assert {k: n for k, n in mirror.items() if n} == scan("instance_id")
+        for who, mirror in enumerate(mirrors):
+            if rng.random() < 0.5:  # each consumer looks only now and then; its feed must cover everything between
+                for k in table.take_live_changes(now, who):
+                    mirror[k] = table.live_count(k, now)
+                assert {k: n for k, n in mirror.items() if n} == scan("instance_id")
         assert table.live_by_instance(now) == scan("instance_id") and table.live_by_model(now) == scan("model")
