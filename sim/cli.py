@@ -82,7 +82,8 @@ def _catalog(args) -> int:
     from .scale import run_catalog
 
     rows = run_catalog(Path(args.out), profile=args.profile, instances=args.instances, catalogs=tuple(int(x) for x in args.catalogs.split(",")),
-                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, say=lambda m: print(m, file=sys.stderr))
+                       sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, per_model=args.per_model,
+                       hot_fraction=args.hot_fraction, gpus_per_instance=args.gpus_per_instance, say=lambda m: print(m, file=sys.stderr))
     print(json.dumps(rows, indent=2, default=str))
     return 0
 
@@ -121,8 +122,9 @@ def add_cli(sub) -> None:
     pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
     pp.add_argument("--start-gap", type=float, default=26.0, help="seconds between session starts of the TP=8 replay (not published)")
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
-    pp.add_argument("--park", action="store_true", help="TP=8 instance parks in-flight calls at a switch (the paper's engine, §5.5); "
-                    "default: drains them (this codebase's engine)")
+    pp.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
+                    help="instances park in-flight calls at a switch (the slot scheduler's can_park mode; their context goes to "
+                    "host KV, or is recomputed without it); default --no-park: D_fin drains them (Talaria §3.4, §4.2; see sim/README.md)")
     pp.add_argument("--json", action="store_true", help="print the whole summary")
     pp.set_defaults(fn=_paper)
     sc = ps.add_parser("scale", help="hot/cold cluster past one machine (placement decision cost, sim speed)")
@@ -163,6 +165,10 @@ def add_cli(sub) -> None:
     ca.add_argument("--catalogs", default="25,50,100,200,400")
     ca.add_argument("--sessions", type=int, default=2000)
     ca.add_argument("--rate", type=float, default=5.0, help="session starts per second")
+    ca.add_argument("--hot-fraction", type=float, default=0.5, help="share of instances in the hot pool (0: all pooled)")
+    ca.add_argument("--gpus-per-instance", type=int, default=8, help="GPUs per instance, for the per-GPU figure (8: the TP=8 profile)")
+    ca.add_argument("--per-model", action="store_true", help="--sessions and --rate are per catalog model: load grows with the catalog "
+                    "until the SLO breaks (the ceiling)")
     ca.add_argument("--seed", type=int, default=0)
     ca.set_defaults(fn=_catalog)
 

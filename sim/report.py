@@ -44,6 +44,7 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "avoidable_opens": rt.get("avoidable_cold_opens", 0),
         "decide_p50_us": nearest_rank(r.decide_us, 50), "decide_p99_us": nearest_rank(r.decide_us, 99),
         "policy_p50_us": nearest_rank(r.policy_us, 50), "policy_p99_us": nearest_rank(r.policy_us, 99),
+        "snapshot_p50_us": nearest_rank(r.snapshot_us, 50), "snapshot_p99_us": nearest_rank(r.snapshot_us, 99),
         "sim_s": r.end_s, "wall_s": r.wall_s, "sim_s_per_wall_s": r.end_s / r.wall_s if r.wall_s > 0 else float("nan"),
         "scts": scts, "ttfts": ttfts,
     }

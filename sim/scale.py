@@ -78,6 +78,7 @@ def run_scale(out: Path, *, profile: str, instances: int, models: int, sessions:
         "sim_s": s["sim_s"], "wall_s": time.perf_counter() - t0, "sim_s_per_wall_s": s["sim_s"] / (time.perf_counter() - t0),
         "decide_p50_us": s["decide_p50_us"], "decide_p99_us": s["decide_p99_us"],
         "policy_p50_us": s["policy_p50_us"], "policy_p99_us": s["policy_p99_us"],
+        "snapshot_p50_us": s["snapshot_p50_us"], "snapshot_p99_us": s["snapshot_p99_us"], "decide_clock": "thread CPU time (decide, snapshot); perf_counter (policy)",
         "sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"], "ttft_p50_s": s["ttft_p50_s"], "ttft_p95_s": s["ttft_p95_s"],
         "avoidable_opens": s["avoidable_opens"], "model_opens": s["router"]["model_opens"],
         "ttft_slo_s": slo_s, "instances_meeting_slo": len(ok), "instances_used": len(by_inst),
@@ -168,16 +169,21 @@ def run_pools(out: Path, *, profile: str, instances: int, models: int, sessions:
 
 
 def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int, ...], sessions: int, seed: int = 0, rate_per_s: float = 5.0,
-                slo_s: float = 10.0, decode_quantum: int = 16, output_scale: float = 0.1, say=print) -> dict[str, Any]:
+                slo_s: float = 10.0, decode_quantum: int = 16, output_scale: float = 0.1, per_model: bool = False, hot_fraction: float = 0.5,
+                gpus_per_instance: int = 8, say=print) -> dict[str, Any]:
     """Models served per instance at the TTFT SLO as the catalog grows (Aegaeon reports 7 per GPU): the
     same session load on ``instances`` instances (half hot, Zipf catalog) with catalogs of growing size.
     A model counts as served at the SLO when the p95 TTFT of its calls is <= ``slo_s``; the figure is those
-    models over the instances (TP=8 instances: divide by 8 for per GPU). Writes ``out/catalog.json``."""
+    models over the instances (TP=8 instances: divide by 8 for per GPU). ``per_model``: ``sessions`` and
+    ``rate_per_s`` are per catalog model, so the offered load grows with the catalog (the SLO ceiling is where
+    models at the SLO stop growing). ``hot_fraction``: share of instances in the hot pool (0: all pooled, as
+    Aegaeon pools); ``gpus_per_instance``: for the per-GPU figure. Writes ``out/catalog.json``."""
     prof = load(profile)
     rows: dict[str, Any] = {}
     for n in catalogs:
-        specs, catalog, weights = cluster(instances, n, cold_serves_all=False)
-        ss = workload.tiled(sessions, catalog, weights, seed=seed, rate_per_s=rate_per_s)
+        specs, catalog, weights = cluster(instances, n, hot_fraction=hot_fraction, cold_serves_all=False)
+        k = n if per_model else 1
+        ss = workload.tiled(sessions * k, catalog, weights, seed=seed, rate_per_s=rate_per_s * k)
         for s_ in ss:
             for c in s_.calls:
                 c.output_tokens = max(1, round(c.output_tokens * output_scale))
@@ -190,10 +196,12 @@ def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int,
         for c in res.calls:
             by_model.setdefault(c.model, []).append(c.first_token_at - c.intended)
         ok = [m for m, t in by_model.items() if nearest_rank(t, 95) <= slo_s]
-        rows[str(n)] = {"models_requested": len(by_model), "models_at_slo": len(ok), "models_per_instance_at_slo": len(ok) / instances,
-                        "models_per_gpu_at_slo": len(ok) / (instances * 8), "sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"],
+        rows[str(n)] = {"sessions": sessions * k, "rate_per_s": rate_per_s * k, "calls": len(res.calls), "models_requested": len(by_model), "models_at_slo": len(ok), "models_per_instance_at_slo": len(ok) / instances,
+                        "models_per_gpu_at_slo": len(ok) / (instances * gpus_per_instance), "sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"],
                         "ttft_p95_s": s["ttft_p95_s"], "avoidable_opens": s["avoidable_opens"], "wall_s": time.perf_counter() - t0}
         say(f"catalog {n}: {json.dumps(rows[str(n)])}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "catalog.json").write_text(json.dumps({"instances": instances, "sessions": sessions, "slo_s": slo_s, "rows": rows}, indent=2, default=str))
+    (out / "catalog.json").write_text(json.dumps({"instances": instances, "sessions": sessions, "per_model": per_model, "slo_s": slo_s, "hot_fraction": hot_fraction,
+                                                  "gpus_per_instance": gpus_per_instance, "profile": profile, "rows": rows},
+                                                 indent=2, default=str))
     return rows

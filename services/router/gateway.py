@@ -4,10 +4,12 @@ session table, the lease table and the EWMA books; runs ``policy.decide``; commi
 session table, counters, the recent-decision log). Synchronous and clock-injected: the service drives it
 from NATS callbacks and HTTP handlers, the simulator from its event loop.
 
-Per-decision cost is O(changed instances + candidates), not O(instances): the registry's change feed
-(snapshots, forwards, suspicion), the live-lease counts and a heap of health/freshness deadlines say which
-instances' ``InstanceState`` must be rebuilt; the others are reused, and ``policy.InstanceIndex`` (instances
-by served model, per-snapshot terms precomputed) is updated for the rebuilt ones only.
+Per-decision cost is O(changed instances + candidates), not O(instances): a snapshot's instance is rebuilt
+when the snapshot arrives (the heartbeat path); at a decision the registry's change feed (forwards,
+completions, suspicion), the lease table's live-count change feed and a heap of health/freshness deadlines
+(one armed entry per instance) say which other ``InstanceState`` must be rebuilt; the others are reused, and
+``policy.InstanceIndex`` (instances by served model, per-snapshot terms precomputed) is updated for the
+rebuilt ones only. See the design note above ``_refresh``.
 
 Accounting (``stats``; §5.3-5.4): ``decisions``, ``placement_<reason>``, ``returns`` (calls of a known
 session for the same model), ``same_instance_returns``, ``moved_returns``, ``leases_installed``,
@@ -110,7 +112,12 @@ class Gateway:
         self._index = InstanceIndex(params)
         self._lease_counts: dict[str, int] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap: (clock time health/freshness may flip, id)
-        self._pushed: dict[str, tuple[float, ...]] = {}  # id -> deadlines already on the heap
+        self._pushed: dict[str, tuple[float, ...]] = {}  # id -> its current deadlines (older heap entries are void)
+        self._recheck: set[tuple[float, str]] = set()  # heap entries re-pushed at a deadline's boundary
+        self._armed: dict[str, float] = {}  # id -> its one deadline entry on the heap
+        self._priced: dict[str, object] = {}  # id -> the policy.Profile the book gave when the instance last reported
+        self._leases_synced = False  # _lease_counts mirrors the table's live counts (fixed leases)
+        self.work: Counter = Counter()  # states_built, index_puts, deadlines_void: the refresh's work, counted
         self._primed = False
         self._decide_ns = 0
         self.gaps = gaps or GapPredictor()  # return gaps per (model, tool), learned from every return
@@ -142,6 +149,8 @@ class Gateway:
         p = snap.profile
         self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, costs_from_proto(p.switch_costs),
                               points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch), peer_group(snap))
+        self._priced[snap.instance_id] = self.profiles.profile(snap.instance_id)
+        self._absorb()
         return True
 
     def call_ended(self, session_id: str, model: str, instance_id: str, tokens: int) -> None:
@@ -342,7 +351,7 @@ class Gateway:
             healthy=healthy,
             fresh=fresh,
             models=models,
-            profile=self.profiles.profile(iid),
+            profile=self._priced.get(iid) or self.profiles.profile(iid),
             pool="cold" if snap.pool == pb.POOL_COLD else "hot",
             kv=kv,
             running=v.running,
@@ -356,37 +365,124 @@ class Gateway:
             epoch=snap.epoch,
         )
         self._states[iid] = (key, st)
+        self.work["states_built"] += 1
         return st
 
+    # Design note (issue 15: "placement decision < 1 ms p99 at 1,000 instances, state refresh included"). The
+    # states a decision reads are kept current by events, not rebuilt per decision: a snapshot's instance (and
+    # whatever else the registry's change feed holds) is rebuilt when the snapshot arrives (``_absorb``, on the
+    # heartbeat path), so a decision rebuilds only what changed since: forwards and completions, live-lease
+    # counts (the lease table's own change feed, ``take_live_changes``) and health/freshness deadlines that
+    # passed (deadlines of a superseded snapshot are void and skipped). An instance is priced by the profile the
+    # book gave when it last reported (``_priced``), so when its state is rebuilt does not change what it is.
+    # A state depends only on its instance's view, live-lease count, health and freshness at the decision's
+    # clock, which every path above keeps exact: tests/unit/test_router_placement_equivalence.py compares
+    # against a full rebuild at every decision.
     def _refresh(self) -> None:
-        """Rebuild the states (and index entries) of the instances that changed since the last call:
-        mutated in the registry, live-lease count changed, or a health/freshness deadline passed."""
+        """Bring the states (and index entries) up to date for a decision: the registry's change feed, changed
+        live-lease counts and passed health/freshness deadlines. Mutates the state caches and the index."""
+        self._knobs()
         reg = self.registry
-        if self._index.params is not self.params:  # knobs replaced: every precomputed term is void
-            self._index = InstanceIndex(self.params)
-            self._cur.clear()
-            self._static.clear()  # its ModelRes depend on the knobs too (slot_wait)
-            self._states.clear()
-            self._primed = False
         dirty = reg.take_changed()
         if not self._primed:
             dirty |= set(reg.instances)
             self._primed = True
-        leases = self.leases.weighted_by_instance(self.wall()) if self.adaptive else self.leases.live_by_instance(self.wall())
-        old = self._lease_counts
-        if leases != old:
-            dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))
-            self._lease_counts = leases
-        now = reg.clock.now()
-        heap = self._deadlines
-        again = []
+        self._lease_dirty(dirty)
+        self._catch_up(dirty, reg.clock.now())
+
+    def _catch_up(self, dirty: set[str], now: float) -> None:
+        """Rebuild ``dirty`` plus the instances whose health/freshness deadline passed by ``now``. Mutates the
+        state caches, the index and the deadline heap."""
+        again = self._deadlines_due(dirty, now)
+        self._rebuild(dirty, now)
+        later = math.nextafter(now, math.inf)
+        for iid in again:
+            heapq.heappush(self._deadlines, (later, iid))
+            self._recheck.add((later, iid))
+
+    def _deadlines_due(self, dirty: set[str], now: float) -> list[str]:
+        """Pop the deadline heap up to ``now``: an instance whose health/freshness deadline passed joins
+        ``dirty``; an entry of a superseded snapshot only re-arms its instance's next deadline. The heap holds
+        one armed entry per instance (``_armed``) plus boundary re-checks. Returns the instances to check once
+        more just after ``now`` (float rounding at the boundary). Mutates the heap, ``_armed``, ``dirty``."""
+        heap, again = self._deadlines, []
         while heap and heap[0][0] <= now:
             t, iid = heapq.heappop(heap)
+            if (t, iid) in self._recheck:
+                self._recheck.discard((t, iid))
+            elif self._armed.get(iid) != t:
+                continue  # replaced by an earlier armed entry
+            else:
+                del self._armed[iid]
+                if t not in self._pushed.get(iid, ()):
+                    self.work["deadlines_void"] += 1  # a deadline of a snapshot since superseded
+                    self._arm(iid, t)  # its current deadlines after this one (any already passed pops below)
+                    continue
             dirty.add(iid)
             if t > now - 1e-6:
-                again.append(iid)  # at the boundary: check once more after the clock moves (float rounding)
-        if not dirty:
+                again.append(iid)
+        return again
+
+    def _arm(self, iid: str, after: float) -> None:
+        """Keep the instance's earliest current deadline after ``after`` on the heap (one entry per instance; an
+        entry already armed earlier stays and re-arms when it pops). Mutates the heap and ``_armed``."""
+        nxt = min((t for t in self._pushed.get(iid, ()) if t > after), default=None)
+        if nxt is not None and not (self._armed.get(iid, math.inf) <= nxt):
+            self._armed[iid] = nxt
+            heapq.heappush(self._deadlines, (nxt, iid))
+
+    def _absorb(self) -> None:
+        """Heartbeat path: rebuild what the registry's change feed holds now (the snapshot just observed) and
+        what passed a health/freshness deadline, with the live-lease counts last seen, so that the next
+        decision finds them built. Mutates the state caches, the index and the deadline heap (nothing before
+        the first decision primed them)."""
+        if not self._primed or self._index.params is not self.params:
             return
+        self._catch_up(self.registry.take_changed(), self.registry.clock.now())
+
+    def _knobs(self) -> None:
+        """Knobs replaced: every precomputed term is void. Mutates the caches."""
+        if self._index.params is not self.params:
+            self._index = InstanceIndex(self.params)
+            self._cur.clear()
+            self._static.clear()  # its ModelRes depend on the knobs too (slot_wait)
+            self._states.clear()
+            self._lease_counts = {}
+            self._leases_synced = False
+            self._primed = False
+
+    def _lease_dirty(self, dirty: set[str]) -> None:
+        """Add the instances whose live-lease count (adaptive: decayed weight) changed; update the mirror."""
+        now = self.wall()
+        if self.adaptive:  # decaying weights change with the clock: recomputed from every lease
+            self._leases_synced = False
+            leases = self.leases.weighted_by_instance(now)
+            old = self._lease_counts
+            if leases != old:
+                dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))
+                self._lease_counts = leases
+            return
+        counts = self._lease_counts
+        if not self._leases_synced:
+            self.leases.take_live_changes(now, self)
+            fresh = self.leases.live_by_instance(now)
+            dirty.update(k for k in fresh.keys() | counts.keys() if fresh.get(k, 0) != counts.get(k, 0))
+            self._lease_counts = fresh
+            self._leases_synced = True
+            return
+        for iid in self.leases.take_live_changes(now, self):
+            n = self.leases.live_count(iid, now)
+            if n != counts.get(iid, 0):
+                dirty.add(iid)
+                if n:
+                    counts[iid] = n
+                else:
+                    counts.pop(iid, None)
+
+    def _rebuild(self, dirty: set[str], now: float) -> None:
+        """Rebuild the states and index entries of ``dirty`` (registry order for new ones) and push their
+        health/freshness deadlines. Mutates ``_cur``, the index and the deadline heap."""
+        reg, leases = self.registry, self._lease_counts
         if any(iid not in self._cur for iid in dirty):
             order: Iterable[str] = [iid for iid in reg.instances if iid in dirty] + [iid for iid in dirty if iid not in reg.instances]
         else:
@@ -399,16 +495,11 @@ class Gateway:
                 continue
             st = self._state_of(iid, v, leases.get(iid, 0))
             self._cur[iid] = st
-            self._index.put(st)
-            due = reg.deadlines(v)
-            if self._pushed.get(iid) != due:
-                self._pushed[iid] = due
-                for t in due:
-                    if t > now:
-                        heapq.heappush(heap, (t, iid))
-        later = math.nextafter(now, math.inf)
-        for iid in again:
-            heapq.heappush(heap, (later, iid))
+            if self._index.by_id.get(iid) is not st:
+                self.work["index_puts"] += 1
+                self._index.put(st)
+            self._pushed[iid] = reg.deadlines(v)
+            self._arm(iid, now)
 
     def lease_tau(self, hook: pb.CompletionHook, tau: float) -> float:
         """The lease length after a call: ``tau`` (the fixed Talaria §3.3 tau, or the adaptive window, which
@@ -467,8 +558,7 @@ class Gateway:
             if got is not None:
                 lease, rev = got
         window = self.params.control_window_s
-        live = self.leases.live_by_model(now)
-        demand = {req.model: self.demand.rate(req.model, now) * window + live.get(req.model, 0)}
+        demand = {req.model: self.demand.rate(req.model, now) * window + self.leases.live_of_model(req.model, now)}
         self._seq += 1
         instances = self.instance_states(exclude)
         st = PlacementState(

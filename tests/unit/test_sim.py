@@ -26,6 +26,7 @@ from talaria.v1 import engine_pb2 as pb
 ROOT = Path(__file__).resolve().parents[2]
 TP8 = ROOT / "profiles" / "paper-tp8.yaml"
 TP4 = ROOT / "profiles" / "paper-tp4-router.yaml"
+ONE_GPU = ROOT / "profiles" / "one-gpu-14b.yaml"
 MODELS = paper.ROUTER_MODELS
 
 
@@ -44,7 +45,7 @@ def sessions(n: int = 9, calls: int = 4, start_gap: float = 0.3, models=MODELS) 
 
 
 # ------------------------------------------------------------------------------------------ profiles
-@pytest.mark.parametrize("path", [TP8, TP4])
+@pytest.mark.parametrize("path", [TP8, TP4, ONE_GPU])
 def test_paper_profiles_cite_every_number(path):
     raw = yaml.safe_load(path.read_text())
     assert uncited(raw) == []
@@ -255,8 +256,20 @@ def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
     assert len(specs) == 20 and hot and all(len(s.catalog) == 1 for s in hot)
     assert weights[0] > weights[-1] and hot[0].catalog[0] == catalog[0]
     s = run_scale(tmp_path, profile=str(TP8), instances=6, models=4, sessions=12, base_sessions=12, say=lambda m: None)
-    assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] >= s["policy_p99_us"] > 0
+    assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] > 0 and s["policy_p99_us"] > 0 and s["snapshot_p99_us"] > 0
     assert json.loads((tmp_path / "scale.json").read_text())["instances"] == 6
+
+
+def test_catalog_per_model_load_grows_with_the_catalog_on_single_gpu_instances(tmp_path):
+    from sim.scale import run_catalog
+
+    rows = run_catalog(tmp_path, profile=str(ONE_GPU), instances=2, catalogs=(2, 4), sessions=2, rate_per_s=0.05, per_model=True,
+                       hot_fraction=0.0, gpus_per_instance=1, say=lambda m: None)
+    assert (rows["2"]["sessions"], rows["4"]["sessions"]) == (4, 8) and rows["4"]["rate_per_s"] == pytest.approx(0.2)
+    for r in rows.values():
+        assert r["calls"] > r["sessions"] and r["models_per_gpu_at_slo"] == r["models_at_slo"] / 2
+    saved = json.loads((tmp_path / "catalog.json").read_text())
+    assert saved["hot_fraction"] == 0.0 and saved["gpus_per_instance"] == 1
 
 
 def test_sim_run_replays_a_talaria_replay_file(tmp_path, capsys):
