@@ -224,11 +224,7 @@ class Engine:
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
         self.fused_ops = self._fused_ops(fused_ops)  # fused elementwise CPU ops (model/fused_ops.py)
-        if small_step_threads is not None and small_step_threads < 1:
-            raise ValueError(f"small_step_threads must be >= 1, got {small_step_threads}")
-        # intra-op threads of a step of <= SMALL_STEP_TOKENS tokens (decode): None = the configured count
-        self.small_step_threads = small_step_threads if self.device.type == "cpu" else None
-        self._big_threads: int | None = None  # the configured count, read on the first step's thread
+        self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
@@ -405,6 +401,11 @@ class Engine:
             logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
             seqs = [sched.scheduled[i].seq for i in rows]
             return self._sample(logits, seqs)
+
+    def _small_threads(self, n: int | None) -> int | None:
+        if n is not None and n < 1:
+            raise ValueError(f"small_step_threads must be >= 1, got {n}")
+        return n if self.device.type == "cpu" else None
 
     def _step_threads(self, tokens: int) -> None:
         """``small_step_threads``: a step of at most SMALL_STEP_TOKENS tokens runs with that many intra-op

@@ -375,6 +375,9 @@ class HostKV:
         return self._inflight
 
     def _run(self) -> None:
+        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
+        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
+        torch.set_num_threads(1)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -611,6 +614,9 @@ class HostKV:
 
     # ---------------------------------------------------------------- restore: worker thread
     def _run_restores(self) -> None:
+        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
+        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
+        torch.set_num_threads(1)
         while True:
             job = self._restore_jobs.get()
             if job is None:

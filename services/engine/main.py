@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from talaria.config import EngineConfig, StackConfig
 
@@ -142,6 +143,47 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
     return True
 
 
+def omp_spin_count(count: int) -> None:
+    """Set ``GOMP_SPINCOUNT`` (mutates ``os.environ``) for the OpenMP runtime torch loads, unless the
+    environment already sets it or ``OMP_WAIT_POLICY``; libgomp reads it once, when torch is first imported,
+    so a later call only warns. Why and the measured trade-off: README, Threads."""
+    import os
+    import sys
+
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        log.info("OpenMP spin from the environment: GOMP_SPINCOUNT=%s OMP_WAIT_POLICY=%s",
+                 os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"))
+        return
+    if "torch" in sys.modules:
+        log.warning("omp_spin_count %d not applied: torch was already imported in this process", count)
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(count)
+
+
+async def in_own_thread(fn, *args):
+    """``fn(*args)`` on a thread that exits when it returns (not the loop's reusable executor threads). torch's
+    OpenMP runtime (libgomp) keeps a pool of worker threads per thread that ran a parallel region; once the
+    process holds more of them than it has cores, every barrier sleeps and wakes instead of spinning (measured:
+    a batch-8 decode step 41 ms instead of 24). Loading the model on a thread that then exits frees its pool,
+    so only the executor thread's team remains."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            res = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+
+    t = threading.Thread(target=run, name="engine-build", daemon=True)
+    t.start()
+    res = await fut
+    await asyncio.to_thread(t.join)
+    return res
+
+
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
     import sys
 
@@ -152,10 +194,11 @@ async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyn
     # the default 5 ms switch interval for it. 0.5 ms bounds that wait (see streaming.py).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
+    omp_spin_count(cfg.omp_spin_count)
     # one Telemetry for the process: the service's call spans and the host KV tier's spans share it
     tel = otel.setup("talaria-engine", cfg.id, stack.telemetry, stack.namespace)
     try:
-        engine = await asyncio.to_thread(build_engine, stack, cfg)
+        engine = await in_own_thread(build_engine, stack, cfg)
         await asyncio.to_thread(attach_host_kv, stack, cfg, engine, tel.tracer)
 
         await EngineService(stack, cfg, engine, telemetry=tel, requester_probe_s=cfg.requester_probe_s).run(stop, url)

@@ -168,6 +168,11 @@ class TransferScheduler:
         return self.submit(TrafficClass.KV, chunks, "kv_restore")
 
     def _run(self) -> None:
+        import torch  # the worker's copies are torch copies; the queue above stays torch-free
+
+        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
+        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
+        torch.set_num_threads(1)
         while True:
             with self._cv:
                 while not self.queue.pending() and not self._closed:
