@@ -172,8 +172,8 @@ async def in_own_thread(fn, *args):
     def run() -> None:
         try:
             res = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine (bound now: the name
+            loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))  # dies with the block)
         else:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
 

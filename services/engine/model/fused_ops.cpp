@@ -8,6 +8,8 @@
 // at least kGrainElems elements, so a decode step's few rows stay on the calling thread (no team barrier).
 
 #include <torch/extension.h>
+
+#include "cpu_math.h"
 #include <ATen/Parallel.h>
 
 // No a*b+c contraction into FMAs in this file: eager rounds each product before the sum (RoPE, the norm's
@@ -45,27 +47,6 @@ inline float round_to_t(float x, uint16_t*) {
 }
 template <typename T>
 inline float round_to(float x) { return round_to_t(x, static_cast<T*>(nullptr)); }
-
-// exp(x) in branch-free float arithmetic (vectorizable; see paged_attn.cpp's exp_nonpos): 2^i by the
-// exponent bits, 2^f by a degree-7 polynomial; x clamped to [-87, 88] (exp(88) < FLT_MAX).
-inline float exp_f(float x) {
-  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
-  x = x > -87.f ? x : -87.f;
-  x = x < 88.f ? x : 88.f;
-  const float y = x * 1.44269504088896341f + kShift;
-  const float fi = y - kShift;
-  const int32_t i = std::bit_cast<int32_t>(y) - std::bit_cast<int32_t>(kShift);
-  const float r = x - fi * 0.69314718055994531f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * std::bit_cast<float>((i + 127) << 23);
-}
 
 template <typename T>
 inline T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }  // bf16 data as uint16_t bits
@@ -131,7 +112,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float gv = load(g[i]);
-        store(o + i, round_to<T>(gv / (1.f + exp_f(-gv))) * load(u[i]));
+        store(o + i, round_to<T>(gv / (1.f + talaria_cpu::exp_clamped(-gv))) * load(u[i]));
       }
     }
   });

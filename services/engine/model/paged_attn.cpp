@@ -11,6 +11,8 @@
 // OpenMP threads (it links to the libgomp torch already loaded); without it the tasks run serially.
 
 #include <torch/extension.h>
+
+#include "cpu_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -56,28 +58,6 @@ inline float sum_of(const float* x, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += x[i];
   return s;
-}
-
-// exp(x) for x <= 0 in branch-free float arithmetic the compiler vectorizes (libm's expf is a call per
-// element): x = (i + f) ln2 with i the integer nearest x / ln2 (found by adding 1.5 * 2^23, which leaves i
-// in the low mantissa bits under round-to-nearest), 2^f by its degree-7 Taylor polynomial in f ln2
-// (|f| <= 1/2: relative error < 1e-8), 2^i through the exponent bits. Underflows to exp(-87).
-inline float exp_nonpos(float x) {
-  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
-  x = x > -87.f ? x : -87.f;
-  const float y = x * 1.44269504088896341f + kShift;
-  const float fi = y - kShift;  // round(x / ln2)
-  const int32_t i = std::bit_cast<int32_t>(y) - std::bit_cast<int32_t>(kShift);
-  const float r = x - fi * 0.69314718055994531f;  // f ln2, |r| <= ln2 / 2 (+ rounding)
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * std::bit_cast<float>((i + 127) << 23);
 }
 
 constexpr int64_t kBlock = 16;  // K/V rows converted to float and used together (at most one page's run)
@@ -148,7 +128,7 @@ void attend_one(const Shape& s, int64_t b, int64_t kh, const T* q, const T* k, c
     float* sg = scores + g * m;
     const float mx = max_of(sg, m);
 #pragma omp simd
-    for (int64_t j = 0; j < m; ++j) sg[j] = exp_nonpos(sg[j] - mx);
+    for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
     const float sum = sum_of(sg, m);
     inv[g] = m > 0 ? 1.f / sum : 0.f;
   }

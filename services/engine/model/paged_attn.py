@@ -45,6 +45,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp")]  # one extension (fused_ops.py)
+_HEADERS = [Path(__file__).with_name("cpu_math.h")]  # included by the sources: part of the cache name's hash
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the loaded extension or None once tried
 
@@ -64,7 +65,7 @@ def _source_tag() -> str:
     """A short hash of the sources: checkouts with different sources (worktrees, versions) build into
     different cache directories instead of rebuilding over each other's extension."""
     h = hashlib.sha1()
-    for p in _SOURCES:
+    for p in (*_SOURCES, *_HEADERS):
         h.update(p.read_bytes())
     return h.hexdigest()[:8]
 
