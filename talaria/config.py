@@ -59,9 +59,9 @@ class EngineConfig(_Strict):
     stream_interval_ms: float = Field(0.0, ge=0, le=10_000, description="streaming calls: after the first token (sent at once), tokens wait up to this long and go out as one message; the finished chunk is never held; 0 = one message per step (issue 20 §5)")
     compile: Literal["off", "auto", "on"] = Field("off", description="hot engine: torch.compile (inductor) each layer's pure math at start (services/engine/model/compiled.py; a warm-up of ~10-70 s on a CPU, cached on disk); auto = keep it only if a start-up measurement of a decode and a prefill step shows it >= 5% faster; off (default) = eager (measured here with exact outputs: compiled 0.82x of eager in bf16, 0.93x in fp32; the linears it cannot speed up are 70-80% of a decode step)")
     tune_allocator: bool = Field(True, description="engine process: glibc malloc set to keep step-sized activations in the heap (services/engine/allocator_tuning.py; measured 108K -> 0 page faults per 2,048-token prefill); false = the C library defaults")
-    paged_decode: Literal["auto", "off"] = Field("auto", description="hot CPU engine: decode attention by the paged kernel (services/engine/model/paged_attn.py, a C++ extension built on first use and cached; reads K/V in place through the block tables) instead of gather + SDPA; auto = use it when it builds (else one warning and gather + SDPA), off = gather + SDPA")
+    paged_decode: Literal["auto", "off"] = Field("auto", description="CPU engine (hot, and every model of a cold one): decode attention by the paged kernel (services/engine/model/paged_attn.py, a C++ extension built on first use and cached; reads K/V in place through the block tables) instead of gather + SDPA; auto = use it when it builds (else one warning and gather + SDPA), off = gather + SDPA")
     fused_ops: Literal["auto", "off"] = Field("auto", description="CPU engine: RMSNorm (with the residual add), SiLU*up and RoPE as one-pass C++ ops (services/engine/model/fused_ops.py, in the paged-attention extension) instead of eager PyTorch's 4-6 kernels each; auto = use them when the extension builds, off = eager ops")
-    small_step_threads: int | None = Field(None, ge=1, description="CPU hot engine: intra-op threads for a step of at most 64 tokens (a decode step: ~150 short parallel regions, each ending at a team barrier); larger steps use torch_threads; None = torch_threads for every step")
+    small_step_threads: int | None = Field(None, ge=1, description="CPU engine (hot or cold): intra-op threads for a step of at most 64 tokens (a decode step: ~150 short parallel regions, each ending at a team barrier); larger steps use torch_threads; None = torch_threads for every step")
     omp_spin_count: int = Field(1000, ge=0, description="CPU engine: how long a torch (libgomp OpenMP) thread spins at a barrier before it sleeps, set as GOMP_SPINCOUNT in the engine process before torch loads (an environment value wins). 1000 = robust on cores shared with other busy processes; 300000 (libgomp's own default) = fastest on cores the engine owns (measured 8-stream decode 172 -> 251 tok/s quiet, but 7 tok/s beside a busy process). See services/engine/README.md, Threads")
     packed_weights: bool | None = Field(None, description="hot CPU engine: prepack the linear weights for oneDNN (services/engine/model/packed.py; one extra copy of them); None => on for bfloat16, where it measured 1.3-2x per decode step")
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
@@ -96,6 +96,10 @@ class EngineConfig(_Strict):
     def _hot_pins_one(self) -> "EngineConfig":
         if self.pool == "hot" and len(self.models) != 1:
             raise ValueError(f"hot engine {self.id!r} pins exactly one model, got {self.models}")
+        if self.pool == "cold" and self.compile != "off":
+            raise ValueError(f"cold engine {self.id!r}: compile is for hot engines (a cold model's weights move with its arena slot)")
+        if self.pool == "cold" and self.packed_weights:
+            raise ValueError(f"cold engine {self.id!r}: packed_weights is for hot engines (a cold model's weights are rewritten in place)")
         return self
 
 

@@ -84,6 +84,7 @@ class ColdEngine:
         max_switch_records: int = 32,
         residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
+        paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -94,6 +95,7 @@ class ColdEngine:
         self._engine_kw = dict(
             device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, session_cache_entries=session_cache_entries, clock=clock,
+            paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
         )
         self.clock = clock
         self.rule = rule or IdleSwitchRule()
@@ -476,7 +478,7 @@ class ColdEngine:
         now = self._addresses(model)
         if sh.addresses.weights == now.weights and sh.addresses.runtime == now.runtime:
             return True
-        sh.engine.model = bind_model(self.bank[model], self.substrate.weights(model))
+        sh.engine.rebind_model(bind_model(self.bank[model], self.substrate.weights(model)))
         sh.addresses = now
         return False
 

@@ -534,6 +534,14 @@ class Engine:
         attribution = seq.phases.stop(attribution_clock()) if seq.phases is not None else None
         return RequestOutput(seq.request_id, new_ids, text, True, reason, usage, attribution=attribution)
 
+    def rebind_model(self, model: LlamaForCausalLM) -> None:
+        """Serve with ``model`` from now on (the cold pool rebinds its parameter views onto moved weights):
+        the CPU kernels this engine chose (``paged_decode``, ``fused_ops``) go with it. Mutates ``self.model``
+        and the new model's kernel attributes; the caller holds no step in flight."""
+        model.paged_decode = self.model.paged_decode
+        model.use_fused_ops(self.model.fused_ops)
+        self.model = model
+
     def _paged_decode(self, mode: str) -> bool:
         """Give the model the CPU paged decode kernel (``model/paged_attn.py``) for ``mode`` ``auto`` on a CPU
         (built on first use, cached; None if it cannot be built: gather + SDPA stays) or take it away

@@ -99,6 +99,9 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,
         partial_layers=cfg.partial_layers,
+        paged_decode=cfg.paged_decode,
+        fused_ops=cfg.fused_ops,
+        small_step_threads=cfg.small_step_threads,
     )
 
 

@@ -323,8 +323,9 @@ class RouterAPI:
         confirms it later; a return that arrives first must still find it), then the signed resume token
         (issue 17), or None. Mutates the session table."""
         g = call.req
-        if g.session_id and not g.end_session and usage is not None and usage.prompt_tokens > 0:
-            self.state.gateway.call_ended(g.session_id, g.model, call.instance_id, usage.prompt_tokens + usage.completion_tokens)
+        keep = g.session_id and not g.end_session and usage is not None and usage.prompt_tokens > 0
+        tokens = usage.prompt_tokens + usage.completion_tokens if keep else 0
+        self.state.gateway.call_ended(g.request_id, call.instance_id, g.session_id if keep else "", g.model, tokens)
         view = self.state.registry.instances.get(call.instance_id)
         return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 

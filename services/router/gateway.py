@@ -153,11 +153,17 @@ class Gateway:
         self._absorb()
         return True
 
-    def call_ended(self, session_id: str, model: str, instance_id: str, tokens: int) -> None:
-        """The router saw a session call's finished chunk: the session's KV (about ``tokens`` tokens) is on
-        ``instance_id`` now. Recorded as the hook records it; the hook's exact committed count (full pages,
-        at most ``tokens``) replaces this estimate when it arrives. Mutates the session table."""
-        self.sessions.record(session_id, model, instance_id, tokens, done_unix=self.wall())
+    def call_ended(self, request_id: str, instance_id: str, session_id: str = "", model: str = "", tokens: int = 0) -> None:
+        """The router saw a call's finished chunk. The engine's completion hook follows it, but a client can
+        send its next call first (an agent with a zero tool gap), so what the hook would teach placement is
+        recorded now: the call is no longer queue ahead of anyone on ``instance_id`` (else the session's own
+        return sees its instance busy with the call that just ended and moves away from its KV), and the
+        session's KV (about ``tokens`` tokens) is there. The hook's exact committed count (full pages, at most
+        ``tokens``) replaces this estimate when it arrives. Mutates the registry's overlay / done set and the
+        session table."""
+        self.registry.completed(instance_id, request_id, self.wall())
+        if session_id and tokens > 0:
+            self.sessions.record(session_id, model, instance_id, tokens, done_unix=self.wall())
 
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
         """Update the session table from a completion hook; returns the lease to install (or None)."""

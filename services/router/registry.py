@@ -51,6 +51,7 @@ class InstanceView:
     received_wall: float = 0.0
     overlay: dict[str, float] = field(default_factory=dict)  # call id -> wall time of calls forwarded since the snapshot
     done: dict[str, float] = field(default_factory=dict)  # call id -> finish time of calls the snapshot still counts
+    ended: dict[str, tuple[float, float]] = field(default_factory=dict)  # call id -> (forwarded, finished) of overlay calls that ended
     suspect_until: float = 0.0  # set when a call to it timed out; cleared by a newer snapshot
     gone: str = ""  # why it is known dead (NATS no-responders); cleared by a newer snapshot
 
@@ -101,8 +102,17 @@ class Registry:
             cur.suspect_until = 0.0
             cur.gone = ""
             # Forwards older than the snapshot are now part of its own counters.
-            cur.overlay = {k: t for k, t in cur.overlay.items() if snap.sent_unix and self.wall is not None and t > snap.sent_unix}
+            sent = snap.sent_unix if self.wall is not None else 0.0
+            cur.overlay = {k: t for k, t in cur.overlay.items() if sent and t > sent}
             cur.done = {k: t for k, t in cur.done.items() if snap.sent_unix and t > snap.sent_unix}
+            # Overlay calls that ended after it was sent: it counts those forwarded before it as running.
+            ended, cur.ended = cur.ended, {}
+            for k, (fwd, fin) in ended.items():
+                if sent and fin > sent:
+                    if fwd > sent:
+                        cur.ended[k] = (fwd, fin)
+                    else:
+                        cur.done[k] = fin
             self._changed.add(snap.instance_id)
             return True
         self.instances[snap.instance_id] = InstanceView(snap.instance_id, snap, now, self.wall() if self.wall is not None else 0.0)
@@ -158,16 +168,20 @@ class Registry:
             self._changed.add(instance_id)
 
     def completed(self, instance_id: str, call_id: str, finish_unix: float) -> None:
-        """A call ended on ``instance_id`` at ``finish_unix`` (the engine's wall clock, as ``sent_unix``): it
-        is no longer queue ahead of anyone. Still in the overlay (no snapshot counted it): removed from it;
-        counted by a snapshot sent before it finished: kept in ``done`` until a later snapshot. Mutates the
-        view's overlay / done set and the change feed."""
+        """A call ended on ``instance_id`` at ``finish_unix`` (wall clock, as ``sent_unix``): it is no longer
+        queue ahead of anyone. Still in the overlay (no snapshot counted it): removed from it and remembered in
+        ``ended`` (a later snapshot sent before it finished counts it as running: ``observe`` moves it to
+        ``done`` then); counted by a snapshot sent before it finished: kept in ``done`` until a later snapshot.
+        Idempotent per call: the router reports the end when it sees the finished chunk, the engine's
+        completion hook reports it again. Mutates the view's overlay / done / ended sets and the change feed."""
         v = self.instances.get(instance_id)
-        if v is None or not call_id:
+        if v is None or not call_id or call_id in v.ended or call_id in v.done:
             return
-        if v.overlay.pop(call_id, None) is not None:
+        fwd = v.overlay.pop(call_id, None)
+        if fwd is not None:
+            v.ended[call_id] = (fwd, finish_unix)
             self._changed.add(instance_id)
-        elif v.snapshot.sent_unix and finish_unix > v.snapshot.sent_unix and call_id not in v.done:
+        elif v.snapshot.sent_unix and finish_unix > v.snapshot.sent_unix:
             v.done[call_id] = finish_unix
             self._changed.add(instance_id)
 

@@ -116,10 +116,12 @@ def test_session_second_call_is_prefix_hit_on_same_instance(client):
 
 def test_prefix_hit_gives_same_tokens_as_cold_run(client):
     prompt = "A long shared system prompt about repositories and tests. " * 6
-    cold = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True}).parse()
-    warm = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True}).parse()
+    raw_cold = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True})
+    raw_warm = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True})
+    cold, warm = raw_cold.parse(), raw_warm.parse()
+    where = {k: (r.headers.get("x-talaria-instance"), r.headers.get("x-talaria-placement")) for k, r in (("cold", raw_cold), ("warm", raw_warm))}
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
-    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0, where
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
 

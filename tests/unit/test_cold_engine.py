@@ -4,6 +4,7 @@ switch/allocation sequences (property test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -247,3 +248,41 @@ def test_arena_budget_never_exceeded(cold3, ops):
                 assert base + lay.kv_start <= base + c.addr and c.addr + c.nbytes <= lay.kv_end
     for pages in held:
         ce.shell(ce.active).kv.allocator.decref(pages)
+
+
+def _kernels(ce: ColdEngine, model: str) -> tuple[bool, bool]:
+    m = ce.shell(model).model
+    return m.paged_decode is not None, m.fused_ops is not None
+
+
+def test_engine_config_kernels_reach_every_cold_shell_and_survive_a_rebind(synth_models, prompts, fresh):
+    """``paged_decode`` / ``fused_ops`` of an engine's config reach a cold engine's shells (they were dropped:
+    every cold model ran the eager ops whatever the config said), and a runtime rebind onto moved weights
+    keeps them."""
+    from services.engine.main import build_cold_engine
+    from talaria.config import EngineConfig, StackConfig
+
+    stack = StackConfig(models_dir=str(next(iter(synth_models.values())).parent))
+    off = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], paged_decode="off", fused_ops="off", kv_cache_mb=8))
+    assert _kernels(off, A) == (False, False)
+    off.switch_to(B)
+    assert _kernels(off, B) == (False, False)
+    on = make_cold(synth_models, staging=False)
+    assert _kernels(on, A) == (True, True)
+    sh = on._shells[A]
+    sh.addresses = dataclasses.replace(sh.addresses, runtime=sh.addresses.runtime + 1)  # as if the runtime region moved
+    before = sh.engine.model
+    assert on.restore_runtime(A) is False and sh.engine.model is not before  # rebound onto fresh parameter views
+    assert _kernels(on, A) == (True, True)
+    assert on.generate(prompts, GREEDY, model=A) == fresh[A]
+
+
+def test_cold_engine_rejects_hot_only_options():
+    from pydantic import ValidationError
+
+    from talaria.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="compile is for hot engines"):
+        EngineConfig(id="c", pool="cold", models=[A], compile="on")
+    with pytest.raises(ValidationError, match="packed_weights is for hot engines"):
+        EngineConfig(id="c", pool="cold", models=[A], packed_weights=True)

@@ -407,6 +407,42 @@ def test_a_finished_call_is_not_queue_ahead_of_anyone():
     assert v.running == 2
 
 
+def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
+    """The finished chunk reaches the client before the engine's completion hook reaches the router. A
+    session whose next call comes at once must still see its instance free and its KV there (it moved to an
+    idle twin, losing the prefix: the flaky ``test_prefix_hit_gives_same_tokens_as_cold_run``); the late
+    hook then changes nothing, whether or not a snapshot came in between."""
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock, tau=0)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    gw.on_snapshot(snapshot("b", 1, clock))
+    clock.advance(0.01)
+    assert place(gw, store, "s", rid="c1").instance_id == "a"
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 2, clock, running=1))  # sent while c1 ran
+    gw.on_snapshot(snapshot("b", 2, clock))
+    clock.advance(0.05)
+    gw.call_ended("c1", "a", "s", "m", 620)  # the router saw c1's finished chunk; no hook yet
+    v = gw.registry.instances["a"]
+    assert (v.inflight, v.running) == (0, 0)
+    assert place(gw, store, "s", rid="c2").instance_id == "a"  # the return, before c1's hook
+    gw.on_hook(hook("a", "s", clock, tokens=608, rid="c1"))  # late: c1 is not ended twice
+    assert (v.inflight, v.running) == (1, 0)
+    # c2 ends from the overlay; a snapshot sent between its forward and its end counts it as running
+    clock.advance(0.01)
+    fwd_snap = snapshot("a", 3, clock, running=1)
+    clock.advance(0.01)
+    gw.call_ended("c2", "a", "s", "m", 700)
+    assert (v.inflight, v.running) == (0, 0)
+    gw.on_snapshot(fwd_snap)  # delivered after the end: it still counts c2, which has ended
+    assert (v.inflight, v.running) == (0, 0)
+    gw.on_hook(hook("a", "s", clock, tokens=688, rid="c2"))
+    assert (v.inflight, v.running) == (0, 0)
+    clock.advance(0.01)
+    gw.on_snapshot(snapshot("a", 4, clock))
+    assert (v.inflight, v.running, v.done, v.ended) == (0, 0, {}, {})
+
+
 def test_gateway_engine_restart_drops_sessions_and_leases():
     clock = ManualClock(100.0)
     gw, store = make_gateway(clock)
