@@ -75,6 +75,28 @@ def test_kernel_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads, window
         assert (full - ref).abs().max().item() > 10 * atol
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
+def test_context_split_over_threads_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads):
+    """Few (sequence, kv head) tasks for the threads: each task's keys are split into chunks merged by
+    rescaling (batch 1 at 4 threads: 6 chunks of a 2,100-key context; the short ones stay whole); G = 7
+    takes the portable path, G = 3 the vectorized one where the CPU has it."""
+    lens = (2100, 40)
+    D = 64
+    k, v, tables, table = _pool(lens, kv_heads, D, dtype, seed=7)
+    q = torch.randn(len(lens), heads, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for sub in (slice(0, 1), slice(1, 2), slice(0, 2)):
+            for window in (0, 700):
+                out = kernel(q[sub], k, v, table[sub], torch.tensor(lens[sub], dtype=torch.int32), PAGE, D**-0.5, window)
+                ref = _reference(q[sub], k, v, tables[sub], lens[sub], D**-0.5, window)
+                assert (out.float() - ref).abs().max().item() <= atol, (sub, window)
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_strided_query_and_odd_head_dim(kernel):
     """A query that is a view of a wider projection (the fused q/k/v layout), and D not a multiple of 16."""
     D, H, KVH = 40, 6, 2

@@ -1,21 +1,29 @@
 // Paged decode attention on the CPU: one query token per sequence against its context K/V, read in place
 // from the paged pool through the block table. Design note: services/engine/model/paged_attn.py.
 //
-// Per (sequence b, kv head h) task: the G = H / KVH query heads that share kv head h are scored together
-// against each visible K row (the row is converted to float once, then G dot products), a max-subtracted
-// softmax over the float score buffer (two passes: scores, then weights), and the weighted V rows summed
-// into G float accumulators. K/V rows are taken in runs within one page (one block-table read per run) and
-// the next run's rows are prefetched. Plain C++ loops the compiler vectorizes (OpenMP simd pragmas on the
-// reductions, a polynomial exp); correct with or without -march=native and OpenMP (checked with -O2 alone).
-// Tasks are parallel over (sequence, kv head) with at::parallel_for, which needs -fopenmp to use torch's
-// OpenMP threads (it links to the libgomp torch already loaded); without it the tasks run serially.
+// Per (sequence b, kv head h) task, over one chunk of its visible keys (the whole context unless there are
+// too few tasks for the threads, see split_of): the G = H / KVH query heads that share kv head h are scored
+// together against each K row, a max-subtracted softmax over the float score buffer (two passes: scores,
+// then weights), and the weighted V rows summed into G float accumulators; a task's chunks are then merged
+// (merge in run). K/V rows are taken in runs within one page (one block-table read per run) and the next
+// run's rows are prefetched. Two chunk bodies: AVX-512 intrinsics for head dim 64 (chunk_avx512_d64), and
+// plain C++ loops the compiler vectorizes (OpenMP simd pragmas on the reductions, a polynomial exp) for
+// everything else, correct with or without -march=native and OpenMP (checked with -O2 alone).
+// Tasks are parallel with at::parallel_for, which needs -fopenmp to use torch's OpenMP threads (it links to
+// the libgomp torch already loaded); without it the tasks run serially.
 
 #include <torch/extension.h>
 
 #include "cpu_math.h"
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -94,22 +102,33 @@ struct Shape {
   float scale;
 };
 
-// One task: sequence b, kv head kh. buf holds G*m scores + G*D accumulators + G*D scaled queries + kBlock
-// float rows. (Keeping a V accumulator chunk in registers across a block of rows measured slower here than
+// One task's result over a chunk of the visible keys, per query head g of its group: the chunk's max score,
+// its sum of exp(score - max) and the V rows weighted by those exps (D floats). A task's chunks are merged
+// by the usual rescaling (merge_parts); a task with one chunk just divides.
+inline int64_t part_floats(const Shape& s) { return s.G * (s.D + 2); }
+
+// The visible keys [start, n) of sequence b.
+inline std::pair<int64_t, int64_t> visible(const Shape& s, const int32_t* lens, int64_t b) {
+  const int64_t n = lens[b];
+  return {s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0, n};
+}
+
+// Portable chunk: keys [j0, j1) of task (b, kh). buf holds G*m scores + G*D scaled queries + kBlock float
+// rows. (Keeping a V accumulator chunk in registers across a block of rows measured slower here than
 // the per-row update below, which GCC vectorizes cleanly.)
 // DC: the head dim when known at compile time (the row loops then unroll and stay in registers), else 0.
 template <typename T, int DC>
-void attend_one(const Shape& s, int64_t b, int64_t kh, const T* q, const T* k, const T* v, const int32_t* tables,
-                const int32_t* lens, T* out, std::vector<float>& buf) {
-  const int64_t n = lens[b];
-  const int64_t start = s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0;
-  const int64_t m = n - start;  // visible keys: start .. n-1
+void chunk_portable(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t j1, const T* q, const T* k,
+                    const T* v, const int32_t* tables, float* part, std::vector<float>& buf) {
+  const int64_t m = j1 - j0;
   const int64_t G = s.G, D = DC > 0 ? DC : s.D;
-  buf.resize(static_cast<size_t>(G * m + 2 * G * D + kBlock * D));
+  buf.resize(static_cast<size_t>(G * m + G * D + kBlock * D));
   float* scores = buf.data();
-  float* acc = scores + G * m;
-  float* qf = acc + G * D;
+  float* qf = scores + G * m;
   float* rows = qf + G * D;
+  float* mxs = part;
+  float* sums = part + G;
+  float* acc = part + 2 * G;
   for (int64_t g = 0; g < G; ++g) {
     const T* qrow = q + b * s.qs0 + (kh * G + g) * s.qs1;
     for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(qrow[i]) * s.scale;
@@ -118,36 +137,190 @@ void attend_one(const Shape& s, int64_t b, int64_t kh, const T* q, const T* k, c
   const int32_t* table = tables + b * s.P;
   const T* kh_base = k + kh * s.ks1;
   auto krow = [&](int64_t slot) { return kh_base + slot * s.ks0; };
-  for_blocks(table, s.page_size, start, n, krow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // scores
+  for_blocks(table, s.page_size, j0, j1, krow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // scores
     for (int64_t r = 0; r < cnt; ++r) load_row(krow(slot + r), rows + r * D, D);
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t r = 0; r < cnt; ++r) scores[g * m + (j - start) + r] = dot(qf + g * D, rows + r * D, D);
+      for (int64_t r = 0; r < cnt; ++r) scores[g * m + (j - j0) + r] = dot(qf + g * D, rows + r * D, D);
   });
-  std::vector<float> inv(G);
-  for (int64_t g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized), 1 / sum kept
+  for (int64_t g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized)
     float* sg = scores + g * m;
     const float mx = max_of(sg, m);
 #pragma omp simd
     for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
-    const float sum = sum_of(sg, m);
-    inv[g] = m > 0 ? 1.f / sum : 0.f;
+    mxs[g] = mx;
+    sums[g] = sum_of(sg, m);
   }
   const T* vh_base = v + kh * s.vs1;
   auto vrow = [&](int64_t slot) { return vh_base + slot * s.vs0; };
-  for_blocks(table, s.page_size, start, n, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // V sum
+  for_blocks(table, s.page_size, j0, j1, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // V sum
     for (int64_t r = 0; r < cnt; ++r) load_row(vrow(slot + r), rows + r * D, D);
     for (int64_t r = 0; r < cnt; ++r)
       for (int64_t g = 0; g < G; ++g) {
-        const float w = scores[g * m + (j - start) + r];
+        const float w = scores[g * m + (j - j0) + r];
         float* __restrict a = acc + g * D;
         const float* x = rows + r * D;
         for (int64_t i = 0; i < D; ++i) a[i] += w * x[i];
       }
   });
-  for (int64_t g = 0; g < G; ++g) {
-    T* orow = out + b * s.os0 + (kh * G + g) * s.os1;
-    for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(acc[g * D + i] * inv[g]);
+}
+
+#if defined(__AVX512F__)
+// AVX-512 chunk for head dim 64 (SmolLM2, Llama-3.2-1B/3B, ...), G query heads per kv head known at compile
+// time so the G x 4 V accumulators live in registers for the whole chunk. Scores of a run of <= 16 K rows
+// are 16 row-wise dot-product vectors reduced together by a transpose-add tree (45 shuffles/adds for 16
+// rows instead of 16 separate horizontal sums); bf16 rows are multiplied as bf16 pairs with fp32
+// accumulation (VDPBF16PS: the products are exact, as with a bf16 -> fp32 conversion first) when the CPU
+// has AVX512_BF16, and the score scale is applied to the reduced sums.
+
+// sums of 16 vectors: lane r of the result = the sum of v[r]'s 16 lanes
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of rows 4i .. 4i+3
+    const __m512d a = _mm512_castps_pd(w[2 * i]), c = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, c)));
   }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], kEven), _mm512_shuffle_f32x4(x[0], x[1], kOdd));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], kEven), _mm512_shuffle_f32x4(x[2], x[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, kEven), _mm512_shuffle_f32x4(y0, y1, kOdd));
+}
+
+// one query row, held in registers in the form its dot products with K rows use
+struct QF32 {
+  __m512 v[4];
+  QF32() = default;
+  explicit QF32(const float* q) { for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(q + 16 * i); }
+  __m512 dot(const float* k) const {
+    __m512 a = _mm512_mul_ps(v[0], _mm512_loadu_ps(k));
+    for (int i = 1; i < 4; ++i) a = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(k + 16 * i), a);
+    return a;
+  }
+};
+
+#if defined(__AVX512BF16__)
+struct QBF16 {
+  __m512bh v[2];
+  QBF16() = default;
+  explicit QBF16(const c10::BFloat16* q) {
+    for (int i = 0; i < 2; ++i) v[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+  }
+  __m512 dot(const c10::BFloat16* k) const {
+    const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0], (__m512bh)_mm512_loadu_si512(k));
+    return _mm512_dpbf16_ps(a, v[1], (__m512bh)_mm512_loadu_si512(k + 32));
+  }
+};
+#endif
+
+template <typename T> struct QRow;
+template <> struct QRow<float> { using type = QF32; };
+#if defined(__AVX512BF16__)
+template <> struct QRow<c10::BFloat16> { using type = QBF16; };
+#endif
+
+// a V row (64 values) as 4 float vectors
+inline void vrow4(const float* x, __m512* r) { for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(x + 16 * i); }
+inline void vrow4(const c10::BFloat16* x, __m512* r) {
+  for (int i = 0; i < 4; ++i) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i)));
+    r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));  // bf16 = the high half of an fp32
+  }
+}
+
+template <typename T, int G>
+void chunk_avx512_d64(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t j1, const T* q, const T* k,
+                      const T* v, const int32_t* tables, float* part, std::vector<float>& buf) {
+  using Q = typename QRow<T>::type;
+  constexpr int64_t D = 64;
+  const int64_t m = j1 - j0;
+  buf.resize(static_cast<size_t>(G * m + 16));
+  float* scores = buf.data();
+  const int32_t* table = tables + b * s.P;
+  const T* kh_base = k + kh * s.ks1;
+  auto krow = [&](int64_t slot) { return kh_base + slot * s.ks0; };
+  {
+    Q qr[G];
+    for (int g = 0; g < G; ++g) qr[g] = Q(q + b * s.qs0 + (kh * G + g) * s.qs1);
+    const __m512 scale = _mm512_set1_ps(s.scale);
+    for_blocks(table, s.page_size, j0, j1, krow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1u);
+      for (int g = 0; g < G; ++g) {
+        __m512 d[16];
+        for (int64_t r = 0; r < 16; ++r) d[r] = r < cnt ? qr[g].dot(krow(slot + r)) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores + g * m + (j - j0), keep, _mm512_mul_ps(hsum16(d), scale));
+      }
+    });
+  }
+  float* mxs = part;
+  float* sums = part + G;
+  float* accp = part + 2 * G;
+  for (int g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized)
+    float* sg = scores + g * m;
+    const float mx = max_of(sg, m);
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
+    mxs[g] = mx;
+    sums[g] = sum_of(sg, m);
+  }
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  const T* vh_base = v + kh * s.vs1;
+  auto vrow = [&](int64_t slot) { return vh_base + slot * s.vs0; };
+  for_blocks(table, s.page_size, j0, j1, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+    for (int64_t r = 0; r < cnt; ++r) {
+      __m512 x[4];
+      vrow4(vrow(slot + r), x);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * m + (j - j0) + r]);
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(w, x[i], acc[g][i]);
+      }
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accp + g * D + 16 * i, acc[g][i]);
+}
+#endif  // __AVX512F__
+
+template <typename T>
+using ChunkFn = void (*)(const Shape&, int64_t, int64_t, int64_t, int64_t, const T*, const T*, const T*,
+                         const int32_t*, float*, std::vector<float>&);
+
+template <typename T>
+ChunkFn<T> pick_chunk(const Shape& s) {
+#if defined(__AVX512F__)
+  constexpr bool vec = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                       || std::is_same_v<T, c10::BFloat16>
+#endif
+      ;
+  if constexpr (vec) {
+    if (s.D == 64) {
+      switch (s.G) {
+        case 1: return chunk_avx512_d64<T, 1>;
+        case 2: return chunk_avx512_d64<T, 2>;
+        case 3: return chunk_avx512_d64<T, 3>;
+        case 4: return chunk_avx512_d64<T, 4>;
+        case 5: return chunk_avx512_d64<T, 5>;
+        case 6: return chunk_avx512_d64<T, 6>;
+        default: break;
+      }
+    }
+  }
+#endif
+  return s.D == 64 ? chunk_portable<T, 64> : s.D == 128 ? chunk_portable<T, 128> : chunk_portable<T, 0>;
+}
+
+constexpr int64_t kMinChunk = 256;  // keys: below this a chunk's merge and task overhead outweigh the balance
+
+// How many chunks each (sequence, kv head) task's keys are split into (flash-decoding's split over the
+// context): 1 when there are already at least two tasks per thread; else enough for ~4 tasks per thread,
+// each chunk at least kMinChunk keys. At batch 1 with 3 kv heads on 2 threads, one thread otherwise did
+// two of the three tasks.
+inline int64_t split_of(const Shape& s, int threads) {
+  const int64_t tasks = s.B * s.KVH;
+  return tasks >= 2 * threads ? 1 : (4 * threads + tasks - 1) / tasks;
 }
 
 template <typename T>
@@ -159,10 +332,57 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  auto task = s.D == 64 ? attend_one<T, 64> : s.D == 128 ? attend_one<T, 128> : attend_one<T, 0>;
-  at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
+  const ChunkFn<T> chunk = pick_chunk<T>(s);
+  const int64_t want = split_of(s, at::get_num_threads());
+  std::vector<int64_t> nchunks(s.B), first(s.B + 1, 0);  // per sequence; first: its first task's index
+  for (int64_t b = 0; b < s.B; ++b) {
+    const auto [j0, j1] = visible(s, lp, b);
+    nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
+    first[b + 1] = first[b] + nchunks[b] * s.KVH;
+  }
+  const int64_t PF = part_floats(s);
+  std::vector<float> parts(static_cast<size_t>(first[s.B] * PF));
+  at::parallel_for(0, first[s.B], 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
-    for (int64_t t = lo; t < hi; ++t) task(s, t / s.KVH, t % s.KVH, qp, kp, vp, tp, lp, op, buf);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const int64_t C = nchunks[b], kh = (t - first[b]) / C, c = (t - first[b]) % C;
+      const auto [j0, j1] = visible(s, lp, b);
+      const int64_t m = j1 - j0;
+      // chunk bounds on multiples of kBlock keys (whole runs) but the last
+      const int64_t lo_j = j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock);
+      const int64_t hi_j = c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock;
+      chunk(s, b, kh, lo_j, hi_j, qp, kp, vp, tp, parts.data() + t * PF, buf);
+    }
+  });
+  at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {  // merge a task's chunks
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / s.KVH, kh = t % s.KVH, C = nchunks[b], G = s.G, D = s.D;
+      const float* p0 = parts.data() + (first[b] + kh * C) * PF;
+      for (int64_t g = 0; g < G; ++g) {
+        T* orow = op + b * s.os0 + (kh * G + g) * s.os1;
+        if (C == 1) {  // the common case: no rescaling
+          const float sum = p0[G + g];
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          const float* a = p0 + 2 * G + g * D;
+          for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(a[i] * inv);
+          continue;
+        }
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * PF + g]);
+        float sum = 0.f;
+        std::vector<float> acc(D, 0.f);
+        for (int64_t c = 0; c < C; ++c) {
+          const float* pc = p0 + c * PF;
+          if (pc[G + g] <= 0.f) continue;  // an empty chunk
+          const float w = std::exp(pc[g] - mx);
+          sum += w * pc[G + g];
+          for (int64_t i = 0; i < D; ++i) acc[i] += w * pc[2 * G + g * D + i];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(acc[i] * inv);
+      }
+    }
   });
 }
 
