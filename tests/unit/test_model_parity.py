@@ -50,16 +50,19 @@ def _run(model, kv, chunks):
     """chunks: list of (ids, start_pos, pages, ctx_len) for one flat batch; returns hidden [T, H]."""
     ids = torch.cat([c[0] for c in chunks])
     positions = torch.cat([torch.arange(c[1], c[1] + len(c[0])) for c in chunks])
+    return model(ids, positions, _batch_of(chunks), kv)
+
+
+def _batch_of(chunks) -> AttnBatch:
     cu = [0]
     for c in chunks:
         cu.append(cu[-1] + len(c[0]))
-    batch = AttnBatch(
+    return AttnBatch(
         cu_q=cu,
         context_lens=[c[3] for c in chunks],
         block_tables=[c[2] for c in chunks],
         slot_mapping=torch.cat([_slots(c[2], c[1], c[1] + len(c[0])) for c in chunks]),
     )
-    return model(ids, positions, batch, kv)
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -321,6 +324,39 @@ def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, nam
         n = len(ids) - c
         _assert_close(logits[row : row + n], ref[c:])
         row += n
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_lone_chunk_after_its_prefix_is_two_unmasked_flash_calls_and_exact(synth_models, name, monkeypatch):
+    """A lone multi-token chunk after its prefix (a session's suffix after a prefix hit; the later chunks of
+    a long prompt) on a CPU: two flash calls per layer (the prefix unmasked, its own keys causal) merged by
+    log-sum-exp, no SDPA call, no mask; logits equal to one pass over the whole prompt, with and without
+    a prefix that is not page aligned."""
+    from services.engine.model import llama
+
+    ours, cfg, _ = _models(synth_models, name)
+    flash = [0]
+    real = llama._FLASH_LSE
+    assert real is not None
+
+    def counting(*a, **kw):
+        flash[0] += 1
+        return real(*a, **kw)
+
+    ids, pages = _prompt(45, 3), [5, 0, 9]
+    whole = ours.compute_logits(_run(ours, allocate_kv_cache(cfg, num_pages=12, page_size=PAGE), [(ids, 0, pages, 45)]))
+    for cut in (16, 23, 44 - 1):
+        kv = allocate_kv_cache(cfg, num_pages=12, page_size=PAGE)
+        _run(ours, kv, [(ids[:cut], 0, pages, cut)])
+        plan = llama._AttnPlan(_batch_of([(ids[cut:], cut, pages, 45)]), PAGE, 45 - cut, torch.device("cpu"))
+        assert [g.kind for g in plan.groups] == ["prefix"] and plan.groups[0].prefix == cut
+        sdpa = _count_sdpa(monkeypatch)
+        monkeypatch.setattr(llama, "_FLASH_LSE", counting)
+        h = _run(ours, kv, [(ids[cut:], cut, pages, 45)])
+        monkeypatch.undo()
+        assert (sdpa[0], flash[0]) == (0, 2 * cfg.num_hidden_layers)
+        flash[0] = 0
+        _assert_close(ours.compute_logits(h), whole[cut:])
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

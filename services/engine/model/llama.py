@@ -28,7 +28,9 @@ Design notes
     absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and ``pos(j) <= p``); or *padded* --
     ``[Bp, Qmax]`` queries against ``[Bp, Lmax]`` keys with a per-sequence causal mask (padding rows
     repeat a real query and are dropped). Equal fresh prompts and a lone fresh prompt use ``is_causal``
-    with no mask. The packed mask is ``Tp x Sp``: when that would exceed
+    with no mask; on a CPU, a lone chunk after its prefix (a session's new suffix after a prefix hit, the
+    later chunks of a long prompt) takes two unmasked flash calls merged by log-sum-exp
+    (``Attention._attend_prefix``). The packed mask is ``Tp x Sp``: when that would exceed
     ``MAX_PACKED_SCORES`` (large GPU batches), the prefill sequences are split into as few packed
     groups as keep each under the bound, so memory stays bounded.
 
@@ -244,10 +246,29 @@ class Attention(nn.Module):
         # checks), measured 10x slower at 512 tokens than the flash kernel a 4-D call gets
         kc = layer_k.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]  # [1, KVH, S, D]
         vc = layer_v.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]
+        if g.kind == "prefix":
+            return self._attend_prefix(q.transpose(0, 1)[None], kc, vc, g.prefix)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kc, vc, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=gqa
         )
         return o[0].transpose(0, 1)
+
+
+    def _attend_prefix(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: int) -> torch.Tensor:
+        """A chunk's ``[1, H, Q, D]`` queries against ``[1, KVH, p + Q, D]`` keys, the last ``Q`` its own:
+        attention over the ``p`` earlier keys (all visible, no mask) and over its own keys (plain causal)
+        by two flash calls, merged by their log-sum-exps -- the split-softmax identity of FlashAttention
+        (Dao et al., NeurIPS'22, §3.1): with ``a = sigmoid(lse_1 - lse_2)``, the softmax over both key sets
+        is ``a * o_1 + (1 - a) * o_2``. The one masked call it replaces reads a ``Q x (p + Q)`` boolean mask
+        per layer (converted to an additive one) and computes every masked block: measured at ``Q`` 512,
+        ``p + Q`` 2,048, bf16, 2 threads: 5.8 -> 4.0 ms per layer. CPU only (the flash kernel that returns
+        the log-sum-exp). Returns ``[Q, H, D]``; reads only."""
+        flash = _FLASH_LSE
+        o1, l1 = flash(q, kc[:, :, :p], vc[:, :, :p], 0.0, False, scale=self.scale)
+        o2, l2 = flash(q, kc[:, :, p:], vc[:, :, p:], 0.0, True, scale=self.scale)
+        a = torch.sigmoid(l1 - l2).unsqueeze(-1)  # float32 [1, H, Q, 1]
+        o = torch.lerp(o2.float(), o1.float(), a)
+        return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -352,19 +373,22 @@ class _Backbone(nn.Module):
 
 class _Group:
     """The queries of one attention call (see module notes). ``kind``: ``decode`` (one query per
-    sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask) or
-    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask). ``q_index``: flat
+    sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask),
+    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask) or ``prefix`` (one
+    sequence's chunk after ``prefix`` earlier keys: no mask, see ``_attend_prefix``). ``q_index``: flat
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
     CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
     context lengths [B], page_size, window or 0)``."""
 
-    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged")
+    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged", "prefix")
 
     def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor | None, mask: torch.Tensor | None,
-                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None, paged: tuple | None = None) -> None:
+                 q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None, paged: tuple | None = None,
+                 prefix: int = 0) -> None:
         self.kind, self.q_index, self.slots, self.mask, self.q_src, self.out_pos = kind, q_index, slots, mask, q_src, out_pos
         self.paged = paged
+        self.prefix = prefix  # kind "prefix": keys before the chunk's own (the chunk's queries see them all)
 
 
 class _AttnPlan:
@@ -452,6 +476,8 @@ def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[li
 
 
 PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
+# the CPU flash kernel that also returns the log-sum-exp (``_attend_prefix``); None: a masked call instead
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _prefill_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Group:
@@ -460,6 +486,13 @@ def _prefill_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Gr
     lens = [ctx[i] for i in rows]
     q_lens = [cu[i + 1] - cu[i] for i in rows]
     layout = PREFILL_LAYOUT
+    if (
+        layout in ("auto", "prefix") and len(rows) == 1 and q_lens[0] < lens[0] and device.type == "cpu"
+        and (window is None or lens[0] <= window) and _FLASH_LSE is not None
+    ):  # one chunk after its prefix (a session's new suffix, a later chunk of a long prompt)
+        return _prefix_group(rows, q_lens, lens, cu, tables, page_size, device)
+    if layout == "prefix":
+        layout = "auto"
     if layout == "auto":
         layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
     if layout == "padded":
@@ -484,6 +517,12 @@ def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None
             mask &= k > q_pos[:, :, None] - window
         mask = mask[:, None]
     return _Group("padded", q_index, slots, mask, q_src, out_pos)
+
+
+def _prefix_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    slots = _page_slots([tables[rows[0]]], lens, page_size, device)[0]
+    q_index = torch.arange(cu[rows[0]], cu[rows[0] + 1], dtype=torch.long, device=device)
+    return _Group("prefix", q_index, slots, None, prefix=lens[0] - q_lens[0])
 
 
 def _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window=None) -> _Group:
