@@ -12,7 +12,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,7 +62,7 @@ class EngineConfig(_Strict):
     paged_decode: Literal["auto", "off"] = Field("auto", description="CPU engine (hot, and every model of a cold one): decode attention by the paged kernel (services/engine/model/paged_attn.py, a C++ extension built on first use and cached; reads K/V in place through the block tables) instead of gather + SDPA; auto = use it when it builds (else one warning and gather + SDPA), off = gather + SDPA")
     fused_ops: Literal["auto", "off"] = Field("auto", description="CPU engine: RMSNorm (with the residual add), SiLU*up and RoPE as one-pass C++ ops (services/engine/model/fused_ops.py, in the paged-attention extension) instead of eager PyTorch's 4-6 kernels each; auto = use them when the extension builds, off = eager ops")
     small_step_threads: int | None = Field(None, ge=1, description="CPU engine (hot or cold): intra-op threads for a step of at most 64 tokens (a decode step: ~150 short parallel regions, each ending at a team barrier); larger steps use torch_threads; None = torch_threads for every step")
-    omp_spin_count: int = Field(1000, ge=0, description="CPU engine: how long a torch (libgomp OpenMP) thread spins at a barrier before it sleeps, set as GOMP_SPINCOUNT in the engine process before torch loads (an environment value wins). 1000 = robust on cores shared with other busy processes; 300000 (libgomp's own default) = fastest on cores the engine owns (measured 8-stream decode 172 -> 251 tok/s quiet, but 7 tok/s beside a busy process). See services/engine/README.md, Threads")
+    omp_spin_count: Annotated[int, Field(ge=0)] | Literal["auto"] = Field("auto", description="CPU engine: how long a torch (libgomp OpenMP) thread spins at a barrier before it sleeps, set as GOMP_SPINCOUNT in the engine process before torch loads (an environment value wins). 1000 = robust on cores shared with other busy processes; 300000 (libgomp's own default) = fastest on cores the engine owns (measured 8-stream decode 172 -> 251 tok/s quiet, but 7 tok/s beside a busy process); auto (default) = 300000 when this is the stack's only CPU engine, else 1000 (several engines of one stack share the host's cores). See services/engine/README.md, Threads")
     packed_weights: bool | None = Field(None, description="hot CPU engine: prepack the linear weights for oneDNN (services/engine/model/packed.py; one extra copy of them); None => on for bfloat16, where it measured 1.3-2x per decode step")
     # cold pool (services/engine/cold.py, substrate/): the arena and D2D staging; a hot engine ignores these
     arena_mb: int | None = Field(None, ge=1, description="cold: arena size; None => largest catalog model + kv_cache_mb + runtime_mb (CPU) or arena_fraction of free memory (CUDA)")

@@ -146,6 +146,20 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
     return True
 
 
+OWNED_SPIN = 300_000  # libgomp's own default: the team spins through the ~150 barriers of a decode step
+SHARED_SPIN = 1_000  # sleeps soon: a descheduled team member does not cost the others a time slice per barrier
+
+
+def spin_count_for(stack: StackConfig, cfg: EngineConfig) -> int:
+    """``cfg.omp_spin_count``, with ``auto`` resolved: the fast spin when this is the stack's only CPU engine
+    (it owns the host's cores, as a one-engine node does), the robust one when several CPU engines of the stack
+    share them (README, Threads: a spinning team collapses beside busy work). Pure."""
+    if cfg.omp_spin_count != "auto":
+        return int(cfg.omp_spin_count)
+    cpu_engines = [e for e in stack.engines if not e.device.startswith("cuda")]
+    return OWNED_SPIN if len(cpu_engines) <= 1 else SHARED_SPIN
+
+
 def omp_spin_count(count: int) -> None:
     """Set ``GOMP_SPINCOUNT`` (mutates ``os.environ``) for the OpenMP runtime torch loads, unless the
     environment already sets it or ``OMP_WAIT_POLICY``; libgomp reads it once, when torch is first imported,
@@ -197,7 +211,7 @@ async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyn
     # the default 5 ms switch interval for it. 0.5 ms bounds that wait (see streaming.py).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-    omp_spin_count(cfg.omp_spin_count)
+    omp_spin_count(spin_count_for(stack, cfg))
     # one Telemetry for the process: the service's call spans and the host KV tier's spans share it
     tel = otel.setup("talaria-engine", cfg.id, stack.telemetry, stack.namespace)
     try:

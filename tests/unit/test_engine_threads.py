@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from services.engine.main import in_own_thread, omp_spin_count
+from services.engine.main import OWNED_SPIN, SHARED_SPIN, in_own_thread, omp_spin_count, spin_count_for
+from talaria.config import EngineConfig, StackConfig
 
 CHECK = """
 import os, sys
@@ -32,6 +33,23 @@ def test_spin_count_is_set_before_torch_loads_and_the_environment_wins():
     assert _run({}) == "4321 False"  # importing services.engine.main does not import torch
     assert _run({"GOMP_SPINCOUNT": "77"}) == "77 False"
     assert _run({"OMP_WAIT_POLICY": "PASSIVE"}) == "None False"
+
+
+def test_auto_spin_is_fast_only_for_a_stacks_only_cpu_engine():
+    """``omp_spin_count: auto`` (the default): the libgomp spin for the stack's only CPU engine, the robust
+    one when several CPU engines share the host; an explicit count always wins."""
+    one = StackConfig(engines=[EngineConfig(id="a", models=["m"])])
+    assert spin_count_for(one, one.engines[0]) == OWNED_SPIN == 300_000
+    gpu_too = StackConfig(engines=[EngineConfig(id="a", models=["m"]), EngineConfig(id="g", models=["m"], device="cuda:0")])
+    assert spin_count_for(gpu_too, gpu_too.engines[0]) == OWNED_SPIN
+    default = StackConfig()  # the embedded stack: a hot and a cold CPU engine
+    assert [spin_count_for(default, e) for e in default.engines] == [SHARED_SPIN] * 2 == [1000] * 2
+    pinned = StackConfig(engines=[EngineConfig(id="a", models=["m"], omp_spin_count=30_000), EngineConfig(id="b", models=["m"])])
+    assert spin_count_for(pinned, pinned.engines[0]) == 30_000
+    with pytest.raises(ValueError):
+        EngineConfig(id="a", models=["m"], omp_spin_count=-1)
+    with pytest.raises(ValueError):
+        EngineConfig(id="a", models=["m"], omp_spin_count="fast")
 
 
 def test_spin_count_after_torch_was_imported_only_warns(monkeypatch, caplog):
