@@ -107,6 +107,19 @@ struct Shape {
 // by the usual rescaling (merge_parts); a task with one chunk just divides.
 inline int64_t part_floats(const Shape& s) { return s.G * (s.D + 2); }
 
+// Numerically stable softmax weights, unnormalized, in place: row g of the [G][m] scores becomes
+// exp(score - max); its max and its sum of weights go to mxs[g] and sums[g].
+inline void softmax_weights(float* scores, int64_t G, int64_t m, float* mxs, float* sums) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * m;
+    const float mx = max_of(sg, m);
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
+    mxs[g] = mx;
+    sums[g] = sum_of(sg, m);
+  }
+}
+
 // The visible keys [start, n) of sequence b.
 inline std::pair<int64_t, int64_t> visible(const Shape& s, const int32_t* lens, int64_t b) {
   const int64_t n = lens[b];
@@ -142,14 +155,7 @@ void chunk_portable(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t j
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < cnt; ++r) scores[g * m + (j - j0) + r] = dot(qf + g * D, rows + r * D, D);
   });
-  for (int64_t g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized)
-    float* sg = scores + g * m;
-    const float mx = max_of(sg, m);
-#pragma omp simd
-    for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
-    mxs[g] = mx;
-    sums[g] = sum_of(sg, m);
-  }
+  softmax_weights(scores, G, m, mxs, sums);
   const T* vh_base = v + kh * s.vs1;
   auto vrow = [&](int64_t slot) { return vh_base + slot * s.vs0; };
   for_blocks(table, s.page_size, j0, j1, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {  // V sum
@@ -255,14 +261,7 @@ void chunk_avx512_d64(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t
   float* mxs = part;
   float* sums = part + G;
   float* accp = part + 2 * G;
-  for (int g = 0; g < G; ++g) {  // numerically stable softmax weights (unnormalized)
-    float* sg = scores + g * m;
-    const float mx = max_of(sg, m);
-#pragma omp simd
-    for (int64_t j = 0; j < m; ++j) sg[j] = talaria_cpu::exp_clamped(sg[j] - mx);
-    mxs[g] = mx;
-    sums[g] = sum_of(sg, m);
-  }
+  softmax_weights(scores, G, m, mxs, sums);
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
