@@ -322,6 +322,36 @@ inline int64_t split_of(const Shape& s, int threads) {
   return tasks >= 2 * threads ? 1 : (4 * threads + tasks - 1) / tasks;
 }
 
+// The output rows of task (b, kh) from its C chunk parts (PF floats apart): one chunk is divided by its sum;
+// several are rescaled to their common max first. Writes only those G output rows.
+template <typename T>
+void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t b, int64_t kh, T* op) {
+  const int64_t G = s.G, D = s.D;
+  for (int64_t g = 0; g < G; ++g) {
+    T* orow = op + b * s.os0 + (kh * G + g) * s.os1;
+    if (C == 1) {  // the common case: no rescaling
+      const float sum = p0[G + g];
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float* a = p0 + 2 * G + g * D;
+      for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(a[i] * inv);
+      continue;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * PF + g]);
+    float sum = 0.f;
+    std::vector<float> acc(D, 0.f);
+    for (int64_t c = 0; c < C; ++c) {
+      const float* pc = p0 + c * PF;
+      if (pc[G + g] <= 0.f) continue;  // an empty chunk
+      const float w = std::exp(pc[g] - mx);
+      sum += w * pc[G + g];
+      for (int64_t i = 0; i < D; ++i) acc[i] += w * pc[2 * G + g * D + i];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(acc[i] * inv);
+  }
+}
+
 template <typename T>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
          const at::Tensor& lens, at::Tensor& out) {
@@ -340,47 +370,39 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     first[b + 1] = first[b] + nchunks[b] * s.KVH;
   }
   const int64_t PF = part_floats(s);
+  auto bounds = [&](int64_t b, int64_t c) {  // chunk c of sequence b: on multiples of kBlock keys but the last
+    const int64_t C = nchunks[b];
+    const auto [j0, j1] = visible(s, lp, b);
+    const int64_t m = j1 - j0;
+    return std::pair<int64_t, int64_t>{j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock),
+                                       c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
+  };
+  if (first[s.B] == s.B * s.KVH) {  // no split: each task finishes its own output (one parallel region)
+    at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> buf, part(static_cast<size_t>(PF));
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t b = t / s.KVH, kh = t % s.KVH;
+        const auto [lo_j, hi_j] = bounds(b, 0);
+        chunk(s, b, kh, lo_j, hi_j, qp, kp, vp, tp, part.data(), buf);
+        finish_task(s, part.data(), 1, PF, b, kh, op);
+      }
+    });
+    return;
+  }
   std::vector<float> parts(static_cast<size_t>(first[s.B] * PF));
   at::parallel_for(0, first[s.B], 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const int64_t C = nchunks[b], kh = (t - first[b]) / C, c = (t - first[b]) % C;
-      const auto [j0, j1] = visible(s, lp, b);
-      const int64_t m = j1 - j0;
-      // chunk bounds on multiples of kBlock keys (whole runs) but the last
-      const int64_t lo_j = j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock);
-      const int64_t hi_j = c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock;
+      const auto [lo_j, hi_j] = bounds(b, c);
       chunk(s, b, kh, lo_j, hi_j, qp, kp, vp, tp, parts.data() + t * PF, buf);
     }
   });
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {  // merge a task's chunks
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / s.KVH, kh = t % s.KVH, C = nchunks[b], G = s.G, D = s.D;
-      const float* p0 = parts.data() + (first[b] + kh * C) * PF;
-      for (int64_t g = 0; g < G; ++g) {
-        T* orow = op + b * s.os0 + (kh * G + g) * s.os1;
-        if (C == 1) {  // the common case: no rescaling
-          const float sum = p0[G + g];
-          const float inv = sum > 0.f ? 1.f / sum : 0.f;
-          const float* a = p0 + 2 * G + g * D;
-          for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(a[i] * inv);
-          continue;
-        }
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * PF + g]);
-        float sum = 0.f;
-        std::vector<float> acc(D, 0.f);
-        for (int64_t c = 0; c < C; ++c) {
-          const float* pc = p0 + c * PF;
-          if (pc[G + g] <= 0.f) continue;  // an empty chunk
-          const float w = std::exp(pc[g] - mx);
-          sum += w * pc[G + g];
-          for (int64_t i = 0; i < D; ++i) acc[i] += w * pc[2 * G + g * D + i];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<T>(acc[i] * inv);
-      }
+      const int64_t b = t / s.KVH, kh = t % s.KVH;
+      finish_task(s, parts.data() + (first[b] + kh * nchunks[b]) * PF, nchunks[b], PF, b, kh, op);
     }
   });
 }
