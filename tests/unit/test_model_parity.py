@@ -295,12 +295,29 @@ def _count_sdpa(monkeypatch) -> list[int]:
     return calls
 
 
+def _count_flash(monkeypatch) -> list[int]:
+    """Count calls of the CPU flash kernel with log-sum-exp (``rows`` groups) made by the model."""
+    from services.engine.model import llama
+
+    calls = [0]
+    real = llama._FLASH_LSE
+    assert real is not None
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llama, "_FLASH_LSE", counting)
+    return calls
+
+
 @pytest.mark.parametrize("layout", ["auto", "packed", "padded"])
 @pytest.mark.parametrize("name", ARCHS)
-def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, name, layout, monkeypatch):
-    """Decodes + several prefill chunks (fresh, cached-prefix continuation, 1-token chunk) in ONE forward:
-    at most two attention calls per layer (single-token group + packed multi-token group), and every
-    row equal to running that sequence alone."""
+def test_mixed_step_attention_calls_per_layer_and_exact(synth_models, name, layout, monkeypatch):
+    """Decodes + several prefill chunks (fresh, cached-prefix continuation, 1-token chunk) in ONE forward,
+    every row equal to running that sequence alone. Attention calls per layer: packed / padded, two (the
+    single-token group + one masked multi-token call); auto on a CPU, the single-token call + the ``rows``
+    group's flash calls (one per fresh prompt, two per chunk after a prefix), no mask."""
     from services.engine.model import llama
 
     monkeypatch.setattr(llama, "PREFILL_LAYOUT", layout)
@@ -314,10 +331,13 @@ def test_mixed_step_is_two_attention_calls_per_layer_and_exact(synth_models, nam
         solo.append(ours.compute_logits(_run(ours, kv, [(ids, 0, pages, len(ids))])))
     kv = allocate_kv_cache(cfg, num_pages=24, page_size=PAGE)
     _run(ours, kv, [(ids[:c], 0, pages, c) for ids, c, pages in zip(seqs, cached, tables) if c])
-    calls = _count_sdpa(monkeypatch)
+    calls, flash = _count_sdpa(monkeypatch), _count_flash(monkeypatch)
     # seq 2 and 3 decode (1 new token: 17->18, 32->33), 0 and 4 are fresh prefills, 1 continues a prefix
     h = _run(ours, kv, [(ids[c:], c, pages, len(ids)) for ids, c, pages in zip(seqs, cached, tables)])
-    assert calls[0] == 2 * cfg.num_hidden_layers
+    if layout == "auto":
+        assert (calls[0], flash[0]) == (cfg.num_hidden_layers, (1 + 2 + 1) * cfg.num_hidden_layers)
+    else:
+        assert (calls[0], flash[0]) == (2 * cfg.num_hidden_layers, 0)
     logits = ours.compute_logits(h)
     row = 0
     for ids, c, ref in zip(seqs, cached, solo):
@@ -335,27 +355,17 @@ def test_lone_chunk_after_its_prefix_is_two_unmasked_flash_calls_and_exact(synth
     from services.engine.model import llama
 
     ours, cfg, _ = _models(synth_models, name)
-    flash = [0]
-    real = llama._FLASH_LSE
-    assert real is not None
-
-    def counting(*a, **kw):
-        flash[0] += 1
-        return real(*a, **kw)
-
     ids, pages = _prompt(45, 3), [5, 0, 9]
     whole = ours.compute_logits(_run(ours, allocate_kv_cache(cfg, num_pages=12, page_size=PAGE), [(ids, 0, pages, 45)]))
     for cut in (16, 23, 44 - 1):
         kv = allocate_kv_cache(cfg, num_pages=12, page_size=PAGE)
         _run(ours, kv, [(ids[:cut], 0, pages, cut)])
         plan = llama._AttnPlan(_batch_of([(ids[cut:], cut, pages, 45)]), PAGE, 45 - cut, torch.device("cpu"))
-        assert [g.kind for g in plan.groups] == ["prefix"] and plan.groups[0].prefix == cut
-        sdpa = _count_sdpa(monkeypatch)
-        monkeypatch.setattr(llama, "_FLASH_LSE", counting)
+        assert [g.kind for g in plan.groups] == ["rows"] and plan.groups[0].rows == ((45 - cut, 45),)
+        sdpa, flash = _count_sdpa(monkeypatch), _count_flash(monkeypatch)
         h = _run(ours, kv, [(ids[cut:], cut, pages, 45)])
         monkeypatch.undo()
         assert (sdpa[0], flash[0]) == (0, 2 * cfg.num_hidden_layers)
-        flash[0] = 0
         _assert_close(ours.compute_logits(h), whole[cut:])
 
 
@@ -464,9 +474,10 @@ def test_engine_config_defaults_auto_dtype_and_all_cores():
 
 def test_packed_prefill_splits_into_bounded_groups_and_stays_exact(synth_models, monkeypatch):
     """A bound on the packed mask (MAX_PACKED_SCORES) splits the prefill sequences into several packed
-    calls; results are unchanged."""
+    calls; results are unchanged. (The packed layout: on a CPU, ``auto`` takes per-sequence flash calls.)"""
     from services.engine.model import llama
 
+    monkeypatch.setattr(llama, "PREFILL_LAYOUT", "packed")
     ours, cfg, _ = _models(synth_models, "tiny-llama")
     seqs = [_prompt(n, 60 + n) for n in (30, 20, 25)]
     tables = [[0, 1], [2, 3], [4, 5]]

@@ -16,7 +16,8 @@ Design notes
 * ``forward`` runs a *flat* batch (see :mod:`services.engine.model.batch`). All linear layers, norms and
   RoPE run on the whole ``[T, ...]`` flat batch. Attention is batched too (Talaria issue 20 §2, the
   varlen "packed" prefill of FlashAttention-2 §3 / vLLM's chunked prefill): a step has at most two
-  attention calls per layer, whatever its number of sequences:
+  attention groups per layer, whatever its number of sequences (on a CPU, the multi-token group may make
+  one or two flash calls per sequence, see *rows* below):
 
   - *single-token queries* (decodes, and 1-token prefill chunks): on a CPU with the paged decode kernel
     (``paged_attn.py``, ``LlamaForCausalLM.paged_decode``), one call reading the context K/V in place
@@ -28,9 +29,10 @@ Design notes
     absolute position ``p`` sees key ``j`` iff ``seq(j) == i`` and ``pos(j) <= p``); or *padded* --
     ``[Bp, Qmax]`` queries against ``[Bp, Lmax]`` keys with a per-sequence causal mask (padding rows
     repeat a real query and are dropped). Equal fresh prompts and a lone fresh prompt use ``is_causal``
-    with no mask; on a CPU, a lone chunk after its prefix (a session's new suffix after a prefix hit, the
-    later chunks of a long prompt) takes two unmasked flash calls merged by log-sum-exp
-    (``Attention._attend_prefix``). The packed mask is ``Tp x Sp``: when that would exceed
+    with no mask. On a CPU every other group of at most ``MAX_ROW_CALLS`` sequences is *rows*: per
+    sequence, a causal flash call over a fresh prompt, or two unmasked flash calls over a chunk after its
+    prefix (a session's new suffix after a prefix hit, the later chunks of a long prompt) merged by
+    log-sum-exp (``Attention._attend_rows``): no mask, no block computed for another sequence. The packed mask is ``Tp x Sp``: when that would exceed
     ``MAX_PACKED_SCORES`` (large GPU batches), the prefill sequences are split into as few packed
     groups as keep each under the bound, so memory stays bounded.
 
@@ -246,29 +248,38 @@ class Attention(nn.Module):
         # checks), measured 10x slower at 512 tokens than the flash kernel a 4-D call gets
         kc = layer_k.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]  # [1, KVH, S, D]
         vc = layer_v.index_select(0, g.slots).transpose(0, 1).to(q.dtype)[None]
-        if g.kind == "prefix":
-            return self._attend_prefix(q.transpose(0, 1)[None], kc, vc, g.prefix)
+        if g.kind == "rows":
+            return self._attend_rows(q, kc, vc, g.rows)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kc, vc, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=gqa
         )
         return o[0].transpose(0, 1)
 
 
-    def _attend_prefix(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: int) -> torch.Tensor:
-        """A chunk's ``[1, H, Q, D]`` queries against ``[1, KVH, p + Q, D]`` keys, the last ``Q`` its own:
-        attention over the ``p`` earlier keys (all visible, no mask) and over its own keys (plain causal)
-        by two flash calls, merged by their log-sum-exps -- the split-softmax identity of FlashAttention
-        (Dao et al., NeurIPS'22, §3.1): with ``a = sigmoid(lse_1 - lse_2)``, the softmax over both key sets
-        is ``a * o_1 + (1 - a) * o_2``. The one masked call it replaces reads a ``Q x (p + Q)`` boolean mask
-        per layer (converted to an additive one) and computes every masked block: measured at ``Q`` 512,
-        ``p + Q`` 2,048, bf16, 2 threads: 5.8 -> 4.0 ms per layer. CPU only (the flash kernel that returns
-        the log-sum-exp). Returns ``[Q, H, D]``; reads only."""
-        flash = _FLASH_LSE
-        o1, l1 = flash(q, kc[:, :, :p], vc[:, :, :p], 0.0, False, scale=self.scale)
-        o2, l2 = flash(q, kc[:, :, p:], vc[:, :, p:], 0.0, True, scale=self.scale)
-        a = torch.sigmoid(l1 - l2).unsqueeze(-1)  # float32 [1, H, Q, 1]
-        o = torch.lerp(o2.float(), o1.float(), a)
-        return o[0].transpose(0, 1).to(q.dtype)
+    def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: tuple) -> torch.Tensor:
+        """The group's ``[Tg, H, D]`` queries, sequence after sequence (``rows``: new tokens and context length
+        of each), against their own contexts, packed in ``[1, KVH, sum(ctx), D]`` keys: per sequence, one
+        causal flash call over a fresh prompt, or two over a chunk after ``p`` earlier keys -- those keys all
+        visible (no mask) and the chunk's own causal -- merged by their log-sum-exps, the split-softmax
+        identity of FlashAttention (Dao et al., NeurIPS'22, §3.1): with ``a = sigmoid(lse_1 - lse_2)``, the
+        softmax over both key sets is ``a * o_1 + (1 - a) * o_2``. The one masked call over the packed
+        contexts it replaces reads a ``Tg x sum(ctx)`` boolean mask per layer and computes every block, also
+        the other sequences' (at one chunk of 512 after 1,536 keys, bf16, 2 threads: 5.8 -> 4.0 ms per
+        layer). CPU only (the flash kernel that returns the log-sum-exp). Returns ``[Tg, H, D]``; reads only."""
+        flash, outs, qa, ka = _FLASH_LSE, [], 0, 0
+        for n_q, n in rows:
+            qr = q[qa : qa + n_q].transpose(0, 1)[None]
+            kr, vr = kc[:, :, ka : ka + n], vc[:, :, ka : ka + n]
+            p = n - n_q
+            if p == 0:
+                o = flash(qr, kr, vr, 0.0, True, scale=self.scale)[0]
+            else:
+                o1, l1 = flash(qr, kr[:, :, :p], vr[:, :, :p], 0.0, False, scale=self.scale)
+                o2, l2 = flash(qr, kr[:, :, p:], vr[:, :, p:], 0.0, True, scale=self.scale)
+                o = torch.lerp(o2.float(), o1.float(), torch.sigmoid(l1 - l2).unsqueeze(-1)).to(q.dtype)
+            outs.append(o[0].transpose(0, 1))
+            qa, ka = qa + n_q, ka + n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -374,21 +385,22 @@ class _Backbone(nn.Module):
 class _Group:
     """The queries of one attention call (see module notes). ``kind``: ``decode`` (one query per
     sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask),
-    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask) or ``prefix`` (one
-    sequence's chunk after ``prefix`` earlier keys: no mask, see ``_attend_prefix``). ``q_index``: flat
+    ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask) or ``rows`` (each
+    sequence's chunk against its own context, no mask, see ``_attend_rows``; ``slots`` packed as for
+    ``packed``). ``q_index``: flat
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
     CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
     context lengths [B], page_size, window or 0)``."""
 
-    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged", "prefix")
+    __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged", "rows")
 
     def __init__(self, kind: str, q_index: torch.Tensor, slots: torch.Tensor | None, mask: torch.Tensor | None,
                  q_src: torch.Tensor | None = None, out_pos: torch.Tensor | None = None, paged: tuple | None = None,
-                 prefix: int = 0) -> None:
+                 rows: tuple = ()) -> None:
         self.kind, self.q_index, self.slots, self.mask, self.q_src, self.out_pos = kind, q_index, slots, mask, q_src, out_pos
         self.paged = paged
-        self.prefix = prefix  # kind "prefix": keys before the chunk's own (the chunk's queries see them all)
+        self.rows = rows  # kind "rows": (new tokens, context length) per sequence, in order
 
 
 class _AttnPlan:
@@ -456,6 +468,7 @@ def _decode_group(rows, cu, ctx, tables, page_size, device, window=None, kernel=
     return _Group("decode", q_index, slots, mask)
 
 
+MAX_ROW_CALLS = 8  # a "rows" group: at most this many sequences (each costs 1-2 flash calls per layer)
 MAX_PACKED_SCORES = 1 << 25  # Tp x Sp mask entries of one packed prefill group (32 Mi)
 
 
@@ -476,7 +489,7 @@ def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[li
 
 
 PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
-# the CPU flash kernel that also returns the log-sum-exp (``_attend_prefix``); None: a masked call instead
+# the CPU flash kernel that also returns the log-sum-exp (``_attend_rows``); None: masked calls instead
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -486,12 +499,13 @@ def _prefill_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Gr
     lens = [ctx[i] for i in rows]
     q_lens = [cu[i + 1] - cu[i] for i in rows]
     layout = PREFILL_LAYOUT
+    fresh_equal = all(q == n for q, n in zip(q_lens, lens)) and len(set(q_lens)) == 1  # plain causal: no mask
     if (
-        layout in ("auto", "prefix") and len(rows) == 1 and q_lens[0] < lens[0] and device.type == "cpu"
-        and (window is None or lens[0] <= window) and _FLASH_LSE is not None
-    ):  # one chunk after its prefix (a session's new suffix, a later chunk of a long prompt)
-        return _prefix_group(rows, q_lens, lens, cu, tables, page_size, device)
-    if layout == "prefix":
+        layout in ("auto", "rows") and not fresh_equal and len(rows) <= MAX_ROW_CALLS and device.type == "cpu"
+        and (window is None or max(lens) <= window) and _FLASH_LSE is not None
+    ):  # chunks after their prefixes, or prompts of different lengths: per-sequence flash calls, no mask
+        return _rows_group(rows, q_lens, lens, cu, tables, page_size, device)
+    if layout == "rows":
         layout = "auto"
     if layout == "auto":
         layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
@@ -519,10 +533,11 @@ def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None
     return _Group("padded", q_index, slots, mask, q_src, out_pos)
 
 
-def _prefix_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
-    slots = _page_slots([tables[rows[0]]], lens, page_size, device)[0]
-    q_index = torch.arange(cu[rows[0]], cu[rows[0] + 1], dtype=torch.long, device=device)
-    return _Group("prefix", q_index, slots, None, prefix=lens[0] - q_lens[0])
+def _rows_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
+    valid = torch.arange(padded.shape[1], device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
+    return _Group("rows", q_index, padded[valid], None, rows=tuple(zip(q_lens, lens)))
 
 
 def _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window=None) -> _Group:
