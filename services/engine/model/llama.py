@@ -255,7 +255,6 @@ class Attention(nn.Module):
         )
         return o[0].transpose(0, 1)
 
-
     def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: tuple) -> torch.Tensor:
         """The group's ``[Tg, H, D]`` queries, sequence after sequence (``rows``: new tokens and context length
         of each), against their own contexts, packed in ``[1, KVH, sum(ctx), D]`` keys: per sequence, one
@@ -488,7 +487,7 @@ def _split_packed(rows: list[int], q_lens: list[int], ctx: list[int]) -> list[li
     return parts
 
 
-PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto" takes the smaller score area
+PREFILL_LAYOUT = "auto"  # "packed" | "padded" force one layout (tests); "auto": rows on a CPU (_prefill_group), else the smaller score area
 # the CPU flash kernel that also returns the log-sum-exp (``_attend_rows``); None: masked calls instead
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -501,12 +500,10 @@ def _prefill_group(rows, cu, ctx, tables, page_size, device, window=None) -> _Gr
     layout = PREFILL_LAYOUT
     fresh_equal = all(q == n for q, n in zip(q_lens, lens)) and len(set(q_lens)) == 1  # plain causal: no mask
     if (
-        layout in ("auto", "rows") and not fresh_equal and len(rows) <= MAX_ROW_CALLS and device.type == "cpu"
+        layout == "auto" and not fresh_equal and len(rows) <= MAX_ROW_CALLS and device.type == "cpu"
         and (window is None or max(lens) <= window) and _FLASH_LSE is not None
     ):  # chunks after their prefixes, or prompts of different lengths: per-sequence flash calls, no mask
         return _rows_group(rows, q_lens, lens, cu, tables, page_size, device)
-    if layout == "rows":
-        layout = "auto"
     if layout == "auto":
         layout = "padded" if len(rows) * max(q_lens) * max(lens) < sum(q_lens) * sum(lens) else "packed"
     if layout == "padded":
@@ -533,19 +530,23 @@ def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None
     return _Group("padded", q_index, slots, mask, q_src, out_pos)
 
 
-def _rows_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+def _packed(rows, lens, cu, tables, page_size, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contexts of ``rows`` packed sequence after sequence (their flat slots), the ``[B, Lmax]`` mask of
+    the padded positions that hold them, and the flat indices of the rows' queries."""
     padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
     valid = torch.arange(padded.shape[1], device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
     q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
-    return _Group("rows", q_index, padded[valid], None, rows=tuple(zip(q_lens, lens)))
+    return padded[valid], valid, q_index
+
+
+def _rows_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
+    slots, _, q_index = _packed(rows, lens, cu, tables, page_size, device)
+    return _Group("rows", q_index, slots, None, rows=tuple(zip(q_lens, lens)))
 
 
 def _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window=None) -> _Group:
-    padded = _page_slots([tables[i] for i in rows], lens, page_size, device)
-    L = padded.shape[1]
-    valid = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
-    slots = padded[valid]  # packed contexts, sequence after sequence
-    q_index = torch.cat([torch.arange(cu[i], cu[i + 1], dtype=torch.long) for i in rows]).to(device)
+    slots, valid, q_index = _packed(rows, lens, cu, tables, page_size, device)
+    L = valid.shape[1]
     mask = None
     if len(rows) > 1 or q_lens[0] != lens[0] or (window is not None and L > window):
         nq, nk = torch.tensor(q_lens, device=device), torch.tensor(lens, device=device)

@@ -5,7 +5,7 @@
 // too few tasks for the threads, see split_of): the G = H / KVH query heads that share kv head h are scored
 // together against each K row, a max-subtracted softmax over the float score buffer (two passes: scores,
 // then weights), and the weighted V rows summed into G float accumulators; a task's chunks are then merged
-// (merge in run). K/V rows are taken in runs within one page (one block-table read per run) and the next
+// (finish_task). K/V rows are taken in runs within one page (one block-table read per run) and the next
 // run's rows are prefetched. Two chunk bodies: AVX-512 intrinsics for head dim 64 (chunk_avx512_d64), and
 // plain C++ loops the compiler vectorizes (OpenMP simd pragmas on the reductions, a polynomial exp) for
 // everything else, correct with or without -march=native and OpenMP (checked with -O2 alone).
@@ -104,7 +104,7 @@ struct Shape {
 
 // One task's result over a chunk of the visible keys, per query head g of its group: the chunk's max score,
 // its sum of exp(score - max) and the V rows weighted by those exps (D floats). A task's chunks are merged
-// by the usual rescaling (merge_parts); a task with one chunk just divides.
+// by the usual rescaling (finish_task); a task with one chunk just divides.
 inline int64_t part_floats(const Shape& s) { return s.G * (s.D + 2); }
 
 // Numerically stable softmax weights, unnormalized, in place: row g of the [G][m] scores becomes
@@ -327,6 +327,7 @@ inline int64_t split_of(const Shape& s, int threads) {
 template <typename T>
 void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t b, int64_t kh, T* op) {
   const int64_t G = s.G, D = s.D;
+  std::vector<float> acc(C == 1 ? 0 : D);  // the rescaled sum (several chunks)
   for (int64_t g = 0; g < G; ++g) {
     T* orow = op + b * s.os0 + (kh * G + g) * s.os1;
     if (C == 1) {  // the common case: no rescaling
@@ -339,7 +340,7 @@ void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < C; ++c) mx = std::max(mx, p0[c * PF + g]);
     float sum = 0.f;
-    std::vector<float> acc(D, 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t c = 0; c < C; ++c) {
       const float* pc = p0 + c * PF;
       if (pc[G + g] <= 0.f) continue;  // an empty chunk
