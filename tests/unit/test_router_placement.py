@@ -441,6 +441,17 @@ def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 4, clock))
     assert (v.inflight, v.running, v.done, v.ended) == (0, 0, {}, {})
+    # another session's call runs (counted by the snapshot); c3 is forwarded and ends before any snapshot:
+    # its late hook must not take the running call off the instance's load
+    gw.on_snapshot(snapshot("a", 5, clock, running=1))
+    gw.on_snapshot(snapshot("b", 3, clock, waiting=5))  # busier: c3 goes to a
+    clock.advance(0.01)
+    assert place(gw, store, "t", rid="c3").instance_id == "a"
+    clock.advance(0.01)
+    gw.call_ended("c3", "a", "t", "m", 700)
+    assert (v.inflight, v.running) == (0, 1)
+    gw.on_hook(hook("a", "t", clock, tokens=688, rid="c3"))
+    assert (v.inflight, v.running) == (0, 1)
 
 
 def test_gateway_engine_restart_drops_sessions_and_leases():
