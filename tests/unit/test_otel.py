@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import socket
-import time
+import threading
 from types import SimpleNamespace
 
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -74,21 +74,66 @@ def test_jsonl_file_export_and_read_back(tmp_path):
     assert outer["attributes"]["gen_ai.response.finish_reasons"] == ["stop"] and outer["resource"]["service.name"] == "talaria-test"
 
 
-def test_dead_otlp_endpoint_costs_callers_nothing():
+class _Stalled(SpanExporter):
+    """A collector that never answers: export blocks until the test releases it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.threads: set[int] = set()
+
+    def export(self, spans):
+        self.threads.add(threading.get_ident())
+        self.entered.set()
+        self.release.wait()
+        return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        pass
+
+
+def _bounded(fn, limit_s: float = 60.0) -> None:
+    """Run fn in a thread; fail (instead of hanging the suite) if it never returns. A hang check, not a speed test."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"{fn.__name__} never returned"
+
+
+def test_a_stalled_collector_costs_callers_nothing():
+    exp = _Stalled()
+    tel = _tel(exp, max_queue_spans=256)
+    callers: set[int] = set()
+
+    def call_spans():
+        callers.add(threading.get_ident())
+        for i in range(3000):  # more than the queue holds: the excess is dropped, never waited for
+            tel.tracer.start_span("call", attributes={"i": i}).end()
+
+    _bounded(call_spans)
+    assert exp.entered.wait(30), "the batch worker never tried to export"
+    # Every span was ended while the only export in progress was still blocked: no caller waited on it.
+    assert not exp.release.is_set() and tel.stats.ended == 3000 and tel.stats.exported == 0
+    assert exp.threads and not (exp.threads & callers), "a caller thread ran the exporter"
+    _bounded(tel.shutdown)  # bounded by export_timeout_s even while the collector never answers
+    exp.release.set()
+
+
+def test_dead_otlp_endpoint_exports_nothing_and_shuts_down():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     tel = _tel(None, otlp_endpoint=f"http://127.0.0.1:{port}", export_timeout_s=0.5, max_queue_spans=256)
     assert tel.destination.startswith("otlp:")
-    t = time.monotonic()
-    for i in range(3000):  # more than the queue holds: the excess is dropped, never waited for
-        tel.tracer.start_span("call", attributes={"i": i}).end()
-    assert time.monotonic() - t < 2.0
-    t = time.monotonic()
-    tel.shutdown()
-    assert time.monotonic() - t < 2.5
-    assert tel.stats.exported == 0 and tel.stats.ended == 3000
+
+    def call_spans():
+        for i in range(1000):
+            tel.tracer.start_span("call", attributes={"i": i}).end()
+
+    _bounded(call_spans)
+    _bounded(tel.shutdown)
+    assert tel.stats.exported == 0 and tel.stats.ended == 1000
 
 
 def test_disabled_is_a_no_op():
