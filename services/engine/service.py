@@ -31,7 +31,7 @@ from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.engine.streaming import coalesce_outputs, next_coalesced
+from services.engine.streaming import ExecutorHold, coalesce_outputs, next_coalesced
 from talaria.tokenizer import SessionTokens, align_to_previous, chat_message_dict
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
@@ -114,6 +114,7 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0, "coalesced_steps": 0}
+        self._hold = ExecutorHold()  # non-streaming calls' outputs merged on the executor thread (issue 20 §5)
         self.rounds_closed = 0  # slot scheduler rounds published on .round
         self.multi = cfg.pool == "cold"  # a cold engine serves several catalog models
         # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
@@ -148,6 +149,7 @@ class EngineService:
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
                 continue
+            outs = self._hold.filter(outs)  # held calls' steps never wake the loop (streaming.ExecutorHold)
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
             recs = self.engine.take_switch_records()
@@ -241,6 +243,8 @@ class EngineService:
         if o.new_token_ids and not call.first_token_at:
             call.first_token_at = now
             call.first_token_ns = time.time_ns()
+            if not call.stream and call.tools is None and not o.finished:
+                self._hold.hold(call.request_id)  # its reader wants the rest at the end: merged on the executor
         chunk = pb.TokenChunk(token_ids=o.new_token_ids, text=o.new_text)
         if o.logprobs:
             self._add_logprobs(chunk, o.logprobs, call.model)
@@ -248,6 +252,7 @@ class EngineService:
             call.token_ids += o.new_token_ids
         if o.finished:
             del self._calls[o.request_id]
+            self._hold.release(o.request_id)
             if call.token_ids is not None and not o.error:
                 self._session_ids.put(call.session_id, call.model, call.token_ids)
             chunk.finished = True
@@ -395,6 +400,7 @@ class EngineService:
         call = self._calls.pop(rid, None)
         if call is None:
             return
+        self._hold.release(rid)
         self.counters["errors"] += 1
         self.tracer.trace(call, reason, None, err.code)
         chunk = pb.TokenChunk(finished=True, finish_reason=reason, error=err.proto())
@@ -545,6 +551,7 @@ class EngineService:
         call = self._calls.pop(rid, None)
         if call is None:
             return
+        self._hold.release(rid)
         self.engine.abort(rid)
         self.counters["aborted"] += 1
         self.tracer.trace(call, "abort", None, "aborted", message=reason)

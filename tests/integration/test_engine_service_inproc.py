@@ -206,10 +206,12 @@ async def test_a_full_engine_still_answers_413_for_a_prompt_that_can_never_fit(s
 async def test_a_non_streaming_call_gets_its_first_token_then_the_rest_in_one_chunk(synth_models, nats_url):
     """Issue 20 #5: GenerateRequest.stream=False (the router reads only the whole answer) -> the first
     token goes out at once (TTFT observable), the others are merged into the finished chunk, logprobs
-    included; the tokens equal a streaming call's, which gets its tokens as they come."""
+    included, on the executor thread (their steps do not wake the loop); the tokens equal a streaming
+    call's, which gets its tokens as they come."""
     eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=128)
     cfg = EngineConfig(id="ns0", models=["tiny-llama"], heartbeat_period_s=5.0)
-    with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+    svc = EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0)
+    with Running(svc, nats_url):
         nc = await connect(nats_url, "test")
         try:
             await until_serving(nc, "ns0")
@@ -219,7 +221,13 @@ async def test_a_non_streaming_call_gets_its_first_token_then_the_rest_in_one_ch
                 req.sampling.logprobs = 1
                 return await _stream(nc, "ns0", req)
 
-            held, streamed = await call(False), await call(True)
+            held = await call(False)
+            # its steps after the first token were merged on the executor thread, never woke the loop (a step
+            # or two may run before the loop marks the call held)
+            assert svc._hold.merged >= 8, svc._hold.merged
+            before = svc._hold.merged
+            streamed = await call(True)
+            assert svc._hold.merged == before  # a streaming call's reader gets its tokens as they come
             tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
             assert tokens(held) == tokens(streamed) and len(tokens(held)) == 12
             assert [len(c.token_ids) for c in held] == [0, 1, 11] and [c.seq for c in held] == [0, 1, 2]

@@ -72,3 +72,38 @@ def test_coalesce_concatenates_logprobs_in_step_order():
     out = coalesce_outputs([[RequestOutput("a", [1], "x", logprobs=[lp(1)])], [RequestOutput("a", [2], "y", logprobs=[lp(2)])],
                             [RequestOutput("b", [3], "z")]])
     assert out[0].logprobs == [lp(1), lp(2)] and out[1].logprobs is None
+
+
+def test_executor_hold_merges_a_held_call_until_it_finishes_and_passes_the_others():
+    from services.engine.streaming import ExecutorHold
+
+    h = ExecutorHold()
+    assert [o.request_id for o in h.filter([RequestOutput("a", [1], "x"), RequestOutput("b", [7], "p")])] == ["a", "b"]
+    h.hold("a")
+    out = h.filter([RequestOutput("a", [2], "y", logprobs=[(2, -0.2, [])]), RequestOutput("b", [8], "q")])
+    assert [o.request_id for o in out] == ["b"] and h.merged == 1  # a's step kept off the loop
+    assert h.filter([RequestOutput("a", [3], "z", logprobs=[(3, -0.3, [])])]) == [] and h.merged == 2
+    usage = Usage(4, 4, 0)
+    (a,) = h.filter([RequestOutput("a", [4], "w", True, FinishReason.LENGTH, usage, logprobs=[(4, -0.4, [])])])
+    assert (a.new_token_ids, a.new_text, a.finished, a.usage) == ([2, 3, 4], "yzw", True, usage)  # in step order
+    assert [e[0] for e in a.logprobs] == [2, 3, 4]
+    h.release("a")
+    assert h.filter([]) == []  # nothing left behind
+
+
+def test_executor_hold_a_released_call_gets_what_was_held_in_order():
+    """The loop forgets a call (abort, deadline, failure) and releases it: what the executor held goes out
+    with its next output, merged in order, or on its own at the next step; nothing is lost or reordered."""
+    from services.engine.streaming import ExecutorHold
+
+    h = ExecutorHold()
+    h.hold("a")
+    h.hold("c")
+    assert h.filter([RequestOutput("a", [1], "x"), RequestOutput("c", [5], "e")]) == []
+    h.release("a")
+    (a,) = h.filter([RequestOutput("a", [2], "y", True, FinishReason.ABORT)])
+    assert (a.new_token_ids, a.new_text, a.finished) == ([1, 2], "xy", True)
+    h.release("c")  # no further output of c comes: it still goes out at the next step
+    (c,) = h.filter([])
+    assert (c.request_id, c.new_token_ids) == ("c", [5])
+    assert h.filter([RequestOutput("c", [6], "f")])[0].new_token_ids == [6]  # no longer held
