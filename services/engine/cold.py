@@ -85,6 +85,7 @@ class ColdEngine:
         residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
         paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
+        prefill_attention: str = "auto",
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -96,6 +97,7 @@ class ColdEngine:
             device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, session_cache_entries=session_cache_entries, clock=clock,
             paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
+            prefill_attention=prefill_attention,
         )
         self.clock = clock
         self.rule = rule or IdleSwitchRule()

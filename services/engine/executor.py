@@ -57,6 +57,7 @@ from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
 from services.engine.model.fused_ops import load_fused_ops
 from services.engine.model.paged_attn import load_kernel
+from services.engine.model.prefill_attn import load_prefill_kernel
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -200,6 +201,7 @@ class Engine:
         paged_decode: str = "auto",
         fused_ops: str = "auto",
         small_step_threads: int | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
         # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
@@ -224,6 +226,7 @@ class Engine:
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
         self.fused_ops = self._fused_ops(fused_ops)  # fused elementwise CPU ops (model/fused_ops.py)
+        self.prefill_attention = self._prefill_attention(prefill_attention)  # the AMX prefill kernel (model/prefill_attn.py)
         self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
@@ -539,6 +542,7 @@ class Engine:
         the CPU kernels this engine chose (``paged_decode``, ``fused_ops``) go with it. Mutates ``self.model``
         and the new model's kernel attributes; the caller holds no step in flight."""
         model.paged_decode = self.model.paged_decode
+        model.prefill_attention = self.model.prefill_attention
         model.use_fused_ops(self.model.fused_ops)
         self.model = model
 
@@ -550,6 +554,17 @@ class Engine:
             raise ValueError(f"paged_decode must be 'auto' or 'off', got {mode!r}")
         kernel = load_kernel() if mode == "auto" and self.device.type == "cpu" else None
         self.model.paged_decode = kernel
+        return kernel is not None
+
+    def _prefill_attention(self, mode: str) -> bool:
+        """Give the model the AMX prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
+        CPU with AMX-BF16 serving a bf16 model with head dim 64 (else ATen's flash kernel stays), or take it
+        away (``off``). Sets ``self.model.prefill_attention``; returns whether the kernel is on."""
+        if mode not in ("auto", "off"):
+            raise ValueError(f"prefill_attention must be 'auto' or 'off', got {mode!r}")
+        usable = mode == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim == 64
+        kernel = load_prefill_kernel() if usable else None
+        self.model.prefill_attention = kernel
         return kernel is not None
 
     def _fused_ops(self, mode: str) -> bool:

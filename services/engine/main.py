@@ -53,6 +53,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,
         small_step_threads=cfg.small_step_threads,
+        prefill_attention=cfg.prefill_attention,
     )
 
 
@@ -102,6 +103,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,
         small_step_threads=cfg.small_step_threads,
+        prefill_attention=cfg.prefill_attention,
     )
 
 

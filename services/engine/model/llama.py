@@ -233,6 +233,9 @@ class Attention(nn.Module):
                 scale=self.scale, enable_gqa=gqa,
             )
             return o.transpose(1, 2).reshape(B * Q, self.num_heads, D).index_select(0, g.out_pos)
+        if g.kind == "amx":  # the AMX prefill kernel over the pool in place (prefill_attn.py)
+            kernel, q_lens, lens = g.paged
+            return kernel(q, layer_k, layer_v, g.slots, q_lens, lens, self.scale)
         if g.kind == "decode":
             if g.paged is not None:  # CPU kernel over the pool in place (paged_attn.py); no gather, no mask
                 kernel, tables, lens, page_size, window = g.paged
@@ -386,7 +389,8 @@ class _Group:
     sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask),
     ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask) or ``rows`` (each
     sequence's chunk against its own context, no mask, see ``_attend_rows``; ``slots`` packed as for
-    ``packed``). ``q_index``: flat
+    ``packed``) or ``amx`` (the AMX prefill kernel, ``prefill_attn.py``: ``slots`` packed as for ``packed``,
+    ``paged`` = ``(kernel, q_lens, ctx_lens)``). ``q_index``: flat
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
     CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
@@ -407,13 +411,15 @@ class _AttnPlan:
 
     ``single`` is set when one group holds every query in flat order (no gather/scatter of queries).
     ``decode_kernel``: the paged decode kernel (``paged_attn.py``) the decode group calls instead of gather
-    + SDPA (its int32 tables are built here, once per forward); None = gather + SDPA.
+    + SDPA (its int32 tables are built here, once per forward); None = gather + SDPA. ``prefill_kernel``:
+    the AMX prefill kernel (``prefill_attn.py``): every multi-token query of the step in one ``amx`` group
+    (one call per layer, no mask, no gather); None = ``_prefill_group``'s layouts.
     """
 
     __slots__ = ("slot_mapping", "groups", "single")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device,
-                 window: int | None = None, decode_kernel=None) -> None:
+                 window: int | None = None, decode_kernel=None, prefill_kernel=None) -> None:
         cu = batch.cu_q
         B = batch.num_seqs
         if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != num_tokens:
@@ -431,8 +437,11 @@ class _AttnPlan:
         dec = [i for i in range(B) if q_lens[i] == 1]
         pre = [i for i in range(B) if q_lens[i] > 1]
         self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window, decode_kernel)] if dec else []
-        self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device, window)
-                        for part in _split_packed(pre, q_lens, ctx)]
+        if pre and prefill_kernel is not None and (window is None or max(ctx[i] for i in pre) <= window):
+            self.groups.append(_amx_group(pre, cu, ctx, batch.block_tables, page_size, device, prefill_kernel))
+        else:
+            self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device, window)
+                            for part in _split_packed(pre, q_lens, ctx)]
         self.single = self.groups[0] if len(self.groups) == 1 else None
 
 
@@ -539,6 +548,13 @@ def _packed(rows, lens, cu, tables, page_size, device) -> tuple[torch.Tensor, to
     return padded[valid], valid, q_index
 
 
+def _amx_group(rows, cu, ctx, tables, page_size, device, kernel) -> _Group:
+    lens = [ctx[i] for i in rows]
+    q_lens = [cu[i + 1] - cu[i] for i in rows]
+    slots, _, q_index = _packed(rows, lens, cu, tables, page_size, device)
+    return _Group("amx", q_index, slots, None, paged=(kernel, q_lens, lens))
+
+
 def _rows_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
     slots, _, q_index = _packed(rows, lens, cu, tables, page_size, device)
     return _Group("rows", q_index, slots, None, rows=tuple(zip(q_lens, lens)))
@@ -582,6 +598,9 @@ class LlamaForCausalLM(nn.Module):
         # the CPU paged decode kernel (paged_attn.load_kernel(); set by the engine, config ``paged_decode``);
         # None = decode attention by gather + SDPA. Used only on a CPU with the pool in the compute dtype.
         self.paged_decode = None
+        # the CPU AMX prefill attention kernel (prefill_attn.load_prefill_kernel(); set by the engine, config
+        # ``prefill_attention``); None = ATen's flash kernel. Used only with a bf16 pool and head dim 64.
+        self.prefill_attention = None
         self.fused_ops: FusedOps | None = None  # fused elementwise CPU ops (fused_ops.py); None = eager ops
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
@@ -647,7 +666,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids = input_ids.to(dev)
         positions = positions.to(dev)
         kernel = self.paged_decode if dev.type == "cpu" and kv.k[0].dtype == self.model.embed_tokens.weight.dtype else None
-        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window, kernel)
+        prefill = (
+            self.prefill_attention
+            if dev.type == "cpu" and kv.k[0].dtype == torch.bfloat16 == self.model.embed_tokens.weight.dtype and self.config.head_dim == 64
+            else None
+        )
+        plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window, kernel, prefill)
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts
         cos, sin = self._rope(positions, h.dtype, max_pos)

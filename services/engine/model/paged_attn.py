@@ -61,7 +61,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp")]  # one extension (fused_ops.py)
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp", "prefill_attn.cpp")]  # one extension (fused_ops.py, prefill_attn.py)
 _HEADERS = [Path(__file__).with_name("cpu_math.h")]  # included by the sources: part of the cache name's hash
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the loaded extension or None once tried

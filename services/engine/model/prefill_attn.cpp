@@ -1,0 +1,300 @@
+// Prefill attention on the CPU with AMX tiles: the queries of several sequences, each a chunk of new
+// tokens after its own earlier keys, against their contexts read from the paged KV pool through a slot
+// list. Design note: services/engine/model/prefill_attn.py (bound in paged_attn.cpp's module).
+//
+// Per (sequence, kv head) the context's K and V are gathered from the pool and packed once into the
+// layouts the bf16 tile multiply wants (K: 16 keys x 32 dims as a dword transpose; V: 32 keys x 16 dims as
+// key pairs); then per (sequence, query head, block of 16 query rows) task, FlashAttention's online
+// softmax (Dao et al., NeurIPS'22, Alg. 1) runs over blocks of 32 keys: S = Q K^T in two 16x16 float tiles,
+// row max / exp / sum in AVX-512 registers (one row of 16 scores per register), P rounded to bf16, and
+// P V in four 16x16 float tiles added into float accumulators rescaled by exp(m_old - m_new). The causal
+// limit of a row is bottom-right aligned (row i of a chunk of n_q after p earlier keys sees keys < p + i +
+// 1), so a chunk after its prefix is one pass, no log-sum-exp merge. bf16 and head dim 64 only; the
+// caller checks support (amx_supported) and uses ATen's flash kernel otherwise.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define TALARIA_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef TALARIA_AMX
+constexpr int64_t kD = 64;   // head dim
+constexpr int64_t kQB = 16;  // query rows per task
+constexpr int64_t kKB = 32;  // keys per tile block
+constexpr int64_t kSpan = 128;  // keys per softmax step (4 tile blocks)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool request_amx() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes: A (16 x 32 bf16), B (16 x 16 bf16 pairs), C (16 x 16 floats).
+inline void load_tile_config() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 2^(x / ln2) split as 2^i * 2^f, 2^f by a degree-6
+// polynomial (relative error < 3e-7, far below the bf16 rounding of P); x below -87 gives ~0.
+inline __m512 exp_neg(__m512 x) {
+  const __m512 shift = _mm512_set1_ps(12582912.f);  // 1.5 * 2^23: rounds to the nearest integer
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift);
+  const __m512 fi = _mm512_sub_ps(y, shift);
+  const __m512i i = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_castps_si512(shift));
+  const __m512 r = _mm512_fnmadd_ps(fi, _mm512_set1_ps(0.69314718055994531f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+struct Seq {
+  int64_t q0, n_q, k0, n;  // first query row in q, its new tokens, first slot index in slots, context length
+  int64_t kv_off;          // offset of its packed K/V (per kv head: padded keys * kD bf16 each)
+  int64_t padded;          // context length rounded up to kKB
+};
+
+// K of keys [key0, key0 + 16) as the B operand of S = Q K^T for dims [32 h, 32 h + 32): row j holds, for
+// each key n, the dword of dims (32 h + 2 j, 32 h + 2 j + 1). Keys past n are zero.
+void pack_kv(const uint16_t* k_pool, const uint16_t* v_pool, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1,
+             const int64_t* slots, const Seq& s, int64_t kvh, uint32_t* kp, uint32_t* vp) {
+  // kp: [padded / 16][2][16 rows][16 keys] dwords; vp: [padded / 32][4][16 key pairs][16 dims] dwords
+  const int64_t nb16 = s.padded / 16, nb32 = s.padded / kKB;
+  std::memset(kp, 0, nb16 * 2 * 256 * sizeof(uint32_t));
+  std::memset(vp, 0, nb32 * 4 * 256 * sizeof(uint32_t));
+  for (int64_t key = 0; key < s.n; ++key) {
+    const int64_t slot = slots[s.k0 + key];
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_pool + slot * ks0 + kvh * ks1);  // 32 dwords
+    uint32_t* kb = kp + (key / 16) * 2 * 256 + (key % 16);
+    for (int64_t j = 0; j < 32; ++j) kb[(j / 16) * 256 + (j % 16) * 16] = kr[j];
+    const uint16_t* vr = v_pool + slot * vs0 + kvh * vs1;
+    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + (key / kKB) * 4 * 256) + ((key % kKB) / 2) * 32 + (key % 2);
+    for (int64_t d = 0; d < kD; ++d) vb[(d / 16) * 512 + (d % 16) * 2] = vr[d];
+  }
+}
+
+void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, int64_t r0,
+          const uint32_t* kp, const uint32_t* vp, float scale, uint16_t* out, int64_t os0, int64_t os1) {
+  alignas(64) uint16_t qbuf[kQB * kD];
+  alignas(64) float sbuf[kQB * kSpan];
+  alignas(64) uint16_t pbuf[kQB * kSpan];
+  alignas(64) float pv[kQB * kD];
+  alignas(64) float acc[kQB * kD];
+  float m[kQB], l[kQB], alpha[kQB];
+  const int64_t rows = std::min<int64_t>(kQB, s.n_q - r0);
+  for (int64_t i = 0; i < kQB; ++i) {
+    if (i < rows)
+      std::memcpy(qbuf + i * kD, q + (s.q0 + r0 + i) * qs0 + h * qs1, kD * sizeof(uint16_t));
+    else
+      std::memset(qbuf + i * kD, 0, kD * sizeof(uint16_t));
+    m[i] = -std::numeric_limits<float>::infinity();
+    l[i] = 0.f;
+  }
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t p = s.n - s.n_q;
+  const int64_t end = std::min(s.n, p + r0 + rows);  // keys any row of the block sees
+  _tile_loadd(0, qbuf, kD * 2);
+  _tile_loadd(1, qbuf + 32, kD * 2);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t key0 = 0; key0 < end; key0 += kSpan) {
+    const int64_t nsub = std::min<int64_t>(kSpan / kKB, (end - key0 + kKB - 1) / kKB);  // 32-key sub-blocks
+    for (int64_t j = 0; j < nsub; ++j) {
+      const uint32_t* kb = kp + ((key0 + j * kKB) / 16) * 2 * 256;
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_loadd(2, kb, 64);
+      _tile_dpbf16ps(3, 0, 2);
+      _tile_loadd(2, kb + 256, 64);
+      _tile_dpbf16ps(3, 1, 2);
+      _tile_loadd(2, kb + 512, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(2, kb + 768, 64);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_stored(3, sbuf + j * kKB, kSpan * 4);
+      _tile_stored(4, sbuf + j * kKB + 16, kSpan * 4);
+    }
+    const int64_t nv = nsub * 2;  // 16-score vectors per row
+    for (int64_t i = 0; i < kQB; ++i) {
+      const int64_t lim = i < rows ? std::min(s.n, p + r0 + i + 1) - key0 : 0;  // visible keys of row i here
+      uint16_t* pr = pbuf + i * kSpan;
+      if (lim <= 0) {
+        std::memset(pr, 0, nsub * kKB * sizeof(uint16_t));
+        alpha[i] = 1.f;
+        continue;
+      }
+      __m512 x[kSpan / 16];
+      __mmask16 mk[kSpan / 16];
+      __m512 mx = ninf;
+      for (int64_t v = 0; v < nv; ++v) {
+        const int64_t left = std::clamp<int64_t>(lim - v * 16, 0, 16);
+        mk[v] = left == 16 ? static_cast<__mmask16>(0xffff) : _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(left)));
+        x[v] = _mm512_mask_mul_ps(ninf, mk[v], _mm512_loadu_ps(sbuf + i * kSpan + v * 16), vscale);
+        mx = _mm512_max_ps(mx, x[v]);
+      }
+      const float mn = std::max(m[i], _mm512_reduce_max_ps(mx));
+      const __m512 vmn = _mm512_set1_ps(mn);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nv; v += 2) {
+        const __m512 p0 = _mm512_maskz_mov_ps(mk[v], exp_neg(_mm512_sub_ps(x[v], vmn)));
+        const __m512 p1 = _mm512_maskz_mov_ps(mk[v + 1], exp_neg(_mm512_sub_ps(x[v + 1], vmn)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(pr + v * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      const float a = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[i] - mn);
+      l[i] = l[i] * a + _mm512_reduce_add_ps(sum);
+      m[i] = mn;
+      alpha[i] = a;
+    }
+    const uint32_t* vb = vp + (key0 / kKB) * 4 * 256;
+    for (int c = 0; c < 4; ++c) {
+      _tile_zero(7);
+      for (int64_t j = 0; j < nsub; ++j) {
+        _tile_loadd(5, pbuf + j * kKB, kSpan * 2);
+        _tile_loadd(6, vb + (j * 4 + c) * 256, 64);
+        _tile_dpbf16ps(7, 5, 6);
+      }
+      _tile_stored(7, pv + c * 16, kD * 4);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      for (int c = 0; c < 4; ++c) {
+        float* o = acc + i * kD + c * 16;
+        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), a, _mm512_load_ps(pv + i * kD + c * 16)));
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+    uint16_t* o = out + (s.q0 + r0 + i) * os0 + h * os1;
+    for (int c = 0; c < 4; c += 2) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16), inv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16 + 16), inv);
+      _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool prefill_attention_supported() {
+#ifdef TALARIA_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// q [T, H, 64] bf16 (unit stride in the last dim); k_pool / v_pool [S, KVH, 64] bf16; slots int64: the
+// contexts' slots, sequence after sequence; q_lens / ctx_lens per sequence (sum(q_lens) == T, sum(ctx_lens)
+// == slots.numel(), q_len <= ctx_len). Returns [T, H, 64] bf16. Reads only.
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
+                             std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale) {
+  TORCH_CHECK(prefill_attention_supported(), "prefill_attention: AMX bf16 is not available on this CPU/build");
+#ifdef TALARIA_AMX
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && slots.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
+              "bf16 only");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kD && k_pool.dim() == 3 && k_pool.size(2) == kD && v_pool.sizes() == k_pool.sizes(),
+              "q [T, H, 64], pools [S, KVH, 64]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "slots int64 [sum(ctx_lens)]");
+  TORCH_CHECK(q_lens.size() == ctx_lens.size() && !q_lens.empty(), "one q_len and ctx_len per sequence");
+  if (q.stride(2) != 1) q = q.contiguous();
+  if (k_pool.stride(2) != 1) k_pool = k_pool.contiguous();
+  if (v_pool.stride(2) != 1) v_pool = v_pool.contiguous();
+  slots = slots.contiguous();
+  const int64_t H = q.size(1), KVH = k_pool.size(1);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
+  const int64_t G = H / KVH;
+  std::vector<Seq> seqs;
+  int64_t qa = 0, ka = 0, off = 0;
+  for (size_t i = 0; i < q_lens.size(); ++i) {
+    const int64_t nq = q_lens[i], n = ctx_lens[i];
+    TORCH_CHECK(nq >= 1 && nq <= n, "each sequence needs 1 <= q_len <= ctx_len");
+    const int64_t padded = (n + kKB - 1) / kKB * kKB;
+    seqs.push_back({qa, nq, ka, n, off, padded});
+    qa += nq;
+    ka += n;
+    off += padded * kD * KVH;
+  }
+  TORCH_CHECK(qa == q.size(0) && ka == slots.numel(), "q_lens / ctx_lens do not match q and slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t S = k_pool.size(0);
+  for (int64_t i = 0; i < ka; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot out of range");
+  // packed K and V: per sequence and kv head, padded keys x 64 bf16 each (as dwords)
+  at::Tensor kpack = at::empty({off / 2}, at::kInt), vpack = at::empty({off / 2}, at::kInt);
+  auto* kp = reinterpret_cast<uint32_t*>(kpack.data_ptr<int32_t>());
+  auto* vp = reinterpret_cast<uint32_t*>(vpack.data_ptr<int32_t>());
+  const auto* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
+  const auto* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
+  const int64_t nseq = static_cast<int64_t>(seqs.size());
+  at::parallel_for(0, nseq * KVH, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Seq& s = seqs[t / KVH];
+      const int64_t kvh = t % KVH;
+      const int64_t base = (s.kv_off + kvh * s.padded * kD) / 2;
+      pack_kv(kpool, vpool, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), sp, s, kvh, kp + base, vp + base);
+    }
+  });
+  at::Tensor out = at::empty({q.size(0), H, kD}, q.options());
+  std::vector<int64_t> first;  // first task index of each sequence
+  int64_t ntasks = 0;
+  for (const Seq& s : seqs) {
+    first.push_back(ntasks);
+    ntasks += H * ((s.n_q + kQB - 1) / kQB);
+  }
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
+    load_tile_config();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const Seq& s = seqs[si];
+      const int64_t local = t - first[si], nqb = (s.n_q + kQB - 1) / kQB;
+      const int64_t h = local / nqb, r0 = (local % nqb) * kQB, kvh = h / G;
+      const int64_t base = (s.kv_off + kvh * s.padded * kD) / 2;
+      task(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  return q;
+#endif
+}
