@@ -263,8 +263,10 @@ def test_engine_config_kernels_reach_every_cold_shell_and_survive_a_rebind(synth
     from talaria.config import EngineConfig, StackConfig
 
     stack = StackConfig(models_dir=str(next(iter(synth_models.values())).parent))
-    off = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], paged_decode="off", fused_ops="off", kv_cache_mb=8))
+    off = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], paged_decode="off", fused_ops="off",
+                                                prefill_attention="off", kv_cache_mb=8))
     assert _kernels(off, A) == (False, False)
+    assert off._engine_kw["prefill_attention"] == "off"  # every shell's Engine gets it (the kernel itself needs bf16, head dim 64)
     off.switch_to(B)
     assert _kernels(off, B) == (False, False)
     on = make_cold(synth_models, staging=False)
