@@ -211,12 +211,7 @@ class Engine:
         self.device = torch.device(device)
         self.model, self.config = model if model is not None else load_model(self.model_dir, device=self.device, dtype=dtype)
         self.dtype = next(self.model.parameters()).dtype
-        # prepacked CPU linears (model/packed.py): None = where measured to pay (bf16 on CPU) and only for a
-        # model this engine loaded itself (an arena-bound model's weights are rewritten in place)
-        if packed_weights is None:
-            packed_weights = model is None and can_pack(self.device, self.dtype)
-        if packed_weights and not self.model.is_packed:
-            self.model.pack_weights()
+        self._pack(packed_weights, own_model=model is None)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(self.model_dir)
         self.vocab_size = self.config.vocab_size
         self.page_size = page_size
@@ -224,9 +219,10 @@ class Engine:
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
-        self.paged_decode = self._paged_decode(paged_decode)  # the CPU decode attention kernel (model/paged_attn.py)
-        self.fused_ops = self._fused_ops(fused_ops)  # fused elementwise CPU ops (model/fused_ops.py)
-        self.prefill_attention = self._prefill_attention(prefill_attention)  # the AMX prefill kernel (model/prefill_attn.py)
+        # the CPU kernels: decode attention (model/paged_attn.py), fused elementwise ops (model/fused_ops.py),
+        # AMX prefill attention (model/prefill_attn.py); each flag says whether it is on
+        self.paged_decode, self.fused_ops, self.prefill_attention = (
+            self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
@@ -555,6 +551,14 @@ class Engine:
         kernel = load_kernel() if mode == "auto" and self.device.type == "cpu" else None
         self.model.paged_decode = kernel
         return kernel is not None
+
+    def _pack(self, packed_weights: bool | None, own_model: bool) -> None:
+        """Prepack the CPU linears (model/packed.py; mutates the model): None = where measured to pay (bf16 on
+        CPU) and only for a model this engine loaded itself (an arena-bound model's weights are rewritten in place)."""
+        if packed_weights is None:
+            packed_weights = own_model and can_pack(self.device, self.dtype)
+        if packed_weights and not self.model.is_packed:
+            self.model.pack_weights()
 
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the AMX prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a

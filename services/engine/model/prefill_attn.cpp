@@ -281,15 +281,20 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
+  // tasks dealt round-robin to the threads: a task's cost grows with its context, so contiguous ranges
+  // would leave one thread idle behind the other's long sequence
+  const int64_t nthr = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+  at::parallel_for(0, nthr, 1, [&](int64_t w0, int64_t w1) {
     load_tile_config();
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const Seq& s = seqs[si];
-      const int64_t local = t - first[si], nqb = (s.n_q + kQB - 1) / kQB;
-      const int64_t h = local / nqb, r0 = (local % nqb) * kQB, kvh = h / G;
-      const int64_t base = (s.kv_off + kvh * s.padded * kD) / 2;
-      task(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t t = w; t < ntasks; t += nthr) {
+        const int64_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+        const Seq& s = seqs[si];
+        const int64_t local = t - first[si], nqb = (s.n_q + kQB - 1) / kQB;
+        const int64_t h = local / nqb, r0 = (local % nqb) * kQB, kvh = h / G;
+        const int64_t base = (s.kv_off + kvh * s.padded * kD) / 2;
+        task(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
+      }
     }
     _tile_release();
   });
