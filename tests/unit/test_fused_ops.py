@@ -144,7 +144,9 @@ def _logits(model, cfg, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("name", ARCHS)
 def test_bf16_fused_logits_as_close_to_fp32_as_eager(ops, synth_models, name):
     """bf16 with the fused ops is as accurate as eager bf16: its logits' distance to the float32 model's is
-    within 10 % (+ a bf16 step) of eager's, and the two bf16 paths agree on almost every argmax."""
+    within 10 % (+ a bf16 step) of eager's, and its argmax agrees with float32's as often as eager's does (up
+    to 2 %: on these random models both bf16 paths flip near ties, not always the same ones -- tiny-qwen2,
+    fused vs eager 0.933, each vs float32 0.933 / 0.940)."""
     ref_model, cfg = load_model(synth_models[name], dtype=torch.float32)
     low, _ = load_model(synth_models[name], dtype=torch.bfloat16)
     ids = torch.randint(3, 4096, (150,), generator=torch.Generator().manual_seed(3))
@@ -154,7 +156,8 @@ def test_bf16_fused_logits_as_close_to_fp32_as_eager(ops, synth_models, name):
     fused = _logits(low, cfg, ids, torch.bfloat16)
     err_eager, err_fused = (eager - ref).abs().max().item(), (fused - ref).abs().max().item()
     assert err_fused <= 1.1 * err_eager + 2.0**-7 * ref.abs().max().item(), (err_fused, err_eager)
-    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean().item() >= 0.95
+    agree = lambda a: (a.argmax(-1) == ref.argmax(-1)).float().mean().item()  # noqa: E731
+    assert agree(fused) >= agree(eager) - 0.02 and agree(fused) >= 0.9, (agree(fused), agree(eager))
 
 
 def test_engine_refuses_an_unknown_mode(synth_models):

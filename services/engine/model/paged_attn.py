@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp", "prefill_attn.cpp")]  # one extension (fused_ops.py, prefill_attn.py)
 _HEADERS = [Path(__file__).with_name("cpu_math.h")]  # included by the sources: part of the cache name's hash
+# OpenMP: at::parallel_for's threads (torch's libgomp); 512-bit vectors for the loops the compiler vectorizes
+# (GCC's default is 256 on AVX-512 CPUs: fused SiLU*up at 512 rows 465 -> 242 us, 2 threads). Part of the
+# cache name's hash, like the sources.
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the loaded extension or None once tried
 
@@ -84,6 +88,7 @@ def _source_tag() -> str:
     h = hashlib.sha1()
     for p in (*_SOURCES, *_HEADERS):
         h.update(p.read_bytes())
+    h.update(" ".join(_CFLAGS).encode())
     return h.hexdigest()[:8]
 
 
@@ -124,7 +129,7 @@ def _build():
     return cpp_extension.load(
         name=name,
         sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # OpenMP: at::parallel_for's threads (torch's libgomp)
+        extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
