@@ -87,22 +87,53 @@ struct Seq {
   int64_t padded;          // context length rounded up to kKB
 };
 
-// K of keys [key0, key0 + 16) as the B operand of S = Q K^T for dims [32 h, 32 h + 32): row j holds, for
-// each key n, the dword of dims (32 h + 2 j, 32 h + 2 j + 1). Keys past n are zero.
+// The tile operands of one (sequence, kv head). K, per block of 16 keys and half h of the dims, as the B
+// operand of S = Q K^T: row j holds, for each key n, the dword of dims (32 h + 2 j, 32 h + 2 j + 1) -- a
+// 16 x 16 dword transpose, done by gathers (the rows come from scattered pool slots anyway). V, per block of
+// 32 keys and block c of 16 dims, as the B operand of P V: row r holds, for each dim, the pair (key 2 r,
+// key 2 r + 1) -- two rows interleaved by one permute per 16 dims. Keys past n are zero.
 void pack_kv(const uint16_t* k_pool, const uint16_t* v_pool, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1,
              const int64_t* slots, const Seq& s, int64_t kvh, uint32_t* kp, uint32_t* vp) {
   // kp: [padded / 16][2][16 rows][16 keys] dwords; vp: [padded / 32][4][16 key pairs][16 dims] dwords
-  const int64_t nb16 = s.padded / 16, nb32 = s.padded / kKB;
-  std::memset(kp, 0, nb16 * 2 * 256 * sizeof(uint32_t));
-  std::memset(vp, 0, nb32 * 4 * 256 * sizeof(uint32_t));
-  for (int64_t key = 0; key < s.n; ++key) {
-    const int64_t slot = slots[s.k0 + key];
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_pool + slot * ks0 + kvh * ks1);  // 32 dwords
-    uint32_t* kb = kp + (key / 16) * 2 * 256 + (key % 16);
-    for (int64_t j = 0; j < 32; ++j) kb[(j / 16) * 256 + (j % 16) * 16] = kr[j];
-    const uint16_t* vr = v_pool + slot * vs0 + kvh * vs1;
-    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + (key / kKB) * 4 * 256) + ((key % kKB) / 2) * 32 + (key % 2);
-    for (int64_t d = 0; d < kD; ++d) vb[(d / 16) * 512 + (d % 16) * 2] = vr[d];
+  const auto* kpool = reinterpret_cast<const int*>(k_pool);
+  for (int64_t b = 0; b < s.padded / 16; ++b) {
+    const int64_t keys = std::min<int64_t>(16, s.n - b * 16);
+    uint32_t* kb = kp + b * 512;
+    if (keys <= 0) {
+      std::memset(kb, 0, 512 * sizeof(uint32_t));
+      continue;
+    }
+    alignas(64) int64_t offs[16];  // dword index of each key's row (0 past n: masked off below)
+    for (int64_t n = 0; n < 16; ++n) offs[n] = n < keys ? (slots[s.k0 + b * 16 + n] * ks0 + kvh * ks1) / 2 : 0;
+    const __m512i lo = _mm512_load_si512(offs), hi = _mm512_load_si512(offs + 8);
+    const __mmask8 mlo = static_cast<__mmask8>(keys >= 8 ? 0xff : (1u << keys) - 1);
+    const __mmask8 mhi = static_cast<__mmask8>(keys >= 16 ? 0xff : keys <= 8 ? 0 : (1u << (keys - 8)) - 1);
+    for (int64_t j = 0; j < 32; ++j) {
+      const __m512i dj = _mm512_set1_epi64(j);
+      const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), mlo, _mm512_add_epi64(lo, dj), kpool, 4);
+      const __m256i c = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), mhi, _mm512_add_epi64(hi, dj), kpool, 4);
+      _mm512_store_si512(kb + (j / 16) * 256 + (j % 16) * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1));
+    }
+  }
+  alignas(64) static constexpr uint16_t kEvenOdd[2][32] = {  // (key 2r, key 2r+1) pairs of dims 0-15 / 16-31
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i p0 = _mm512_load_si512(kEvenOdd[0]), p1 = _mm512_load_si512(kEvenOdd[1]);
+  for (int64_t r = 0; r < s.padded / 2; ++r) {  // key pairs
+    __m512i row[2][2];  // [key of the pair][dims 0-31 / 32-63]
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t key = 2 * r + e;
+      if (key < s.n) {
+        const uint16_t* vr = v_pool + slots[s.k0 + key] * vs0 + kvh * vs1;
+        row[e][0] = _mm512_loadu_si512(vr);
+        row[e][1] = _mm512_loadu_si512(vr + 32);
+      } else {
+        row[e][0] = row[e][1] = _mm512_setzero_si512();
+      }
+    }
+    uint32_t* vb = vp + (r / 16) * 4 * 256 + (r % 16) * 16;
+    for (int64_t c = 0; c < 4; ++c)
+      _mm512_store_si512(vb + c * 256, _mm512_permutex2var_epi16(row[0][c / 2], c % 2 ? p1 : p0, row[1][c / 2]));
   }
 }
 
@@ -238,6 +269,8 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   if (k_pool.stride(2) != 1) k_pool = k_pool.contiguous();
   if (v_pool.stride(2) != 1) v_pool = v_pool.contiguous();
   slots = slots.contiguous();
+  TORCH_CHECK(k_pool.stride(0) % 2 == 0 && k_pool.stride(1) % 2 == 0 && k_pool.storage_offset() % 2 == 0,
+              "k_pool rows must start on 4-byte boundaries (even strides)");
   const int64_t H = q.size(1), KVH = k_pool.size(1);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
   const int64_t G = H / KVH;
