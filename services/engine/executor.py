@@ -57,7 +57,7 @@ from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
 from services.engine.model.fused_ops import load_fused_ops
 from services.engine.model.paged_attn import load_kernel
-from services.engine.model.prefill_attn import load_prefill_kernel
+from services.engine.model.prefill_attn import applies as prefill_applies, load_prefill_kernel
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -566,7 +566,7 @@ class Engine:
         away (``off``). Sets ``self.model.prefill_attention``; returns whether the kernel is on."""
         if mode not in ("auto", "off"):
             raise ValueError(f"prefill_attention must be 'auto' or 'off', got {mode!r}")
-        usable = mode == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim == 64
+        usable = mode == "auto" and prefill_applies(self.device, self.dtype, self.config.head_dim)
         kernel = load_prefill_kernel() if usable else None
         self.model.prefill_attention = kernel
         return kernel is not None

@@ -63,6 +63,7 @@ from .batch import AttnBatch, KVCache
 from .config import ModelConfig, RopeScaling
 from .fused_ops import FusedOps
 from .packed import PackedLinear, linear
+from .prefill_attn import applies as prefill_applies
 
 
 class RMSNorm(nn.Module):
@@ -666,11 +667,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids = input_ids.to(dev)
         positions = positions.to(dev)
         kernel = self.paged_decode if dev.type == "cpu" and kv.k[0].dtype == self.model.embed_tokens.weight.dtype else None
-        prefill = (
-            self.prefill_attention
-            if dev.type == "cpu" and kv.k[0].dtype == torch.bfloat16 == self.model.embed_tokens.weight.dtype and self.config.head_dim == 64
-            else None
-        )
+        weights = self.model.embed_tokens.weight.dtype
+        prefill = self.prefill_attention if kv.k[0].dtype == weights and prefill_applies(dev, weights, self.config.head_dim) else None
         plan = _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev, self.config.sliding_window, kernel, prefill)
         h = self.model.embed_tokens(input_ids)
         max_pos = max(batch.context_lens, default=1) - 1  # no device sync: the batch knows its contexts

@@ -56,6 +56,12 @@ PrefillFn = Callable[..., torch.Tensor]
 HEAD_DIM = 64  # the only head dim the kernel takes
 
 
+def applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel can serve a model on ``device`` whose weights and KV are ``dtype`` (the one check
+    the engine and the model's forward share)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and head_dim == HEAD_DIM
+
+
 def load_prefill_kernel() -> PrefillFn | None:
     """The compiled ``prefill_attention(q, k_pool, v_pool, slots, q_lens, ctx_lens, scale)`` if the extension
     builds and this CPU (and OS) can run AMX-BF16 tiles, else ``None``."""
