@@ -57,7 +57,7 @@ class MatrixConfig:
 # (kind "baseline": every mechanism off, with the full router as the controlled baseline and with the
 # least-pressure router as a request-level system would place calls), then router policies. The report's
 # "best baseline" is, per repetition and per metric, the best of the "baseline" rows that ran.
-OFF = {"engines[].sp": False, "engines[].host_kv": False, "engines[].d2d_staging": False}
+OFF = {"engines[].sp": False, "engines[].host_kv": False, "engines[].d2d_staging": False, "engines[].return_hold": False}
 CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("Talaria", {}, "every mechanism on (SP, HKVR, D2D staging), full router (leases + residency cost)"),
     MatrixConfig("no-SP", {"engines[].sp": False}, "session-prefill admission off; HKVR and D2D staging on"),
@@ -65,6 +65,8 @@ CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
     MatrixConfig("SP-ungated", {"engines[].sp_gain_check": False},
                  "as Talaria, but SP admits by budget alone (no benefit-vs-harm check, issue 12): shows what the check buys"),
+    MatrixConfig("no-hold", {"engines[].return_hold": False},
+                 "as Talaria, but a slot with nothing to run closes at once instead of holding for returns its leases expect (slots/hold.py)"),
     # issue 16: the other seed systems' mechanisms added to Talaria's, alone and together
     MatrixConfig("+token-deadlines", {"engines[].token_deadlines": True}, "as Talaria, cold pools schedule by per-token deadlines (Aegaeon) instead of rounds"),
     MatrixConfig("+unified-residency", {"engines[].unified_residency": True}, "as Talaria, one device budget for staged layer groups and session KV (JointServe §3)"),

@@ -150,7 +150,7 @@ class Simulation:
                 self._push(s.start_s, "arrive", (s, 0))
         handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive, "retry": self._place, "done": self._done, "heartbeat": self._heartbeat,
-            "pools": self._pools, "moved": self._moved,
+            "pools": self._pools, "moved": self._moved, "wake": self._kick,
         }
         if self.cfg.pool_sizer is not None:
             self._push(self.cfg.pool_sizer.period_s, "pools", None)
@@ -266,6 +266,8 @@ class Simulation:
         lease = self.gateway.on_hook(hook)
         if lease is not None:
             self.leases.install_now(lease)
+            # the router's retention hint to the instance holding the session's KV (services/router/service.py)
+            self.instances[c.instance].expect(c, self.clock.now(), lease.gap_mu, lease.gap_sigma, lease.t_exp_unix - lease.t_done_unix)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "hook": hook.SerializeToString(), "lease": lease is not None})
 
@@ -313,6 +315,8 @@ class Simulation:
             out = inst.step(now)
             self._busy[iid] = True
             self._push(now + out.seconds, "done", (iid, "step", out))
+        elif d.hold_s > 0:  # the slot is held for expected returns (slots/hold.py): ask again then, or on an arrival
+            self._push(now + d.hold_s, "wake", iid)
         inst.restage(now)
 
     def _done(self, payload) -> None:

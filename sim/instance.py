@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.slots import CostModel, CostProfile, SlotPolicy, SlotScheduler
-from services.engine.slots.types import CallView, Decision, InstanceView, ModelView
+from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
 from services.engine.substrate.policy import EngineView, classify_path, predict_next
 from services.kvstore.registry import Family, HostKVRegistry, Layout
 
@@ -105,6 +105,10 @@ class SimInstance:
         self.device: dict[str, tuple[str, int]] = {}  # session -> (model, committed tokens) on device (active model)
         self.seen: set[tuple[str, str]] = set()  # (model, session) served here
         self.last_work: dict[str, float] = {}
+        # (model, session) -> (call end, gap mu, gap sigma, window, tokens, new tokens, context): the returns the
+        # router's leases expect here (what its retention hints tell the engine); the scheduler may hold a slot
+        # for them (services/engine/slots/hold.py). Dropped when the session's next call arrives here.
+        self.expected: dict[tuple[str, str], tuple[float, float, float, float, int, int, int]] = {}
         self.host = host
         self.pages: dict[tuple[str, str], list[int]] = {}  # (model, session) -> page hash chain
         self._hash_ctr = 0
@@ -130,6 +134,7 @@ class SimInstance:
             self._open(c.model, now)
         c.instance, c.arrival = self.iid, now
         c.continuation = (c.model, c.session_id) in self.seen
+        self.expected.pop((c.model, c.session_id), None)
         self.queues[c.model].append(c)
         self.last_work[c.model] = now
         return True
@@ -205,6 +210,19 @@ class SimInstance:
             return n, "host"
         return 0, "missing"
 
+    def expect(self, c: SimCall, now: float, gap_mu: float, gap_sigma: float, window_s: float) -> None:
+        """The router installed a lease for ``c``'s session here (its retention hint). Mutates ``expected``."""
+        self.expected[(c.model, c.session_id)] = (now, gap_mu, gap_sigma, window_s, c.decoded, c.prompt_tokens - c.cached, c.prompt_tokens + c.decoded)
+
+    def _returns(self, model: str, now: float) -> tuple[ReturnView, ...]:
+        out = []
+        for (m, sid), (t, *rest) in list(self.expected.items()):
+            if now - t >= rest[2]:  # the lease window ended
+                del self.expected[(m, sid)]
+            elif m == model:
+                out.append(ReturnView(sid, now - t, *rest))
+        return tuple(out)
+
     def view(self, now: float) -> InstanceView:
         mvs = []
         for m in self.loaded:
@@ -217,6 +235,7 @@ class SimInstance:
             mvs.append(ModelView(
                 m, running=len(batch), prefilling=sum(1 for c in batch if c.prefill_left > 0 or c.restore_left > 0),
                 max_remaining_decode=max((c.output_tokens - c.decoded for c in batch), default=0), queued=tuple(queued),
+                returns=self._returns(m, now),
             ))
         free = max(0, self._kv_capacity_tokens() - self._kv_used_tokens())
         staged = {m: self.staged_fraction(m, now) for m in self.loaded if m != self.active}

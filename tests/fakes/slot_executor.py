@@ -23,7 +23,7 @@ from talaria.switch_path import SwitchPath
 
 from services.engine.slots.costs import CostProfile
 from services.engine.slots.scheduler import SlotScheduler
-from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, RoundSummary
+from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView, RoundSummary
 
 
 @dataclass(slots=True)
@@ -79,6 +79,9 @@ class FakeExecutor:
         self.seen: set[tuple[str, str]] = set()  # (model, session) served here before
         self.calls: dict[str, FakeCall] = {}
         self.switch_log: list[tuple[str, str, str, float]] = []
+        # (model, session) -> (call end, gap mu, gap sigma, window, tokens, new tokens, context): returns the
+        # router expects (its retention hints); dropped when the session's next call arrives
+        self.expected: dict[tuple[str, str], tuple[float, float, float, float, int, int, int]] = {}
 
     def truth(self, model: str) -> CostProfile:
         return self._truth[model] if isinstance(self._truth, dict) else self._truth
@@ -86,6 +89,7 @@ class FakeExecutor:
     # ---------------------------------------------------------------- intake
     def submit(self, call: FakeCall) -> None:
         self.calls[call.request_id] = call
+        self.expected.pop((call.model, call.session_id), None)
         self.queues[call.model].append(call)
 
     # ---------------------------------------------------------------- the view
@@ -96,7 +100,7 @@ class FakeExecutor:
             return min(self.host[(c.model, c.session_id)], c.prompt_tokens), "host"
         return 0, "missing"
 
-    def view(self) -> InstanceView:
+    def view(self, now: float = 0.0) -> InstanceView:
         mvs = []
         for m in self.models:
             queued = []
@@ -107,6 +111,7 @@ class FakeExecutor:
             mvs.append(ModelView(
                 m, running=len(batch), prefilling=sum(1 for c in batch if c.prefill_left > 0 or c.restore_left > 0),
                 max_remaining_decode=max((c.max_tokens - c.decoded for c in batch), default=0), queued=tuple(queued),
+                returns=tuple(ReturnView(sid, now - t, *rest) for (mm, sid), (t, *rest) in self.expected.items() if mm == m),
             ))
         free = None
         if self.kv_tokens is not None:
@@ -222,7 +227,10 @@ def simulate(
     *,
     keep_decisions: bool = False,
     max_iterations: int = 1_000_000,
+    hint=None,
 ) -> SimResult:
+    """``hint(spec) -> (mu, sigma, window) | None``: the router's prediction of the gap after a call (what its
+    retention hint would carry), given to the executor when the call finishes; None = no lease."""
     clock = clock or ManualClock()
     arrivals: list[tuple[float, int, int]] = [(s.start_s, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(arrivals)
@@ -246,7 +254,7 @@ def simulate(
                 returning.add(rid)
         if unfinished == 0:
             break
-        d = scheduler.decide(executor.view(), now)
+        d = scheduler.decide(executor.view(now), now)
         if keep_decisions:
             decisions.append(d)
         if d.switch_to is not None:
@@ -265,12 +273,17 @@ def simulate(
                 last_finish[s.session_id] = clock.now()
                 if k + 1 < len(s.calls):
                     heapq.heappush(arrivals, (clock.now() + s.calls[k].gap_after_s, i, k + 1))
+                    h = hint(s.calls[k]) if hint is not None else None
+                    if h is not None:
+                        c = executor.calls[rid]
+                        executor.expected[(s.model, s.session_id)] = (clock.now(), *h, c.decoded, c.prompt_tokens - c.cached_tokens, c.prompt_tokens + c.decoded)
         else:
             if not arrivals:
                 raise RuntimeError(f"scheduler idles with {unfinished} calls unfinished: {d}")
-            clock.advance(max(0.0, arrivals[0][0] - now))
+            wake = arrivals[0][0] if d.hold_s <= 0 else min(arrivals[0][0], now + d.hold_s)
+            clock.advance(max(0.0, wake - now))
     else:
         raise RuntimeError("simulation did not finish")
-    scheduler.decide(executor.view(), clock.now())  # closes the last round
+    scheduler.decide(executor.view(clock.now()), clock.now())  # closes the last round
     sct = {sid: last_finish[sid] - first_arrival[sid] for sid in last_finish}
     return SimResult(list(executor.calls.values()), returning, sct, scheduler.take_summaries(), decisions, clock.now())

@@ -54,7 +54,7 @@ def test_slot_structure_p_d1_sp_d_dfin_then_switch():
     r0 = res.summaries[0]
     assert [s.model for s in r0.slots] == ["a", "b"]
     a = r0.slots[0]
-    assert a.phase_count == {"P": 1, "D1": 1, "SP": 1, "D": 1, "Dfin": 1}
+    assert a.phase_count == {"P": 1, "D1": 1, "SP": 1, "D": 1, "Dfin": 1, "hold": 0}
     assert a.sp_admitted == 1 and a.overrun_s > 0  # the drain past the budget is reported, not hidden
     assert all(c.finished_at is not None for c in res.calls)
 

@@ -140,9 +140,10 @@ def test_ablation_switches_from_engine_config():
     from services.engine.slotted import policy_from_config
 
     off = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], sp=False, host_kv=False, d2d_staging=False))
-    assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False}
+    assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False, "return_hold": False}
     on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], slot_ttft_s=3.0, slot_gamma=0.5))
-    assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True} and on.ttft_s == 3.0 and on.gamma == 0.5
+    assert not policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], return_hold=False)).return_hold
+    assert on.flags == {"sp": True, "host_kv": True, "d2d_staging": True, "return_hold": True} and on.ttft_s == 3.0 and on.gamma == 0.5
 
 
 def test_token_deadline_mode_matches_and_reports_attainment(synth_models, specs, ref):

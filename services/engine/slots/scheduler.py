@@ -44,6 +44,7 @@ from talaria.switch_path import SwitchPath
 
 from .admission import SpGain, SpLimits, select_p, select_sp, sp_ineligible_reason
 from .budget import plan_round, reserved_iterations
+from .hold import plan_hold
 from .costs import CostModel, MeasuredCosts, expected_path
 from .types import SLOT_PHASES, CallView, Decision, InstanceView, ModelView, Phase, RoundPlan, RoundSummary, SlotSummary, SpVerdict
 
@@ -62,6 +63,7 @@ class SlotPolicy:
     sp_max_tokens: int = 4096
     endless: bool = False  # one model, no end of slot: the simulator's hot instances (sim/); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
+    return_hold: bool = True  # hold an idle slot open for returns expected soon when that pays (hold.py; needs sp)
     token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
     def __post_init__(self) -> None:
@@ -74,11 +76,11 @@ class SlotPolicy:
 
     @classmethod
     def round_only(cls, **kw) -> "SlotPolicy":
-        return cls(sp=False, host_kv=False, d2d_staging=False, **kw)
+        return cls(sp=False, host_kv=False, d2d_staging=False, return_hold=False, **kw)
 
     @property
     def flags(self) -> dict[str, bool]:
-        return {"sp": self.sp, "host_kv": self.host_kv, "d2d_staging": self.d2d_staging}
+        return {"sp": self.sp, "host_kv": self.host_kv, "d2d_staging": self.d2d_staging, "return_hold": self.sp and self.return_hold}
 
 
 @dataclass(slots=True)
@@ -135,6 +137,9 @@ class _Round:
     sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
     sp_benefit_s: float = 0.0
     sp_harm_s: float = 0.0
+    holds: int = 0
+    hold_gain_s: float = 0.0
+    hold_harm_s: float = 0.0
 
 
 class SlotScheduler(MeasuredCosts):
@@ -154,7 +159,7 @@ class SlotScheduler(MeasuredCosts):
         self.summaries: deque[RoundSummary] = deque(maxlen=max_summaries)
         self._unpublished: list[RoundSummary] = []
         self.tracker = None  # a deadlines.DeadlineTracker the executor attaches: per-round token deadline stats
-        self.totals = {"rounds": 0, "deadline_risk_rounds": 0, "sp_admitted": 0, "sp_deferred": 0, "sp_no_gain": 0, "p_deferred": 0, "switches": 0}
+        self.totals = {"rounds": 0, "deadline_risk_rounds": 0, "sp_admitted": 0, "sp_deferred": 0, "sp_no_gain": 0, "p_deferred": 0, "switches": 0, "holds": 0}
 
     # ================================================================== public API
     def decide(self, view: InstanceView, now: float) -> Decision:
@@ -260,7 +265,7 @@ class SlotScheduler(MeasuredCosts):
         # ---- a decode boundary
         if s.phase is Phase.P:
             s.enter(Phase.D1)
-        elif s.phase is Phase.SP:
+        elif s.phase is Phase.SP or (s.phase is Phase.HOLD and mv.running > 0):
             s.enter(Phase.D)
         others = [] if pol.endless else [m for m in view.models if m.model != s.model and m.has_work]
         left = s.budget_s - (now - s.opened)
@@ -292,9 +297,32 @@ class SlotScheduler(MeasuredCosts):
                 return self._next_slot(view, now, None, verdicts)
             return Decision(s.phase, "dfin_drain" if s.dfin else "decode", s.model, run_step=True, verdicts=verdicts)
         if others:
+            hold = self._hold(view, mv, s, left) if pol.sp and pol.return_hold and not s.dfin else None
+            if hold is not None:
+                return hold
             self._close_slot(now)
             return self._next_slot(view, now, None, verdicts)
         return self._roll(view, now, "only_model_with_work", verdicts)
+
+    def _hold(self, view: InstanceView, mv: ModelView, s: _Slot, left_s: float) -> Decision | None:
+        """Hold the idle slot for its model's expected returns when that pays (hold.py), else None. Mutates
+        the slot's phase and the round's hold accounting."""
+        r = self._round
+        if not mv.returns or r is None:
+            return None
+        g = self._sp_gain(view, mv, s, left_s)
+        step, cm = self.costs.decode_step_at(s.model, 1), self.costs
+        service = tuple(cm.prefill_seconds(s.model, x.new_tokens, x.context + x.new_tokens) + max(1, x.tokens) * step for x in mv.returns)
+        plan = plan_hold(mv.returns, wait_saved_s=g.wait_saved_s, waiting_others=g.waiting_others, left_s=left_s, service_s=service)
+        if plan is None:
+            return None
+        if s.phase is not Phase.HOLD:
+            r.holds += 1
+            self.totals["holds"] += 1
+            r.hold_gain_s += plan.gain_s
+            r.hold_harm_s += plan.harm_s
+        s.enter(Phase.HOLD)
+        return Decision(Phase.HOLD, "hold_for_returns", s.model, hold_s=plan.hold_s)
 
     # ================================================================== rounds
     def _rotation(self, view: InstanceView) -> list[str]:
@@ -345,6 +373,7 @@ class SlotScheduler(MeasuredCosts):
             sp_ineligible=dict(r.sp_ineligible), p_admitted=sum(sl.p_admitted for sl in r.slots), p_deferred=p_def,
             switch_paths=tuple(r.switch_paths), slots=tuple(r.slots), flags=self.policy.flags,
             sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
+            holds=r.holds, hold_gain_s=r.hold_gain_s, hold_harm_s=r.hold_harm_s,
             deadlines=self.tracker.take_window() if self.tracker is not None else None,
         )
         t = self.totals

@@ -22,11 +22,12 @@ class Phase(str, Enum):
     SP = "SP"
     D = "D"
     DFIN = "Dfin"
+    HOLD = "hold"  # the slot held open, idle, for returns expected soon (hold.py)
     SWITCH = "switch"
     IDLE = "idle"
 
 
-SLOT_PHASES = (Phase.P, Phase.D1, Phase.SP, Phase.D, Phase.DFIN)
+SLOT_PHASES = (Phase.P, Phase.D1, Phase.SP, Phase.D, Phase.DFIN, Phase.HOLD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +46,28 @@ class CallView:
 
 
 @dataclass(frozen=True, slots=True)
+class ReturnView:
+    """A session of this model whose call ended here and whose return the router expects (its lease's retention
+    hint, ``kv/retention.py``): not queued, not running. Used to hold the slot open for it (``hold.py``)."""
+
+    session_id: str
+    elapsed_s: float  # since its last call here ended
+    gap_mu: float  # log-normal return gap (services/router/return_gap.py)
+    gap_sigma: float  # 0: a fixed-tau lease (nothing known but the window)
+    window_s: float  # the lease window, from the call's end (> 0)
+    tokens: int = 0  # completion tokens of its last call: the return's predicted decode
+    new_tokens: int = 0  # its last call's uncached prompt tokens: the return's predicted prefill
+    context: int = 0  # its context after the last call (where the return's prefill lands)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelView:
     model: str
     running: int = 0  # calls handed to the model's batch and not finished (prefilling or decoding)
     prefilling: int = 0  # of those, calls whose prefill has not completed yet
     max_remaining_decode: int = 0  # most decode iterations any running call may still need
     queued: tuple[CallView, ...] = ()  # FCFS
+    returns: tuple[ReturnView, ...] = ()  # sessions expected back soon (hold.py); empty without leases
 
     @property
     def has_work(self) -> bool:
@@ -160,6 +177,11 @@ class RoundSummary:
     sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
     sp_benefit_s: float = 0.0
     sp_harm_s: float = 0.0
+    # slots held open for expected returns (hold.py): holds decided, and their predicted gain / harm (the hold
+    # time itself is ``phase_s["hold"]``)
+    holds: int = 0
+    hold_gain_s: float = 0.0
+    hold_harm_s: float = 0.0
     # per-token deadlines (issue 16, Aegaeon): attainment and inter-token gap distribution over the round
     # (a ``deadlines.DeadlineStats``; None when no tracker is attached)
     deadlines: Any = None
@@ -183,6 +205,7 @@ class Decision:
     run_step: bool = False
     verdicts: tuple[SpVerdict, ...] = ()
     closed_round: RoundSummary | None = None
+    hold_s: float = 0.0  # Phase.HOLD: nothing to run; ask again after at most this long, or when a call arrives
 
     @property
     def idle(self) -> bool:
