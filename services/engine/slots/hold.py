@@ -13,17 +13,24 @@ decision: hold the slot idle for ``h`` seconds, or close it now.
 
 With ``e_i`` the time since return ``i``'s call ended, ``W`` the wait a return avoids by being served in
 this slot (until the model's next slot: the rest of the round, ``SpGain.wait_saved_s``), ``n`` the calls of
-other models waiting for their slots (``SpGain.waiting_others``) and ``c_i`` the return's own service time:
+other models waiting for their slots (``SpGain.waiting_others``), ``a`` the other models' sessions expected
+back within ``W`` (their own leases' hints: the work their slots would take on while this one idles) and
+``c_i`` the return's own service time (its predicted prefill and decode). ``a`` also counts the calls of
+this model queued and not admissible mid-slot (they wait for its next slot, which the hold pushes back):
 
     p_i(h)   = P(gap_i <= e_i + h | gap_i > e_i)        (uniform over the window's rest for a fixed-tau lease)
     gain(h)  = sum_i p_i(h) * max(0, W - n * c_i)       (the SP verdict of ``admission.SpGain`` per return)
-    harm(h)  = h * n                                    (every waiting call is delayed by the hold)
+    harm(h)  = h * (n + a)                              (every call waiting or arriving elsewhere is delayed)
 
 The hold is the ``h`` among a few candidates (each return's conditional median, 80th and 95th percentile,
 clipped to the slot's budget left minus the return's service, and to its lease window) that maximises
 ``gain - harm``; no hold when that is <= 0, so a hold is only taken where it is expected to pay. ``harm``
 charges the full ``h`` although the hold ends at the first return (an upper bound: conservative). It is
-never a pin: the hold is re-decided at every scheduler call (the conditional probabilities decay as the gap
+never a pin, and never taken in a round without slack: when the open round is already predicted past
+its bound (Eq. 5's shortfall) or P had to defer prefill, the instance is saturated, and on a saturated,
+work-conserving instance an idle second delays every piece of queued work (measured in the simulator's
+paper replay: holding there traded the switches it saved for as much idle time, SCT p50 +-10 % by seed).
+The hold is re-decided at every scheduler call (the conditional probabilities decay as the gap
 grows, so a hold whose value is spent ends by itself), it never runs past the slot's budget (Eq. 5's round
 bound stands), and a slot with nothing waiting elsewhere does not close at all, so it needs no hold.
 
@@ -84,9 +91,10 @@ class HoldPlan:
 
 
 def plan_hold(returns: tuple[ReturnView, ...], *, wait_saved_s: float, waiting_others: int, left_s: float,
-              service_s: tuple[float, ...]) -> HoldPlan | None:
+              service_s: tuple[float, ...], arriving_others: float = 0.0) -> HoldPlan | None:
     """The hold that pays most (see the module note), or None. ``service_s[i]`` is return i's predicted
-    service time; ``left_s`` the slot's budget left. Pure."""
+    service time; ``left_s`` the slot's budget left; ``arriving_others`` the expected number of other
+    models' sessions returning while their slots would run (the hold delays them as well). Pure."""
     if not returns or left_s <= MIN_HOLD_S:
         return None
     values = [max(0.0, wait_saved_s - waiting_others * c) for c in service_s]
@@ -97,7 +105,7 @@ def plan_hold(returns: tuple[ReturnView, ...], *, wait_saved_s: float, waiting_o
     for h in sorted(c for c in cands if c >= MIN_HOLD_S):
         ps = [p_within(r, h) if h + c <= left_s else 0.0 for r, c in zip(returns, service_s)]
         gain = sum(p * v for p, v in zip(ps, values))
-        harm = h * waiting_others
+        harm = h * (waiting_others + arriving_others)
         if gain - harm > 0 and (best is None or gain - harm > best.gain_s - best.harm_s):
             best = HoldPlan(h, gain, harm, sum(ps))
     return best

@@ -44,7 +44,7 @@ from talaria.switch_path import SwitchPath
 
 from .admission import SpGain, SpLimits, select_p, select_sp, sp_ineligible_reason
 from .budget import plan_round, reserved_iterations
-from .hold import plan_hold
+from .hold import p_within, plan_hold
 from .costs import CostModel, MeasuredCosts, expected_path
 from .types import SLOT_PHASES, CallView, Decision, InstanceView, ModelView, Phase, RoundPlan, RoundSummary, SlotSummary, SpVerdict
 
@@ -310,10 +310,17 @@ class SlotScheduler(MeasuredCosts):
         r = self._round
         if not mv.returns or r is None:
             return None
+        if r.plan.shortfall_s > 0 or r.p_deferred_s > 0:  # no slack in this round: an idle second delays all its work
+            return None
         g = self._sp_gain(view, mv, s, left_s)
         step, cm = self.costs.decode_step_at(s.model, 1), self.costs
         service = tuple(cm.prefill_seconds(s.model, x.new_tokens, x.context + x.new_tokens) + max(1, x.tokens) * step for x in mv.returns)
-        plan = plan_hold(mv.returns, wait_saved_s=g.wait_saved_s, waiting_others=g.waiting_others, left_s=left_s, service_s=service)
+        # the hold delays more than the calls waiting for other models: other models' sessions expected back
+        # while those slots would run, and this model's own queued calls SP could not take (they wait for its
+        # next slot, which the hold pushes back)
+        coming = sum(p_within(x, g.wait_saved_s) for m in view.models if m.model != s.model for x in m.returns) + len(mv.queued)
+        plan = plan_hold(mv.returns, wait_saved_s=g.wait_saved_s, waiting_others=g.waiting_others, left_s=left_s, service_s=service,
+                         arriving_others=coming)
         if plan is None:
             return None
         if s.phase is not Phase.HOLD:
