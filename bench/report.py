@@ -228,6 +228,14 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
             out["sp_harm_s"] = sum(num(r, "sp_harm_s") for r in rounds)
         else:
             out.update({"sp_deferred_reasons": {}, "sp_no_gain": NA, "sp_benefit_s": NA, "sp_harm_s": NA})
+        # slots held for expected returns (slots/hold.py): how often, how long, and the predicted gain / harm
+        if any("holds" in r for r in rounds):
+            out["holds"] = sum(num(r, "holds") for r in rounds)
+            out["hold_s"] = sum(float((r.get("phase_s") or {}).get("hold", 0.0)) for r in rounds)
+            out["hold_gain_s"] = sum(num(r, "hold_gain_s") for r in rounds)
+            out["hold_harm_s"] = sum(num(r, "hold_harm_s") for r in rounds)
+        else:
+            out.update({"holds": NA, "hold_s": NA, "hold_gain_s": NA, "hold_harm_s": NA})
     else:
         out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "sp_no_gain": NA})
     src: dict[str, int] = {}

@@ -247,3 +247,7 @@ class Executor(Protocol):
 
     def take_round_summaries(self) -> Sequence[Any]:
         """Closed slot-scheduler rounds not handed out yet (none without the slot scheduler)."""
+
+    def idle_wait_s(self) -> float:
+        """Seconds the step loop may sleep (unless a call arrives) although work is queued: a cold slot held open
+        for expected returns (``slots/hold.py``). 0: step again at once."""

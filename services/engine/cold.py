@@ -501,6 +501,10 @@ class ColdEngine:
         """Closed slot-scheduler rounds (none: the idle switch rule has no rounds; see slots/)."""
         return []
 
+    def idle_wait_s(self) -> float:
+        """0: the idle switch rule never holds a slot (``slotted.py`` does)."""
+        return 0.0
+
     def take_switch_records(self) -> list[SwitchRecord]:
         """Records not yet handed out (the service publishes them on ``.switch``); any thread."""
         with self._intake_lock:

@@ -281,6 +281,9 @@ class Engine:
     def take_round_summaries(self) -> list:
         return []
 
+    def idle_wait_s(self) -> float:
+        return 0.0
+
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue ``req``; it is admitted at the next ``step()``. Raises InvalidRequestError."""

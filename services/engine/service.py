@@ -149,6 +149,11 @@ class EngineService:
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
                 continue
+            if not outs:  # a cold slot held open for expected returns: sleep until a call arrives or the hold ends
+                pause = self.engine.idle_wait_s()
+                if pause > 0:
+                    self._wake.wait(min(pause, 0.05))
+                    self._wake.clear()
             outs = self._hold.filter(outs)  # held calls' steps never wake the loop (streaming.ExecutorHold)
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
@@ -394,7 +399,7 @@ class EngineService:
         except Exception:  # noqa: BLE001 - one bad message must not stop the subscription
             return
         if h.session_id:
-            self.retention.note(h.session_id, Hint(h.t_done_unix, h.gap_mu, h.gap_sigma, h.window_s))
+            self.retention.note(h.session_id, Hint(h.t_done_unix, h.gap_mu, h.gap_sigma, h.window_s, h.model))
 
     def _finish_with_error(self, rid: str, err: CallError, reason: str = "error") -> None:
         call = self._calls.pop(rid, None)

@@ -15,6 +15,7 @@ The cold engine cannot park in-flight calls across a switch, so ``can_park`` is 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 from services.engine.api import SlotStats
@@ -22,7 +23,11 @@ from services.engine.cold import ColdEngine
 from services.engine.types import EngineRequest, RequestOutput
 
 from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
+from services.engine.slots.types import ReturnView
 from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
+
+
+HINT_SKEW_S = 0.05  # a retention hint's call end may precede the engine's own stamp of it by this much
 
 
 class SlottedColdEngine(ColdEngine):
@@ -40,8 +45,13 @@ class SlottedColdEngine(ColdEngine):
             self.slots = SlotScheduler(pol, cm)
             self.slots.tracker = self.deadlines
         self.last_decision: Decision | None = None
+        self._return_hold = pol.return_hold and pol.sp and not pol.token_deadlines
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
+        # (model, session) -> (completion tokens, uncached prompt tokens, context, wall time it ended) of its last
+        # call here: what a return is predicted to cost when the slot is held for it (slots/hold.py), and which
+        # retention hint is about that call; bounded, oldest dropped
+        self._last_call: dict[tuple[str, str], tuple[int, int, int, float]] = {}
         self._slots_now: SlotStats | None = None
         super().__init__(catalog, **kw)
 
@@ -78,8 +88,33 @@ class SlottedColdEngine(ColdEngine):
                 free_tokens = max(0, eng.kv.num_pages - held) * self.page_size
             else:
                 models.append(ModelView(m, 0, 0, 0, queued))
+        # the scheduler reads returns only to decide a hold: when the active model has nothing in flight and
+        # another has work (a step's view skips the hint scan otherwise)
+        if self._return_hold and any(mv.model == self.active and mv.running == 0 for mv in models) and any(mv.has_work for mv in models):
+            returns = self._returns()
+            models = [replace(mv, returns=returns[mv.model]) if returns.get(mv.model) else mv for mv in models]
         frac = {m: self.substrate.staged_fraction(m) for m in self.loaded if m != self.active}
         return InstanceView(self.active, tuple(models), free_tokens, frac, can_park=False)
+
+    def _returns(self) -> dict[str, tuple[ReturnView, ...]]:
+        """Per model, the sessions whose last call ended here and whose return the router's lease expects (its
+        retention hint, window still open), none of them queued or running now. Pure read."""
+        book = self._retention
+        if book is None:
+            return {}
+        busy = {sid for m in self.loaded for r in self._queues.get(m, ()) for sid in (r.session_id,)} | {sid for _, sid in self._req_session.values()}
+        out: dict[str, list[ReturnView]] = {}
+        for sid, h, elapsed in book.leased():
+            last = self._last_call.get((h.model, sid))
+            if last is None or sid in busy or h.model not in self.loaded or h.t_done_unix < last[3] - HINT_SKEW_S:
+                continue  # not served here, back already, or a hint about an earlier call (its return has come)
+            out.setdefault(h.model, []).append(ReturnView(sid, elapsed, h.gap_mu, h.gap_sigma, h.window_s, *last[:3]))
+        return {m: tuple(v) for m, v in out.items()}
+
+    def idle_wait_s(self) -> float:
+        """The slot is held for expected returns (``slots/hold.py``): the step loop sleeps up to this long."""
+        d = self.last_decision
+        return d.hold_s if d is not None and d.phase is Phase.HOLD else 0.0
 
     # ------------------------------------------------------------------ the policy's hooks (ColdEngine.step)
     def _schedule(self) -> Collection[str] | object | None:
@@ -132,6 +167,13 @@ class SlottedColdEngine(ColdEngine):
         ms = self._req_session.pop(out.request_id, None)
         if ms is not None:
             self._served_sessions.add(ms)
+            u = out.usage
+            if u is not None and self._retention is not None:
+                self._last_call.pop(ms, None)
+                self._last_call[ms] = (u.completion_tokens, max(0, u.prompt_tokens - u.cached_tokens), u.prompt_tokens + u.completion_tokens,
+                                       self._retention.wall())
+                while len(self._last_call) > 4096:
+                    del self._last_call[next(iter(self._last_call))]
 
     def _refresh_gauges(self) -> None:
         super()._refresh_gauges()

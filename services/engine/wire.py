@@ -83,6 +83,7 @@ def round_summary(r, instance_id: str) -> pb.RoundSummary:
         sp_ineligible=dict(r.sp_ineligible), p_admitted=r.p_admitted, p_deferred=r.p_deferred,
         switch_paths=[str(x) for x in r.switch_paths], flags=dict(r.flags), num_slots=len(r.slots),
         sp_deferred_reasons=dict(r.sp_deferred_reasons), sp_benefit_s=r.sp_benefit_s, sp_harm_s=r.sp_harm_s,
+        holds=r.holds, hold_gain_s=r.hold_gain_s, hold_harm_s=r.hold_harm_s,
         token_deadlines=token_deadline_stats(r.deadlines), cold_scheduler="token_deadlines" if r.flags.get("token_deadlines") else "rounds",
     )
 

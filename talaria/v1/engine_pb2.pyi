@@ -573,7 +573,7 @@ class ControlReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., snapshot: _Optional[_Union[InstanceSnapshot, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots", "sp_deferred_reasons", "sp_benefit_s", "sp_harm_s", "token_deadlines", "cold_scheduler")
+    __slots__ = ("schema_version", "instance_id", "index", "sent_unix", "wall_s", "active_s", "switch_s", "bound_s", "predicted_s", "shortfall_s", "deadline_risk", "infeasible", "phase_s", "phase_count", "sp_admitted", "sp_deferred", "sp_ineligible", "p_admitted", "p_deferred", "switch_paths", "flags", "num_slots", "sp_deferred_reasons", "sp_benefit_s", "sp_harm_s", "holds", "hold_gain_s", "hold_harm_s", "token_deadlines", "cold_scheduler")
     class PhaseSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -634,6 +634,9 @@ class RoundSummary(_message.Message):
     SP_DEFERRED_REASONS_FIELD_NUMBER: _ClassVar[int]
     SP_BENEFIT_S_FIELD_NUMBER: _ClassVar[int]
     SP_HARM_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_GAIN_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_HARM_S_FIELD_NUMBER: _ClassVar[int]
     TOKEN_DEADLINES_FIELD_NUMBER: _ClassVar[int]
     COLD_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
@@ -661,9 +664,12 @@ class RoundSummary(_message.Message):
     sp_deferred_reasons: _containers.ScalarMap[str, int]
     sp_benefit_s: float
     sp_harm_s: float
+    holds: int
+    hold_gain_s: float
+    hold_harm_s: float
     token_deadlines: TokenDeadlineStats
     cold_scheduler: str
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ..., sp_deferred_reasons: _Optional[_Mapping[str, int]] = ..., sp_benefit_s: _Optional[float] = ..., sp_harm_s: _Optional[float] = ..., token_deadlines: _Optional[_Union[TokenDeadlineStats, _Mapping]] = ..., cold_scheduler: _Optional[str] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., index: _Optional[int] = ..., sent_unix: _Optional[float] = ..., wall_s: _Optional[float] = ..., active_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., bound_s: _Optional[float] = ..., predicted_s: _Optional[float] = ..., shortfall_s: _Optional[float] = ..., deadline_risk: _Optional[bool] = ..., infeasible: _Optional[_Iterable[str]] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., phase_count: _Optional[_Mapping[str, int]] = ..., sp_admitted: _Optional[int] = ..., sp_deferred: _Optional[int] = ..., sp_ineligible: _Optional[_Mapping[str, int]] = ..., p_admitted: _Optional[int] = ..., p_deferred: _Optional[int] = ..., switch_paths: _Optional[_Iterable[str]] = ..., flags: _Optional[_Mapping[str, bool]] = ..., num_slots: _Optional[int] = ..., sp_deferred_reasons: _Optional[_Mapping[str, int]] = ..., sp_benefit_s: _Optional[float] = ..., sp_harm_s: _Optional[float] = ..., holds: _Optional[int] = ..., hold_gain_s: _Optional[float] = ..., hold_harm_s: _Optional[float] = ..., token_deadlines: _Optional[_Union[TokenDeadlineStats, _Mapping]] = ..., cold_scheduler: _Optional[str] = ...) -> None: ...
 
 class TokenDeadlineStats(_message.Message):
     __slots__ = ("tokens", "tokens_on_time", "first_tokens", "first_on_time", "gap_p50_s", "gap_p90_s", "gap_p99_s", "gap_max_s", "gap_bucket_le_s", "gap_bucket_count")

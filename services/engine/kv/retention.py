@@ -45,6 +45,7 @@ class Hint:
     gap_mu: float
     gap_sigma: float  # 0: a fixed-tau lease (full value until the window ends)
     window_s: float  # 0: no lease was installed
+    model: str = ""  # the session's model (a cold instance's slot scheduler holds its slot for it: slots/hold.py)
 
 
 class RetentionBook:
@@ -101,6 +102,16 @@ class RetentionBook:
         self.counters["evicted_after_window" if v < 0 else ("evicted_spent" if v == 0 else "evicted_live")] += 1
         self._hints.pop(best[2], None)
         return best[2]
+
+    def wall(self) -> float:
+        """The hints' time base now (the injected wall clock)."""
+        return self._wall()
+
+    def leased(self) -> list[tuple[str, Hint, float]]:
+        """(session, hint, seconds since its call ended) of every hint whose lease window is still open, now
+        on the injected wall clock; any thread (a snapshot of the dict, read under the GIL). Pure read."""
+        now = self._wall()
+        return [(sid, h, now - h.t_done_unix) for sid, h in list(self._hints.items()) if 0 <= now - h.t_done_unix < h.window_s]
 
     def forget(self, session_id: str) -> None:
         self._hints.pop(session_id, None)
