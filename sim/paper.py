@@ -33,7 +33,8 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
     "no-SP": {"sp": False},
     "no-HKVR": {"host_kv": False},
     "H2D-only": {"d2d_staging": False},
-    "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False},
+    "no-hold": {"return_hold": False},  # not in the paper: the slot hold for expected returns (slots/hold.py) off
+    "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False, "return_hold": False},
 }
 OUTPUT_SCALE = 0.1
 TP8_START_GAP_S = 26.0  # not published: (1632 s of Talaria rounds, §5.6 - 867 s SCT p95) / 29 later starts

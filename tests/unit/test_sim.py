@@ -193,7 +193,7 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
     s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None)
     got = json.loads((tmp_path / "summary.json").read_text())
-    assert set(got["tp8"]) == {"Talaria", "no-SP", "no-HKVR", "H2D-only", "Round-only"}
+    assert set(got["tp8"]) == {"Talaria", "no-SP", "no-HKVR", "H2D-only", "no-hold", "Round-only"}
     for v in got["tp8"].values():
         assert set(v) == {"sct_p50_s", "sct_p95_s", "ttft_p95_s"} and v["sct_p50_s"] > 0
     assert {"full", "least-pressure"} <= set(got["router"])
