@@ -188,6 +188,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
+        lone_prefill_tokens: int = 0,
         session_cache_entries: int = 256,
         session_cache_pages: int | None = None,
         model_id: str | None = None,
@@ -232,7 +233,8 @@ class Engine:
             self.num_pages, page_size, salt=self.salt, clock=clock,
             session_entries=session_cache_entries, session_max_pages=session_cache_pages, allocator=page_allocator,
         )
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   lone_prefill_tokens=lone_prefill_tokens)
         self.sampler = Sampler(self.device)
         self._clock = clock
 

@@ -46,6 +46,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024 if cfg.kv_cache_mb else None,  # None: sized to the machine (memory.py)
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        lone_prefill_tokens=cfg.lone_prefill_tokens,
         session_cache_entries=cfg.session_cache_entries,
         model_id=cfg.models[0],
         packed_weights=cfg.packed_weights,

@@ -50,6 +50,26 @@ def llama(synth_models):
     return synth_models["tiny-llama"]
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_lone_prefill_in_one_step_gives_the_chunked_tokens(synth_models, name):
+    """A step with nothing decoding prefills a long prompt in one chunk (``lone_prefill_tokens``): same greedy
+    tokens as in 12-token chunks, in fewer steps."""
+    chunked = make_engine(synth_models[name], max_num_batched_tokens=12)
+    lone = make_engine(synth_models[name], max_num_batched_tokens=12, lone_prefill_tokens=256)
+    ps = prompts(chunked)
+    long = [t for p in ps for t in p][:90]
+    runs = {}
+    for label, eng in (("chunked", chunked), ("lone", lone)):
+        before = eng.stats().num_steps
+        got = eng.generate([long], GREEDY)
+        runs[label] = (eng.stats().num_steps - before, got)
+    assert runs["lone"][1] == runs["chunked"][1]
+    assert runs["lone"][0] == GREEDY.max_tokens and runs["chunked"][0] == GREEDY.max_tokens + 7  # 90 tokens: 8 chunks of 12
+    # the batched mix of prompts is identical too (later prompts arrive while others decode: normal chunks)
+    assert lone.generate(ps, GREEDY) == chunked.generate(ps, GREEDY)
+    lone.check_integrity()
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_batched_equals_unbatched_greedy(synth_models, name):
     # small token budget: the batched run also exercises chunked prefill mixed with decodes

@@ -211,3 +211,47 @@ def test_flush_and_hit_rate():
     s.finish(b)
     s.schedule()
     assert s.kv.flush() == 2 and s.kv.num_free_pages == 16
+
+
+def make_lone(lone, budget=8, **kw):
+    s = make(budget=budget, **kw)
+    s.lone_prefill_tokens = lone
+    return s
+
+
+def test_a_step_without_decodes_prefills_a_long_prompt_in_one_chunk():
+    s = make_lone(24, num_pages=32)
+    a, b = seq("a", 20), seq("b", 6, start=100)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert out.summary() == [("a", 20)] and out.num_batched_tokens == 20  # a alone; its 20 > 8 leaves no budget
+    out = run_step(s)  # a decodes now: b gets the normal budget left (8 - 1)
+    assert out.summary() == [("a", 1), ("b", 6)]
+    off = make_lone(0, num_pages=32)
+    off.add(seq("a", 20))
+    assert run_step(off).summary() == [("a", 8)]
+
+
+def test_lone_prefill_limit_caps_the_chunk_and_short_prompts_leave_the_normal_budget():
+    s = make_lone(12, num_pages=32)
+    s.add(seq("a", 20))
+    assert run_step(s).summary() == [("a", 12)]  # capped at lone_prefill_tokens
+    t = make_lone(12, num_pages=32)
+    t.add(seq("a", 3))
+    t.add(seq("b", 20, start=100))
+    assert run_step(t).summary() == [("a", 3), ("b", 5)]  # a fits the normal budget: b gets the rest of it
+
+
+def test_a_partial_prefill_continues_with_the_lone_limit_once_nothing_decodes():
+    s = make_lone(0, num_pages=32)
+    a = seq("a", 20)
+    s.add(a)
+    assert run_step(s).summary() == [("a", 8)]
+    s.lone_prefill_tokens = 16
+    assert run_step(s).summary() == [("a", 12)]  # the rest of a's prompt in one step
+
+
+def test_lone_prefill_tokens_must_not_be_negative():
+    with pytest.raises(ValueError):
+        Scheduler(KVManager(4, 4, clock=Clock()), lone_prefill_tokens=-1)
