@@ -27,9 +27,6 @@ from services.engine.slots.types import ReturnView
 from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
 
 
-HINT_SKEW_S = 0.05  # a retention hint's call end may precede the engine's own stamp of it by this much
-
-
 class SlottedColdEngine(ColdEngine):
     def __init__(self, catalog, *, policy: SlotPolicy | None = None, costs: CostModel | None = None, **kw: Any) -> None:
         pol = policy or SlotPolicy()
@@ -48,10 +45,11 @@ class SlottedColdEngine(ColdEngine):
         self._return_hold = pol.return_hold and pol.sp and not pol.token_deadlines
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
-        # (model, session) -> (completion tokens, uncached prompt tokens, context, wall time it ended) of its last
-        # call here: what a return is predicted to cost when the slot is held for it (slots/hold.py), and which
-        # retention hint is about that call; bounded, oldest dropped
+        # (model, session) -> (completion tokens, uncached prompt tokens, context, wall time it was admitted) of
+        # its last call here: what a return is predicted to cost when the slot is held for it (slots/hold.py),
+        # and which retention hint is about that call (one whose call ended after it was admitted); bounded
         self._last_call: dict[tuple[str, str], tuple[int, int, int, float]] = {}
+        self._admit_wall: dict[str, float] = {}  # request -> wall time (the hints' clock) it joined the batch
         self._slots_now: SlotStats | None = None
         super().__init__(catalog, **kw)
 
@@ -102,11 +100,11 @@ class SlottedColdEngine(ColdEngine):
         book = self._retention
         if book is None:
             return {}
-        busy = {sid for m in self.loaded for r in self._queues.get(m, ()) for sid in (r.session_id,)} | {sid for _, sid in self._req_session.values()}
+        busy = {r.session_id for m in self.loaded for r in self._queues.get(m, ())} | {sid for _, sid in self._req_session.values()}
         out: dict[str, list[ReturnView]] = {}
         for sid, h, elapsed in book.leased():
             last = self._last_call.get((h.model, sid))
-            if last is None or sid in busy or h.model not in self.loaded or h.t_done_unix < last[3] - HINT_SKEW_S:
+            if last is None or sid in busy or h.model not in self.loaded or h.t_done_unix <= last[3]:
                 continue  # not served here, back already, or a hint about an earlier call (its return has come)
             out.setdefault(h.model, []).append(ReturnView(sid, elapsed, h.gap_mu, h.gap_sigma, h.window_s, *last[:3]))
         return {m: tuple(v) for m, v in out.items()}
@@ -150,6 +148,8 @@ class SlottedColdEngine(ColdEngine):
     def _admitted(self, req: EngineRequest) -> None:
         if req.session_id:
             self._req_session[req.request_id] = (req.model, req.session_id)
+            if self._retention is not None:
+                self._admit_wall[req.request_id] = self._retention.wall()
 
     def _step_shell(self, eng) -> list[RequestOutput]:
         return self._timed_step(eng)
@@ -165,13 +165,13 @@ class SlottedColdEngine(ColdEngine):
         super()._finished(out)
         self.deadlines.finish(out.request_id)
         ms = self._req_session.pop(out.request_id, None)
+        admitted = self._admit_wall.pop(out.request_id, None)
         if ms is not None:
             self._served_sessions.add(ms)
             u = out.usage
-            if u is not None and self._retention is not None:
+            if u is not None and admitted is not None:
                 self._last_call.pop(ms, None)
-                self._last_call[ms] = (u.completion_tokens, max(0, u.prompt_tokens - u.cached_tokens), u.prompt_tokens + u.completion_tokens,
-                                       self._retention.wall())
+                self._last_call[ms] = (u.completion_tokens, max(0, u.prompt_tokens - u.cached_tokens), u.prompt_tokens + u.completion_tokens, admitted)
                 while len(self._last_call) > 4096:
                     del self._last_call[next(iter(self._last_call))]
 

@@ -318,3 +318,55 @@ async def test_held_stream_tokens_go_out_when_the_interval_ends_even_without_a_s
             await nc.close()
     assert sum(len(c.token_ids) for c in got) == 4 and [c.seq for c in got] == list(range(len(got)))
     assert (2, False) in seen, seen  # tokens 1-2 delivered before the slow step ended
+
+
+async def test_a_retention_hint_on_nats_holds_the_cold_slot_for_the_return(synth_models, nats_url):
+    """The router's ``RetentionHint`` (subject ``retention``, with the session's model) reaches the slotted cold
+    engine, which holds model A's slot for the session's expected return instead of switching to B's waiting
+    call (slots/hold.py); the return is served in A's slot and only then does the instance switch to B."""
+    from services.engine.slots import CostModel, CostProfile, SlotPolicy
+    from services.engine.slotted import SlottedColdEngine
+
+    a, b = "tiny-llama", "tiny-qwen2"
+    slow = CostProfile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-5,
+                       switch_by_path={"full_staged": 2.0, "partial": 4.0, "host_only": 8.0})  # the paper's regime
+    ce = SlottedColdEngine({m: synth_models[m] for m in (a, b)}, policy=SlotPolicy(ttft_s=20.0, tpot_s=1.0), costs=CostModel(slow),
+                           page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
+    cfg = EngineConfig(id="ho0", pool="cold", models=[a, b], heartbeat_period_s=0.2)
+    with Running(EngineService(StackConfig(), cfg, ce, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        try:
+            await until_serving(nc, "ho0")
+            switches = await nc.subscribe(SUBJ.switch("ho0"))
+
+            async def call(model: str, session: str) -> tuple[float, float]:
+                inbox = nc.new_inbox()
+                sub = await nc.subscribe(inbox)
+                sent = time.time()
+                await nc.publish(SUBJ.generate("ho0"), gen(model, 3, session_id=session).SerializeToString(), reply=inbox)
+                while not pb.TokenChunk.FromString((await sub.next_msg(60)).data).finished:
+                    pass
+                await sub.unsubscribe()
+                return sent, time.time()
+
+            _, done = await call(a, "s")
+            assert ce.active == a
+            hint = pb.RetentionHint(schema_version=1, session_id="s", model=a, lease_id="x", t_done_unix=done, gap_mu=0.0, gap_sigma=0.3, window_s=20.0)
+            await nc.publish(SUBJ.retention("ho0"), hint.SerializeToString())
+            await nc.flush()
+            for _ in range(1000):  # the hint is in the engine's book before B's call arrives
+                if ce._retention.leased():
+                    break
+                await asyncio.sleep(0.01)
+            other = asyncio.ensure_future(call(b, "t"))
+            for _ in range(300):  # B waits: A's slot is held for s (expected back in ~1 s)
+                if ce.slots.totals["holds"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert ce.slots.totals["holds"] == 1 and ce.active == a and not other.done()
+            returned, _ = await call(a, "s")  # s returns: served in A's held slot
+            await asyncio.wait_for(other, 60)
+            rec = pb.SwitchRecord.FromString((await switches.next_msg(30)).data)
+            assert (rec.from_model, rec.to_model) == (a, b) and rec.started_unix >= returned  # the switch came after the return
+        finally:
+            await nc.close()

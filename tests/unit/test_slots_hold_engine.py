@@ -40,6 +40,7 @@ def _scenario(synth_models, hold: bool):
     ce.add_request(EngineRequest("s#0", first, _sp(4), session_id="s", arrival_time=clock.t, model=A))
     out0: list[int] = []
     for _ in range(200):
+        wall[0] += 0.01
         for o in ce.step():
             out0 += o.new_token_ids
             if o.finished:
