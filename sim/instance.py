@@ -20,7 +20,7 @@ Cold instances have a set of *loaded* models (in rotation); a call for another c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.engine.slots import CostModel, CostProfile, SlotPolicy, SlotScheduler
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
@@ -105,10 +105,10 @@ class SimInstance:
         self.device: dict[str, tuple[str, int]] = {}  # session -> (model, committed tokens) on device (active model)
         self.seen: set[tuple[str, str]] = set()  # (model, session) served here
         self.last_work: dict[str, float] = {}
-        # (model, session) -> (call end, gap mu, gap sigma, window, tokens, new tokens, context): the returns the
-        # router's leases expect here (what its retention hints tell the engine); the scheduler may hold a slot
-        # for them (services/engine/slots/hold.py). Dropped when the session's next call arrives here.
-        self.expected: dict[tuple[str, str], tuple[float, float, float, float, int, int, int]] = {}
+        # (model, session) -> (call end, its ReturnView as of the call end): the returns the router's leases
+        # expect here (what its retention hints tell the engine); the scheduler may hold a slot for them
+        # (services/engine/slots/hold.py). Dropped when the session's next call arrives here.
+        self.expected: dict[tuple[str, str], tuple[float, ReturnView]] = {}
         self.host = host
         self.pages: dict[tuple[str, str], list[int]] = {}  # (model, session) -> page hash chain
         self._hash_ctr = 0
@@ -212,15 +212,16 @@ class SimInstance:
 
     def expect(self, c: SimCall, now: float, gap_mu: float, gap_sigma: float, window_s: float) -> None:
         """The router installed a lease for ``c``'s session here (its retention hint). Mutates ``expected``."""
-        self.expected[(c.model, c.session_id)] = (now, gap_mu, gap_sigma, window_s, c.decoded, c.prompt_tokens - c.cached, c.prompt_tokens + c.decoded)
+        rv = ReturnView(c.session_id, 0.0, gap_mu, gap_sigma, window_s, c.decoded, c.prompt_tokens - c.cached, c.prompt_tokens + c.decoded)
+        self.expected[(c.model, c.session_id)] = (now, rv)
 
     def _returns(self, model: str, now: float) -> tuple[ReturnView, ...]:
         out = []
-        for (m, sid), (t, *rest) in list(self.expected.items()):
-            if now - t >= rest[2]:  # the lease window ended
-                del self.expected[(m, sid)]
-            elif m == model:
-                out.append(ReturnView(sid, now - t, *rest))
+        for key, (t, rv) in list(self.expected.items()):
+            if now - t >= rv.window_s:  # the lease window ended
+                del self.expected[key]
+            elif key[0] == model:
+                out.append(replace(rv, elapsed_s=now - t))
         return tuple(out)
 
     def view(self, now: float) -> InstanceView:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from talaria.clock import ManualClock
 from talaria.switch_path import SwitchPath
@@ -79,9 +79,9 @@ class FakeExecutor:
         self.seen: set[tuple[str, str]] = set()  # (model, session) served here before
         self.calls: dict[str, FakeCall] = {}
         self.switch_log: list[tuple[str, str, str, float]] = []
-        # (model, session) -> (call end, gap mu, gap sigma, window, tokens, new tokens, context): returns the
-        # router expects (its retention hints); dropped when the session's next call arrives
-        self.expected: dict[tuple[str, str], tuple[float, float, float, float, int, int, int]] = {}
+        # (model, session) -> (call end, its ReturnView as of the call end): returns the router expects (its
+        # retention hints); dropped when the session's next call arrives
+        self.expected: dict[tuple[str, str], tuple[float, ReturnView]] = {}
 
     def truth(self, model: str) -> CostProfile:
         return self._truth[model] if isinstance(self._truth, dict) else self._truth
@@ -111,7 +111,7 @@ class FakeExecutor:
             mvs.append(ModelView(
                 m, running=len(batch), prefilling=sum(1 for c in batch if c.prefill_left > 0 or c.restore_left > 0),
                 max_remaining_decode=max((c.max_tokens - c.decoded for c in batch), default=0), queued=tuple(queued),
-                returns=tuple(ReturnView(sid, now - t, *rest) for (mm, sid), (t, *rest) in self.expected.items() if mm == m),
+                returns=tuple(replace(rv, elapsed_s=now - t) for (mm, _), (t, rv) in self.expected.items() if mm == m),
             ))
         free = None
         if self.kv_tokens is not None:
@@ -276,7 +276,8 @@ def simulate(
                     h = hint(s.calls[k]) if hint is not None else None
                     if h is not None:
                         c = executor.calls[rid]
-                        executor.expected[(s.model, s.session_id)] = (clock.now(), *h, c.decoded, c.prompt_tokens - c.cached_tokens, c.prompt_tokens + c.decoded)
+                        rv = ReturnView(s.session_id, 0.0, *h, c.decoded, c.prompt_tokens - c.cached_tokens, c.prompt_tokens + c.decoded)
+                        executor.expected[(s.model, s.session_id)] = (clock.now(), rv)
         else:
             if not arrivals:
                 raise RuntimeError(f"scheduler idles with {unfinished} calls unfinished: {d}")

@@ -33,10 +33,22 @@ _SQRT2 = math.sqrt(2.0)
 AFTER_WINDOW_P = 0.5  # a return less likely than this within the window is "expected after it"
 
 
-def _cdf(mu: float, sigma: float, t: float) -> float:
+def lognormal_cdf(mu: float, sigma: float, t: float) -> float:
+    """P(gap <= t) for a log-normal gap (``sigma`` > 0)."""
     if t <= 0:
         return 0.0
     return 0.5 * math.erfc(-((math.log(t) - mu) / sigma) / _SQRT2)
+
+
+def p_back_by(mu: float, sigma: float, elapsed: float, t: float) -> float:
+    """P(gap <= t | gap > elapsed) for a log-normal gap: the chance a session away for ``elapsed`` seconds is
+    back by ``t`` (0 once the distribution's tail is spent). Shared by eviction here and the slot hold
+    (``slots/hold.py``)."""
+    f0 = lognormal_cdf(mu, sigma, elapsed)
+    tail = 1.0 - f0
+    if tail <= 1e-12:
+        return 0.0
+    return max(0.0, (lognormal_cdf(mu, sigma, t) - f0) / tail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +90,9 @@ class RetentionBook:
             return 0.0
         if h.gap_sigma <= 0:
             return 1.0
-        if _cdf(h.gap_mu, h.gap_sigma, h.window_s) < AFTER_WINDOW_P:
+        if lognormal_cdf(h.gap_mu, h.gap_sigma, h.window_s) < AFTER_WINDOW_P:
             return -1.0
-        tail = 1.0 - _cdf(h.gap_mu, h.gap_sigma, max(0.0, elapsed))
-        if tail <= 1e-12:
-            return 0.0
-        return max(0.0, (_cdf(h.gap_mu, h.gap_sigma, h.window_s) - (1.0 - tail)) / tail)
+        return p_back_by(h.gap_mu, h.gap_sigma, max(0.0, elapsed), h.window_s)
 
     def victim(self, lru_order: Iterable[str], protect: str | None = None) -> str | None:
         """The entry to evict: lowest value, least recently used among equals (``lru_order``: LRU first).

@@ -43,17 +43,13 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from services.engine.kv.retention import lognormal_cdf, p_back_by
+
 from .types import ReturnView
 
 _N = NormalDist()
 QUANTILES = (0.5, 0.8, 0.95)  # candidate holds: these conditional quantiles of each return's gap
 MIN_HOLD_S = 1e-3  # shorter holds are not worth a scheduler round trip
-
-
-def _cdf(mu: float, sigma: float, t: float) -> float:
-    if t <= 0:
-        return 0.0
-    return _N.cdf((math.log(t) - mu) / sigma)
 
 
 def p_within(r: ReturnView, h: float) -> float:
@@ -64,11 +60,7 @@ def p_within(r: ReturnView, h: float) -> float:
     h = min(h, rest)
     if r.gap_sigma <= 0:  # a fixed-tau lease: nothing known but the window -> uniform over its rest
         return h / rest
-    f0 = _cdf(r.gap_mu, r.gap_sigma, r.elapsed_s)
-    tail = 1.0 - f0
-    if tail <= 1e-12:
-        return 0.0
-    return max(0.0, (_cdf(r.gap_mu, r.gap_sigma, r.elapsed_s + h) - f0) / tail)
+    return p_back_by(r.gap_mu, r.gap_sigma, r.elapsed_s, r.elapsed_s + h)
 
 
 def quantile_in(r: ReturnView, q: float) -> float:
@@ -76,7 +68,7 @@ def quantile_in(r: ReturnView, q: float) -> float:
     rest = max(0.0, r.window_s - r.elapsed_s)
     if r.gap_sigma <= 0:
         return q * rest
-    f0 = _cdf(r.gap_mu, r.gap_sigma, r.elapsed_s)
+    f0 = lognormal_cdf(r.gap_mu, r.gap_sigma, r.elapsed_s)
     target = min(1.0 - 1e-9, f0 + q * (1.0 - f0))
     t = math.exp(r.gap_mu + r.gap_sigma * _N.inv_cdf(target))
     return min(rest, max(0.0, t - r.elapsed_s))
