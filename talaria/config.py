@@ -51,7 +51,7 @@ class EngineConfig(_Strict):
     kv_cache_mb: int | None = Field(None, ge=1, description="KV pool of the engine, MiB. None (default) => hot engine: sized to the machine (services/engine/memory.py: on a CPU a quarter of the memory available at start, at most 4 GiB; on CUDA half the device memory free after the weights), never more than max_num_seqs full contexts; cold engine: 256 MiB of its arena")
     max_num_seqs: int = Field(32, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16)
-    lone_prefill_tokens: int = Field(2048, ge=0, description="hot engine: a step in which no sequence decodes may give its first prefill chunk up to this many tokens (chunking protects decoding sequences; with none, a long prompt takes fewer, larger steps: measured TTFT of a lone 2,048-token prompt 1.09-1.16x, 1,024 tokens 1.05-1.12x: python -m bench.lone_prefill_bench; services/engine/scheduler.py); 0 or <= max_num_batched_tokens = always max_num_batched_tokens")
+    lone_prefill_tokens: int = Field(2048, ge=0, description="a step in which no sequence decodes (hot engines, and a cold engine's active model) may give its first prefill chunk up to this many tokens (chunking protects decoding sequences; with none, a long prompt takes fewer, larger steps: measured TTFT of a lone 2,048-token prompt 1.09-1.16x, 1,024 tokens 1.05-1.12x: python -m bench.lone_prefill_bench; services/engine/scheduler.py); 0 or <= max_num_batched_tokens = always max_num_batched_tokens")
     session_cache_entries: int = Field(256, ge=0)
     heartbeat_period_s: float = Field(0.5, gt=0)
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")

@@ -73,6 +73,7 @@ class ColdEngine:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
+        lone_prefill_tokens: int = 0,
         session_cache_entries: int = 256,
         staging: bool = True,
         staging_chunks_per_step: int = 8,
@@ -95,8 +96,8 @@ class ColdEngine:
         self.page_size = page_size
         self._engine_kw = dict(
             device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, session_cache_entries=session_cache_entries, clock=clock,
-            paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
+            max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
+            session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
             prefill_attention=prefill_attention,
         )
         self.clock = clock

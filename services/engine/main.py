@@ -97,6 +97,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         chunk_bytes=cfg.weight_chunk_kb * 1024,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        lone_prefill_tokens=cfg.lone_prefill_tokens,
         session_cache_entries=cfg.session_cache_entries,
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,

@@ -264,11 +264,13 @@ def test_engine_config_kernels_reach_every_cold_shell_and_survive_a_rebind(synth
 
     stack = StackConfig(models_dir=str(next(iter(synth_models.values())).parent))
     off = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], paged_decode="off", fused_ops="off",
-                                                prefill_attention="off", kv_cache_mb=8))
+                                                prefill_attention="off", kv_cache_mb=8, lone_prefill_tokens=96))
     assert _kernels(off, A) == (False, False)
     assert off._engine_kw["prefill_attention"] == "off"  # every shell's Engine gets it (the kernel itself needs bf16, head dim 64)
+    assert off._shells[A].engine.scheduler.lone_prefill_tokens == 96  # the scheduler of every shell too
     off.switch_to(B)
     assert _kernels(off, B) == (False, False)
+    assert off._shells[B].engine.scheduler.lone_prefill_tokens == 96
     on = make_cold(synth_models, staging=False)
     assert _kernels(on, A) == (True, True)
     sh = on._shells[A]
