@@ -221,7 +221,7 @@ class Engine:
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
         # the CPU kernels: decode attention (model/paged_attn.py), fused elementwise ops (model/fused_ops.py),
-        # AMX prefill attention (model/prefill_attn.py); each flag says whether it is on
+        # CPU prefill attention (model/prefill_attn.py); each flag says whether it is on
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
@@ -566,8 +566,8 @@ class Engine:
             self.model.pack_weights()
 
     def _prefill_attention(self, mode: str) -> bool:
-        """Give the model the AMX prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
-        CPU with AMX-BF16 serving a bf16 model with head dim 64 (else ATen's flash kernel stays), or take it
+        """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
+        CPU with AMX-BF16 or AVX-512 BF16 (the fastest it has) serving a bf16 model with head dim 64 (else ATen's flash kernel stays), or take it
         away (``off``). Sets ``self.model.prefill_attention``; returns whether the kernel is on."""
         if mode not in ("auto", "off"):
             raise ValueError(f"prefill_attention must be 'auto' or 'off', got {mode!r}")

@@ -1,15 +1,21 @@
-"""The AMX prefill attention kernel (services/engine/model/prefill_attn.py) against a float64 reference and
-ATen's flash kernel, and wired into the model and the engine config."""
+"""The prefill attention kernel (services/engine/model/prefill_attn.py) -- on each instruction set this CPU
+has (AMX-BF16 tiles, AVX-512 BF16) -- against a float64 reference and ATen's flash kernel, and wired into
+the model and the engine config."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.engine.model.prefill_attn import load_prefill_kernel
+from services.engine.model.prefill_attn import isas, load_prefill_kernel
 
 KERNEL = load_prefill_kernel()
-needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AMX-BF16 on this CPU (or the extension did not build): ATen's flash kernel is the path in use")
+ISAS = isas()
+needs_kernel = pytest.mark.skipif(
+    KERNEL is None, reason="neither AMX-BF16 nor AVX-512 BF16 on this CPU (or the extension did not build): ATen's flash kernel is the path in use")
+# every instruction set the kernel has, each run where this CPU has it (an AMX CPU runs both)
+EVERY_ISA = pytest.mark.parametrize(
+    "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in ISAS, reason=f"no {i} on this CPU")) for i in ("amx", "avx512_bf16")])
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 D = 64
 
@@ -54,13 +60,16 @@ CASES = [
     ([232], [1732]),  # an agent's return after its prefix
     ([100, 7, 300], [100, 50, 1000]),  # a mixed group: fresh, short chunk, chunk after a long prefix
     ([5, 5], [40, 5]),
+    # prefixes of every residue mod 4 (and one = 1 mod 16): a group of 4 rows whose last row alone opens
+    # a new 16-key block
+    ([45], [62]), ([64], [193]), ([30], [32]), ([21], [40]),
 ]
 
 
-@needs_amx
+@EVERY_ISA
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
-def test_matches_float64_at_least_as_well_as_aten_flash(q_lens, ctx_lens, heads):
+def test_matches_float64_at_least_as_well_as_aten_flash(q_lens, ctx_lens, heads, isa):
     H, KVH = heads
     g = torch.Generator().manual_seed(sum(ctx_lens) + H)
     pool = 4096
@@ -70,7 +79,7 @@ def test_matches_float64_at_least_as_well_as_aten_flash(q_lens, ctx_lens, heads)
     wide = torch.randn(sum(q_lens), H + 2, D, generator=g).mul(2).to(torch.bfloat16)
     q = wide[:, 1 : H + 1]  # a strided view, as the fused projection gives
     scale = D**-0.5
-    got = KERNEL(q, kpool, vpool, slots, q_lens, ctx_lens, scale)
+    got = load_prefill_kernel(isa)(q, kpool, vpool, slots, q_lens, ctx_lens, scale)
     assert got.shape == (sum(q_lens), H, D) and got.dtype == torch.bfloat16
     ref = _reference(q, kpool, vpool, slots, q_lens, ctx_lens, scale)
     err = (got.double() - ref).abs().max().item()
@@ -78,7 +87,7 @@ def test_matches_float64_at_least_as_well_as_aten_flash(q_lens, ctx_lens, heads)
     assert err <= 0.016 and err <= aten + 0.004, (err, aten)  # bf16 output: one step at 2 is 0.0156
 
 
-@needs_amx
+@needs_kernel
 def test_bad_arguments_are_errors_not_crashes():
     kpool = torch.zeros(64, 2, D, dtype=torch.bfloat16)
     q = torch.zeros(4, 8, D, dtype=torch.bfloat16)
@@ -91,6 +100,21 @@ def test_bad_arguments_are_errors_not_crashes():
         KERNEL(q, kpool, kpool, torch.arange(3), [4], [3], 0.125)
     with pytest.raises(RuntimeError, match="do not match"):
         KERNEL(q, kpool, kpool, slots, [3], [8], 0.125)
+    with pytest.raises(RuntimeError, match="isa 'sse2' is not available"):
+        KERNEL.func(q, kpool, kpool, slots, [4], [8], 0.125, isa="sse2")
+    assert load_prefill_kernel("sse2") is None
+
+
+def test_isas_are_what_this_cpu_has():
+    """The kernel offers AVX-512 BF16 exactly where the CPU has it, and AMX only where it has AMX-BF16 too."""
+    from pathlib import Path
+
+    flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    if KERNEL is None and "avx512_bf16" in flags:
+        pytest.skip("the extension did not build here")
+    assert ("avx512_bf16" in ISAS) == ("avx512_bf16" in flags and "avx512bw" in flags)
+    assert "amx" not in ISAS or {"amx_bf16", "amx_tile"} <= flags
+    assert "amx" not in ISAS or ISAS[0] == "amx"  # the faster first: the one a plain load_prefill_kernel() takes
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +126,7 @@ def small_llama(tmp_path_factory):
     return path
 
 
-@needs_amx
+@needs_kernel
 def test_the_engine_runs_every_prefill_through_the_kernel_with_bf16_accuracy(small_llama, monkeypatch):
     """A bf16 engine on a head-dim-64 model gives its model the kernel (config ``prefill_attention: auto``),
     every layer of a step with prompt chunks makes one call for all of them, and the prefill logits stay as

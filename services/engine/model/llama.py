@@ -234,7 +234,7 @@ class Attention(nn.Module):
                 scale=self.scale, enable_gqa=gqa,
             )
             return o.transpose(1, 2).reshape(B * Q, self.num_heads, D).index_select(0, g.out_pos)
-        if g.kind == "amx":  # the AMX prefill kernel over the pool in place (prefill_attn.py)
+        if g.kind == "kernel":  # the CPU prefill kernel over the pool in place (prefill_attn.py)
             kernel, q_lens, lens = g.paged
             return kernel(q, layer_k, layer_v, g.slots, q_lens, lens, self.scale)
         if g.kind == "decode":
@@ -390,7 +390,7 @@ class _Group:
     sequence, padded keys), ``packed`` (queries and keys concatenated, block-diagonal causal mask),
     ``padded`` (``[Bp, Qmax]`` queries x ``[Bp, Lmax]`` keys, per-sequence causal mask) or ``rows`` (each
     sequence's chunk against its own context, no mask, see ``_attend_rows``; ``slots`` packed as for
-    ``packed``) or ``amx`` (the AMX prefill kernel, ``prefill_attn.py``: ``slots`` packed as for ``packed``,
+    ``packed``) or ``kernel`` (the CPU prefill kernel, AMX or AVX-512 BF16, ``prefill_attn.py``: ``slots`` packed as for ``packed``,
     ``paged`` = ``(kernel, q_lens, ctx_lens)``). ``q_index``: flat
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
@@ -413,7 +413,7 @@ class _AttnPlan:
     ``single`` is set when one group holds every query in flat order (no gather/scatter of queries).
     ``decode_kernel``: the paged decode kernel (``paged_attn.py``) the decode group calls instead of gather
     + SDPA (its int32 tables are built here, once per forward); None = gather + SDPA. ``prefill_kernel``:
-    the AMX prefill kernel (``prefill_attn.py``): every multi-token query of the step in one ``amx`` group
+    the CPU prefill kernel (``prefill_attn.py``): every multi-token query of the step in one ``kernel`` group
     (one call per layer, no mask, no gather); None = ``_prefill_group``'s layouts.
     """
 
@@ -439,7 +439,7 @@ class _AttnPlan:
         pre = [i for i in range(B) if q_lens[i] > 1]
         self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window, decode_kernel)] if dec else []
         if pre and prefill_kernel is not None and (window is None or max(ctx[i] for i in pre) <= window):
-            self.groups.append(_amx_group(pre, cu, ctx, batch.block_tables, page_size, device, prefill_kernel))
+            self.groups.append(_kernel_group(pre, cu, ctx, batch.block_tables, page_size, device, prefill_kernel))
         else:
             self.groups += [_prefill_group(part, cu, ctx, batch.block_tables, page_size, device, window)
                             for part in _split_packed(pre, q_lens, ctx)]
@@ -549,11 +549,11 @@ def _packed(rows, lens, cu, tables, page_size, device) -> tuple[torch.Tensor, to
     return padded[valid], valid, q_index
 
 
-def _amx_group(rows, cu, ctx, tables, page_size, device, kernel) -> _Group:
+def _kernel_group(rows, cu, ctx, tables, page_size, device, kernel) -> _Group:
     lens = [ctx[i] for i in rows]
     q_lens = [cu[i + 1] - cu[i] for i in rows]
     slots, _, q_index = _packed(rows, lens, cu, tables, page_size, device)
-    return _Group("amx", q_index, slots, None, paged=(kernel, q_lens, lens))
+    return _Group("kernel", q_index, slots, None, paged=(kernel, q_lens, lens))
 
 
 def _rows_group(rows, q_lens, lens, cu, tables, page_size, device) -> _Group:
@@ -599,7 +599,7 @@ class LlamaForCausalLM(nn.Module):
         # the CPU paged decode kernel (paged_attn.load_kernel(); set by the engine, config ``paged_decode``);
         # None = decode attention by gather + SDPA. Used only on a CPU with the pool in the compute dtype.
         self.paged_decode = None
-        # the CPU AMX prefill attention kernel (prefill_attn.load_prefill_kernel(); set by the engine, config
+        # the CPU prefill attention kernel, AMX or AVX-512 BF16 (prefill_attn.load_prefill_kernel(); set by the engine, config
         # ``prefill_attention``); None = ATen's flash kernel. Used only with a bf16 pool and head dim 64.
         self.prefill_attention = None
         self.fused_ops: FusedOps | None = None  # fused elementwise CPU ops (fused_ops.py); None = eager ops

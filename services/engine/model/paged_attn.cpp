@@ -463,10 +463,11 @@ at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor res, at::Tensor w, double eps);
 at::Tensor fused_silu_mul(at::Tensor gu);
 at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
-// the AMX prefill attention of prefill_attn.cpp
+// the prefill attention of prefill_attn.cpp (AMX tiles or AVX-512 BF16)
+std::vector<std::string> prefill_attention_isas();
 bool prefill_attention_supported();
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
-                             std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale);
+                             std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale, std::string isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, in place over the pool)",
@@ -476,7 +477,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_silu_mul", &fused_silu_mul, "SiLU(gate) * up in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_rope", &fused_rope, "rotary embedding in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_attention_supported", &prefill_attention_supported, "AMX bf16 usable in this process (prefill_attn.cpp)");
-  m.def("prefill_attention", &prefill_attention, "prefill attention over the paged pool with AMX tiles (prefill_attn.cpp)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention_isas", &prefill_attention_isas,
+        "instruction sets the prefill attention kernel can use in this process, fastest first (prefill_attn.cpp)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "any prefill attention ISA usable here (prefill_attn.cpp)");
+  m.def("prefill_attention", &prefill_attention, "prefill attention over the paged pool, AMX tiles or AVX-512 BF16 (prefill_attn.cpp)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("q_lens"), py::arg("ctx_lens"),
+        py::arg("scale"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 }

@@ -1,16 +1,19 @@
-// Prefill attention on the CPU with AMX tiles: the queries of several sequences, each a chunk of new
-// tokens after its own earlier keys, against their contexts read from the paged KV pool through a slot
-// list. Design note: services/engine/model/prefill_attn.py (bound in paged_attn.cpp's module).
+// Prefill attention on the CPU: the queries of several sequences, each a chunk of new tokens after its own
+// earlier keys, against their contexts read from the paged KV pool through a slot list, on AMX tiles or on
+// AVX-512 BF16 dot products. Design note: services/engine/model/prefill_attn.py (bound in paged_attn.cpp's
+// module).
 //
 // Per (sequence, kv head) the context's K and V are gathered from the pool and packed once into the
-// layouts the bf16 tile multiply wants (K: 16 keys x 32 dims as a dword transpose; V: 32 keys x 16 dims as
-// key pairs); then per (sequence, query head, block of 16 query rows) task, FlashAttention's online
-// softmax (Dao et al., NeurIPS'22, Alg. 1) runs over blocks of 32 keys: S = Q K^T in two 16x16 float tiles,
+// layouts a bf16-pair multiply wants (K: 16 keys x 32 dims as a dword transpose; V: 32 keys x 16 dims as
+// key pairs); both ISAs read the same packing. Then per (sequence, query head, block of 16 query rows)
+// task, FlashAttention's online softmax (Dao et al., NeurIPS'22, Alg. 1) runs over spans of keys: S = Q K^T,
 // row max / exp / sum in AVX-512 registers (one row of 16 scores per register), P rounded to bf16, and
-// P V in four 16x16 float tiles added into float accumulators rescaled by exp(m_old - m_new). The causal
-// limit of a row is bottom-right aligned (row i of a chunk of n_q after p earlier keys sees keys < p + i +
-// 1), so a chunk after its prefix is one pass, no log-sum-exp merge. bf16 and head dim 64 only; the
-// caller checks support (amx_supported) and uses ATen's flash kernel otherwise.
+// P V added into float accumulators rescaled by exp(m_old - m_new). AMX: S in two 16x16 float tiles per 32
+// keys and P V in four 16x16 tiles. AVX-512 BF16 (no AMX): VDPBF16PS on register blocks of 4 query rows x
+// 64 keys (S) and 4 query rows x 64 dims (P V), skipping each 4-row group's keys past its causal limit. The
+// causal limit of a row is bottom-right aligned (row i of a chunk of n_q after p earlier keys sees keys
+// < p + i + 1), so a chunk after its prefix is one pass, no log-sum-exp merge. bf16 and head dim 64 only;
+// the caller checks support (prefill_attention_isas) and uses ATen's flash kernel otherwise.
 
 #include <torch/extension.h>
 
@@ -20,23 +23,28 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
-#define TALARIA_AMX 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define TALARIA_BF16_SIMD 1
 #include <immintrin.h>
+#endif
+#if defined(TALARIA_BF16_SIMD) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TALARIA_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 namespace {
 
-#ifdef TALARIA_AMX
+#ifdef TALARIA_BF16_SIMD
 constexpr int64_t kD = 64;   // head dim
 constexpr int64_t kQB = 16;  // query rows per task
 constexpr int64_t kKB = 32;  // keys per tile block
 constexpr int64_t kSpan = 128;  // keys per softmax step (4 tile blocks)
 
+#ifdef TALARIA_AMX
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -60,6 +68,7 @@ inline void load_tile_config() {
   }
   _tile_loadconfig(&c);
 }
+#endif  // TALARIA_AMX
 
 // exp(x) for x <= 0 (scores minus their running max): 2^(x / ln2) split as 2^i * 2^f, 2^f by a degree-6
 // polynomial (relative error < 3e-7, far below the bf16 rounding of P); x below -87 gives ~0.
@@ -137,6 +146,7 @@ void pack_kv(const uint16_t* k_pool, const uint16_t* v_pool, int64_t ks0, int64_
   }
 }
 
+#ifdef TALARIA_AMX
 void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, int64_t r0,
           const uint32_t* kp, const uint32_t* vp, float scale, uint16_t* out, int64_t os0, int64_t os1) {
   alignas(64) uint16_t qbuf[kQB * kD];
@@ -239,25 +249,172 @@ void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, 
     }
   }
 }
-#endif
+#endif  // TALARIA_AMX
+
+// P V of the 4 query rows at r of one span into acc (rescaled by alpha first): VDPBF16PS over key pairs, the
+// pair of P from pbuf broadcast as one dword, V's packed row of 16 dims for that pair.
+inline void pv_rows4(const uint16_t* pbuf, const uint32_t* vp, int64_t key0, int64_t pairs, int64_t r,
+                     const float* alpha, float* acc) {
+  __m512 o[4][4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[r + i]);
+    for (int c = 0; c < 4; ++c) o[i][c] = _mm512_mul_ps(_mm512_load_ps(acc + (r + i) * kD + c * 16), a);
+  }
+  const auto* p32 = reinterpret_cast<const uint32_t*>(pbuf);
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t g = key0 / 2 + pr;  // the pair's index in the context
+    const uint32_t* vr = vp + (g / 16) * 4 * 256 + (g % 16) * 16;
+    const __m512bh v0 = (__m512bh)_mm512_load_si512(vr), v1 = (__m512bh)_mm512_load_si512(vr + 256);
+    const __m512bh v2 = (__m512bh)_mm512_load_si512(vr + 512), v3 = (__m512bh)_mm512_load_si512(vr + 768);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(p32[(r + i) * (kSpan / 2) + pr]));
+      o[i][0] = _mm512_dpbf16_ps(o[i][0], pp, v0);
+      o[i][1] = _mm512_dpbf16_ps(o[i][1], pp, v1);
+      o[i][2] = _mm512_dpbf16_ps(o[i][2], pp, v2);
+      o[i][3] = _mm512_dpbf16_ps(o[i][3], pp, v3);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + (r + i) * kD + c * 16, o[i][c]);
+}
+
+// S = Q K^T of the 4 query rows at r against NB blocks of 16 keys (the first at block kb of the packing),
+// into sbuf at column col: per dim pair one dword of each query broadcast against the 16 keys' dwords.
+template <int NB>
+inline void qk_rows4(const uint32_t* qbuf, const uint32_t* kb, int64_t r, float* sbuf, int64_t col) {
+  __m512 c[4][NB];
+  for (int i = 0; i < 4; ++i)
+    for (int b = 0; b < NB; ++b) c[i][b] = _mm512_setzero_ps();
+  for (int64_t pj = 0; pj < kD / 2; ++pj) {
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_load_si512(kb + b * 512 + pj * 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh qq = (__m512bh)_mm512_set1_epi32(static_cast<int>(qbuf[(r + i) * (kD / 2) + pj]));
+      for (int b = 0; b < NB; ++b) c[i][b] = _mm512_dpbf16_ps(c[i][b], qq, k[b]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(sbuf + (r + i) * kSpan + col + b * 16, c[i][b]);
+}
+
+// One task on AVX-512 BF16 (no AMX): like task(), but per group of 4 rows, and each group stops at the last
+// key its own last row sees (a 16-row tile block would compute up to 15 masked keys per row more).
+void task_avx(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, int64_t r0,
+              const uint32_t* kp, const uint32_t* vp, float scale, uint16_t* out, int64_t os0, int64_t os1) {
+  alignas(64) uint32_t qbuf[kQB * kD / 2];
+  alignas(64) float sbuf[kQB * kSpan];
+  alignas(64) uint16_t pbuf[kQB * kSpan];
+  alignas(64) float acc[kQB * kD];
+  float m[kQB], l[kQB], alpha[kQB];
+  const int64_t rows = std::min<int64_t>(kQB, s.n_q - r0);
+  const int64_t groups = (rows + 3) / 4;
+  for (int64_t i = 0; i < groups * 4; ++i) {
+    if (i < rows)
+      std::memcpy(qbuf + i * (kD / 2), q + (s.q0 + r0 + i) * qs0 + h * qs1, kD * sizeof(uint16_t));
+    else
+      std::memset(qbuf + i * (kD / 2), 0, kD * sizeof(uint16_t));
+    m[i] = -std::numeric_limits<float>::infinity();
+    l[i] = 0.f;
+  }
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t p = s.n - s.n_q;
+  const int64_t end = std::min(s.n, p + r0 + rows);  // keys any row of the block sees
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t key0 = 0; key0 < end; key0 += kSpan) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r = g * 4;
+      const int64_t gend = std::min(s.n, p + r0 + std::min<int64_t>(r + 4, rows));  // keys the group's last row sees
+      const int64_t nblk = std::min<int64_t>(kSpan / 16, (gend - key0 + 15) / 16);      // 16-key blocks of this span
+      if (nblk <= 0) continue;  // every row of the group is done: their acc, m, l stay
+      const uint32_t* kb = kp + (key0 / 16) * 512;
+      for (int64_t b = 0; b < nblk; b += 4) {
+        switch (std::min<int64_t>(4, nblk - b)) {
+          case 4: qk_rows4<4>(qbuf, kb + b * 512, r, sbuf, b * 16); break;
+          case 3: qk_rows4<3>(qbuf, kb + b * 512, r, sbuf, b * 16); break;
+          case 2: qk_rows4<2>(qbuf, kb + b * 512, r, sbuf, b * 16); break;
+          default: qk_rows4<1>(qbuf, kb + b * 512, r, sbuf, b * 16); break;
+        }
+      }
+      const int64_t nv = nblk + (nblk & 1);  // P written in whole key pairs of vectors (pad with zeros)
+      for (int64_t i = r; i < r + 4; ++i) {
+        const int64_t lim = i < rows ? std::min(s.n, p + r0 + i + 1) - key0 : 0;  // visible keys of row i here
+        uint16_t* pr = pbuf + i * kSpan;
+        if (lim <= 0) {
+          std::memset(pr, 0, nv * 16 * sizeof(uint16_t));
+          alpha[i] = 1.f;
+          continue;
+        }
+        __m512 x[kSpan / 16];
+        __mmask16 mk[kSpan / 16];
+        __m512 mx = ninf;
+        for (int64_t v = 0; v < nv; ++v) {
+          const int64_t left = std::clamp<int64_t>(lim - v * 16, 0, 16);
+          mk[v] = left == 16 ? static_cast<__mmask16>(0xffff)
+                             : _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(left)));
+          x[v] = left ? _mm512_mask_mul_ps(ninf, mk[v], _mm512_load_ps(sbuf + i * kSpan + v * 16), vscale) : ninf;
+          mx = _mm512_max_ps(mx, x[v]);
+        }
+        const float mn = std::max(m[i], _mm512_reduce_max_ps(mx));
+        const __m512 vmn = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t v = 0; v < nv; v += 2) {
+          const __m512 p0 = _mm512_maskz_mov_ps(mk[v], exp_neg(_mm512_sub_ps(x[v], vmn)));
+          const __m512 p1 = _mm512_maskz_mov_ps(mk[v + 1], exp_neg(_mm512_sub_ps(x[v + 1], vmn)));
+          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          _mm512_store_si512(pr + v * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        const float a = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[i] - mn);
+        l[i] = l[i] * a + _mm512_reduce_add_ps(sum);
+        m[i] = mn;
+        alpha[i] = a;
+      }
+      pv_rows4(pbuf, vp, key0, nv * 8, r, alpha, acc);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+    uint16_t* o = out + (s.q0 + r0 + i) * os0 + h * os1;
+    for (int c = 0; c < 4; c += 2) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16), inv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16 + 16), inv);
+      _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+  }
+}
+#endif  // TALARIA_BF16_SIMD
 
 }  // namespace
 
-bool prefill_attention_supported() {
+// The instruction sets this process can run the kernel on, fastest first: "amx" (AMX-BF16 tiles, granted by
+// the OS) and "avx512_bf16" (AVX-512 with VDPBF16PS). Empty: ATen's flash kernel is the only path.
+std::vector<std::string> prefill_attention_isas() {
+  std::vector<std::string> isas;
 #ifdef TALARIA_AMX
-  return request_amx();
-#else
-  return false;
+  if (request_amx()) isas.push_back("amx");
 #endif
+#ifdef TALARIA_BF16_SIMD
+  isas.push_back("avx512_bf16");
+#endif
+  return isas;
 }
+
+bool prefill_attention_supported() { return !prefill_attention_isas().empty(); }
 
 // q [T, H, 64] bf16 (unit stride in the last dim); k_pool / v_pool [S, KVH, 64] bf16; slots int64: the
 // contexts' slots, sequence after sequence; q_lens / ctx_lens per sequence (sum(q_lens) == T, sum(ctx_lens)
-// == slots.numel(), q_len <= ctx_len). Returns [T, H, 64] bf16. Reads only.
+// == slots.numel(), q_len <= ctx_len); isa: one of prefill_attention_isas(), or "" for the first of them.
+// Returns [T, H, 64] bf16. Reads only.
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
-                             std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale) {
-  TORCH_CHECK(prefill_attention_supported(), "prefill_attention: AMX bf16 is not available on this CPU/build");
-#ifdef TALARIA_AMX
+                             std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale, std::string isa) {
+  const std::vector<std::string> isas = prefill_attention_isas();
+  TORCH_CHECK(!isas.empty(), "prefill_attention: neither AMX-BF16 nor AVX-512 BF16 is available on this CPU/build");
+  if (isa.empty()) isa = isas.front();
+  TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "prefill_attention: isa '", isa,
+              "' is not available here (", isas.size() == 2 ? "amx, avx512_bf16" : isas.front(), ")");
+#ifdef TALARIA_BF16_SIMD
+  const bool amx = isa == "amx";
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && slots.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
               "bf16 only");
@@ -318,7 +475,9 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   // would leave one thread idle behind the other's long sequence
   const int64_t nthr = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
   at::parallel_for(0, nthr, 1, [&](int64_t w0, int64_t w1) {
-    load_tile_config();
+#ifdef TALARIA_AMX
+    if (amx) load_tile_config();
+#endif
     for (int64_t w = w0; w < w1; ++w) {
       for (int64_t t = w; t < ntasks; t += nthr) {
         const int64_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
@@ -326,10 +485,18 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
         const int64_t local = t - first[si], nqb = (s.n_q + kQB - 1) / kQB;
         const int64_t h = local / nqb, r0 = (local % nqb) * kQB, kvh = h / G;
         const int64_t base = (s.kv_off + kvh * s.padded * kD) / 2;
-        task(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
+#ifdef TALARIA_AMX
+        if (amx) {
+          task(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
+          continue;
+        }
+#endif
+        task_avx(qp, q.stride(0), q.stride(1), s, h, r0, kp + base, vp + base, sc, op, out.stride(0), out.stride(1));
       }
     }
-    _tile_release();
+#ifdef TALARIA_AMX
+    if (amx) _tile_release();
+#endif
   });
   return out;
 #else

@@ -45,6 +45,7 @@ else keeps the ATen flash path (:func:`load_prefill_kernel` returns ``None``); t
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -62,13 +63,22 @@ def applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and head_dim == HEAD_DIM
 
 
-def load_prefill_kernel() -> PrefillFn | None:
-    """The compiled ``prefill_attention(q, k_pool, v_pool, slots, q_lens, ctx_lens, scale)`` if the extension
-    builds and this CPU (and OS) can run AMX-BF16 tiles, else ``None``."""
+def isas() -> list[str]:
+    """The instruction sets the kernel can use in this process, fastest first: ``"amx"`` (AMX-BF16 tiles the
+    OS grants), ``"avx512_bf16"`` (AVX-512 with ``VDPBF16PS``); empty when the extension did not build or the
+    CPU has neither."""
     module = load_extension()
-    if module is None or not hasattr(module, "prefill_attention") or not module.prefill_attention_supported():
+    return [] if module is None or not hasattr(module, "prefill_attention_isas") else list(module.prefill_attention_isas())
+
+
+def load_prefill_kernel(isa: str | None = None) -> PrefillFn | None:
+    """The compiled ``prefill_attention(q, k_pool, v_pool, slots, q_lens, ctx_lens, scale)`` on ``isa`` (one of
+    :func:`isas`; ``None``: the fastest this CPU has), or ``None`` if the extension does not build or the CPU
+    (and OS) can run neither AMX-BF16 nor AVX-512 BF16, or ``isa`` is not among them."""
+    available = isas()
+    if not available or (isa is not None and isa not in available):
         return None
-    return module.prefill_attention
+    return functools.partial(load_extension().prefill_attention, isa=isa or available[0])
 
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
@@ -79,5 +89,5 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     Raises ``RuntimeError`` where the kernel is unavailable (see :func:`load_prefill_kernel`)."""
     kernel = load_prefill_kernel()
     if kernel is None:
-        raise RuntimeError("AMX prefill attention unavailable on this CPU or build")
+        raise RuntimeError("prefill attention kernel unavailable on this CPU or build (needs AMX-BF16 or AVX-512 BF16)")
     return kernel(q, k_pool, v_pool, slots, list(q_lens), list(ctx_lens), scale)
