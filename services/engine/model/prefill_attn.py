@@ -1,5 +1,5 @@
-"""Prefill attention for the CPU with AMX tiles: a C++ kernel (``prefill_attn.cpp``) in the same extension
-as the paged decode kernel (``paged_attn.py``).
+"""Prefill attention for the CPU on AMX tiles or AVX-512 BF16 dot products: a C++ kernel
+(``prefill_attn.cpp``) in the same extension as the paged decode kernel (``paged_attn.py``).
 
 Design note
 -----------
@@ -37,10 +37,26 @@ one process, quiet machine, 2026-12-03): 512 fresh tokens 938 -> 565 us, 800 fre
 1,582 us; with the vectorized packing (old kernel vs new, interleaved): 232 after 1,500 1,516 -> 1,159 us,
 512 after 1,536 3,160 -> 2,689 us, 32 after 1,968 749 -> 356 us. Whole prefills: services/engine/README.md.
 
-Availability: x86 CPUs with AMX-BF16 (Sapphire Rapids and later) and a kernel that grants the tile state
-(``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked once per process); bf16 K/V and head dim 64 only. Anything
-else keeps the ATen flash path (:func:`load_prefill_kernel` returns ``None``); the engine config
-``prefill_attention: off`` keeps it too.
+AVX-512 BF16 without AMX (AMD Zen 4 and later, Cooper Lake): the same packing, the same online softmax and
+exp, the products on ``VDPBF16PS`` (16 float lanes += 16 bf16 pairs) in register blocks: S for 4 query rows x
+64 keys (16 accumulators; per dim pair 4 K dwords loaded, each query's dword broadcast), P V for 4 rows x 64
+dims (16 accumulators; per key pair 4 V rows loaded, each row's P pair broadcast). Each group of 4 rows stops
+at the keys its own last row sees, so the causal waste is at most 3 keys per row (plus one 16-key vector),
+not the 16-row block's. ~5 cycles per (query, key) pair per core: 4 dot-product instructions and the exp.
+Measured (``python -m bench.prefill_attn_bench --mode layer|engine``, SmolLM2-135M shapes, bf16, 2 threads,
+2-core AMD EPYC with AVX512-BF16 and no AMX, quiet (load 0.8-1.9), 2026-12-04): one layer 512 fresh
+5,653 -> 1,146 us (4.9x), 2,048 fresh 50.0 -> 16.7 ms (3.0x), 232 after 1,500 7,895 -> 3,183 us (2.5x), 32
+after 1,968 1,692 -> 742 us (2.3x), 8 x 100 fresh 3,247 -> 552 us (5.9x); TTFT through one ``Engine``
+(5 interleaved repetitions): 512 fresh 459 -> 338 ms (1.36x), 2,048 fresh in one step 2,514 -> 1,657 ms
+(1.52x), a 232-token return after a cached 1,500-token prefix 456 -> 257 ms (1.78x), 8 x 800 fresh 6.63 ->
+4.65 s (1.43x). What is left of a prefill there is the linears, at ~400 GFLOP/s (the bf16 peak of
+``torch.mm`` on that CPU).
+
+Availability (:func:`isas`, fastest first): ``amx`` on x86 CPUs with AMX-BF16 (Sapphire Rapids and later)
+and a kernel that grants the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked once per process);
+``avx512_bf16`` on CPUs with AVX512-BF16 and AVX512-BW (an AMX CPU has both; the tests run each). bf16 K/V
+and head dim 64 only. Anything else keeps the ATen flash path (:func:`load_prefill_kernel` returns
+``None``); the engine config ``prefill_attention: off`` keeps it too.
 """
 
 from __future__ import annotations
