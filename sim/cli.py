@@ -38,7 +38,7 @@ def _run(args) -> int:
     specs = tuple(InstanceSpec(f"sim-{i}", "cold", models) for i in range(args.instances))
     rows = []
     for name in args.configs.split(","):
-        flags = paper.CONFIGS[name]
+        flags = paper.config_flags(name)
         cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **flags), tau_s=float(prof.knobs.get("tau_s", 1.0)))
         rows.append(report.summarize(Simulation(cfg, sessions_of()).run()))
     out = Path(args.out)
@@ -83,7 +83,8 @@ def _catalog(args) -> int:
 
     rows = run_catalog(Path(args.out), profile=args.profile, instances=args.instances, catalogs=tuple(int(x) for x in args.catalogs.split(",")),
                        sessions=args.sessions, seed=args.seed, rate_per_s=args.rate, per_model=args.per_model,
-                       hot_fraction=args.hot_fraction, gpus_per_instance=args.gpus_per_instance, say=lambda m: print(m, file=sys.stderr))
+                       hot_fraction=args.hot_fraction, gpus_per_instance=args.gpus_per_instance, config=args.config,
+                       say=lambda m: print(m, file=sys.stderr))
     print(json.dumps(rows, indent=2, default=str))
     return 0
 
@@ -108,7 +109,7 @@ def add_cli(sub) -> None:
     r.add_argument("--sessions", type=int, default=10, help="synthetic sessions (full scale) when no workload is given")
     r.add_argument("--models", default="qwen3-235b,glm5-nvfp4,qwen3.5-122b-a10b")
     r.add_argument("--instances", type=int, default=1)
-    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only")
+    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only (and token-deadlines, token-deadlines-no-HKVR)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="sim-out")
     r.add_argument("--json", action="store_true")
@@ -170,6 +171,7 @@ def add_cli(sub) -> None:
     ca.add_argument("--per-model", action="store_true", help="--sessions and --rate are per catalog model: load grows with the catalog "
                     "until the SLO breaks (the ceiling)")
     ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--config", default="Talaria", help="the cold pool's slot-policy row: Talaria (rounds), token-deadlines, ... (sim paper's rows)")
     ca.set_defaults(fn=_catalog)
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.engine.slots import SlotPolicy
+from services.engine.slots.deadlines import DeadlineScheduler
 from services.kvstore.registry import HostKVRegistry
 from services.router.gateway import Gateway, PoolSpec
 from services.router.leases import LeaseTable, MemoryLeases
@@ -169,6 +170,7 @@ class Simulation:
             d = inst.scheduler.decide(inst.view(self.clock.now()), self.clock.now())
             if d.closed_round is not None:
                 self._rounds.append((iid, d.closed_round))
+            self._epochs(iid, inst, final=True)
         return self._result(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ router side
@@ -244,7 +246,8 @@ class Simulation:
                                    restore_per_token=cost["restore_per_token"], switch_costs=costs_to_proto(by_path)),
         )
         staged = inst.staging[0] if inst.staging else None
-        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" else {}  # as the engine's SlotStats
+        # as the engine's SlotStats (the token-deadline scheduler has no slots to wait for)
+        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" and hasattr(inst.scheduler, "slot_waits") else {}
         for m in inst.loaded:
             snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
                                              num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))
@@ -306,6 +309,7 @@ class Simulation:
             self._trace["slots"][iid].append(("decide", now, view, d))
         if d.closed_round is not None:
             self._rounds.append((iid, d.closed_round))
+        self._epochs(iid, inst)
         if d.switch_to is not None:
             path, secs, _ = inst.switch(d.switch_to, now)
             self._busy[iid] = True
@@ -318,6 +322,15 @@ class Simulation:
         elif d.hold_s > 0:  # the slot is held for expected returns (slots/hold.py): ask again then, or on an arrival
             self._push(now + d.hold_s, "wake", iid)
         inst.restage(now)
+
+    def _epochs(self, iid: str, inst: SimInstance, final: bool = False) -> None:
+        """The token-deadline scheduler reports its epochs (active model between two switches) as round
+        summaries when they close, not in ``Decision.closed_round``; ``final`` closes the open one. Mutates
+        ``_rounds``."""
+        if isinstance(inst.scheduler, DeadlineScheduler):
+            if final:
+                inst.scheduler.close_epoch(self.clock.now())
+            self._rounds.extend((iid, rs) for rs in inst.scheduler.take_summaries())
 
     def _done(self, payload) -> None:
         iid, kind, what = payload
@@ -362,7 +375,7 @@ class Simulation:
         sct = {s.session_id: s.calls[-1].finished_at - s.calls[0].intended for s in self.sessions if s.calls}
         inst = {
             iid: {"pool": i.pool, "parked": i.parked, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
-                  "host_kv": asdict(i.host.counters) if i.host else None}
+                  "host_kv": asdict(i.host.counters) if i.host else None, "deadlines": i.tracker.totals().to_dict()}
             for iid, i in self.instances.items()
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]

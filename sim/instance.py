@@ -16,6 +16,13 @@ every finished call is checkpointed to the host registry (free in time: asynchro
 
 Cold instances have a set of *loaded* models (in rotation); a call for another catalog model opens it
 (``max_loaded`` bounds the set; an idle model leaves first). Hot instances pin one model (``endless``).
+
+Per-token deadlines (issue 16, Aegaeon): every instance scores every token against its deadline (first
+token: arrival + T_TTFT; token i: first token + (i - 1) T_TPOT) in a ``DeadlineTracker``, as the cold engine
+does in both modes; with ``SlotPolicy.token_deadlines`` a cold instance is driven by
+``services.engine.slots.deadlines.DeadlineScheduler`` (EDF switches at token boundaries) instead of the round
+scheduler, unchanged, fed the same arrivals and emitted tokens. A decode step of ``quantum`` tokens emits its
+tokens at their own step ends (one decode step apart), not all at the step's end.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from services.engine.slots import CostModel, CostProfile, SlotPolicy, SlotScheduler
+from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
 from services.engine.substrate.policy import EngineView, classify_path, predict_next
 from services.kvstore.registry import Family, HostKVRegistry, Layout
@@ -67,6 +75,18 @@ class SimCall:
         return self.parked_ctx or self.prompt_tokens
 
 
+def make_scheduler(policy: SlotPolicy, costs: CostModel, tracker: DeadlineTracker) -> SlotScheduler | DeadlineScheduler:
+    """The instance's policy object, chosen as the engine chooses it (``services/engine/slotted.py``): the
+    token-deadline scheduler for a cold instance with ``token_deadlines``, else the round scheduler with the
+    tracker attached (its round summaries carry the window's deadline stats)."""
+    if policy.token_deadlines and not policy.endless:
+        dp = DeadlinePolicy(policy.ttft_s, policy.tpot_s, d2d_staging=policy.d2d_staging, host_kv=policy.host_kv)
+        return DeadlineScheduler(dp, costs, tracker)
+    s = SlotScheduler(policy, costs)
+    s.tracker = tracker
+    return s
+
+
 @dataclass(slots=True)
 class StepOutcome:
     seconds: float
@@ -80,8 +100,6 @@ class SimInstance:
     def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
                  host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
                  decode_quantum: int = 1, can_park: bool = False) -> None:
-        if policy.token_deadlines:  # issue 16: refused, not ignored (the engine has it; the simulator not yet)
-            raise ValueError("the simulator does not model token_deadlines (issue 16) yet; run it on the engine (talaria bench coldpool)")
         self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
         self.catalog = list(catalog)
         self.loaded: list[str] = list(loaded if loaded is not None else catalog)
@@ -97,7 +115,9 @@ class SimInstance:
             switch_by_path={"full_staged": profile.switch.total(1.0), "partial": profile.switch.total(0.5), "host_only": profile.switch.total(0.0)},
         )
         self.seed_costs = seed  # what the scheduler starts from (tests replay with the same)
-        self.scheduler = SlotScheduler(policy, CostModel(seed))
+        # per-token deadlines scored in both modes (as the engine's SlottedColdEngine); kept across reconfigure
+        self.tracker = DeadlineTracker(DeadlineTargets(policy.ttft_s, policy.tpot_s))
+        self.scheduler = make_scheduler(policy, CostModel(seed), self.tracker)
         self.active: str | None = m0
         self.previous: str | None = None
         self.queues: dict[str, list[SimCall]] = {m: [] for m in self.catalog}
@@ -171,7 +191,7 @@ class SimInstance:
         self.seen.clear()
         self.previous, self.active = self.active, (model or None)
         self.staging = None
-        self.scheduler = SlotScheduler(policy, CostModel(self.seed_costs))
+        self.scheduler = make_scheduler(policy, CostModel(self.seed_costs), self.tracker)
         self.epoch += 1
         self.seq = 0
         return self.profile.switch.total(0.0) if model else 0.0
@@ -229,6 +249,7 @@ class SimInstance:
         for m in self.loaded:
             queued = []
             for c in self.queues[m]:
+                self.tracker.arrive(c.request_id, m, c.arrival)  # idempotent: a parked call keeps its clock
                 n, where = self.prefix_of(c)
                 queued.append(CallView(c.request_id, m, c.arrival, c.ctx_needed, c.output_tokens - c.decoded, c.session_id, n, where,
                                        c.continuation or c.parked_ctx > 0))
@@ -356,20 +377,26 @@ class SimInstance:
             c.prefill_left -= n
             prefill += n
             budget -= n
+        per = 0.0
         if decoders:
             ctx = sum(c.prompt_tokens + c.decoded for c in decoders)
-            secs += k * cm.decode_s(len(decoders), ctx)
+            per = cm.decode_s(len(decoders), ctx)
+            secs += k * per
         out = StepOutcome(secs)
         t = now + secs
         for c in list(self.batch):
             if id(c) in dec or (c.prefill_left == 0 and c.restore_left == 0):
-                c.decoded += k if id(c) in dec else 1
+                n = k if id(c) in dec else 1
+                c.decoded += n
+                for j in range(n):  # each token at the end of its own decode step
+                    self.tracker.emit(c.request_id, 1, t - (n - 1 - j) * per)
                 if c.first_token_at is None:
                     c.first_token_at = t
                     out.first_tokens.append(c)
                 if c.decoded >= c.output_tokens:
                     c.finished_at = t
                     self.batch.remove(c)
+                    self.tracker.finish(c.request_id)
                     out.finished.append(c)
         self.steps += 1
         self.step_s += secs

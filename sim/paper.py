@@ -36,6 +36,20 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
     "no-hold": {"return_hold": False},  # not in the paper: the slot hold for expected returns (slots/hold.py) off
     "Round-only": {"sp": False, "host_kv": False, "d2d_staging": False, "return_hold": False},
 }
+# not the paper's rows: run only when named (``talaria sim run --configs``, ``sim paper --configs``)
+EXTRA_CONFIGS = {
+    "token-deadlines": {"token_deadlines": True},  # issue 16 (Aegaeon): EDF at token boundaries instead of rounds
+    "token-deadlines-no-HKVR": {"token_deadlines": True, "host_kv": False},
+}
+
+
+def config_flags(name: str) -> dict[str, bool]:
+    """The slot-policy flags of a named configuration (``CONFIGS`` or ``EXTRA_CONFIGS``); ValueError names the
+    known ones."""
+    flags = CONFIGS.get(name, EXTRA_CONFIGS.get(name))
+    if flags is None:
+        raise ValueError(f"unknown configuration {name!r}; known: {', '.join([*CONFIGS, *EXTRA_CONFIGS])}")
+    return flags
 OUTPUT_SCALE = 0.1
 TP8_START_GAP_S = 26.0  # not published: (1632 s of Talaria rounds, §5.6 - 867 s SCT p95) / 29 later starts
 DECODE_QUANTUM = 4  # decode tokens per scheduler decision in the paper runs (4 x ~17 ms: SP boundaries ~70 ms apart)
@@ -91,7 +105,7 @@ def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: 
     rows = []
     for name in configs:
         sessions = workload.paper_replay(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
-        r = Simulation(replace(tp8_config(profile, name, CONFIGS[name], decode_quantum=DECODE_QUANTUM), can_park=park), sessions).run()
+        r = Simulation(replace(tp8_config(profile, name, config_flags(name), decode_quantum=DECODE_QUANTUM), can_park=park), sessions).run()
         s = report.summarize(r)
         say(f"tp8 {name:10s} SCT p50 {s['sct_p50_s']:.0f} s p95 {s['sct_p95_s']:.0f} s TTFT p95 {s['ttft_p95_s']:.2f} s ({r.wall_s:.0f} s wall)")
         rows.append(s)

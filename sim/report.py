@@ -29,6 +29,9 @@ def summarize(r: RunResult) -> dict[str, Any]:
     sp_adm = sum(x.sp_admitted for _, x in r.rounds)
     sp_def = sum(x.sp_deferred for _, x in r.rounds)
     rt = r.router
+    dl = [i["deadlines"] for i in r.instances.values() if i.get("deadlines")]  # per-token deadlines, every instance
+    first, first_ok = sum(d["first_tokens"] for d in dl), sum(d["first_on_time"] for d in dl)
+    later, later_ok = sum(d["tokens"] for d in dl), sum(d["tokens_on_time"] for d in dl)
     return {
         "name": r.name, "calls": len(r.calls), "sessions": len(scts),
         "sct_p50_s": nearest_rank(list(scts.values()), 50), "sct_p95_s": nearest_rank(list(scts.values()), 95),
@@ -45,6 +48,9 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "decide_p50_us": nearest_rank(r.decide_us, 50), "decide_p99_us": nearest_rank(r.decide_us, 99),
         "policy_p50_us": nearest_rank(r.policy_us, 50), "policy_p99_us": nearest_rank(r.policy_us, 99),
         "snapshot_p50_us": nearest_rank(r.snapshot_us, 50), "snapshot_p99_us": nearest_rank(r.snapshot_us, 99),
+        "deadline_attainment": (first_ok + later_ok) / (first + later) if first + later else float("nan"),
+        "ttft_deadline_attainment": first_ok / first if first else float("nan"),
+        "gap_p99_s": max((d["gap_p99_s"] for d in dl), default=float("nan")),
         "sim_s": r.end_s, "wall_s": r.wall_s, "sim_s_per_wall_s": r.end_s / r.wall_s if r.wall_s > 0 else float("nan"),
         "scts": scts, "ttfts": ttfts,
     }
@@ -57,7 +63,7 @@ def _f(v: Any, unit: str = "") -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("config", "SCT p50", "SCT p95", "TTFT p50", "TTFT p95", "SCT p50 vs Round-only", "switch share", "KV device/host/recompute", "SP adm.", "avoidable opens")
+    head = ("config", "SCT p50", "SCT p95", "TTFT p50", "TTFT p95", "SCT p50 vs Round-only", "switch share", "KV device/host/recompute", "SP adm.", "avoidable opens", "token deadlines met (TTFT)")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in rows:
         kv = s["kv_hit_rate"]
@@ -65,6 +71,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             s["name"], _f(s["sct_p50_s"], " s"), _f(s["sct_p95_s"], " s"), _f(s["ttft_p50_s"], " s"), _f(s["ttft_p95_s"], " s"),
             _f(s.get("sct_p50_vs_base", float("nan")), "x"), _f(s["switch_share"]),
             f"{kv['device']:.0%}/{kv['host']:.0%}/{kv['recompute']:.0%}", _f(s["sp_admission_rate"]), str(s["avoidable_opens"]),
+            f"{_f(s.get('deadline_attainment', float('nan')))} ({_f(s.get('ttft_deadline_attainment', float('nan')))})",
         ]) + " |")
     return "\n".join(out)
 

@@ -27,7 +27,7 @@ from services.router.pool_sizing import InstanceInfo, PoolParams, PoolSizer, off
 
 from . import report, workload
 from .cluster import InstanceSpec, SimConfig, Simulation
-from .paper import slot_policy
+from .paper import config_flags, slot_policy
 from .profile import load
 
 
@@ -170,14 +170,16 @@ def run_pools(out: Path, *, profile: str, instances: int, models: int, sessions:
 
 def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int, ...], sessions: int, seed: int = 0, rate_per_s: float = 5.0,
                 slo_s: float = 10.0, decode_quantum: int = 16, output_scale: float = 0.1, per_model: bool = False, hot_fraction: float = 0.5,
-                gpus_per_instance: int = 8, say=print) -> dict[str, Any]:
+                gpus_per_instance: int = 8, config: str = "Talaria", say=print) -> dict[str, Any]:
     """Models served per instance at the TTFT SLO as the catalog grows (Aegaeon reports 7 per GPU): the
     same session load on ``instances`` instances (half hot, Zipf catalog) with catalogs of growing size.
     A model counts as served at the SLO when the p95 TTFT of its calls is <= ``slo_s``; the figure is those
     models over the instances (TP=8 instances: divide by 8 for per GPU). ``per_model``: ``sessions`` and
     ``rate_per_s`` are per catalog model, so the offered load grows with the catalog (the SLO ceiling is where
     models at the SLO stop growing). ``hot_fraction``: share of instances in the hot pool (0: all pooled, as
-    Aegaeon pools); ``gpus_per_instance``: for the per-GPU figure. Writes ``out/catalog.json``."""
+    Aegaeon pools); ``gpus_per_instance``: for the per-GPU figure; ``config``: the cold pool's slot-policy row
+(``paper.config_flags``: e.g. ``token-deadlines``, Aegaeon's EDF at token boundaries). Writes
+``out/catalog.json``."""
     prof = load(profile)
     rows: dict[str, Any] = {}
     for n in catalogs:
@@ -187,7 +189,7 @@ def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int,
         for s_ in ss:
             for c in s_.calls:
                 c.output_tokens = max(1, round(c.output_tokens * output_scale))
-        cfg = SimConfig(f"catalog-{n}", prof, specs, slot=slot_policy(prof), params=PolicyParams(policy="full"),
+        cfg = SimConfig(f"catalog-{n}", prof, specs, slot=slot_policy(prof, **config_flags(config)), params=PolicyParams(policy="full"),
                         tau_s=float(prof.knobs.get("tau_s", 1.0)), heartbeat_s=1.0, decode_quantum=decode_quantum)
         t0 = time.perf_counter()
         res = Simulation(cfg, ss).run()
@@ -198,10 +200,12 @@ def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int,
         ok = [m for m, t in by_model.items() if nearest_rank(t, 95) <= slo_s]
         rows[str(n)] = {"sessions": sessions * k, "rate_per_s": rate_per_s * k, "calls": len(res.calls), "models_requested": len(by_model), "models_at_slo": len(ok), "models_per_instance_at_slo": len(ok) / instances,
                         "models_per_gpu_at_slo": len(ok) / (instances * gpus_per_instance), "sct_p50_s": s["sct_p50_s"], "sct_p95_s": s["sct_p95_s"],
-                        "ttft_p95_s": s["ttft_p95_s"], "avoidable_opens": s["avoidable_opens"], "wall_s": time.perf_counter() - t0}
+                        "ttft_p95_s": s["ttft_p95_s"], "avoidable_opens": s["avoidable_opens"],
+                        "deadline_attainment": s["deadline_attainment"], "ttft_deadline_attainment": s["ttft_deadline_attainment"],
+                        "wall_s": time.perf_counter() - t0}
         say(f"catalog {n}: {json.dumps(rows[str(n)])}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "catalog.json").write_text(json.dumps({"instances": instances, "sessions": sessions, "per_model": per_model, "slo_s": slo_s, "hot_fraction": hot_fraction,
+    (out / "catalog.json").write_text(json.dumps({"config": config, "instances": instances, "sessions": sessions, "per_model": per_model, "slo_s": slo_s, "hot_fraction": hot_fraction,
                                                   "gpus_per_instance": gpus_per_instance, "profile": profile, "rows": rows},
                                                  indent=2, default=str))
     return rows

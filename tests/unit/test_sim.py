@@ -127,6 +127,14 @@ def test_router_decisions_replay_identically_into_a_fresh_gateway():
     assert gw.stats["avoidable_cold_opens"] == res.router["avoidable_cold_opens"]
 
 
+def _unscored(d):
+    """A decision without the per-token deadline scoring of a closed round (the tracker's bookkeeping of
+    emitted tokens, which the round scheduler only reports and the slot trace does not record)."""
+    from dataclasses import replace
+
+    return d if d.closed_round is None else replace(d, closed_round=replace(d.closed_round, deadlines=None))
+
+
 def test_slot_decisions_replay_identically_into_a_fresh_scheduler():
     sim = Simulation(_two_workers(record=True), sessions())
     sim.run()
@@ -136,7 +144,7 @@ def test_slot_decisions_replay_identically_into_a_fresh_scheduler():
         for ev in sim._trace["slots"][iid]:
             if ev[0] == "decide":
                 _, now, view, d = ev
-                assert fresh.decide(view, now) == d
+                assert fresh.decide(view, now) == _unscored(d)
                 checked += 1
             elif ev[0] == "switch":
                 fresh.observe_switch(ev[1], ev[2])
@@ -154,7 +162,7 @@ def test_replay_detects_a_diverging_scheduler():
     diverged = False
     for ev in sim._trace["slots"]["tp8-0"]:
         if ev[0] == "decide":
-            diverged |= fresh.decide(ev[2], ev[1]) != ev[3]
+            diverged |= fresh.decide(ev[2], ev[1]) != _unscored(ev[3])
         elif ev[0] == "switch":
             fresh.observe_switch(ev[1], ev[2])  # step measurements withheld
     assert diverged
@@ -298,3 +306,42 @@ def test_dynamic_pool_sizer_moves_instances_and_every_call_finishes(tmp_path):
     assert json.loads((tmp_path / "pools.json").read_text())["rows"]["dynamic"]["moves"] == rows["dynamic"]["moves"]
     cat = run_catalog(tmp_path, profile=str(TP8), instances=6, catalogs=(3, 12), sessions=20, rate_per_s=2.0, say=lambda m: None)
     assert set(cat) == {"3", "12"} and all(0 <= r["models_at_slo"] <= r["models_requested"] for r in cat.values())
+
+
+# ----------------------------------------------------------------------------- token deadlines (issue 16)
+def test_token_deadlines_drive_a_cold_instance_with_the_engines_scheduler():
+    """``token_deadlines`` makes a simulated cold instance run the engine's DeadlineScheduler (EDF at token
+    boundaries), fed the same arrivals and tokens; every call finishes, its epochs land in the round
+    summaries, and the run reports per-token deadline attainment (scored in round mode too)."""
+    from services.engine.slots.deadlines import DeadlineScheduler
+
+    cfg = paper.tp8_config(load(TP8), "token-deadlines", paper.config_flags("token-deadlines"), decode_quantum=4)
+    sim = Simulation(cfg, sessions(9, 4, models=paper.TP8_MODELS))
+    assert isinstance(sim.instances["tp8-0"].scheduler, DeadlineScheduler)
+    res = sim.run()
+    assert all(c.finished_at is not None and c.decoded == c.output_tokens for c in res.calls)
+    s = report.summarize(res)
+    assert s["rounds"] > 0 and all(rs.flags.get("token_deadlines") for _, rs in res.rounds)
+    assert s["switches"] > 0 and sum(rs.wall_s for _, rs in res.rounds) > 0
+    dl = res.instances["tp8-0"]["deadlines"]
+    assert dl["first_tokens"] == 36 and dl["tokens"] == sum(c.output_tokens - 1 for c in res.calls)
+    assert 0.0 < s["deadline_attainment"] <= 1.0 and 0.0 <= s["ttft_deadline_attainment"] <= 1.0
+    tal = _tp8("Talaria")  # rounds: the same tokens are scored against the same deadlines
+    assert tal["deadline_attainment"] <= 1.0 and tal["ttft_deadline_attainment"] < 1.0
+    with pytest.raises(ValueError, match="unknown configuration"):
+        paper.config_flags("tokens")
+
+
+def test_coarsened_decode_emits_each_token_at_its_own_step_end():
+    """A decode quantum of k tokens per scheduler decision still scores k tokens one decode step apart
+    (the inter-token gaps are decode steps, not zeros with one long gap)."""
+    from dataclasses import replace
+
+    prof = load(TP8)
+    cfg = replace(paper.tp8_config(prof, "Talaria", {}), decode_quantum=4)
+    one = [SimSession("s0", 0.0, [SimCall("", "s0", 0, paper.TP8_MODELS[0], 2000, 0, 9, 0.0)])]
+    res = Simulation(cfg, one).run()
+    dl = res.instances["tp8-0"]["deadlines"]
+    step = prof.model(paper.TP8_MODELS[0]).decode_s(1, 2000)
+    assert dl["tokens"] == 8 and dl["gap_max_s"] <= 1.5 * prof.model(paper.TP8_MODELS[0]).decode_s(1, 2010)
+    assert dl["gap_p50_s"] >= 0.5 * step  # not 0: the four tokens of a quantum are spread over its steps

@@ -290,6 +290,14 @@ class DeadlineScheduler(MeasuredCosts):
         out, self._unpublished = self._unpublished, []
         return out
 
+    def close_epoch(self, now: float) -> RoundSummary | None:
+        """End the open epoch now (the end of a run: its summary becomes takeable); the next switch opens a new
+        one. Mutates: the epoch, summaries, counters."""
+        self._account(now)
+        s = self._close_epoch(now)
+        self._epoch = None
+        return s
+
     def status(self, now: float) -> dict:
         tot = self.tracker.totals()
         out = dict(self.totals)
