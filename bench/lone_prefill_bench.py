@@ -32,11 +32,17 @@ def _loadavg() -> list[str]:
 
 
 def ttfts(eng: Engine, lens: list[int], rng: random.Random) -> list[float]:
-    """Submit prompts of ``lens`` tokens at once; seconds from submission to each one's first token."""
+    """Submit prompts of ``lens`` tokens at once (prefix caches flushed first); seconds from submission to
+    each one's first token."""
     eng.flush_cache()
+    return first_token_times(eng, [[rng.randrange(100, eng.vocab_size - 1) for _ in range(n)] for n in lens], rng)
+
+
+def first_token_times(eng: Engine, prompts: list[list[int]], rng: random.Random) -> list[float]:
+    """Submit ``prompts`` at once (greedy, 2 tokens each) and step the engine until all finish; seconds from
+    submission to each one's first token. Mutates the engine (its caches keep the prompts)."""
     t0, first = time.perf_counter(), {}
-    for n in lens:
-        prompt = [rng.randrange(100, eng.vocab_size - 1) for _ in range(n)]
+    for prompt in prompts:
         eng.add_request(EngineRequest(f"r{rng.getrandbits(48)}", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
     while eng.has_unfinished():
         for o in eng.step():

@@ -88,16 +88,9 @@ def layer_mode(repeats: int) -> dict:
 
 def _ttft(eng, prompts: list[list[int]], rng: random.Random) -> float:
     """Submit ``prompts`` at once; seconds until the last one's first token."""
-    from services.engine.types import EngineRequest, SamplingParams
+    from bench.lone_prefill_bench import first_token_times
 
-    t0, first = time.perf_counter(), {}
-    for p in prompts:
-        eng.add_request(EngineRequest(f"r{rng.getrandbits(48)}", p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.new_token_ids and o.request_id not in first:
-                first[o.request_id] = time.perf_counter() - t0
-    return max(first.values())
+    return max(first_token_times(eng, prompts, rng))
 
 
 def engine_mode(model: str, repeats: int) -> dict:

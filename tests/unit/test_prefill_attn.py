@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.prefill_attn_bench import aten_rows as _aten  # the model's path without the kernel
 from services.engine.model.prefill_attn import isas, load_prefill_kernel
 
 KERNEL = load_prefill_kernel()
@@ -16,7 +17,6 @@ needs_kernel = pytest.mark.skipif(
 # every instruction set the kernel has, each run where this CPU has it (an AMX CPU runs both)
 EVERY_ISA = pytest.mark.parametrize(
     "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in ISAS, reason=f"no {i} on this CPU")) for i in ("amx", "avx512_bf16")])
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 D = 64
 
 
@@ -30,24 +30,6 @@ def _reference(q, kpool, vpool, slots, q_lens, ctx_lens, scale):
         s = torch.einsum("qhd,khd->hqk", q[qa : qa + nq].double(), k) * scale
         visible = torch.arange(n)[None, :] <= (n - nq + torch.arange(nq))[:, None]
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~visible, float("-inf")), -1), v))
-        qa, ka = qa + nq, ka + n
-    return torch.cat(outs)
-
-
-def _aten(q, kpool, vpool, slots, q_lens, ctx_lens, scale):
-    """What the model ran before: per sequence one causal flash call, or two merged by log-sum-exp."""
-    outs, qa, ka = [], 0, 0
-    for nq, n in zip(q_lens, ctx_lens):
-        kc = kpool.index_select(0, slots[ka : ka + n]).transpose(0, 1)[None]
-        vc = vpool.index_select(0, slots[ka : ka + n]).transpose(0, 1)[None]
-        qr, p = q[qa : qa + nq].transpose(0, 1)[None], n - nq
-        if p == 0:
-            o = FLASH(qr, kc, vc, 0.0, True, scale=scale)[0]
-        else:
-            o1, l1 = FLASH(qr, kc[:, :, :p], vc[:, :, :p], 0.0, False, scale=scale)
-            o2, l2 = FLASH(qr, kc[:, :, p:], vc[:, :, p:], 0.0, True, scale=scale)
-            o = torch.lerp(o2.float(), o1.float(), torch.sigmoid(l1 - l2).unsqueeze(-1)).to(q.dtype)
-        outs.append(o[0].transpose(0, 1))
         qa, ka = qa + nq, ka + n
     return torch.cat(outs)
 

@@ -90,6 +90,42 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// One query row's step of the online softmax over a span: its ``nv`` (even) vectors of 16 raw scores in srow,
+// scaled and masked to the row's ``lim`` visible keys; the row's running max m and sum l updated; P rounded
+// to bf16 into pr (zero past lim, so P V over the whole span adds nothing for hidden keys). Returns alpha =
+// exp(m_old - m_new), the factor the row's accumulator is rescaled by (1 when the row sees no key here).
+inline float softmax_row(const float* srow, int64_t nv, int64_t lim, float scale, float& m, float& l, uint16_t* pr) {
+  if (lim <= 0) {
+    std::memset(pr, 0, nv * 16 * sizeof(uint16_t));
+    return 1.f;
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 x[kSpan / 16];
+  __mmask16 mk[kSpan / 16];
+  __m512 mx = ninf;
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t left = std::clamp<int64_t>(lim - v * 16, 0, 16);
+    mk[v] = left == 16 ? static_cast<__mmask16>(0xffff) : _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(left)));
+    x[v] = left ? _mm512_mask_mul_ps(ninf, mk[v], _mm512_loadu_ps(srow + v * 16), vscale) : ninf;
+    mx = _mm512_max_ps(mx, x[v]);
+  }
+  const float mn = std::max(m, _mm512_reduce_max_ps(mx));
+  const __m512 vmn = _mm512_set1_ps(mn);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v < nv; v += 2) {
+    const __m512 p0 = _mm512_maskz_mov_ps(mk[v], exp_neg(_mm512_sub_ps(x[v], vmn)));
+    const __m512 p1 = _mm512_maskz_mov_ps(mk[v + 1], exp_neg(_mm512_sub_ps(x[v + 1], vmn)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    _mm512_storeu_si512(pr + v * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  const float a = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m - mn);
+  l = l * a + _mm512_reduce_add_ps(sum);
+  m = mn;
+  return a;
+}
+
 struct Seq {
   int64_t q0, n_q, k0, n;  // first query row in q, its new tokens, first slot index in slots, context length
   int64_t kv_off;          // offset of its packed K/V (per kv head: padded keys * kD bf16 each)
@@ -169,9 +205,6 @@ void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, 
   const int64_t end = std::min(s.n, p + r0 + rows);  // keys any row of the block sees
   _tile_loadd(0, qbuf, kD * 2);
   _tile_loadd(1, qbuf + 32, kD * 2);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t key0 = 0; key0 < end; key0 += kSpan) {
     const int64_t nsub = std::min<int64_t>(kSpan / kKB, (end - key0 + kKB - 1) / kKB);  // 32-key sub-blocks
     for (int64_t j = 0; j < nsub; ++j) {
@@ -192,34 +225,7 @@ void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, 
     const int64_t nv = nsub * 2;  // 16-score vectors per row
     for (int64_t i = 0; i < kQB; ++i) {
       const int64_t lim = i < rows ? std::min(s.n, p + r0 + i + 1) - key0 : 0;  // visible keys of row i here
-      uint16_t* pr = pbuf + i * kSpan;
-      if (lim <= 0) {
-        std::memset(pr, 0, nsub * kKB * sizeof(uint16_t));
-        alpha[i] = 1.f;
-        continue;
-      }
-      __m512 x[kSpan / 16];
-      __mmask16 mk[kSpan / 16];
-      __m512 mx = ninf;
-      for (int64_t v = 0; v < nv; ++v) {
-        const int64_t left = std::clamp<int64_t>(lim - v * 16, 0, 16);
-        mk[v] = left == 16 ? static_cast<__mmask16>(0xffff) : _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(left)));
-        x[v] = _mm512_mask_mul_ps(ninf, mk[v], _mm512_loadu_ps(sbuf + i * kSpan + v * 16), vscale);
-        mx = _mm512_max_ps(mx, x[v]);
-      }
-      const float mn = std::max(m[i], _mm512_reduce_max_ps(mx));
-      const __m512 vmn = _mm512_set1_ps(mn);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t v = 0; v < nv; v += 2) {
-        const __m512 p0 = _mm512_maskz_mov_ps(mk[v], exp_neg(_mm512_sub_ps(x[v], vmn)));
-        const __m512 p1 = _mm512_maskz_mov_ps(mk[v + 1], exp_neg(_mm512_sub_ps(x[v + 1], vmn)));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        _mm512_storeu_si512(pr + v * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      }
-      const float a = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[i] - mn);
-      l[i] = l[i] * a + _mm512_reduce_add_ps(sum);
-      m[i] = mn;
-      alpha[i] = a;
+      alpha[i] = softmax_row(sbuf + i * kSpan, nv, lim, scale, m[i], l[i], pbuf + i * kSpan);
     }
     const uint32_t* vb = vp + (key0 / kKB) * 4 * 256;
     for (int c = 0; c < 4; ++c) {
@@ -319,9 +325,6 @@ void task_avx(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t
   std::memset(acc, 0, sizeof(acc));
   const int64_t p = s.n - s.n_q;
   const int64_t end = std::min(s.n, p + r0 + rows);  // keys any row of the block sees
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t key0 = 0; key0 < end; key0 += kSpan) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r = g * 4;
@@ -340,35 +343,7 @@ void task_avx(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t
       const int64_t nv = nblk + (nblk & 1);  // P written in whole key pairs of vectors (pad with zeros)
       for (int64_t i = r; i < r + 4; ++i) {
         const int64_t lim = i < rows ? std::min(s.n, p + r0 + i + 1) - key0 : 0;  // visible keys of row i here
-        uint16_t* pr = pbuf + i * kSpan;
-        if (lim <= 0) {
-          std::memset(pr, 0, nv * 16 * sizeof(uint16_t));
-          alpha[i] = 1.f;
-          continue;
-        }
-        __m512 x[kSpan / 16];
-        __mmask16 mk[kSpan / 16];
-        __m512 mx = ninf;
-        for (int64_t v = 0; v < nv; ++v) {
-          const int64_t left = std::clamp<int64_t>(lim - v * 16, 0, 16);
-          mk[v] = left == 16 ? static_cast<__mmask16>(0xffff)
-                             : _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(left)));
-          x[v] = left ? _mm512_mask_mul_ps(ninf, mk[v], _mm512_load_ps(sbuf + i * kSpan + v * 16), vscale) : ninf;
-          mx = _mm512_max_ps(mx, x[v]);
-        }
-        const float mn = std::max(m[i], _mm512_reduce_max_ps(mx));
-        const __m512 vmn = _mm512_set1_ps(mn);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t v = 0; v < nv; v += 2) {
-          const __m512 p0 = _mm512_maskz_mov_ps(mk[v], exp_neg(_mm512_sub_ps(x[v], vmn)));
-          const __m512 p1 = _mm512_maskz_mov_ps(mk[v + 1], exp_neg(_mm512_sub_ps(x[v + 1], vmn)));
-          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-          _mm512_store_si512(pr + v * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        const float a = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[i] - mn);
-        l[i] = l[i] * a + _mm512_reduce_add_ps(sum);
-        m[i] = mn;
-        alpha[i] = a;
+        alpha[i] = softmax_row(sbuf + i * kSpan, nv, lim, scale, m[i], l[i], pbuf + i * kSpan);
       }
       pv_rows4(pbuf, vp, key0, nv * 8, r, alpha, acc);
     }
@@ -414,7 +389,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
   TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "prefill_attention: isa '", isa,
               "' is not available here (", isas.size() == 2 ? "amx, avx512_bf16" : isas.front(), ")");
 #ifdef TALARIA_BF16_SIMD
-  const bool amx = isa == "amx";
+  [[maybe_unused]] const bool amx = isa == "amx";  // false where the build has no AMX path
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && slots.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
               "bf16 only");
