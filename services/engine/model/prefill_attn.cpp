@@ -126,6 +126,19 @@ inline float softmax_row(const float* srow, int64_t nv, int64_t lim, float scale
   return a;
 }
 
+// The finished rows of a task: acc / l rounded to bf16, row i at out + i * os0 (64 contiguous dims).
+inline void write_rows(const float* acc, const float* l, int64_t rows, uint16_t* out, int64_t os0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+    uint16_t* o = out + i * os0;
+    for (int c = 0; c < 4; c += 2) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16), inv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16 + 16), inv);
+      _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+  }
+}
+
 struct Seq {
   int64_t q0, n_q, k0, n;  // first query row in q, its new tokens, first slot index in slots, context length
   int64_t kv_off;          // offset of its packed K/V (per kv head: padded keys * kD bf16 each)
@@ -245,15 +258,7 @@ void task(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t h, 
       }
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
-    uint16_t* o = out + (s.q0 + r0 + i) * os0 + h * os1;
-    for (int c = 0; c < 4; c += 2) {
-      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16), inv);
-      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16 + 16), inv);
-      _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-    }
-  }
+  write_rows(acc, l, rows, out + (s.q0 + r0) * os0 + h * os1, os0);
 }
 #endif  // TALARIA_AMX
 
@@ -348,15 +353,7 @@ void task_avx(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t
       pv_rows4(pbuf, vp, key0, nv * 8, r, alpha, acc);
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
-    uint16_t* o = out + (s.q0 + r0 + i) * os0 + h * os1;
-    for (int c = 0; c < 4; c += 2) {
-      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16), inv);
-      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + i * kD + c * 16 + 16), inv);
-      _mm512_storeu_si512(o + c * 16, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-    }
-  }
+  write_rows(acc, l, rows, out + (s.q0 + r0) * os0 + h * os1, os0);
 }
 #endif  // TALARIA_BF16_SIMD
 
