@@ -224,11 +224,7 @@ class Engine:
         # CPU prefill attention (model/prefill_attn.py); each flag says whether it is on
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
-        if self.device.type == "cpu":  # which path each part takes on this CPU, once per engine (operators ask)
-            pa = self.model.prefill_attention
-            log.info("%s CPU kernels: paged decode %s, fused ops %s, prefill attention %s", self.model_id,
-                     "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
-                     getattr(pa, "keywords", {}).get("isa", "on") if pa is not None else "off (ATen flash)")
+        self._log_kernels()
         self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
@@ -569,6 +565,15 @@ class Engine:
             packed_weights = own_model and can_pack(self.device, self.dtype)
         if packed_weights and not self.model.is_packed:
             self.model.pack_weights()
+
+    def _log_kernels(self) -> None:
+        """On a CPU, log once which path each kernel takes (operators ask which ISA serves). Mutates nothing."""
+        if self.device.type != "cpu":
+            return
+        pa = self.model.prefill_attention
+        log.info("%s CPU kernels: paged decode %s, fused ops %s, prefill attention %s", self.model_id,
+                 "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
+                 getattr(pa, "keywords", {}).get("isa", "on") if pa is not None else "off (ATen flash)")
 
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
