@@ -220,8 +220,7 @@ class Engine:
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
         self.max_context = min(cfg.attention_span, self.num_pages * page_size)
-        # the CPU kernels: decode attention (model/paged_attn.py), fused elementwise ops (model/fused_ops.py),
-        # CPU prefill attention (model/prefill_attn.py); each flag says whether it is on
+        # CPU kernels, each flag says whether it is on: model/paged_attn.py, fused_ops.py, prefill_attn.py
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self._log_kernels()
