@@ -68,12 +68,19 @@ def leases_live(api, n: int) -> None:
 def test_returns_land_where_the_kv_is_and_consume_leases(stack):
     api = stack.api
     homes = {}
-    for k in range(4):  # new sessions spread over both workers by cost (a live lease charges its worker)
+    for k in range(4):  # new sessions placed by cost, a live lease charging its worker
         r = call(api, f"p{k}", 0)
         homes[f"p{k}"] = r.headers["x-talaria-instance"]
         assert r.headers["x-talaria-placement"] == "cost"
+        # Where they land depends on each worker's *measured* costs (a loaded machine can make one worker's
+        # first steps several times slower), so the check is the policy's, not an outcome: the cheapest
+        # Eq. 1 total wins, and every worker already holding a live lease carries its charge in the queue term.
+        (d,) = decisions(api, 1)
+        totals = {c["instance_id"]: c["total"] for c in d["costs"] if not c["reject"]}
+        assert d["chosen"] == homes[f"p{k}"] and totals[d["chosen"]] == min(totals.values()), d
+        leased = set(list(homes.values())[:-1])
+        assert all(c["queue_s"] > 0 for c in d["costs"] if c["instance_id"] in leased), d
         leases_live(api, k + 1)
-    assert set(homes.values()) == {"w-a", "w-b"}, decisions(api, 4)
     for turn in (1, 2):  # quick returns (tool gap << tau): the lease is consumed, same worker, prefix reused
         for s, home in homes.items():
             r = call(api, s, turn)
