@@ -21,7 +21,7 @@ Per-token deadlines (issue 16, Aegaeon): every instance scores every token again
 token: arrival + T_TTFT; token i: first token + (i - 1) T_TPOT) in a ``DeadlineTracker``, as the cold engine
 does in both modes; with ``SlotPolicy.token_deadlines`` a cold instance is driven by
 ``services.engine.slots.deadlines.DeadlineScheduler`` (EDF switches at token boundaries) instead of the round
-scheduler, unchanged, fed the same arrivals and emitted tokens. A decode step of ``quantum`` tokens emits its
+scheduler, chosen by the engine's own ``deadlines.make_scheduler``, fed the same arrivals and emitted tokens. A decode step of ``quantum`` tokens emits its
 tokens at their own step ends (one decode step apart), not all at the step's end.
 """
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from services.engine.slots import CostModel, CostProfile, SlotPolicy, SlotScheduler
-from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
+from services.engine.slots import CostModel, CostProfile, SlotPolicy
+from services.engine.slots.deadlines import DeadlineTargets, DeadlineTracker, make_scheduler
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
 from services.engine.substrate.policy import EngineView, classify_path, predict_next
 from services.kvstore.registry import Family, HostKVRegistry, Layout
@@ -73,18 +73,6 @@ class SimCall:
     def ctx_needed(self) -> int:
         """Tokens of KV this call needs at admission: its prompt, or, when parked, prompt + decoded."""
         return self.parked_ctx or self.prompt_tokens
-
-
-def make_scheduler(policy: SlotPolicy, costs: CostModel, tracker: DeadlineTracker) -> SlotScheduler | DeadlineScheduler:
-    """The instance's policy object, chosen as the engine chooses it (``services/engine/slotted.py``): the
-    token-deadline scheduler for a cold instance with ``token_deadlines``, else the round scheduler with the
-    tracker attached (its round summaries carry the window's deadline stats)."""
-    if policy.token_deadlines and not policy.endless:
-        dp = DeadlinePolicy(policy.ttft_s, policy.tpot_s, d2d_staging=policy.d2d_staging, host_kv=policy.host_kv)
-        return DeadlineScheduler(dp, costs, tracker)
-    s = SlotScheduler(policy, costs)
-    s.tracker = tracker
-    return s
 
 
 @dataclass(slots=True)

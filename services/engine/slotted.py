@@ -22,9 +22,9 @@ from services.engine.api import SlotStats
 from services.engine.cold import ColdEngine
 from services.engine.types import EngineRequest, RequestOutput
 
-from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy, SlotScheduler
+from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy
 from services.engine.slots.types import ReturnView
-from services.engine.slots.deadlines import DeadlinePolicy, DeadlineScheduler, DeadlineTargets, DeadlineTracker
+from services.engine.slots.deadlines import DeadlineTargets, DeadlineTracker, make_scheduler
 
 
 class SlottedColdEngine(ColdEngine):
@@ -34,13 +34,7 @@ class SlottedColdEngine(ColdEngine):
         # per-token deadlines are tracked in both modes (attainment and gap distribution in every round
         # summary); with ``token_deadlines`` they also drive the schedule (Aegaeon, slots/deadlines.py)
         self.deadlines = DeadlineTracker(DeadlineTargets(pol.ttft_s, pol.tpot_s))
-        cm = costs or CostModel(CostProfile())
-        if pol.token_deadlines:
-            dp = DeadlinePolicy(pol.ttft_s, pol.tpot_s, d2d_staging=pol.d2d_staging, host_kv=pol.host_kv)
-            self.slots = DeadlineScheduler(dp, cm, self.deadlines)
-        else:
-            self.slots = SlotScheduler(pol, cm)
-            self.slots.tracker = self.deadlines
+        self.slots = make_scheduler(pol, costs or CostModel(CostProfile()), self.deadlines)
         self.last_decision: Decision | None = None
         self._return_hold = pol.return_hold and pol.sp and not pol.token_deadlines
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here

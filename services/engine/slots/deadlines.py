@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .costs import CostModel, MeasuredCosts, expected_path
+from .scheduler import SlotPolicy, SlotScheduler
 from .types import CallView, Decision, InstanceView, Phase, RoundSummary
 
 # Inter-token gap histogram bucket upper bounds (seconds); the last bucket is +inf.
@@ -491,3 +492,16 @@ class DeadlineScheduler(MeasuredCosts):
         self._unpublished.append(s)
         self.totals["rounds"] += 1
         return s
+
+
+def make_scheduler(policy: SlotPolicy, costs: CostModel, tracker: DeadlineTracker) -> SlotScheduler | DeadlineScheduler:
+    """A cold instance's policy object, one choice for the engine (``slotted.py``) and the simulator: the
+    token-deadline scheduler with ``token_deadlines`` (not for an ``endless`` hot instance), else the round
+    scheduler with ``tracker`` attached (per-token deadlines are scored in both modes: its round summaries carry
+    the window's deadline stats). Pure."""
+    if policy.token_deadlines and not policy.endless:
+        dp = DeadlinePolicy(policy.ttft_s, policy.tpot_s, d2d_staging=policy.d2d_staging, host_kv=policy.host_kv)
+        return DeadlineScheduler(dp, costs, tracker)
+    s = SlotScheduler(policy, costs)
+    s.tracker = tracker
+    return s
