@@ -39,7 +39,7 @@ def _run(args) -> int:
     rows = []
     for name in args.configs.split(","):
         flags = paper.config_flags(name)
-        cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **flags), tau_s=float(prof.knobs.get("tau_s", 1.0)))
+        cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **flags), tau_s=float(prof.knobs.get("tau_s", 1.0)), **paper.engine_flags(name))
         rows.append(report.summarize(Simulation(cfg, sessions_of()).run()))
     out = Path(args.out)
     report.write(out, rows, {"profile": args.profile, "workload": args.workload or args.mooncake or "synthetic full scale"}, "Simulated run")
@@ -109,7 +109,7 @@ def add_cli(sub) -> None:
     r.add_argument("--sessions", type=int, default=10, help="synthetic sessions (full scale) when no workload is given")
     r.add_argument("--models", default="qwen3-235b,glm5-nvfp4,qwen3.5-122b-a10b")
     r.add_argument("--instances", type=int, default=1)
-    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only (and token-deadlines, token-deadlines-no-HKVR)")
+    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only (and token-deadlines, token-deadlines-no-HKVR, partial-layers, partial-layers-H2D-only, partial-layers+token-deadlines)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="sim-out")
     r.add_argument("--json", action="store_true")

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.engine.slots import SlotPolicy
-from services.engine.slots.deadlines import DeadlineScheduler
 from services.kvstore.registry import HostKVRegistry
 from services.router.gateway import Gateway, PoolSpec
 from services.router.leases import LeaseTable, MemoryLeases
@@ -66,6 +65,7 @@ class SimConfig:
     decode_quantum: int = 1
     pool_sizer: Any = None  # sim.scale.PoolLoop: moves instances between hot and cold pools from telemetry
     can_park: bool = False  # True: the paper's engine (in-flight calls parked at a switch, §5.5); False: this codebase's (Dfin drains)
+    partial_layers: bool = False  # cold engines' streaming hot-swap (issue 16, JointServe §4.4; engine config partial_layers)
     record: bool = False
     max_sim_s: float = 1e7
     stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
@@ -109,7 +109,7 @@ class Simulation:
             self.instances[spec.iid] = SimInstance(
                 spec.iid, spec.pool, list(spec.catalog), prof, cfg.slot if spec.pool == "cold" else _hot(cfg.slot), host=host,
                 loaded=list(spec.loaded) if spec.loaded is not None else None, max_loaded=spec.max_loaded, decode_quantum=cfg.decode_quantum,
-                can_park=cfg.can_park,
+                can_park=cfg.can_park, partial_layers=cfg.partial_layers and spec.pool == "cold",
             )
         self.registry = Registry(self.clock, miss_limit=3.0, stale_after=2.0, wall=self.clock.now)
         table = LeaseTable()
@@ -166,11 +166,9 @@ class Simulation:
             handlers[kind](payload)
         if self._left:
             raise RuntimeError(f"simulation stalled with {self._left} calls unfinished")
-        for iid, inst in self.instances.items():  # close the open rounds
-            d = inst.scheduler.decide(inst.view(self.clock.now()), self.clock.now())
-            if d.closed_round is not None:
-                self._rounds.append((iid, d.closed_round))
-            self._epochs(iid, inst, final=True)
+        for iid, inst in self.instances.items():  # close the open rounds / epochs
+            inst.scheduler.finish(self.clock.now())
+            self._take_rounds(iid, inst)
         return self._result(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ router side
@@ -246,8 +244,7 @@ class Simulation:
                                    restore_per_token=cost["restore_per_token"], switch_costs=costs_to_proto(by_path)),
         )
         staged = inst.staging[0] if inst.staging else None
-        # as the engine's SlotStats (the token-deadline scheduler has no slots to wait for)
-        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" and hasattr(inst.scheduler, "slot_waits") else {}
+        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" else {}  # as the engine's SlotStats
         for m in inst.loaded:
             snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
                                              num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))
@@ -307,9 +304,7 @@ class Simulation:
         d = inst.scheduler.decide(view, now)
         if self.cfg.record:
             self._trace["slots"][iid].append(("decide", now, view, d))
-        if d.closed_round is not None:
-            self._rounds.append((iid, d.closed_round))
-        self._epochs(iid, inst)
+        self._take_rounds(iid, inst)
         if d.switch_to is not None:
             path, secs, _ = inst.switch(d.switch_to, now)
             self._busy[iid] = True
@@ -323,14 +318,10 @@ class Simulation:
             self._push(now + d.hold_s, "wake", iid)
         inst.restage(now)
 
-    def _epochs(self, iid: str, inst: SimInstance, final: bool = False) -> None:
-        """The token-deadline scheduler reports its epochs (active model between two switches) as round
-        summaries when they close, not in ``Decision.closed_round``; ``final`` closes the open one. Mutates
-        ``_rounds``."""
-        if isinstance(inst.scheduler, DeadlineScheduler):
-            if final:
-                inst.scheduler.close_epoch(self.clock.now())
-            self._rounds.extend((iid, rs) for rs in inst.scheduler.take_summaries())
+    def _take_rounds(self, iid: str, inst: SimInstance) -> None:
+        """Collect the rounds (or, under token deadlines, the epochs) the instance's scheduler closed, as the
+        engine does (``take_summaries``). Mutates ``_rounds``."""
+        self._rounds.extend((iid, rs) for rs in inst.scheduler.take_summaries())
 
     def _done(self, payload) -> None:
         iid, kind, what = payload
@@ -375,7 +366,8 @@ class Simulation:
         sct = {s.session_id: s.calls[-1].finished_at - s.calls[0].intended for s in self.sessions if s.calls}
         inst = {
             iid: {"pool": i.pool, "parked": i.parked, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
-                  "host_kv": asdict(i.host.counters) if i.host else None, "deadlines": i.tracker.totals().to_dict()}
+                  "host_kv": asdict(i.host.counters) if i.host else None, "deadlines": i.tracker.totals().to_dict(),
+                  "streams": i.streams, "stream_stall_s": i.stream_stall_s, "startup_k": list(i.startup_k), "layer_groups": i.groups}
             for iid, i in self.instances.items()
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]

@@ -23,6 +23,19 @@ does in both modes; with ``SlotPolicy.token_deadlines`` a cold instance is drive
 ``services.engine.slots.deadlines.DeadlineScheduler`` (EDF switches at token boundaries) instead of the round
 scheduler, chosen by the engine's own ``deadlines.make_scheduler``, fed the same arrivals and emitted tokens. A decode step of ``quantum`` tokens emits its
 tokens at their own step ends (one decode step apart), not all at the step's end.
+
+Streaming hot-swap (issue 16, ``partial_layers``; JointServe §4.4, the engine's ``streaming_swap.py``): the
+model is ``layer_groups`` equal groups (the profile's knob: one per decoder layer, as the engine's default
+``layers_per_group: 1``). A switch's phase 2 moves the staged groups device-to-device and copies host-to-device
+only the startup prefix k*, chosen by the engine's own ``streaming_swap.startup_prefix`` from the H2D copy time
+per group and the compute the engine expects (its learned prefill seconds per token x the tokens the target's
+queued calls will compute, as ``HotSwapStreamer.k_for``); the later groups stream back to back from the switch's end. The
+first forward after it runs group by group, each group starting only when its copy has landed: its duration is
+the pipeline's end (any wait is a stall, counted in ``stream_stall_s`` and in the step the scheduler observes).
+A KV restore in that step takes the channel first (the transfer scheduler's floor for restores), so the
+stream's remaining arrivals move back by the restore's time. A switch while a stream is still in flight
+waits for it (the engine's ``before_kv_release`` barrier). Staging for the next model is not slowed by the
+stream (one channel in the engine; not modelled).
 """
 
 from __future__ import annotations
@@ -32,12 +45,14 @@ from dataclasses import dataclass, field, replace
 from services.engine.slots import CostModel, CostProfile, SlotPolicy
 from services.engine.slots.deadlines import DeadlineTargets, DeadlineTracker, make_scheduler
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
+from services.engine.streaming_swap import startup_prefix
 from services.engine.substrate.policy import EngineView, classify_path, predict_next
 from services.kvstore.registry import Family, HostKVRegistry, Layout
 
 from .profile import Profile
 
 PATH_CHUNKS = 100  # staged fraction resolution when classifying a switch's load path
+DEFAULT_LAYER_GROUPS = 32  # a profile without a ``layer_groups`` knob: a typical decoder depth
 
 
 @dataclass(slots=True)
@@ -87,7 +102,7 @@ class SimInstance:
 
     def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
                  host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
-                 decode_quantum: int = 1, can_park: bool = False) -> None:
+                 decode_quantum: int = 1, can_park: bool = False, partial_layers: bool = False) -> None:
         self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
         self.catalog = list(catalog)
         self.loaded: list[str] = list(loaded if loaded is not None else catalog)
@@ -95,6 +110,13 @@ class SimInstance:
         self.quantum = max(1, decode_quantum)
         self.can_park = can_park  # model of the paper's engine (§5.5): in-flight calls parked at a switch
         self.parked = 0
+        self.partial_layers = partial_layers  # streaming hot-swap of later layer groups (issue 16)
+        self.groups = int(profile.knobs.get("layer_groups", DEFAULT_LAYER_GROUPS))
+        self.stream: list[float] = []  # arrival times of the groups still streaming in, group order (groups before: resident)
+        self.stream_stall_s = 0.0
+        self.streams = 0
+        self.startup_k: list[int] = []  # k* of every streamed switch
+        self._stream_first = 0  # the first streamed group of the stream in flight
         m0 = self.loaded[0] if self.loaded else None
         c0 = profile.model(m0 or "")
         seed = CostProfile(
@@ -179,6 +201,7 @@ class SimInstance:
         self.seen.clear()
         self.previous, self.active = self.active, (model or None)
         self.staging = None
+        self.stream = []
         self.scheduler = make_scheduler(policy, CostModel(self.seed_costs), self.tracker)
         self.epoch += 1
         self.seq = 0
@@ -284,11 +307,17 @@ class SimInstance:
     def switch(self, target: str, now: float) -> tuple[str, float, tuple[float, ...]]:
         """Release the active KV region (to host with host_kv), open ``target``; returns (path, seconds, phases)."""
         assert not self.batch or self.can_park, "switch with calls in flight"
+        barrier = max(0.0, (self.stream[-1] if self.stream else now) - now)  # the outgoing model's stream completes first
+        self.stream = []
         self._park_batch()
         frac = self.staged_fraction(target, now)
         d2d_chunks = int(frac * PATH_CHUNKS + 1e-9)
         path = classify_path(PATH_CHUNKS, d2d_chunks)
         phases = self.profile.switch.phases(d2d_chunks / PATH_CHUNKS)
+        if self.partial_layers:
+            phases = self._stream_plan(target, d2d_chunks / PATH_CHUNKS, phases, now + barrier)
+        if barrier:
+            phases = (phases[0] + barrier, *phases[1:])
         self.device.clear()
         self.previous, self.active = self.active, target
         self.staging = None
@@ -297,6 +326,47 @@ class SimInstance:
         self.switches.append({"t": now, "from": self.previous or "", "to": target, "path": path, "seconds": secs, "staged_fraction": frac})
         self.switch_s += secs
         return path, secs, phases
+
+    def _stream_plan(self, target: str, staged: float, phases: tuple[float, ...], start: float) -> tuple[float, ...]:
+        """Streaming hot-swap of ``target``: k* from the engine's ``startup_prefix``; phase 2 shrinks to the staged
+        groups (D2D) plus the H2D copy of the unstaged part of the startup prefix; the later groups' arrival times
+        (from the switch's end, back to back) go to ``stream``. Returns the new phases. Mutates ``stream``,
+        ``streams``, ``startup_k``."""
+        g = self.groups
+        sw = self.profile.switch
+        copy = sw.open_h2d_s / g  # one group host-to-device at the measured H2D rate (the phase is the whole model)
+        # the target's waiting calls' uncached tokens, as the engine (SlottedColdEngine.first_prefill_tokens)
+        tokens = sum(max(1, c.ctx_needed - self.prefix_of(c)[0]) for c in self.queues.get(target, ()))
+        fwd = self.scheduler.costs.prefill_per_token(target) * max(tokens, 1)
+        k = startup_prefix([copy] * g, [fwd / g] * g)
+        first = max(k, int(staged * g + 1e-9))  # staged groups move device-to-device in phase 2
+        if first >= g:
+            return phases
+        p2 = staged * sw.open_d2d_s + max(0.0, k / g - staged) * sw.open_h2d_s
+        out = (phases[0], p2, *phases[2:])
+        end = start + sum(out)
+        self.stream = [end + copy * (j - first + 1) for j in range(first, g)]
+        self._stream_first = first
+        self.streams += 1
+        self.startup_k.append(k)
+        return out
+
+    def _streamed(self, now: float, restore_s: float, compute_s: float) -> float:
+        """The first forward after a streamed switch: ``compute_s`` spread evenly over the groups, each group
+        starting when its copy has landed (the restore first takes the channel, ``restore_s``). Returns the
+        stall (seconds the forward waited on copies); the stream is then complete. Mutates ``stream``."""
+        t = now + restore_s
+        arrivals = [a + restore_s if a > now else a for a in self.stream]
+        per = compute_s / self.groups
+        first = self._stream_first
+        for j in range(self.groups):
+            if j >= first:
+                t = max(t, arrivals[j - first])
+            t += per
+        self.stream = []
+        stall = max(0.0, t - (now + restore_s + compute_s))
+        self.stream_stall_s += stall
+        return stall
 
     def _park_batch(self) -> None:
         """Move the in-flight calls back to the front of their queue (the paper's engine parks them at a
@@ -350,13 +420,13 @@ class SimInstance:
         if decoders:
             k = min(k, min(c.output_tokens - c.decoded for c in decoders))
         budget = self.profile.max_batched_tokens - len(decoders)
-        secs = 0.0
+        secs = restore_s = 0.0
         prefill = restore = 0
         for c in self.batch:
             if id(c) in dec:
                 continue
             if c.restore_left:
-                secs += c.restore_left * cm.restore_per_token_s
+                restore_s += c.restore_left * cm.restore_per_token_s
                 restore += c.restore_left
                 c.restore_left = 0
             n = min(c.prefill_left, max(budget, 0))
@@ -370,6 +440,9 @@ class SimInstance:
             ctx = sum(c.prompt_tokens + c.decoded for c in decoders)
             per = cm.decode_s(len(decoders), ctx)
             secs += k * per
+        if self.stream:  # the first forward after a streamed switch waits on the groups still in flight
+            secs += self._streamed(now, restore_s, secs - (k - 1) * per)
+        secs += restore_s
         out = StepOutcome(secs)
         t = now + secs
         for c in list(self.batch):

@@ -40,16 +40,29 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
 EXTRA_CONFIGS = {
     "token-deadlines": {"token_deadlines": True},  # issue 16 (Aegaeon): EDF at token boundaries instead of rounds
     "token-deadlines-no-HKVR": {"token_deadlines": True, "host_kv": False},
+    "partial-layers": {"partial_layers": True},  # issue 16 (JointServe §4.4): streaming hot-swap of later layer groups
+    "partial-layers-H2D-only": {"partial_layers": True, "d2d_staging": False},
+    "partial-layers+token-deadlines": {"partial_layers": True, "token_deadlines": True},
 }
+ENGINE_FLAGS = ("partial_layers",)  # mechanism flags: fields of SimConfig (the engine's config), not of SlotPolicy
+
+
+def _flags(name: str) -> dict[str, bool]:
+    flags = CONFIGS.get(name, EXTRA_CONFIGS.get(name))
+    if flags is None:
+        raise ValueError(f"unknown configuration {name!r}; known: {', '.join([*CONFIGS, *EXTRA_CONFIGS])}")
+    return flags
 
 
 def config_flags(name: str) -> dict[str, bool]:
     """The slot-policy flags of a named configuration (``CONFIGS`` or ``EXTRA_CONFIGS``); ValueError names the
     known ones."""
-    flags = CONFIGS.get(name, EXTRA_CONFIGS.get(name))
-    if flags is None:
-        raise ValueError(f"unknown configuration {name!r}; known: {', '.join([*CONFIGS, *EXTRA_CONFIGS])}")
-    return flags
+    return {k: v for k, v in _flags(name).items() if k not in ENGINE_FLAGS}
+
+
+def engine_flags(name: str) -> dict[str, bool]:
+    """The engine-mechanism flags of a named configuration (``SimConfig`` fields, e.g. ``partial_layers``)."""
+    return {k: v for k, v in _flags(name).items() if k in ENGINE_FLAGS}
 OUTPUT_SCALE = 0.1
 TP8_START_GAP_S = 26.0  # not published: (1632 s of Talaria rounds, §5.6 - 867 s SCT p95) / 29 later starts
 DECODE_QUANTUM = 4  # decode tokens per scheduler decision in the paper runs (4 x ~17 ms: SP boundaries ~70 ms apart)
@@ -85,9 +98,10 @@ def slot_policy(profile: Profile, **flags: bool) -> SlotPolicy:
     return SlotPolicy(**{f: k[f] for f in fields if f in k}, **flags)
 
 
-def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False, decode_quantum: int = 1) -> SimConfig:
+def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False, decode_quantum: int = 1,
+               partial_layers: bool = False) -> SimConfig:
     return SimConfig(name, profile, (InstanceSpec("tp8-0", "cold", TP8_MODELS),), slot=slot_policy(profile, **flags),
-                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record, decode_quantum=decode_quantum)
+                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record, decode_quantum=decode_quantum, partial_layers=partial_layers)
 
 
 def router_config(profile: Profile, policy: str, tau: float | None = None, park: bool = False) -> SimConfig:
@@ -105,7 +119,8 @@ def run_tp8(profile: Profile, configs: list[str], seed: int, say, output_scale: 
     rows = []
     for name in configs:
         sessions = workload.paper_replay(TP8_MODELS, seed=seed, output_scale=output_scale, start_gap_s=start_gap_s)
-        r = Simulation(replace(tp8_config(profile, name, config_flags(name), decode_quantum=DECODE_QUANTUM), can_park=park), sessions).run()
+        cfg = tp8_config(profile, name, config_flags(name), decode_quantum=DECODE_QUANTUM, **engine_flags(name))
+        r = Simulation(replace(cfg, can_park=park), sessions).run()
         s = report.summarize(r)
         say(f"tp8 {name:10s} SCT p50 {s['sct_p50_s']:.0f} s p95 {s['sct_p95_s']:.0f} s TTFT p95 {s['ttft_p95_s']:.2f} s ({r.wall_s:.0f} s wall)")
         rows.append(s)

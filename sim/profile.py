@@ -122,7 +122,7 @@ class Profile:
     models: dict[str, ModelCosts]
     default: ModelCosts
     source: dict[str, Any] = field(default_factory=dict)
-    knobs: dict[str, Any] = field(default_factory=dict)  # policy knobs the profile's setting used (SlotPolicy / PolicyParams fields)
+    knobs: dict[str, Any] = field(default_factory=dict)  # knobs the profile's setting used: SlotPolicy / PolicyParams fields, and layer_groups (streaming hot-swap)
 
     def model(self, name: str) -> ModelCosts:
         return self.models.get(name) or ModelCosts(name, *[getattr(self.default, f) for f in _MODEL_FIELDS])

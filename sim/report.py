@@ -51,9 +51,19 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "deadline_attainment": (first_ok + later_ok) / (first + later) if first + later else float("nan"),
         "ttft_deadline_attainment": first_ok / first if first else float("nan"),
         "gap_p99_s": max((d["gap_p99_s"] for d in dl), default=float("nan")),
+        # streaming hot-swap (partial_layers): streamed switches, first-forward stalls, mean startup prefix k* / groups
+        "streams": sum(i.get("streams", 0) for i in r.instances.values()),
+        "stream_stall_s": sum(i.get("stream_stall_s", 0.0) for i in r.instances.values()),
+        "startup_share": _startup_share(r.instances.values()),
         "sim_s": r.end_s, "wall_s": r.wall_s, "sim_s_per_wall_s": r.end_s / r.wall_s if r.wall_s > 0 else float("nan"),
         "scts": scts, "ttfts": ttfts,
     }
+
+
+def _startup_share(instances) -> float:
+    """Mean k*/groups over the streamed switches (nan without one). Pure."""
+    shares = [k / i["layer_groups"] for i in instances for k in i.get("startup_k", ())]
+    return sum(shares) / len(shares) if shares else float("nan")
 
 
 def _f(v: Any, unit: str = "") -> str:

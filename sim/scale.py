@@ -27,7 +27,7 @@ from services.router.pool_sizing import InstanceInfo, PoolParams, PoolSizer, off
 
 from . import report, workload
 from .cluster import InstanceSpec, SimConfig, Simulation
-from .paper import config_flags, slot_policy
+from .paper import config_flags, engine_flags, slot_policy
 from .profile import load
 
 
@@ -190,7 +190,7 @@ def run_catalog(out: Path, *, profile: str, instances: int, catalogs: tuple[int,
             for c in s_.calls:
                 c.output_tokens = max(1, round(c.output_tokens * output_scale))
         cfg = SimConfig(f"catalog-{n}", prof, specs, slot=slot_policy(prof, **config_flags(config)), params=PolicyParams(policy="full"),
-                        tau_s=float(prof.knobs.get("tau_s", 1.0)), heartbeat_s=1.0, decode_quantum=decode_quantum)
+                        tau_s=float(prof.knobs.get("tau_s", 1.0)), heartbeat_s=1.0, decode_quantum=decode_quantum, **engine_flags(config))
         t0 = time.perf_counter()
         res = Simulation(cfg, ss).run()
         s = report.summarize(res)

@@ -161,10 +161,16 @@ class ColdEngine:
         tr = transfer or TransferScheduler(copy_fn=stream_copy)
         self.substrate.copier = ScheduledCopier(tr, self.device)
         st = HotSwapStreamer(self.bank, self.arena.bytes, tr, prefill_per_token=self._prefill_per_token,
-                             expected_tokens=lambda m: sum(len(r.prompt_token_ids) for r in self._queues.get(m, ())))
+                             expected_tokens=self.first_prefill_tokens)
         self.substrate.streamer = st
         self.before_kv_release.append(st.wait)
         return st
+
+    def first_prefill_tokens(self, model: str) -> int:
+        """Tokens the first prefill after a switch to ``model`` computes (the compute a weight stream hides
+        behind, streaming_swap.k_for): its waiting calls' prompts; ``SlottedColdEngine`` subtracts the prefixes
+        it will restore instead. Pure read."""
+        return sum(len(r.prompt_token_ids) for r in self._queues.get(model, ()))
 
     def _prefill_per_token(self, model: str) -> float:
         sh = self._shells.get(model)

@@ -141,7 +141,7 @@ class ResidencyDriver:
         n = len(layer_groups(ce.bank[model], self.layers_per_group))
         if st is None or st.layers_per_group != self.layers_per_group:
             return n
-        tokens = sum(len(r.prompt_token_ids) for r in ce._queues.get(model, ()))  # its waiting calls, else history
+        tokens = ce.first_prefill_tokens(model)  # what its waiting calls will compute, else history
         if not tokens and model in self.prompt_tokens:
             tokens = int(self.prompt_tokens[model].value)
         return st.k_for(model, tokens) if tokens else n

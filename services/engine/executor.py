@@ -57,7 +57,7 @@ from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
 from services.engine.model.fused_ops import load_fused_ops
 from services.engine.model.paged_attn import load_kernel
-from services.engine.model.prefill_attn import applies as prefill_applies, load_prefill_kernel
+from services.engine.model.prefill_attn import applies as prefill_applies, isas as prefill_isas, load_prefill_kernel
 from services.engine.model.registry import lookup
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -572,7 +572,7 @@ class Engine:
         pa = self.model.prefill_attention
         log.info("%s CPU kernels: paged decode %s, fused ops %s, prefill attention %s", self.model_id,
                  "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
-                 getattr(pa, "keywords", {}).get("isa", "on") if pa is not None else "off (ATen flash)")
+                 self.prefill_isa if pa is not None else "off (ATen flash)")
 
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
@@ -581,8 +581,10 @@ class Engine:
         if mode not in ("auto", "off"):
             raise ValueError(f"prefill_attention must be 'auto' or 'off', got {mode!r}")
         usable = mode == "auto" and prefill_applies(self.device, self.dtype, self.config.head_dim)
-        kernel = load_prefill_kernel() if usable else None
+        available = prefill_isas() if usable else []
+        kernel = load_prefill_kernel(available[0]) if available else None
         self.model.prefill_attention = kernel
+        self.prefill_isa = available[0] if kernel is not None else None
         return kernel is not None
 
     def _fused_ops(self, mode: str) -> bool:

@@ -60,6 +60,13 @@ class SlottedColdEngine(ColdEngine):
             (m, sid) in self._served_sessions,
         )
 
+    def first_prefill_tokens(self, model: str) -> int:
+        """Tokens the first prefill after a switch to ``model`` computes: its waiting calls' prompts minus the
+        prefixes the KV manager will restore (a return's first forward is its new suffix, not its whole
+        context: counting the context made k* too short and the stream stall that forward). Pure read."""
+        views = (self._call_view(r, None) for r in self._queues.get(model, ()))
+        return sum(max(1, v.prompt_tokens - v.prefix_tokens) for v in views)
+
     def slot_view(self) -> InstanceView:
         eng = self.shell(self.active) if self.active is not None else None
         models = []

@@ -345,3 +345,79 @@ def test_coarsened_decode_emits_each_token_at_its_own_step_end():
     step = prof.model(paper.TP8_MODELS[0]).decode_s(1, 2000)
     assert dl["tokens"] == 8 and dl["gap_max_s"] <= 1.5 * prof.model(paper.TP8_MODELS[0]).decode_s(1, 2010)
     assert dl["gap_p50_s"] >= 0.5 * step  # not 0: the four tokens of a quantum are spread over its steps
+
+
+# ------------------------------------------------------------------------------------------ streaming hot-swap
+def _streaming_instance(prof, prefix: int = 0, host: bool = True):
+    """A cold TP=8 instance with ``partial_layers``, model 0 active, one call of model 1 waiting (a return
+    with ``prefix`` tokens of context; checkpointed to host KV when ``host``), nothing staged."""
+    from services.kvstore.registry import HostKVRegistry
+    from sim.instance import SimInstance
+    from sim.profile import GIB
+
+    reg = HostKVRegistry(int(prof.host_kv_gib * GIB), Simulation._slab(prof), clock=lambda: 0.0)
+    inst = SimInstance("i", "cold", list(paper.TP8_MODELS), prof, paper.slot_policy(prof, d2d_staging=False), host=reg, partial_layers=True)
+    m = paper.TP8_MODELS[1]
+    if prefix and host:
+        inst._checkpoint(SimCall("old", "s", 0, m, prefix, 0, 1, 0.0))
+    c = SimCall("r", "s", 1, m, prefix + 3000, prefix, 4, 0.3)
+    assert inst.submit(c, 0.0)
+    return inst, c
+
+
+def test_streamed_switch_copies_a_startup_prefix_and_no_group_runs_before_its_copy():
+    """``partial_layers``: phase 2 copies only k* of the G groups host-to-device (k* from the engine's
+    ``startup_prefix`` on the copy time per group and the compute the waiting call will do); the later groups
+    stream from the switch's end, and the first forward cannot end before the last group landed plus that
+    group's compute; the next step finds the model resident."""
+    from services.engine.streaming_swap import startup_prefix
+
+    prof = load(TP8)
+    inst, c = _streaming_instance(prof, prefix=20480)  # a return: restores 20K tokens, computes 3K
+    g = inst.groups
+    assert g == prof.knobs["layer_groups"] == 94
+    _, secs, phases = inst.switch(c.model, 10.0)
+    copy = prof.switch.open_h2d_s / g
+    fwd = inst.scheduler.costs.prefill_per_token(c.model) * 3000
+    k = startup_prefix([copy] * g, [fwd / g] * g)
+    assert 1 <= k < g and inst.startup_k == [k]
+    assert phases[1] == pytest.approx(k / g * prof.switch.open_h2d_s)
+    assert secs < prof.switch.total(0.0)
+    end = 10.0 + secs
+    assert len(inst.stream) == g - k and inst.stream[-1] == pytest.approx(end + (g - k) * copy)
+    inst.admit((c.request_id,), end)
+    assert c.restore_left == 20480
+    restore = 20480 * prof.model(c.model).restore_per_token_s
+    compute = prof.model(c.model).prefill_s(20480, 3000)  # cheaper per token than the estimate: the forward catches up with the copies
+    out = inst.step(end)
+    assert out.seconds >= restore + (g - k) * copy + compute / g - 1e-9  # the last group ran only after its copy (the restore took the channel first)
+    assert inst.stream_stall_s > 0 and out.seconds == pytest.approx(restore + compute + inst.stream_stall_s)
+    assert inst.stream == [] and inst.streams == 1
+    assert inst.step(end + out.seconds).seconds == pytest.approx(prof.model(c.model).decode_s(1, c.prompt_tokens + 1))  # resident: no stall
+
+
+def test_startup_prefix_counts_only_what_the_first_forward_computes():
+    """A return whose prefix the host KV store holds computes only its new suffix, so its k* is longer
+    than the same prompt's without a host copy (counting the whole context made k* too short and stalled
+    the first forward: the engine's ``SlottedColdEngine.first_prefill_tokens`` and the simulator agree)."""
+    prof = load(TP8)
+    lost, c1 = _streaming_instance(prof, prefix=20480, host=False)
+    ret, c2 = _streaming_instance(prof, prefix=20480)
+    lost.switch(c1.model, 0.0)
+    ret.switch(c2.model, 0.0)
+    assert ret.startup_k[0] > lost.startup_k[0]
+
+
+def test_partial_layers_row_streams_switches_and_the_base_row_does_not():
+    """The ``partial-layers`` configuration (an engine flag, not a slot-policy flag) streams switches on the
+    TP=8 replay; every call finishes; Talaria's row streams none."""
+    assert paper.config_flags("partial-layers") == {} and paper.engine_flags("partial-layers") == {"partial_layers": True}
+    prof = load(TP8)
+    rows = {}
+    for name in ("Talaria", "partial-layers"):
+        cfg = paper.tp8_config(prof, name, paper.config_flags(name), decode_quantum=4, **paper.engine_flags(name))
+        res = Simulation(cfg, sessions(9, 4, models=paper.TP8_MODELS)).run()
+        assert all(c.finished_at is not None for c in res.calls)
+        rows[name] = report.summarize(res)
+    assert rows["Talaria"]["streams"] == 0 and rows["partial-layers"]["streams"] > 0
+    assert 0 < rows["partial-layers"]["startup_share"] < 1

@@ -361,16 +361,22 @@ void task_avx(const uint16_t* q, int64_t qs0, int64_t qs1, const Seq& s, int64_t
 
 // The instruction sets this process can run the kernel on, fastest first: "amx" (AMX-BF16 tiles, granted by
 // the OS) and "avx512_bf16" (AVX-512 with VDPBF16PS). Empty: ATen's flash kernel is the only path.
-std::vector<std::string> prefill_attention_isas() {
-  std::vector<std::string> isas;
+// Probed once per process (asking the OS for AMX tiles is a syscall; the answer cannot change).
+static const std::vector<std::string>& available_isas() {
+  static const std::vector<std::string> isas = [] {
+    std::vector<std::string> out;
 #ifdef TALARIA_AMX
-  if (request_amx()) isas.push_back("amx");
+    if (request_amx()) out.push_back("amx");
 #endif
 #ifdef TALARIA_BF16_SIMD
-  isas.push_back("avx512_bf16");
+    out.push_back("avx512_bf16");
 #endif
+    return out;
+  }();
   return isas;
 }
+
+std::vector<std::string> prefill_attention_isas() { return available_isas(); }
 
 bool prefill_attention_supported() { return !prefill_attention_isas().empty(); }
 
@@ -380,11 +386,11 @@ bool prefill_attention_supported() { return !prefill_attention_isas().empty(); }
 // Returns [T, H, 64] bf16. Reads only.
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale, std::string isa) {
-  const std::vector<std::string> isas = prefill_attention_isas();
+  const std::vector<std::string>& isas = available_isas();
   TORCH_CHECK(!isas.empty(), "prefill_attention: neither AMX-BF16 nor AVX-512 BF16 is available on this CPU/build");
   if (isa.empty()) isa = isas.front();
   TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "prefill_attention: isa '", isa,
-              "' is not available here (", isas.size() == 2 ? "amx, avx512_bf16" : isas.front(), ")");
+              "' is not available here (available: ", c10::Join(", ", isas), ")");
 #ifdef TALARIA_BF16_SIMD
   [[maybe_unused]] const bool amx = isa == "amx";  // false where the build has no AMX path
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() && slots.device().is_cpu(), "CPU tensors only");

@@ -291,9 +291,14 @@ class DeadlineScheduler(MeasuredCosts):
         out, self._unpublished = self._unpublished, []
         return out
 
-    def close_epoch(self, now: float) -> RoundSummary | None:
-        """End the open epoch now (the end of a run: its summary becomes takeable); the next switch opens a new
-        one. Mutates: the epoch, summaries, counters."""
+    def slot_waits(self, now: float) -> dict[str, float]:
+        """No slots to wait for: a call's model is switched to when its deadline is due (the round
+        scheduler's heartbeat field, empty here). Pure."""
+        return {}
+
+    def finish(self, now: float) -> RoundSummary | None:
+        """The end of a run: end the open epoch now, so its summary becomes takeable; the next switch opens a
+        new one. Mutates: the epoch, summaries, counters."""
         self._account(now)
         s = self._close_epoch(now)
         self._epoch = None

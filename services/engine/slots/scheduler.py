@@ -180,6 +180,12 @@ class SlotScheduler(MeasuredCosts):
         out, self._unpublished = self._unpublished, []
         return out
 
+    def finish(self, now: float) -> RoundSummary | None:
+        """The end of a run (the simulator's, a test's): close the open round now, so its summary becomes
+        takeable. Mutates: the round, summaries, counters."""
+        self._account(now)
+        return self._close_round(now)
+
     def status(self, now: float) -> dict:
         """Heartbeat fields: the open round's remaining time, deadline risk and shortfall (Talaria §3.4)."""
         r = self._round
