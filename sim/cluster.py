@@ -66,6 +66,7 @@ class SimConfig:
     pool_sizer: Any = None  # sim.scale.PoolLoop: moves instances between hot and cold pools from telemetry
     can_park: bool = False  # True: the paper's engine (in-flight calls parked at a switch, §5.5); False: this codebase's (Dfin drains)
     partial_layers: bool = False  # cold engines' streaming hot-swap (issue 16, JointServe §4.4; engine config partial_layers)
+    unified_residency: bool = False  # cold engines' one budget for staged weights and session KV (issue 16, JointServe §3)
     record: bool = False
     max_sim_s: float = 1e7
     stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
@@ -110,6 +111,7 @@ class Simulation:
                 spec.iid, spec.pool, list(spec.catalog), prof, cfg.slot if spec.pool == "cold" else _hot(cfg.slot), host=host,
                 loaded=list(spec.loaded) if spec.loaded is not None else None, max_loaded=spec.max_loaded, decode_quantum=cfg.decode_quantum,
                 can_park=cfg.can_park, partial_layers=cfg.partial_layers and spec.pool == "cold",
+                unified_residency=cfg.unified_residency and spec.pool == "cold",
             )
         self.registry = Registry(self.clock, miss_limit=3.0, stale_after=2.0, wall=self.clock.now)
         table = LeaseTable()
@@ -367,7 +369,8 @@ class Simulation:
         inst = {
             iid: {"pool": i.pool, "parked": i.parked, "steps": i.steps, "step_s": i.step_s, "switch_s": i.switch_s, "switches": len(i.switches),
                   "host_kv": asdict(i.host.counters) if i.host else None, "deadlines": i.tracker.totals().to_dict(),
-                  "streams": i.streams, "stream_stall_s": i.stream_stall_s, "startup_k": list(i.startup_k), "layer_groups": i.groups}
+                  "streams": i.streams, "stream_stall_s": i.stream_stall_s, "startup_k": list(i.startup_k), "layer_groups": i.groups,
+                  "residency": i.residency.snapshot() if i.residency is not None else None}
             for iid, i in self.instances.items()
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]

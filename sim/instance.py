@@ -36,6 +36,9 @@ A KV restore in that step takes the channel first (the transfer scheduler's floo
 stream's remaining arrivals move back by the restore's time. A switch while a stream is still in flight
 waits for it (the engine's ``before_kv_release`` barrier). Staging for the next model is not slowed by the
 stream (one channel in the engine; not modelled).
+
+Unified residency (issue 16, ``unified_residency``; JointServe §3): staging and the device session cache follow
+the plans of the engine's ``ResidencyManager`` instead of ``predict_next`` and LRU alone (``residency.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from services.engine.substrate.policy import EngineView, classify_path, predict_
 from services.kvstore.registry import Family, HostKVRegistry, Layout
 
 from .profile import Profile
+from .residency import SimResidency
 
 PATH_CHUNKS = 100  # staged fraction resolution when classifying a switch's load path
 DEFAULT_LAYER_GROUPS = 32  # a profile without a ``layer_groups`` knob: a typical decoder depth
@@ -102,7 +106,7 @@ class SimInstance:
 
     def __init__(self, iid: str, pool: str, catalog: list[str], profile: Profile, policy: SlotPolicy, *,
                  host: HostKVRegistry | None, loaded: list[str] | None = None, max_loaded: int = 0,
-                 decode_quantum: int = 1, can_park: bool = False, partial_layers: bool = False) -> None:
+                 decode_quantum: int = 1, can_park: bool = False, partial_layers: bool = False, unified_residency: bool = False) -> None:
         self.iid, self.pool, self.profile, self.policy = iid, pool, profile, policy
         self.catalog = list(catalog)
         self.loaded: list[str] = list(loaded if loaded is not None else catalog)
@@ -117,6 +121,8 @@ class SimInstance:
         self.streams = 0
         self.startup_k: list[int] = []  # k* of every streamed switch
         self._stream_first = 0  # the first streamed group of the stream in flight
+        self.unified_residency = unified_residency  # one device budget for staged layer groups and session KV (issue 16)
+        self.residency = SimResidency() if unified_residency else None
         m0 = self.loaded[0] if self.loaded else None
         c0 = profile.model(m0 or "")
         seed = CostProfile(
@@ -133,6 +139,7 @@ class SimInstance:
         self.queues: dict[str, list[SimCall]] = {m: [] for m in self.catalog}
         self.batch: list[SimCall] = []
         self.device: dict[str, tuple[str, int]] = {}  # session -> (model, committed tokens) on device (active model)
+        self.device_used: dict[str, float] = {}  # session -> when its device KV was last written (its call's end)
         self.seen: set[tuple[str, str]] = set()  # (model, session) served here
         self.last_work: dict[str, float] = {}
         # (model, session) -> (call end, its ReturnView as of the call end): the returns the router's leases
@@ -165,6 +172,8 @@ class SimInstance:
         c.instance, c.arrival = self.iid, now
         c.continuation = (c.model, c.session_id) in self.seen
         self.expected.pop((c.model, c.session_id), None)
+        if self.residency is not None:
+            self.residency.observe_call(c.model, c.session_id, c.prompt_tokens, now)
         self.queues[c.model].append(c)
         self.last_work[c.model] = now
         return True
@@ -202,6 +211,7 @@ class SimInstance:
         self.previous, self.active = self.active, (model or None)
         self.staging = None
         self.stream = []
+        self.residency = SimResidency() if self.unified_residency else None
         self.scheduler = make_scheduler(policy, CostModel(self.seed_costs), self.tracker)
         self.epoch += 1
         self.seq = 0
@@ -281,7 +291,8 @@ class SimInstance:
         return EngineView(self.active, busy, queued, oldest, None, self.previous, tuple(self.loaded))
 
     # ------------------------------------------------------------------ staging (§4.4)
-    def _slack_bytes(self) -> int:
+    def kv_free_bytes(self) -> int:
+        """Bytes of the active model's KV region not holding KV (where weights are staged)."""
         c = self.profile.model(self.active or "")
         return max(0, self.profile.arena_bytes - c.weight_bytes - self._kv_used_tokens() * c.kv_bytes_per_token)
 
@@ -290,6 +301,9 @@ class SimInstance:
         if not self.policy.d2d_staging or self.pool == "hot":
             self.staging = None
             return
+        if self.residency is not None:  # unified residency: the plan says what to stage (sim/residency.py)
+            self.residency.step(self, now)
+            return
         target = predict_next(self.engine_view(), now)
         if target is None:
             self.staging = None
@@ -297,11 +311,13 @@ class SimInstance:
             self.staging = (target, now)
 
     def staged_fraction(self, model: str, now: float) -> float:
+        if self.residency is not None and self.policy.d2d_staging:
+            return self.residency.fraction(self, model, now)
         if not self.policy.d2d_staging or self.staging is None or self.staging[0] != model:
             return 0.0
         w = self.profile.model(model).weight_bytes
         written = (now - self.staging[1]) * self.profile.h2d_bytes_per_s(model)
-        return max(0.0, min(1.0, min(written, self._slack_bytes()) / max(1, w)))
+        return max(0.0, min(1.0, min(written, self.kv_free_bytes()) / max(1, w)))
 
     # ------------------------------------------------------------------ actions
     def switch(self, target: str, now: float) -> tuple[str, float, tuple[float, ...]]:
@@ -316,9 +332,12 @@ class SimInstance:
         phases = self.profile.switch.phases(d2d_chunks / PATH_CHUNKS)
         if self.partial_layers:
             phases = self._stream_plan(target, d2d_chunks / PATH_CHUNKS, phases, now + barrier)
+        if self.residency is not None:
+            self.residency.activated(target)
         if barrier:
             phases = (phases[0] + barrier, *phases[1:])
         self.device.clear()
+        self.device_used.clear()
         self.previous, self.active = self.active, target
         self.staging = None
         self._shrink()
@@ -326,6 +345,13 @@ class SimInstance:
         self.switches.append({"t": now, "from": self.previous or "", "to": target, "path": path, "seconds": secs, "staged_fraction": frac})
         self.switch_s += secs
         return path, secs, phases
+
+    def first_prefill_tokens(self, model: str) -> int:
+        """Tokens the first forward after a switch to ``model`` computes, at least: the smallest of its waiting
+        calls' prompts minus the prefix this instance can restore (a slot's P admission may take one call), at
+        most one step's token budget (as the engine's ``SlottedColdEngine.first_prefill_tokens``). Pure read."""
+        need = [max(1, c.ctx_needed - self.prefix_of(c)[0]) for c in self.queues.get(model, ())]
+        return min(self.profile.max_batched_tokens, min(need, default=0))
 
     def _stream_plan(self, target: str, staged: float, phases: tuple[float, ...], start: float) -> tuple[float, ...]:
         """Streaming hot-swap of ``target``: k* from the engine's ``startup_prefix``; phase 2 shrinks to the staged
@@ -335,9 +361,7 @@ class SimInstance:
         g = self.groups
         sw = self.profile.switch
         copy = sw.open_h2d_s / g  # one group host-to-device at the measured H2D rate (the phase is the whole model)
-        # the target's waiting calls' uncached tokens, as the engine (SlottedColdEngine.first_prefill_tokens)
-        tokens = sum(max(1, c.ctx_needed - self.prefix_of(c)[0]) for c in self.queues.get(target, ()))
-        fwd = self.scheduler.costs.prefill_per_token(target) * max(tokens, 1)
+        fwd = self.scheduler.costs.prefill_per_token(target) * max(self.first_prefill_tokens(target), 1)
         k = startup_prefix([copy] * g, [fwd / g] * g)
         first = max(k, int(staged * g + 1e-9))  # staged groups move device-to-device in phase 2
         if first >= g:
@@ -484,6 +508,7 @@ class SimInstance:
         if c.model == self.active:
             self.device.pop(c.session_id, None)
             self.device[c.session_id] = (c.model, committed)
+            self.device_used[c.session_id] = now
             cap = self._kv_capacity_tokens()
             while self.device and self._kv_used_tokens() > cap:
                 self.device.pop(next(iter(self.device)))

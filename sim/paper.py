@@ -43,8 +43,11 @@ EXTRA_CONFIGS = {
     "partial-layers": {"partial_layers": True},  # issue 16 (JointServe §4.4): streaming hot-swap of later layer groups
     "partial-layers-H2D-only": {"partial_layers": True, "d2d_staging": False},
     "partial-layers+token-deadlines": {"partial_layers": True, "token_deadlines": True},
+    "unified-residency": {"unified_residency": True},  # issue 16 (JointServe §3): one budget for staged weights and session KV
+    "unified-residency+partial-layers": {"unified_residency": True, "partial_layers": True},
+    "JointServe+Aegaeon": {"unified_residency": True, "partial_layers": True, "token_deadlines": True},
 }
-ENGINE_FLAGS = ("partial_layers",)  # mechanism flags: fields of SimConfig (the engine's config), not of SlotPolicy
+ENGINE_FLAGS = ("partial_layers", "unified_residency")  # mechanism flags: fields of SimConfig (the engine's config), not of SlotPolicy
 
 
 def _flags(name: str) -> dict[str, bool]:
@@ -99,9 +102,10 @@ def slot_policy(profile: Profile, **flags: bool) -> SlotPolicy:
 
 
 def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool = False, decode_quantum: int = 1,
-               partial_layers: bool = False) -> SimConfig:
+               partial_layers: bool = False, unified_residency: bool = False) -> SimConfig:
     return SimConfig(name, profile, (InstanceSpec("tp8-0", "cold", TP8_MODELS),), slot=slot_policy(profile, **flags),
-                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record, decode_quantum=decode_quantum, partial_layers=partial_layers)
+                     tau_s=float(profile.knobs.get("tau_s", 1.0)), record=record, decode_quantum=decode_quantum, partial_layers=partial_layers,
+                     unified_residency=unified_residency)
 
 
 def router_config(profile: Profile, policy: str, tau: float | None = None, park: bool = False) -> SimConfig:

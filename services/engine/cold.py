@@ -167,10 +167,19 @@ class ColdEngine:
         return st
 
     def first_prefill_tokens(self, model: str) -> int:
-        """Tokens the first prefill after a switch to ``model`` computes (the compute a weight stream hides
-        behind, streaming_swap.k_for): its waiting calls' prompts; ``SlottedColdEngine`` subtracts the prefixes
-        it will restore instead. Pure read."""
-        return sum(len(r.prompt_token_ids) for r in self._queues.get(model, ()))
+        """Tokens the first forward after a switch to ``model`` computes (the compute a weight stream hides
+        behind, streaming_swap.k_for): its waiting calls' prompts (``SlottedColdEngine`` subtracts the prefixes
+        it will restore), at most one step's token budget (the stream must land within that first forward).
+        Pure read."""
+        return self._one_step(model, sum(len(r.prompt_token_ids) for r in self._queues.get(model, ())))
+
+    def _one_step(self, model: str, tokens: int) -> int:
+        """``tokens`` capped at what one step of ``model``'s shell prefills with nothing decoding."""
+        eng = self.shell(model)
+        if eng is None:
+            return tokens
+        sch = eng.scheduler
+        return min(tokens, max(sch.max_num_batched_tokens, sch.lone_prefill_tokens))
 
     def _prefill_per_token(self, model: str) -> float:
         sh = self._shells.get(model)

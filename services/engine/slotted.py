@@ -61,11 +61,14 @@ class SlottedColdEngine(ColdEngine):
         )
 
     def first_prefill_tokens(self, model: str) -> int:
-        """Tokens the first prefill after a switch to ``model`` computes: its waiting calls' prompts minus the
-        prefixes the KV manager will restore (a return's first forward is its new suffix, not its whole
-        context: counting the context made k* too short and the stream stall that forward). Pure read."""
-        views = (self._call_view(r, None) for r in self._queues.get(model, ()))
-        return sum(max(1, v.prompt_tokens - v.prefix_tokens) for v in views)
+        """Tokens the first forward after a switch to ``model`` computes, at least: the slot's P admission may
+        take a single waiting call (its prefill share of the round), so the smallest of their prompts minus the
+        prefix the KV manager will restore (a return's first forward is its new suffix, not its whole context),
+        at most one step's token budget. A lower bound on purpose: a stream sized for more compute than the
+        forward has stalls it (the simulator measured that: k* sized for every waiting call's whole prompt
+        left ~1.3 s stalls on most streamed switches of the paper replay). Pure read."""
+        views = [self._call_view(r, None) for r in self._queues.get(model, ())]
+        return self._one_step(model, min((max(1, v.prompt_tokens - v.prefix_tokens) for v in views), default=0))
 
     def slot_view(self) -> InstanceView:
         eng = self.shell(self.active) if self.active is not None else None

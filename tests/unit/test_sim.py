@@ -421,3 +421,69 @@ def test_partial_layers_row_streams_switches_and_the_base_row_does_not():
         rows[name] = report.summarize(res)
     assert rows["Talaria"]["streams"] == 0 and rows["partial-layers"]["streams"] > 0
     assert 0 < rows["partial-layers"]["startup_share"] < 1
+
+
+# ------------------------------------------------------------------------------------------ unified residency
+def _unified_instance(prof, partial: bool = False):
+    """A cold TP=8 instance with ``unified_residency``: model 0 active, one call of each other model waiting."""
+    from sim.instance import SimInstance
+
+    inst = SimInstance("i", "cold", list(paper.TP8_MODELS), prof, paper.slot_policy(prof), host=None, unified_residency=True, partial_layers=partial)
+    for j, m in enumerate(paper.TP8_MODELS[1:]):
+        assert inst.submit(SimCall(f"r{j}", f"s{j}", 0, m, 4000, 0, 4, 0.0), 0.0)
+    return inst
+
+
+def test_unified_residency_stages_every_waiting_model_within_the_budget():
+    """The engine's ResidencyManager plans the simulated instance's staging: both inactive models with waiting
+    calls get staged (``predict_next`` alone stages one), the staged bytes never exceed the KV region's free
+    bytes, and a model that becomes active leaves the staged set."""
+    from sim.instance import SimInstance
+
+    prof = load(TP8)
+    inst = _unified_instance(prof)
+    inst.restage(0.0)
+    a, b = paper.TP8_MODELS[1:]
+    assert inst.residency.plan is not None and inst.residency.plan.target_bytes <= inst.residency.plan.budget_bytes
+    t = 3 * prof.switch.open_h2d_s  # time enough to copy both at the H2D rate
+    assert inst.staged_fraction(a, t) == pytest.approx(1.0) and inst.staged_fraction(b, t) == pytest.approx(1.0)
+    assert sum(inst.residency.staged.values()) <= inst.kv_free_bytes()
+    path, secs, _ = inst.switch(a, t)
+    assert path == "full_staged" and secs == pytest.approx(prof.switch.total(1.0))
+    assert a not in inst.residency.staged and inst.residency.staged[b] > 0
+    base = SimInstance("j", "cold", list(paper.TP8_MODELS), prof, paper.slot_policy(prof), host=None)
+    for j, m in enumerate(paper.TP8_MODELS[1:]):
+        base.submit(SimCall(f"r{j}", f"s{j}", 0, m, 4000, 0, 4, 0.0), 0.0)
+    base.restage(0.0)
+    assert sum(1 for m in (a, b) if base.staged_fraction(m, t) > 0) == 1  # predict_next: one target
+
+
+def test_unified_residency_with_streaming_keeps_only_startup_prefixes_and_yields_to_kv():
+    """With streaming hot-swap only a model's startup prefix has a recovery cost, so the plan stages no
+    more than k* groups of it; in a region too small for everything, KV comes first: the staged bytes shrink
+    when the batch's KV grows, and a session prefix worth less than the weights is released."""
+    from dataclasses import replace
+
+    prof = load(TP8)
+    inst = _unified_instance(prof, partial=True)
+    inst.restage(0.0)
+    t = 3 * prof.switch.open_h2d_s
+    for m in paper.TP8_MODELS[1:]:
+        k = inst.residency.plan.weight_prefix(m)
+        assert 0 < k < inst.groups and inst.staged_fraction(m, t) == pytest.approx(k / inst.groups)
+    # a small region: the active model's weights leave room for ~1.3 M tokens of KV
+    small = replace(prof, hbm_gib=(prof.model(paper.TP8_MODELS[0]).weights_gib + 240) / prof.arena_fraction)
+    inst = _unified_instance(small)
+    m0 = paper.TP8_MODELS[0]
+    old = SimCall("o", "cold-session", 0, m0, 400_000, 0, 1, 0.0)
+    inst.keep(old, -600.0)  # a session cached on the device, last used long ago: low return probability
+    assert "cold-session" in inst.device
+    inst.restage(0.0)
+    assert "cold-session" not in inst.device and inst.residency.released_sessions == 1
+    inst.residency.advance(inst, 100.0)
+    staged = sum(inst.residency.staged.values())
+    assert staged > 0
+    big = SimCall("b", "busy", 0, m0, 600_000, 0, 64, 0.0)  # a running call's KV takes most of the region
+    inst.batch.append(big)
+    inst.residency.advance(inst, 100.0)
+    assert sum(inst.residency.staged.values()) <= inst.kv_free_bytes() < staged
