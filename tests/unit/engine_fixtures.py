@@ -15,3 +15,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def stage_fully(ce, target: str) -> None:
+    """Stage every chunk of ``target`` in cold engine ``ce`` (its substrate's stager, as the engine's steps
+    would), waiting for the asynchronous copies to land; fails if the KV tail cannot hold it."""
+    for _ in range(1000):
+        ce.substrate.stage(target, 64)
+        ce.substrate.area.poll(wait=True)
+        if ce.substrate.staged_fraction(target) == 1.0:
+            return
+    raise AssertionError(f"could not stage {target}: {ce.substrate.staged_fraction(target)}")

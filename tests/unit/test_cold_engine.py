@@ -15,6 +15,7 @@ from services.engine.executor import Engine
 from services.engine.substrate.arena import ArenaBudgetError
 from services.engine.substrate.staging import ChunkState
 from services.engine.types import EngineRequest, SamplingParams
+from tests.unit.engine_fixtures import stage_fully
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PAGE = 4
@@ -33,14 +34,6 @@ def make_cold(synth_models, models=(A, B), **kw):
 def weights_equal_bank(ce: ColdEngine) -> bool:
     e = ce.bank[ce.active]
     return torch.equal(ce.arena.bytes(0, e.nbytes), e.host)
-
-
-def stage_fully(ce: ColdEngine, target: str) -> None:
-    for _ in range(1000):
-        ce.substrate.stage(target, 64)
-        if ce.substrate.staged_fraction(target) == 1.0:
-            return
-    raise AssertionError(f"could not stage {target}: {ce.substrate.staged_fraction(target)}")
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,24 @@ def test_staging_slots_fill_the_tail_of_every_block():
     assert list(a.slots_of_page(63)) == [0, 1, 2, 3] and list(a.slots_of_page(60)) == [4, 5, 6, 7]
 
 
+def test_free_slot_scan_stops_at_its_limit():
+    """The stager's scan runs at every step boundary: with a limit it returns the first slots of the full
+    (top-first) scan and looks at no more slots than it needs."""
+    a = _area()
+    looked: list[int] = []
+
+    def used(p: int) -> bool:
+        looked.append(p)
+        return p in (63, 62)  # the top level is taken by KV
+
+    full = a.free_slots(used, 0)
+    looked.clear()
+    first = a.free_slots(used, 0, limit=3)
+    assert first == full[:3] == [4, 5, 6]
+    assert len(looked) <= 2 * (4 + 3)  # the taken level's 4 slots and the 3 found, 2 pages each
+    assert a.free_slots(used, 0, limit=0) == []
+
+
 def test_allocator_skips_fenced_pages_and_marks_dirty():
     alloc = StagingAwareAllocator(8)
     a = _area(num_pages=8, blocks=2, seg=256, chunk=512)  # slots of 2 pages

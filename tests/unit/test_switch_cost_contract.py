@@ -18,6 +18,7 @@ from talaria.clock import WallClock
 from talaria.config import EngineConfig, StackConfig
 from talaria.switch_path import SwitchPath, costs_from_proto, costs_to_proto
 from talaria.v1 import engine_pb2 as pb
+from tests.unit.engine_fixtures import stage_fully
 
 A, B = "tiny-llama", "tiny-qwen2"
 # Defaults far from anything a tiny CPU switch measures, so a learned value cannot equal one by chance.
@@ -35,18 +36,10 @@ def test_python_enum_mirrors_the_wire_enum():
     assert back == {SwitchPath.PARTIAL: 0.25}  # unmeasured (0) paths are not sent
 
 
-def _stage_fully(ce: ColdEngine, target: str) -> None:
-    for _ in range(1000):
-        ce.substrate.stage(target, 64)
-        if ce.substrate.staged_fraction(target) == 1.0:
-            return
-    raise AssertionError(f"could not stage {target}")
-
-
 def test_router_learns_the_cold_engines_measured_switch_costs(synth_models):
     ce = ColdEngine({m: synth_models[m] for m in (A, B)}, page_size=4, kv_cache_bytes=40 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
     ce.switch_to(B)  # nothing staged: host-only
-    _stage_fully(ce, A)
+    stage_fully(ce, A)
     ce.switch_to(A)  # every chunk staged: device-to-device
     paths = [r.path for r in ce.switch_records]
     assert SwitchPath.HOST_ONLY in paths and SwitchPath.FULL_STAGED in paths, paths

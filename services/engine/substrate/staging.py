@@ -101,9 +101,12 @@ class StagingArea:
                     self.dirty_bytes += c.nbytes
 
     # ------------------------------------------------------------------ staging
-    def free_slots(self, is_used: Callable[[int], bool], min_addr: int) -> list[int]:
-        """Slots (top first) with no chunk, no used or fenced page, entirely above ``min_addr``."""
-        out = []
+    def free_slots(self, is_used: Callable[[int], bool], min_addr: int, limit: int | None = None) -> list[int]:
+        """Slots (top first) with no chunk, no used or fenced page, entirely above ``min_addr``; the first
+        ``limit`` of them when given (the scan stops there: it runs at step boundaries, over every slot)."""
+        out: list[int] = []
+        if limit is not None and limit <= 0:
+            return out
         for s in range(self.num_slots):
             c = self.chunks.get(s)
             if c is not None and c.state is not ChunkState.DIRTY:
@@ -114,6 +117,8 @@ class StagingArea:
             if any(is_used(p) or p in self.fenced for p in pages):
                 continue
             out.append(s)
+            if limit is not None and len(out) >= limit:
+                break
         return out
 
     def stage(self, model: str, index: int, slot: int, nbytes: int, start_copy: Callable[[int], Ticket]) -> StagedChunk:

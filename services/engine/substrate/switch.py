@@ -158,7 +158,9 @@ class MemorySubstrate:
             a.discard(keep_model=target)
         e = self.bank[target]
         staged = {i for (m, i), c in a.by_index.items() if m == target and c.state is not ChunkState.DIRTY}
-        slots = a.free_slots(alloc.is_used, align_up(e.nbytes))
+        if len(staged) >= e.num_chunks:
+            return 0  # staged whole: no slot scan (this runs every step)
+        slots = a.free_slots(alloc.is_used, align_up(e.nbytes), limit=min(budget, e.num_chunks - len(staged)))
         todo = plan_staging(e.num_chunks, staged, len(slots), budget)
         for j, s in zip(todo, slots):
             a.stage(target, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
@@ -182,7 +184,9 @@ class MemorySubstrate:
             e = self.bank[m]
             have = {i for (mm, i), c in a.by_index.items() if mm == m and c.state is not ChunkState.DIRTY}
             todo = [j for j in js if j not in have][: budget - started]
-            slots = a.free_slots(alloc.is_used, align_up(e.nbytes))
+            if not todo:
+                continue
+            slots = a.free_slots(alloc.is_used, align_up(e.nbytes), limit=len(todo))
             for j, s in zip(todo, slots):
                 a.stage(m, j, s, e.chunk_range(j)[1] - e.chunk_range(j)[0], start_copy_fn(self.copier, self.arena.bytes, e.chunk(j)))
                 started += 1
@@ -199,7 +203,7 @@ class MemorySubstrate:
             return False
         e = self.bank[target]
         staged = {i for (m, i), c in a.by_index.items() if m == target and c.state is not ChunkState.DIRTY}
-        return len(staged) < e.num_chunks and bool(a.free_slots(alloc.is_used, align_up(e.nbytes)))
+        return len(staged) < e.num_chunks and bool(a.free_slots(alloc.is_used, align_up(e.nbytes), limit=1))
 
     def staged_fraction(self, model: str) -> float:
         if self.area is None or model not in self.bank:
