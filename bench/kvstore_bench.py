@@ -57,6 +57,22 @@ def long_context_copy(src: Path, dst: Path, max_pos: int = LONG_CONTEXT) -> Path
     return dst
 
 
+def _checkpoint_cpu_s(engine, prompt: list[int], tag: str) -> float:
+    """CPU seconds (every thread of this process: the engine's checkpoint worker, the in-process store and its
+    Mooncake transfer) that checkpointing ``prompt``'s KV costs: one call with a new session and its checkpoint
+    drained, minus the same call without a session (nothing checkpointed). ``prompt`` must be new to the store
+    (pages are content-addressed: a known prefix is not transferred again). Steps the engine."""
+    engine.flush_cache()
+    c0 = time.process_time()
+    _ttft(engine, f"plain-{tag}", prompt, "")
+    plain = time.process_time() - c0
+    engine.flush_cache()
+    c0 = time.process_time()
+    _ttft(engine, f"ck-{tag}", prompt, f"ck-{tag}")
+    assert engine.drain_checkpoints(timeout=120)
+    return max(0.0, time.process_time() - c0 - plain)
+
+
 def _ttft(engine, rid: str, prompt: list[int], session: str) -> tuple[float, int]:
     from services.engine.types import EngineRequest, SamplingParams
 
@@ -114,7 +130,7 @@ def run_kvstore_bench(
             hk.mode = "always"
             _ttft(engine, f"warm-{n}", prompt, f"s{n}")  # prefill once, checkpoint the session
             assert engine.drain_checkpoints(timeout=120)
-            rec, res, step, bw, mc_bw, cp_bw, r_speed, r_mc, r_cp, same = [], [], [], [], [], [], [], [], [], []
+            rec, res, step, bw, mc_bw, cp_bw, r_speed, r_mc, r_cp, same, ck = [], [], [], [], [], [], [], [], [], [], []
             src = torch.empty(nbytes, dtype=torch.uint8)
             src.fill_(1)
             dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -144,12 +160,14 @@ def run_kvstore_bench(
                 bw.append(gib / t_step), mc_bw.append(gib / t_mc), cp_bw.append(gib / t_cp)
                 r_speed.append(t_rec / t_res), r_mc.append((gib / t_step) / (gib / t_mc)), r_cp.append((gib / t_step) / (gib / t_cp))
                 same.append(tok_rec == tok_res)
+                fresh = [rng.randrange(3, engine.vocab_size) for _ in range(n + 1)]  # pages the store does not hold yet
+                ck.append(_checkpoint_cpu_s(engine, fresh, f"{n}-{rep}"))
             row = {
                 "prefix_tokens": n, "kv_bytes": nbytes,
                 "recompute_ttft_s": median(rec), "restore_ttft_s": median(res), "speedup": median(r_speed),
                 "restore_step_s": median(step), "restore_gib_s": median(bw), "mooncake_tcp_gib_s": median(mc_bw),
                 "memcpy_gib_s": median(cp_bw), "restore_vs_mooncake": median(r_mc), "restore_vs_memcpy": median(r_cp),
-                "same_first_token": all(same),
+                "same_first_token": all(same), "checkpoint_cpu_s": median(ck),
             }
             rows.append(row)
             say(f"  {n} tokens: recompute {row['recompute_ttft_s']:.3f}s, restore {row['restore_ttft_s']:.3f}s")

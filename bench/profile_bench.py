@@ -8,7 +8,8 @@ What is measured (each number in the output says how, in its ``cite``):
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
   first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
 * restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.restore_blocking``)
-  on a ``--restore-tokens`` prefix, its restore step time / tokens;
+  on a ``--restore-tokens`` prefix, its restore step time / tokens; checkpoint per token: the CPU seconds the
+  same prefix's checkpoint costs (a CPU engine's copies share its cores; the simulator charges them to steps);
 * switch phases: a real ``ColdEngine`` over the models, ``full_staged`` (target staged first) and
   ``host_only`` switches; medians of the five recorded phases;
 * sizes: weight bytes from the weight bank, KV bytes per token from the model config; HBM/host sizes of
@@ -158,13 +159,15 @@ def measure_switch(models_dir: Path, models: tuple[str, ...], switches: int, say
     return out, sizes
 
 
-def measure_restore(models_dir: Path, model: str, tokens: int, seed: int, say) -> float:
+def measure_restore(models_dir: Path, model: str, tokens: int, seed: int, say, repeats: int = 3) -> tuple[float, float]:
+    """(restore seconds per token, checkpoint CPU seconds per token) of a ``tokens``-token prefix."""
     from bench.kvstore_bench import run_kvstore_bench
 
-    r = run_kvstore_bench(str(models_dir), model, [tokens], 1, seed, 1, say=lambda m: None)
+    r = run_kvstore_bench(str(models_dir), model, [tokens], repeats, seed, 1, say=lambda m: None)
     row = r["rows"][0]
-    say(f"  restore {tokens} tokens: {row['restore_step_s'] * 1e3:.1f} ms (recompute TTFT {row['recompute_ttft_s'] * 1e3:.1f} ms)")
-    return row["restore_step_s"] / tokens
+    say(f"  restore {tokens} tokens: {row['restore_step_s'] * 1e3:.1f} ms (recompute TTFT {row['recompute_ttft_s'] * 1e3:.1f} ms), "
+        f"checkpoint {row['checkpoint_cpu_s'] * 1e3:.1f} ms of CPU")
+    return row["restore_step_s"] / tokens, row["checkpoint_cpu_s"] / tokens
 
 
 def build_profile(args, say=print) -> dict[str, Any]:
@@ -179,7 +182,7 @@ def build_profile(args, say=print) -> dict[str, Any]:
     how = f"measured here by `talaria bench profile` (cpu, float32, {args.threads} torch thread(s), median of {args.repeats}, loadavg {_loadavg()})"
     per = {m: measure_model(mdir / m, m, lengths=args.lengths, batches=args.batches, contexts=args.contexts, repeats=args.repeats, seed=args.seed, say=say) for m in models}
     switch, sizes = measure_switch(mdir, models, args.switches, say)
-    restore = measure_restore(mdir, models[0], args.restore_tokens, args.seed, say) if args.restore_tokens else 0.0
+    restore, checkpoint = measure_restore(mdir, models[0], args.restore_tokens, args.seed, say, args.repeats) if args.restore_tokens else (0.0, 0.0)
 
     def c(v: float, what: str) -> dict[str, Any]:
         return {"value": v, "cite": f"{what}; {how}"}
@@ -193,6 +196,8 @@ def build_profile(args, say=print) -> dict[str, Any]:
             "decode_base_s": c(r["decode_base_s"], "least squares over batch x context grid"),
             "decode_per_seq_s": c(r["decode_per_seq_s"], "same fit"), "decode_per_ctx_token_s": c(r["decode_per_ctx_token_s"], "same fit"),
             "restore_per_token_s": c(restore, f"bench kvstore restore step of {args.restore_tokens} tokens ({models[0]})"),
+            "checkpoint_per_token_s": c(checkpoint, f"bench kvstore: CPU of checkpointing {args.restore_tokens} tokens ({models[0]}; engine's "
+                                                    "checkpoint worker + the store's transfer, on the serving cores of a CPU engine)"),
             "weights_gib": c(sizes[m] / 2**30, "weight bank bytes"), "kv_bytes_per_token": c(r["kv_bytes_per_token"], "2 x layers x KV heads x head dim x 4 B"),
         }
     max_w = max(sizes.values()) / 2**30

@@ -12,7 +12,8 @@ duration, device KV capacity, staged bytes growing at the H2D rate in the arena'
 
 Device KV: the active model's finished sessions keep their KV on device until a switch releases the
 active KV region (Talaria §4.2) or device memory runs out (least recently used first); with ``host_kv``
-every finished call is checkpointed to the host registry (free in time: asynchronous D2H, §4.3).
+every finished call is checkpointed to the host registry (free in time on a GPU: asynchronous D2H, §4.3; a CPU
+profile's ``checkpoint_per_token_s`` charges its copies to the instance's next step, as they run on the same cores).
 
 Cold instances have a set of *loaded* models (in rotation); a call for another catalog model opens it
 (``max_loaded`` bounds the set; an idle model leaves first). Hot instances pin one model (``endless``).
@@ -123,6 +124,7 @@ class SimInstance:
         self._stream_first = 0  # the first streamed group of the stream in flight
         self.unified_residency = unified_residency  # one device budget for staged layer groups and session KV (issue 16)
         self.residency = SimResidency() if unified_residency else None
+        self.checkpoint_debt_s = 0.0  # host KV checkpoint compute not yet charged to a step (profile checkpoint_per_token_s)
         m0 = self.loaded[0] if self.loaded else None
         c0 = profile.model(m0 or "")
         seed = CostProfile(
@@ -466,7 +468,8 @@ class SimInstance:
             secs += k * per
         if self.stream:  # the first forward after a streamed switch waits on the groups still in flight
             secs += self._streamed(now, restore_s, secs - (k - 1) * per)
-        secs += restore_s
+        secs += restore_s + self.checkpoint_debt_s  # checkpoints of calls that ended (CPU profiles only)
+        self.checkpoint_debt_s = 0.0
         out = StepOutcome(secs)
         t = now + secs
         for c in list(self.batch):
@@ -514,6 +517,8 @@ class SimInstance:
                 self.device.pop(next(iter(self.device)))
         if self.host is not None and self.policy.host_kv:
             self._checkpoint(c)
+            # on a CPU the checkpoint's copies run on the serving cores: its compute lands on the next step
+            self.checkpoint_debt_s += committed * self.profile.model(c.model).checkpoint_per_token_s
 
     def _checkpoint(self, c: SimCall, ctx: int | None = None) -> None:
         key = (c.model, c.session_id)

@@ -73,6 +73,10 @@ class ModelCosts:
     decode_per_seq_s: float
     decode_per_ctx_token_s: float
     restore_per_token_s: float
+    # compute seconds per token of checkpointing a finished call's KV to the host store, where the copies run on
+    # the serving cores (a CPU engine: D2H memcpy + the store's transfer on the same cores); 0 on a GPU, where
+    # the D2H copy is an asynchronous DMA (Talaria §4.3) and costs no compute
+    checkpoint_per_token_s: float = 0.0
 
     def prefill_s(self, cached: int, new: int) -> float:
         """Seconds to prefill ``new`` tokens on top of ``cached`` ones (mutates nothing)."""
@@ -150,14 +154,16 @@ class Profile:
         }
 
 
-_MODEL_FIELDS = (
+_REQUIRED_MODEL_FIELDS = (
     "weights_gib", "kv_bytes_per_token", "prefill_k", "prefill_p", "decode_base_s", "decode_per_seq_s",
     "decode_per_ctx_token_s", "restore_per_token_s",
 )
+_OPTIONAL_MODEL_FIELDS = {"checkpoint_per_token_s": 0.0}
+_MODEL_FIELDS = (*_REQUIRED_MODEL_FIELDS, *_OPTIONAL_MODEL_FIELDS)
 
 
 def _model(name: str, d: dict[str, Any], base: dict[str, Any]) -> ModelCosts:
-    merged = {**base, **d}
+    merged = {**_OPTIONAL_MODEL_FIELDS, **base, **d}
     if "prefill_k" not in merged and "prefill_per_token_s" in merged:
         merged["prefill_k"], merged["prefill_p"] = merged.pop("prefill_per_token_s"), 1.0
     merged.pop("prefill_per_token_s", None)

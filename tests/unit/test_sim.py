@@ -487,3 +487,30 @@ def test_unified_residency_with_streaming_keeps_only_startup_prefixes_and_yields
     inst.batch.append(big)
     inst.residency.advance(inst, 100.0)
     assert sum(inst.residency.staged.values()) <= inst.kv_free_bytes() < staged
+
+
+def test_cpu_profile_charges_host_kv_checkpoints_to_the_next_step():
+    """A CPU profile's ``checkpoint_per_token_s`` (the copies of a checkpoint run on the serving cores) lands
+    on the instance's next step; a GPU profile has none (asynchronous D2H DMA) and the field defaults to 0."""
+    from dataclasses import replace
+
+    from services.kvstore.registry import HostKVRegistry
+    from sim.instance import SimInstance
+
+    prof = load(TP8)
+    m = paper.TP8_MODELS[0]
+    assert prof.model(m).checkpoint_per_token_s == 0.0
+    cpu = replace(prof, default=replace(prof.default, checkpoint_per_token_s=1e-5), models={})
+    steps = []
+    for p in (prof, cpu):
+        reg = HostKVRegistry(int(p.host_kv_gib * 2**30), Simulation._slab(p), clock=lambda: 0.0)
+        inst = SimInstance("i", "cold", list(paper.TP8_MODELS), p, paper.slot_policy(p), host=reg)
+        done = SimCall("d", "s", 0, m, 4000, 0, 1, 0.0)
+        done.decoded = 1
+        inst.keep(done, 0.0)  # a call ended: checkpointed
+        nxt = SimCall("n", "t", 0, m, 2000, 0, 2, 0.0)
+        inst.submit(nxt, 0.0)
+        inst.admit(("n",), 0.0)
+        steps.append((inst.step(0.0).seconds, inst.step(1.0).seconds))
+    assert steps[1][0] == pytest.approx(steps[0][0] + 4001 * 1e-5)  # charged once, to the next step
+    assert steps[1][1] == pytest.approx(steps[0][1])
