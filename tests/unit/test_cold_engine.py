@@ -283,3 +283,24 @@ def test_cold_engine_rejects_hot_only_options():
         EngineConfig(id="c", pool="cold", models=[A], compile="on")
     with pytest.raises(ValidationError, match="packed_weights is for hot engines"):
         EngineConfig(id="c", pool="cold", models=[A], packed_weights=True)
+
+
+def test_cpu_engine_stops_staging_once_measured_switches_say_it_does_not_pay(synth_models):
+    """Issue 12: on a CPU the stager's copies run on the serving cores and move the bytes a host-only switch
+    moves, so once both switch paths are measured staging continues only if a staged switch saves more than
+    that copy: measured here it never does, and the engine stops staging (it staged before, to measure)."""
+    from talaria.switch_path import SwitchPath
+
+    ce = make_cold(synth_models)
+    assert ce.staging_pays()  # nothing measured yet: stage, to measure
+    ce.costs.observe(SwitchPath.HOST_ONLY, 0.010)
+    assert ce.staging_pays()
+    ce.costs.observe(SwitchPath.FULL_STAGED, 0.004)  # saves 6 ms, the copy costs 10 ms of the same cores
+    assert not ce.staging_pays()
+    other = B if ce.active == A else A
+    ce.substrate.area.discard()
+    ce.add_request(EngineRequest("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), model=other))
+    ce._drain_intake()  # queued for the inactive model: the staging target
+    ce._stage()  # the executor's per-step staging turn
+    ce.substrate.area.poll(wait=True)
+    assert ce.substrate.staged_fraction(other) == 0.0
