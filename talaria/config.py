@@ -71,7 +71,7 @@ class EngineConfig(_Strict):
     arena_fraction: float = Field(0.9, gt=0, le=1, description="cold on CUDA with arena_mb unset: fraction of free device memory")
     runtime_mb: float = Field(1.0, ge=0, description="cold: runtime region anchored at the arena's high end")
     weight_chunk_kb: int = Field(4096, ge=1, description="cold: weight bank / staging chunk size")
-    d2d_staging: bool = Field(True, description="cold: stage the predicted next model into the KV tail (off = H2D-only switches)")
+    d2d_staging: bool = Field(True, description="cold: stage the predicted next model into the KV tail while the measured switch costs say it pays (off = H2D-only switches)")
     staging_chunks_per_step: int = Field(8, ge=0, description="cold: staging copies started per executor step")
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
     host_kv_write_policy: Literal["back", "through"] = Field("through", description="host_kv: when a session's KV is copied to the kvstore; through = at the end of every call (the default: write-back measured no gain within noise, and under it another instance cannot restore a session that is only dirty here), back = only when its pages are about to leave the device (eviction under memory pressure, a cold engine's switch away from the model, a retention hint expecting the return after the lease window; services/engine/kv/write_back.py)")
