@@ -121,7 +121,6 @@ class SimInstance:
         self.stream_stall_s = 0.0
         self.streams = 0
         self.startup_k: list[int] = []  # k* of every streamed switch
-        self._stream_first = 0  # the first streamed group of the stream in flight
         self.unified_residency = unified_residency  # one device budget for staged layer groups and session KV (issue 16)
         self.residency = SimResidency() if unified_residency else None
         self.checkpoint_debt_s = 0.0  # host KV checkpoint compute not yet charged to a step (profile checkpoint_per_token_s)
@@ -355,6 +354,18 @@ class SimInstance:
         need = [max(1, c.ctx_needed - self.prefix_of(c)[0]) for c in self.queues.get(model, ())]
         return min(self.profile.max_batched_tokens, min(need, default=0))
 
+    def group_copy_s(self) -> float:
+        """Seconds to copy one layer group host-to-device (the H2D open phase moves the whole model)."""
+        return self.profile.switch.open_h2d_s / self.groups
+
+    def k_star(self, model: str, tokens: int) -> int:
+        """k* of ``model`` for a first forward of ``tokens`` tokens: the engine's ``startup_prefix`` on the
+        group copy time and the compute the scheduler's learned prefill cost predicts (as
+        ``HotSwapStreamer.k_for``). Pure read."""
+        g = self.groups
+        fwd = self.scheduler.costs.prefill_per_token(model) * max(tokens, 1)
+        return startup_prefix([self.group_copy_s()] * g, [fwd / g] * g)
+
     def _stream_plan(self, target: str, staged: float, phases: tuple[float, ...], start: float) -> tuple[float, ...]:
         """Streaming hot-swap of ``target``: k* from the engine's ``startup_prefix``; phase 2 shrinks to the staged
         groups (D2D) plus the H2D copy of the unstaged part of the startup prefix; the later groups' arrival times
@@ -362,9 +373,8 @@ class SimInstance:
         ``streams``, ``startup_k``."""
         g = self.groups
         sw = self.profile.switch
-        copy = sw.open_h2d_s / g  # one group host-to-device at the measured H2D rate (the phase is the whole model)
-        fwd = self.scheduler.costs.prefill_per_token(target) * max(self.first_prefill_tokens(target), 1)
-        k = startup_prefix([copy] * g, [fwd / g] * g)
+        copy = self.group_copy_s()
+        k = self.k_star(target, self.first_prefill_tokens(target))
         first = max(k, int(staged * g + 1e-9))  # staged groups move device-to-device in phase 2
         if first >= g:
             return phases
@@ -372,7 +382,6 @@ class SimInstance:
         out = (phases[0], p2, *phases[2:])
         end = start + sum(out)
         self.stream = [end + copy * (j - first + 1) for j in range(first, g)]
-        self._stream_first = first
         self.streams += 1
         self.startup_k.append(k)
         return out
@@ -384,7 +393,7 @@ class SimInstance:
         t = now + restore_s
         arrivals = [a + restore_s if a > now else a for a in self.stream]
         per = compute_s / self.groups
-        first = self._stream_first
+        first = self.groups - len(self.stream)  # groups before it are resident
         for j in range(self.groups):
             if j >= first:
                 t = max(t, arrivals[j - first])

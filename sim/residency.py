@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.engine.residency import ResidencyManager, ResidencyObject, ResidencyPlan, ReuseSignals
-from services.engine.streaming_swap import startup_prefix
 from talaria.ewma import Ewma
 
 if TYPE_CHECKING:
@@ -140,12 +139,12 @@ class SimResidency:
             objs.append(ResidencyObject("kv", m, tokens * per_tok, rec, self.signals.session_reuse(sid, now), resident=True, session=sid,
                                         host_copy=host, recovery_path=path))
         g = inst.groups
+        copy = inst.group_copy_s()
         for m in inst.loaded:
             if m == a:
                 continue
             w = inst.profile.model(m).weight_bytes
-            copy = inst.profile.switch.open_h2d_s / g
-            k = self._startup_prefix(inst, m, copy) if inst.partial_layers else g
+            k = self._startup_prefix(inst, m) if inst.partial_layers else g
             reuse = self.signals.model_reuse(m, len(inst.queues[m]), False, now)
             have = int(self.staged.get(m, 0.0) / max(1, w) * g + 1e-9)
             for j in range(g):
@@ -153,17 +152,13 @@ class SimResidency:
                 objs.append(ResidencyObject("weights", m, w // g, rec, reuse, group=j, resident=j < have, recovery_path=path))
         return objs, budget
 
-    def _startup_prefix(self, inst: SimInstance, model: str, copy: float) -> int:
+    def _startup_prefix(self, inst: SimInstance, model: str) -> int:
         """k* of ``model`` for its waiting calls' first forward, else for its usual prompt length; all groups
         for a model never seen (as the engine's ``ResidencyDriver._startup_prefix``)."""
         tokens = inst.first_prefill_tokens(model)
         if not tokens and model in self.prompt_tokens:
             tokens = int(self.prompt_tokens[model].value)
-        g = inst.groups
-        if not tokens:
-            return g
-        fwd = inst.scheduler.costs.prefill_per_token(model) * tokens
-        return startup_prefix([copy] * g, [fwd / g] * g)
+        return inst.k_star(model, tokens) if tokens else inst.groups
 
     def snapshot(self) -> dict:
         p = self.plan
