@@ -164,6 +164,11 @@ def run_engine_bench(
         )
         if compile_mode != "off":
             say(engine.compile_verdict)
+        # on CUDA the decode graphs (model/cuda_graphs.py) are measured against the same engine run eagerly
+        eager = None
+        if engine.decode_graphs is not None:
+            eager = Engine(path, device=device, dtype=torch_dtype, model_id=model, max_num_seqs=max(32, max(batches)),
+                           max_num_batched_tokens=max(512, max(batches) * prompt_len), cuda_graphs="off")
         transformers.utils.logging.disable_progress_bar()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
         vocab = engine.vocab_size
@@ -172,11 +177,19 @@ def run_engine_bench(
             prompts = _prompts(b, prompt_len, vocab, seed)
             _run_ours(engine, prompts, new_tokens, f"warm{b}")  # warm-up
             _run_hf(hf, prompts, new_tokens)
+            if eager is not None:
+                _run_ours(eager, prompts, new_tokens, f"ewarm{b}")
             ours_t, hf_t, ours_d, hf_d, ratio_t, ratio_d = [], [], [], [], [], []
+            eager_d, graph_ratio, graph_same = [], [], []
             agree_seq, agree_tok = [], []
             for rep in range(repeats):
                 o = _run_ours(engine, prompts, new_tokens, f"b{b}r{rep}")
                 h = _run_hf(hf, prompts, new_tokens)
+                if eager is not None:
+                    e = _run_ours(eager, prompts, new_tokens, f"e{b}r{rep}")
+                    eager_d.append(_rates(e, b, new_tokens)[1])
+                    graph_ratio.append(_rates(o, b, new_tokens)[1] / eager_d[-1])
+                    graph_same.append(_agreement(o["tokens"], e["tokens"])[0])
                 ot, od = _rates(o, b, new_tokens)
                 ht, hd = _rates(h, b, new_tokens)
                 for xs, x in ((ours_t, ot), (hf_t, ht), (ours_d, od), (hf_d, hd), (ratio_t, ot / ht), (ratio_d, od / hd)):
@@ -194,6 +207,9 @@ def run_engine_bench(
                 "decode_ratio": median(ratio_d),
                 "identical_seqs": min(agree_seq),
                 "identical_tokens": min(agree_tok),
+                "eager_decode_tok_s": median(eager_d) if eager_d else None,
+                "graphs_vs_eager": median(graph_ratio) if graph_ratio else None,
+                "graphs_identical_seqs": min(graph_same) if graph_same else None,
                 "runs": {"ours_tok_s": ours_t, "hf_tok_s": hf_t, "ours_decode_tok_s": ours_d, "hf_decode_tok_s": hf_d},
             }
             rows.append(row)
@@ -207,6 +223,7 @@ def run_engine_bench(
         "dtype": dtype_name,
         "device": device,
         "compile": compile_mode,
+        "cuda_graphs": engine.decode_graphs is not None,
         "torch_threads": n_threads,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -232,7 +249,12 @@ def render(result: dict[str, Any]) -> str:
         ["batch", "identical seqs", "identical tokens"],
         [[r["batch"], f"{r['identical_seqs']:.0%}", f"{r['identical_tokens']:.1%}"] for r in result["rows"]],
     )
-    return f"{head}\n\nthroughput (tok/s = generated tokens / wall time; end to end incl. prefill, and decode only)\n{t1}\n\ngreedy agreement ours vs HF (sanity, not a gate)\n{t2}"
+    graphs = [r for r in result["rows"] if r.get("graphs_vs_eager") is not None]
+    t3 = "" if not graphs else "\n\ndecode CUDA graphs vs the same engine eager\n" + format_table(
+        ["batch", "graphs decode tok/s", "eager decode tok/s", "graphs/eager", "identical seqs"],
+        [[r["batch"], r["ours_decode_tok_s"], r["eager_decode_tok_s"], r["graphs_vs_eager"],
+          f"{r['graphs_identical_seqs']:.0%}"] for r in graphs])
+    return f"{head}\n\nthroughput (tok/s = generated tokens / wall time; end to end incl. prefill, and decode only)\n{t1}\n\ngreedy agreement ours vs HF (sanity, not a gate)\n{t2}{t3}"
 
 
 def main(args) -> int:

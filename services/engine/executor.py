@@ -53,6 +53,8 @@ from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
 from services.engine.model.compiled import compile_model
+from services.engine.model.cuda_graphs import DEFAULT_MAX_CONTEXT as DEFAULT_GRAPH_CONTEXT
+from services.engine.model.cuda_graphs import DecodeGraphs
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.model.packed import can_pack
 from services.engine.model.fused_ops import load_fused_ops
@@ -177,6 +179,12 @@ def run_to_completion(
 SMALL_STEP_TOKENS = 64  # a step this small is decode (or a tiny prefill): see Engine._step_threads
 
 class Engine:
+    """One model's runtime: scheduler, KV manager, model and sampler, driven by :meth:`step`.
+
+    ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the cold
+    pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of loading and
+    allocating; ``kv_cache`` then fixes the page count (and no CUDA graphs are captured: the memory moves)."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -203,10 +211,8 @@ class Engine:
         fused_ops: str = "auto",
         small_step_threads: int | None = None,
         prefill_attention: str = "auto",
+        cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
     ) -> None:
-        # ``model``/``kv_cache``/``tokenizer``/``page_allocator`` let a caller that owns device memory (the
-        # cold pool's arena, services/engine/substrate) bind this runtime onto existing tensors instead of
-        # loading and allocating; ``kv_cache`` then fixes the page count.
         self.model_dir = Path(model_dir)
         self.model_id = model_id or self.model_dir.name
         self.device = torch.device(device)
@@ -225,8 +231,10 @@ class Engine:
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self._log_kernels()
         self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
-        # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on
+        # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on;
+        # decode steps replayed as CUDA graphs (model/cuda_graphs.py): own weights and KV pool only
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
+        self.decode_graphs = self._decode_graphs(cuda_graphs, model is None and kv_cache is None, max_num_seqs, cuda_graph_max_context)
         self.eos_token_ids = frozenset(cfg.eos_token_id) | frozenset(self.tokenizer.eos_token_ids)
         self.salt = model_salt(self.model_id)
         self.kv = KVManager(
@@ -398,8 +406,13 @@ class Engine:
         flat += [cu_q[i + 1] - 1 for i in rows]
         step = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
         batch = AttnBatch(cu_q, context_lens, block_tables, step[2 * T : 3 * T])
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(batch, T) if graphs is not None else None
         with torch.inference_mode():
-            hidden = self.model.forward(step[:T], step[T : 2 * T], batch, kv)
+            if bucket is not None:
+                hidden = graphs.run(bucket, step[: 3 * T], batch)
+            else:
+                hidden = self.model.forward(step[:T], step[T : 2 * T], batch, kv)
             if not rows:
                 return []
             logits = self.model.compute_logits(hidden.index_select(0, step[3 * T :]))
@@ -546,6 +559,18 @@ class Engine:
         model.prefill_attention = self.model.prefill_attention
         model.use_fused_ops(self.model.fused_ops)
         self.model = model
+        self.decode_graphs = None  # captured against the old weights
+
+    def _decode_graphs(self, mode: str, own: bool, max_num_seqs: int, max_context: int) -> DecodeGraphs | None:
+        """``cuda_graphs``: ``auto`` captures the decode graphs (model/cuda_graphs.py) on a CUDA device when this
+        engine owns its weights and KV pool and the layers are not compiled; ``off`` (or any other case) runs
+        every step eagerly. Returns the graphs or None; capturing writes slot 0 of the (still empty) pool."""
+        if mode not in ("auto", "off"):
+            raise ValueError(f"cuda_graphs must be 'auto' or 'off', got {mode!r}")
+        if mode == "off" or self.device.type != "cuda" or not own or self.model.dense is not None:
+            return None
+        return DecodeGraphs(self.model, self.kv_cache, max_batch=max_num_seqs,
+                            max_context=min(max_context, self.max_context), say=log.info)
 
     def _paged_decode(self, mode: str) -> bool:
         """Give the model the CPU paged decode kernel (``model/paged_attn.py``) for ``mode`` ``auto`` on a CPU

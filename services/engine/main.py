@@ -55,6 +55,8 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         fused_ops=cfg.fused_ops,
         small_step_threads=cfg.small_step_threads,
         prefill_attention=cfg.prefill_attention,
+        cuda_graphs=cfg.cuda_graphs,
+        cuda_graph_max_context=cfg.cuda_graph_max_context,
     )
 
 

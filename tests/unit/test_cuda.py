@@ -72,6 +72,7 @@ def test_cuda_engine_greedy_batched_equals_unbatched_equals_hf(synth_models, nam
             refs.append(out[0, len(p):].tolist())
     batched = Engine(synth_models[name], device=DEV, dtype=torch.float32, page_size=4, num_pages=128, max_num_batched_tokens=16)
     assert batched.generate(prompts, sp) == refs
+    assert batched.decode_graphs is not None and batched.decode_graphs.replays > 0  # decode replayed CUDA graphs
     single = Engine(synth_models[name], device=DEV, dtype=torch.float32, page_size=4, num_pages=128)
     assert [single.generate([p], sp)[0] for p in prompts] == refs
     batched.check_integrity()
@@ -86,3 +87,22 @@ def test_cuda_bf16_within_tolerance_and_auto_dtype(synth_models):
     got = _forward(low, allocate_kv_cache(cfg, 10, PAGE, device=DEV, dtype=torch.bfloat16), ids, 0, list(range(10)), 150)
     assert (got - ref).abs().max().item() <= 0.1  # the CPU bound, test_model_parity.BF16_MAX_ABS
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_cuda_decode_graphs_equal_eager_steps_across_buckets(synth_models):
+    """Captured decode graphs (model/cuda_graphs.py) vs the same engine eager: padded batch buckets (3 and 5
+    sequences), contexts growing past the graphs' 80-token limit (those steps eager again), same tokens."""
+    from services.engine.executor import Engine
+    from services.engine.types import SamplingParams
+
+    prompts = [_prompt(n, 70 + n).tolist() for n in (5, 23, 11, 37, 50)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(device=DEV, dtype=torch.float32, page_size=4, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8)
+    eager = Engine(synth_models["tiny-qwen2"], cuda_graphs="off", **kw)
+    assert eager.decode_graphs is None
+    graphs = Engine(synth_models["tiny-qwen2"], cuda_graph_max_context=80, **kw)
+    assert graphs.decode_graphs.captured and graphs.decode_graphs.max_context == 80
+    for batch in (prompts[:3], prompts):
+        assert graphs.generate(batch, sp) == eager.generate(batch, sp)
+    assert graphs.decode_graphs.replays > 0
+    graphs.check_integrity()
