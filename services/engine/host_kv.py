@@ -460,12 +460,18 @@ class HostKV:
         """Device pool pages -> checkpoint staging (page-first layout). The device->host copy."""
         kvc = self.engine.kv_cache
         dst = self._pages_view(self._ckpt_buf, len(pages))
-        idx = torch.tensor(pages, dtype=torch.int64, device=kvc.k[0].device)
+        dev = kvc.k[0].device
+        idx = torch.tensor(pages, dtype=torch.int64, device=dev)
         with torch.inference_mode():
+            # off the CPU: gather into one device buffer in the staging layout, then one device -> host copy
+            # (2 x layers copies into strided host slices would each go through a host temporary)
+            out = dst if dev.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype, device=dev)
             for l in range(len(kvc.k)):
-                dst[:, 0, l].copy_(self._pool_pages(kvc.k[l]).index_select(0, idx))
-                dst[:, 1, l].copy_(self._pool_pages(kvc.v[l]).index_select(0, idx))
-        if kvc.k[0].device.type == "cuda":
+                out[:, 0, l].copy_(self._pool_pages(kvc.k[l]).index_select(0, idx))
+                out[:, 1, l].copy_(self._pool_pages(kvc.v[l]).index_select(0, idx))
+            if out is not dst:
+                dst.copy_(out)
+        if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def _scatter(self, pages: list[int]) -> None:
@@ -476,6 +482,10 @@ class HostKV:
         src = self._pages_view(self._restore_buf, len(pages))
         dev = kvc.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
+        if dev.type != "cpu" and self.channel is None:
+            # one contiguous (pinned -> device) copy of the whole part, then per-layer device gathers, instead
+            # of 2 x layers strided host slices (each made contiguous on the host before its copy)
+            src = src.to(dev, non_blocking=True)
 
         def layer(l: int) -> None:
             with torch.inference_mode():

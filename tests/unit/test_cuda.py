@@ -106,3 +106,38 @@ def test_cuda_decode_graphs_equal_eager_steps_across_buckets(synth_models):
         assert graphs.generate(batch, sp) == eager.generate(batch, sp)
     assert graphs.decode_graphs.replays > 0
     graphs.check_integrity()
+
+
+def test_cuda_restore_from_host_equals_uninterrupted(synth_models):
+    """Session KV checkpointed from the CUDA pool to a real kvstore over Mooncake, evicted, and restored
+    (host_kv.py: one device->host copy per checkpoint part, one host->device copy per restore part) gives
+    the tokens of an engine that kept the KV on the device."""
+    from services.engine.executor import Engine
+    from services.kvstore.server import KvStoreServer
+    from services.kvstore.transfer import MooncakeEndpoint
+    from talaria.config import KvStoreConfig
+    from tests.unit.test_host_kv import PAGE as KV_PAGE, prompt_for, tier, two_turns
+
+    def engine():
+        return Engine(synth_models["tiny-qwen3"], device=DEV, dtype=torch.float32, page_size=KV_PAGE, num_pages=128)
+
+    ref = engine()
+    p = prompt_for(ref, 20)
+    expected = two_turns(ref, p)[:2]
+    store, mc = KvStoreServer(KvStoreConfig(capacity_mb=64, slab_kb=4)), MooncakeEndpoint()
+    store.start()
+    try:
+        e = engine()
+        hk = tier(e, store.address, mc, staging_bytes=64 << 10)  # several parts per checkpoint and restore
+
+        def evict():
+            assert e.drain_checkpoints(timeout=10)
+            assert e.flush_cache() > 0
+
+        out1, out2, usage = two_turns(e, p, evict, session="cuda")
+        assert (out1, out2) == expected
+        assert hk.counters["restores"] == 1 and usage.cached_tokens >= (len(p) // KV_PAGE) * KV_PAGE
+        hk.close()
+    finally:
+        mc.close()
+        store.stop()
