@@ -157,18 +157,15 @@ def run_engine_bench(
         torch_dtype = engine_dtype(dtype, device)
         dtype_name = str(torch_dtype).removeprefix("torch.")
         say(f"loading {model} from {path} ({dtype_name}, {device}, {n_threads} torch threads) ...")
-        engine = Engine(
-            path, device=device, dtype=torch_dtype, model_id=model,
-            max_num_seqs=max(32, max(batches)),
-            max_num_batched_tokens=max(512, max(batches) * prompt_len), compile_mode=compile_mode,
-        )
+        engine_kw = dict(device=device, dtype=torch_dtype, model_id=model, max_num_seqs=max(32, max(batches)),
+                         max_num_batched_tokens=max(512, max(batches) * prompt_len))
+        engine = Engine(path, compile_mode=compile_mode, **engine_kw)
         if compile_mode != "off":
             say(engine.compile_verdict)
         # on CUDA the decode graphs (model/cuda_graphs.py) are measured against the same engine run eagerly
         eager = None
         if engine.decode_graphs is not None:
-            eager = Engine(path, device=device, dtype=torch_dtype, model_id=model, max_num_seqs=max(32, max(batches)),
-                           max_num_batched_tokens=max(512, max(batches) * prompt_len), cuda_graphs="off")
+            eager = Engine(path, cuda_graphs="off", **engine_kw)
         transformers.utils.logging.disable_progress_bar()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
         vocab = engine.vocab_size
@@ -185,12 +182,12 @@ def run_engine_bench(
             for rep in range(repeats):
                 o = _run_ours(engine, prompts, new_tokens, f"b{b}r{rep}")
                 h = _run_hf(hf, prompts, new_tokens)
+                ot, od = _rates(o, b, new_tokens)
                 if eager is not None:
                     e = _run_ours(eager, prompts, new_tokens, f"e{b}r{rep}")
                     eager_d.append(_rates(e, b, new_tokens)[1])
-                    graph_ratio.append(_rates(o, b, new_tokens)[1] / eager_d[-1])
+                    graph_ratio.append(od / eager_d[-1])
                     graph_same.append(_agreement(o["tokens"], e["tokens"])[0])
-                ot, od = _rates(o, b, new_tokens)
                 ht, hd = _rates(h, b, new_tokens)
                 for xs, x in ((ours_t, ot), (hf_t, ht), (ours_d, od), (hf_d, hd), (ratio_t, ot / ht), (ratio_d, od / hd)):
                     xs.append(x)

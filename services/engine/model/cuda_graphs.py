@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from .batch import AttnBatch, KVCache
-from .llama import LlamaForCausalLM, _AttnPlan, _Group
+from .llama import LlamaForCausalLM, _AttnPlan, _Group, pad_table
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_BUCKETS = (256, 1024, 4096, 16384, 65536)
@@ -149,7 +149,7 @@ class DecodeGraphs:
         device. Returns ``[B, hidden]`` final-normed hidden states -- a view of the graph's output, valid until
         the next run. Writes the new K/V into the pool and the bucket's buffers."""
         B, W = batch.num_seqs, b.pages
-        rows = [t[:W] + [0] * (W - len(t[:W])) + [n] for t, n in zip(batch.block_tables, batch.context_lens)]
+        rows = [pad_table(t, W) + [n] for t, n in zip(batch.block_tables, batch.context_lens)]
         rows += [rows[0]] * (b.batch - B)
         b.tl.copy_(torch.tensor(rows, dtype=torch.int64))
         b.iv[:, :B].copy_(ivs.view(3, B))

@@ -454,11 +454,17 @@ class _AttnPlan:
         return plan
 
 
+def pad_table(table: list[int], width: int) -> list[int]:
+    """The first ``width`` pages of a block table, padded with page 0 (never read: masked or past the length)."""
+    head = table[:width]
+    return head + [0] * (width - len(head))
+
+
 def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
     """Padded ``[n, Lmax]`` flat slots of the first ``lens[i]`` tokens of each block table (pad slot 0)."""
     L = max(lens)
     width = -(-L // page_size)
-    padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+    padded = torch.tensor([pad_table(t, width) for t in tables], dtype=torch.long)
     slots = (padded[:, :, None] * page_size + torch.arange(page_size)).reshape(len(tables), -1)[:, :L].contiguous()
     return slots.to(device)
 
@@ -468,7 +474,7 @@ def _decode_group(rows, cu, ctx, tables, page_size, device, window=None, kernel=
     q_index = torch.tensor([cu[i] for i in rows], dtype=torch.long, device=device)
     if kernel is not None:  # int32 block tables [B, pages needed] (pad page 0, never read) + lengths
         width = -(-max(lens) // page_size)
-        table = torch.tensor([tables[i][:width] + [0] * (width - len(tables[i][:width])) for i in rows], dtype=torch.int32)
+        table = torch.tensor([pad_table(tables[i], width) for i in rows], dtype=torch.int32)
         paged = (kernel, table, torch.tensor(lens, dtype=torch.int32), page_size, window or 0)
         return _Group("decode", q_index, None, None, paged=paged)
     slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
