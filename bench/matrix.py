@@ -90,6 +90,8 @@ CONFIGS += tuple(
                   "as Talaria, but adaptive leases: windows from the predicted return gap per (model, tool), lease arithmetic on", "lease"),
     MatrixConfig("lease-adaptive-no-arith", {"router.placement.lease_policy": "adaptive", "router.placement.lease_arithmetic": False},
                   "as lease-adaptive, but every lease installed and honoured (no value-vs-harm check)", "lease"),
+    MatrixConfig("lease-always", {"router.placement.lease_arithmetic": False},
+                 "as Talaria, but a valid lease is honoured at the return whatever it delays the call (Algorithm 1 as published; issue 12 item 3 checks it)", "lease"),
     MatrixConfig("no-slot-wait", {"router.placement.slot_wait": False},
                  "as Talaria, but the router prices a cold instance at the bare switch cost, not adding the predicted wait for the model's slot (issue 12)", "lease"),
     MatrixConfig("write-back", {"engines[].host_kv_write_policy": "back"},

@@ -245,6 +245,8 @@ class Simulation:
             profile=pb.CostProfile(prefill_per_token=cost["prefill_per_token"], decode_step=cost["decode_step"],
                                    restore_per_token=cost["restore_per_token"], switch_costs=costs_to_proto(by_path)),
         )
+        # host_kv stays False: each simulated instance's host tier is its own (a per-node CPU store, as in the
+        # paper), so no other instance can restore from it (the real stack's kvstore is shared: wire.py sets it)
         staged = inst.staging[0] if inst.staging else None
         waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" else {}  # as the engine's SlotStats
         for m in inst.loaded:

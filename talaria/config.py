@@ -121,8 +121,10 @@ class PlacementConfig(_Strict):
         "match the best fixed tau, see services/router/README.md); adaptive = lease window from the predicted return gap per "
         "(model, tool), installed only when it pays, decaying value (services/router/return_gap.py, issue 14)"
     )
-    lease_arithmetic: bool = Field(True, description="adaptive leases: install / honour a lease only when its expected saving beats the "
-                                   "queueing it imposes (issue 12 item 3); false = every adaptive lease, honoured at the return")
+    lease_arithmetic: bool = Field(True, description="honour a lease at the return only when it saves more than it delays the call "
+                                   "(Eq. 1 against the best other instance, issue 12 item 3); adaptive leases are also installed only when "
+                                   "their expected saving beats the queueing they impose; false = every lease installed and honoured "
+                                   "(Algorithm 1 as published)")
     gap_prior_median_s: float = Field(1.0, gt=0, description="adaptive leases: cold-start median return gap (before a (model, tool) has returns)")
     gap_prior_sigma: float = Field(1.0, gt=0, description="adaptive leases: cold-start spread of ln(gap)")
     gap_quantile: float = Field(0.9, gt=0, lt=1, description="adaptive leases: the window is this quantile of the predicted gap")

@@ -136,6 +136,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
             session_id=s.session_id, model=s.model or model, committed_tokens=s.committed_tokens,
             state=_KV_STATE[s.where], last_use_unix=s.last_use_unix,
         ))
+    snap.host_kv = bool(st.host_kv)  # restores what the shared kvstore holds, whoever wrote it (router: host_prefix)
     p = st.profile
     snap.profile.CopyFrom(pb.CostProfile(
         prefill_per_token=p.prefill_per_token, decode_step=p.decode_step, switch_costs=costs_to_proto(dict(p.switch_by_path)),

@@ -369,6 +369,7 @@ class Gateway:
             kv_usage=snap.kv_usage,
             snapshot_unix=snap.sent_unix,
             epoch=snap.epoch,
+            host_kv=snap.host_kv,
         )
         self._states[iid] = (key, st)
         self.work["states_built"] += 1
@@ -578,7 +579,7 @@ class Gateway:
             seq=self._seq,
             index=None if exclude else self._index,  # with exclusions the policy indexes the subset itself
             index_version=self._index.version,
-            lease_saving_s=(self.residency.saving() or 0.0) if lease is not None and self.adaptive else 0.0,
+            lease_saving_s=(self.residency.saving() or 0.0) if lease is not None and self.params.lease_arithmetic else 0.0,
         )
         return st, rev
 

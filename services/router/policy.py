@@ -75,7 +75,7 @@ class PolicyParams:
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
-    lease_arithmetic: bool = True  # adaptive: a lease is installed / honoured only when it saves more than it delays (issue 12 #3)
+    lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed; issue 12 #3)
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
 
     @classmethod
@@ -139,6 +139,7 @@ class InstanceState:
     kv_usage: float = 0.0
     snapshot_unix: float = 0.0  # when the snapshot was taken (engine wall clock)
     epoch: int = 0
+    host_kv: bool = False  # restores any prefix the cluster's shared host KV store holds (``host_prefix``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +272,13 @@ class Decision:
 # ----------------------------------------------------------------------------------------- cost model
 
 
-def kv_state_on(inst: InstanceState, req: CallRequest, session: SessionView | None, lease: LeaseView | None) -> tuple[str, int]:
+def kv_state_on(inst: InstanceState, req: CallRequest, session: SessionView | None, lease: LeaseView | None,
+                shared_host: int = 0) -> tuple[str, int]:
     """Where ``req``'s session prefix is on ``inst`` ("device" | "host" | "recompute" | "none") and its length.
 
     The snapshot is the source; a completion newer than the snapshot (hook or lease) is trusted for the
-    instance that served it, since the snapshot cannot know it yet.
+    instance that served it, since the snapshot cannot know it yet. ``shared_host``: the prefix tokens the
+    shared host KV store holds (``host_prefix``), restorable by every instance with a host tier.
     """
     committed = 0
     if session is not None and session.model == req.model:
@@ -292,9 +295,36 @@ def kv_state_on(inst: InstanceState, req: CallRequest, session: SessionView | No
         done = src.t_done_unix if isinstance(src, LeaseView) else src.done_unix
         if where == inst.instance_id and done >= inst.snapshot_unix and src.committed_tokens > 0:
             return "device", src.committed_tokens
+    if shared_host > 0 and inst.host_kv:
+        return "host", shared_host
     if committed > 0:
         return "recompute", committed
     return "none", 0
+
+
+def host_prefix(state: PlacementState, idx: InstanceIndex | None = None) -> int:
+    """The longest prefix of the call's session (for its model) that some instance reports as checkpointed in
+    the host KV store and no longer on its device (``KV_HOST``), 0 if none. The store is one registry for
+    the cluster (``services/kvstore``): any instance with a host tier on it (``InstanceState.host_kv``, from
+    its heartbeat) restores that prefix as the instance that wrote it would, so placement prices it
+    as a restore there, not a recompute (issue 12: the two-model sessions' leases pinned returns to the
+    instance that had checkpointed them, which had switched models meanwhile, while the least-pressure
+    router restored them on an idle instance). Device-only copies are not counted: a write-back tier or a
+    checkpoint still in flight may not have them in the store yet. Pure (reads ``idx`` when given)."""
+    req = state.request
+    if not req.session_id:
+        return 0
+    key = (req.session_id, req.model)
+    if idx is not None:
+        holders = [idx.by_id[i] for i in idx.kv_sessions.get(key, ()) if i in idx.by_id]
+    else:
+        holders = state.instances
+    best = 0
+    for inst in holders:
+        entry = inst.kv.get(key)
+        if entry is not None and entry[0] == KV_HOST and entry[1] > best:
+            best = entry[1]
+    return best
 
 
 def queue_pressure(inst: InstanceState, admission_unit: float, running_weight: float, leases: int) -> float:
@@ -386,12 +416,12 @@ def _c_kv(kv_source: str, prefix: int, prof: Profile) -> float:
     return prof.prefill_s(prefix, prefix) if kv_source == "recompute" and prefix > 0 else 0.0
 
 
-def _eq1_special(e: _Entry, state: PlacementState, c: _Call) -> CostBreakdown:
+def _eq1_special(e: _Entry, state: PlacementState, c: _Call, shared_host: int = 0) -> CostBreakdown:
     """Eq. 1 on an instance whose KV state for this call may differ from the generic one (session prefix
     listed, the lease's or the session's last instance): its own prefix, and the lease reserved for this
-    very call is not queue ahead of it."""
+    very call is not queue ahead of it. ``shared_host``: ``host_prefix`` of the state."""
     inst = e.inst
-    kv_source, prefix = kv_state_on(inst, state.request, state.session, state.lease)
+    kv_source, prefix = kv_state_on(inst, state.request, state.session, state.lease, shared_host)
     pressure = e.pressure
     if state.lease is not None and state.lease.instance_id == inst.instance_id and inst.overlay_leases > 0:
         p = state.params  # the lease reserved for this very call is not queue ahead of it (weighted: <= 1)
@@ -401,7 +431,7 @@ def _eq1_special(e: _Entry, state: PlacementState, c: _Call) -> CostBreakdown:
 
 def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
     """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2)."""
-    return _eq1_special(_entry(inst, state.request.model, state.params), state, _call(state))
+    return _eq1_special(_entry(inst, state.request.model, state.params), state, _call(state), host_prefix(state))
 
 
 def apply_eq2(costs: Sequence[CostBreakdown], by_id: Mapping[str, InstanceState], state: PlacementState) -> list[CostBreakdown]:
@@ -612,6 +642,7 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     if lease is not None:  # the lease is discounted from its instance's queue whatever its model
         special.add(lease.instance_id)
     src = "recompute" if committed > 0 else "none"
+    shared = host_prefix(state, idx)
     c = _call(state)
     selected = _shortlist(idx.opening.get(m, ()), serving, c, p.replica_shortlist) if shortlist else None
     rows: list[CostBreakdown] = []
@@ -620,10 +651,12 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     append, mu_append = rows.append, mus.append
     for iid, e in serving.items():
         if iid in special:
-            append(_eq1_special(e, state, c))
+            append(_eq1_special(e, state, c, shared))
         elif selected is not None and iid not in selected and e.act == "open":
             left_out += 1
             continue
+        elif shared > 0 and e.inst.host_kv:  # restores the shared host prefix
+            append(_eq1(e, None, "host", shared, shared * e.inst.profile.restore_per_token, c))
         else:
             append(_eq1(e, None, src, committed, None, c))
         mu_append(e.mu)
@@ -705,7 +738,7 @@ def decide_full(state: PlacementState, now: float) -> Decision:
         inst = idx.by_id[state.lease.instance_id]
         mine = breakdown(inst, state)
         p = state.params
-        if p.lease_policy != "adaptive" or not p.lease_arithmetic or not _outweighed(state, idx, mine):
+        if not p.lease_arithmetic or not _outweighed(state, idx, mine):
             return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)
         lease = "outweighed"
     # A lease that failed its check is discarded; placement continues as if there were none.

@@ -5,6 +5,7 @@ the return, decaying lease weight in placement. No NATS."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -178,20 +179,51 @@ def inst(iid, **kw):
     return InstanceState(instance_id=iid, healthy=True, fresh=True, models={"m": ModelRes(loaded=True, active=True)}, profile=PROF, **kw)
 
 
-def test_lease_outweighed_at_the_return_only_when_adaptive():
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+def test_lease_outweighed_at_the_return_unless_arithmetic_is_off(policy):
     """The leased instance got a long queue meanwhile: its device prefix (800 tokens, 0.8 s to recompute)
-    saves less than the queue costs, so the adaptive policy drops the lease; the fixed one honours it."""
+    saves less than the queue costs, so the policy drops the lease -- a fixed-tau lease as well as an
+    adaptive one (issue 12 item 3); with ``lease_arithmetic`` off every lease is honoured (Algorithm 1 as
+    published)."""
     busy, idle = inst("a", waiting=20), inst("b")
     r = CallRequest("s", "m", 900, 64, 50.0)
     lease = lease_view("a", 0.0, 5.0)
-    fixed = decide(PlacementState(r, [busy, idle], PolicyParams(), lease=lease), now=1.0)
-    assert (fixed.instance_id, fixed.lease) == ("a", "hit")
-    ad = decide(PlacementState(r, [busy, idle], PolicyParams(lease_policy="adaptive"), lease=lease), now=1.0)
+    always = decide(PlacementState(r, [busy, idle], PolicyParams(lease_policy=policy, lease_arithmetic=False), lease=lease), now=1.0)
+    assert (always.instance_id, always.lease) == ("a", "hit")
+    ad = decide(PlacementState(r, [busy, idle], PolicyParams(lease_policy=policy), lease=lease), now=1.0)
     assert (ad.instance_id, ad.lease, ad.reason) == ("b", "outweighed", "cost")
     assert ad.lease_held_s == pytest.approx(1.0) and ad.lease_tokens == 800
     # with a short queue the prefix wins and the lease is honoured
-    ok = decide(PlacementState(r, [inst("a", waiting=0), idle], PolicyParams(lease_policy="adaptive"), lease=lease), now=1.0)
+    ok = decide(PlacementState(r, [inst("a", waiting=0), idle], PolicyParams(lease_policy=policy), lease=lease), now=1.0)
     assert (ok.instance_id, ok.lease) == ("a", "hit")
+
+
+def test_fixed_lease_on_a_switching_instance_is_outweighed_by_an_active_one():
+    """Issue 12, two-model sessions: the leased instance has switched to another model since the call (its
+    snapshot lists the session's prefix as checkpointed to the shared host store, ``KV_HOST``) and would make
+    the return wait for the model's slot; another instance with the model active restores the same prefix
+    from the store, so the fixed lease is not honoured. Without a shared host tier the other instance would
+    recompute the prefix, and the lease stands."""
+    cold = {"m": ModelRes(loaded=True, active=False, wait_s=0.1), "o": ModelRes(loaded=True, active=True)}
+    warm = {"m": ModelRes(loaded=True, active=True), "o": ModelRes(loaded=True, active=False)}
+    kv = {("s", "m"): (2, 800)}  # KV_HOST
+    a = InstanceState(instance_id="a", healthy=True, fresh=True, models=cold, profile=PROF, pool="cold", kv=kv, snapshot_unix=0.5, host_kv=True)
+    b = InstanceState(instance_id="b", healthy=True, fresh=True, models=warm, profile=PROF, pool="cold", host_kv=True)
+    r = CallRequest("s", "m", 900, 64, 50.0)
+    lease = LeaseView("l1", "a", "m", 800, 0.0, 5.0, 0, 0.0, 0.0)
+    d = decide(PlacementState(r, [a, b], PolicyParams(), lease=lease), now=1.0)
+    assert (d.instance_id, d.lease) == ("b", "outweighed")
+    b_cost = next(c for c in d.costs if c.instance_id == "b")
+    assert (b_cost.kv_source, b_cost.c_kv) == ("host", pytest.approx(800 * PROF.restore_per_token))
+    # b has no host tier: it would recompute 800 tokens (0.8 s), more than a's switch + slot wait (0.6 s)
+    d = decide(PlacementState(r, [a, replace(b, host_kv=False)], PolicyParams(), lease=lease), now=1.0)
+    assert (d.instance_id, d.lease) == ("a", "hit")
+    # the leased instance has the model active again: its lease stands
+    d = decide(PlacementState(r, [replace(a, models=warm), b], PolicyParams(), lease=lease), now=1.0)
+    assert (d.instance_id, d.lease) == ("a", "hit")
+    # without a lease, placement by cost restores on the active instance too
+    d = decide(PlacementState(r, [a, b], PolicyParams()), now=1.0)
+    assert (d.instance_id, d.reason) == ("b", "cost")
 
 
 def test_live_lease_weight_decays_in_the_table():

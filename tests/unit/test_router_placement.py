@@ -21,7 +21,9 @@ from services.router.policy import (
     PolicyParams,
     Profile,
     SessionView,
+    breakdown,
     decide,
+    host_prefix,
 )
 from services.router.profiles import ShapeBook
 from services.router.registry import Registry
@@ -75,6 +77,32 @@ def test_eq1_terms_are_each_charged_once():
         assert c.delta_r == pytest.approx(1000 * 1e-3 + 50 * 0.01)
 
 
+def test_a_prefix_in_the_shared_host_store_is_a_restore_on_every_host_tier_instance():
+    """Issue 12: the kvstore is one registry for the cluster, so a prefix one instance reports as checkpointed
+    (``KV_HOST``) is a restore on every instance with a host tier, a recompute only where there is none. A
+    copy that is only on some device is not in the store (write-back, or the checkpoint still in flight)."""
+    writer = inst("w", kv={("s", "m"): (KV_HOST, 800)}, host_kv=True)
+    tier, bare = inst("t", host_kv=True), inst("b")
+    session = SessionView("m", "w", "w", 800, 0.0)
+    st = PlacementState(req(), [writer, tier, bare], PolicyParams(), session=session)
+    assert host_prefix(st) == 800
+    by = {c.instance_id: c for c in decide(st, now=0.0).costs}
+    assert (by["t"].kv_source, by["t"].c_kv) == ("host", pytest.approx(800 * 1e-4))
+    assert (by["b"].kv_source, by["b"].c_kv) == ("recompute", pytest.approx(800 * 1e-3))
+    for i in (writer, tier, bare):  # the reference path (one instance at a time) agrees with the index
+        assert breakdown(i, st) == by[i.instance_id]
+    # a session whose last call was another model (two-model sessions): no committed prefix for "m" in the
+    # session view, the store's copy still prices the restore
+    other = PlacementState(req(), [writer, tier, bare], PolicyParams(), session=SessionView("o", "w", "w", 900, 0.0))
+    by = {c.instance_id: c for c in decide(other, now=0.0).costs}
+    assert (by["t"].kv_source, by["b"].kv_source) == ("host", "none")
+    # only on a device: nothing shared
+    dev = inst("w", kv={("s", "m"): (KV_DEVICE, 800)}, host_kv=True)
+    st = PlacementState(req(), [dev, tier], PolicyParams(), session=session)
+    assert host_prefix(st) == 0
+    assert {c.instance_id: c.kv_source for c in decide(st, now=0.0).costs}["t"] == "recompute"
+
+
 def test_completion_newer_than_snapshot_counts_as_device_kv():
     """The snapshot cannot know a call that finished after it was sent: the hook's prefix is trusted."""
     a = inst("a", snapshot_unix=10.0)
@@ -120,13 +148,18 @@ def test_a_cold_instance_prices_the_wait_for_its_models_slot():
 
 
 def test_lease_hit_routes_to_reserved_instance_even_if_busier():
+    """Algorithm 1 as published (``lease_arithmetic`` off): a valid lease is honoured whatever the queue."""
     a = inst("a", waiting=5, overlay_leases=1, snapshot_unix=0.0)
     b = inst("b")
     lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=2.0)
-    d = decide(PlacementState(req(), [a, b], lease=lease), now=1.5)
+    d = decide(PlacementState(req(), [a, b], PolicyParams(lease_arithmetic=False), lease=lease), now=1.5)
     assert (d.instance_id, d.reason, d.lease) == ("a", "lease", "hit")
     # The call's own lease is not queue ahead of it.
     assert d.costs[0].queue_s == pytest.approx((1e-3 * 256 + 0.01 * 64) * 5)
+    # With the lease arithmetic (the default, issue 12 item 3) the same lease delays the call by ~4.5 s of
+    # queue to save recomputing 800 tokens (0.8 s) on the idle instance: it is not honoured.
+    d = decide(PlacementState(req(), [a, b], lease=lease), now=1.5)
+    assert (d.instance_id, d.reason, d.lease) == ("b", "cost", "outweighed")
 
 
 def test_expired_lease_falls_back_to_cost_placement():
@@ -292,6 +325,24 @@ def place(gw, store, session, prompt=800, rid=""):
     if d.instance_id is not None:
         gw.commit(r, d, rid)
     return d
+
+
+def test_gateway_reads_the_host_tier_flag_from_the_heartbeat():
+    """An engine's heartbeat says whether it has a host KV tier (``InstanceSnapshot.host_kv``): the router
+    then prices a prefix another instance checkpointed as a restore there."""
+    clock = ManualClock(100.0)
+    gw, store = make_gateway(clock)
+    a = snapshot("a", 1, clock)
+    a.sessions.append(pb.SessionState(session_id="s1", model="m", committed_tokens=700, state=pb.KV_HOST))
+    a.host_kv = True
+    b = snapshot("b", 1, clock)
+    b.host_kv = True
+    c = snapshot("c", 1, clock)
+    for snap in (a, b, c):
+        gw.on_snapshot(snap)
+    assert {st.instance_id: st.host_kv for st in gw.instance_states()} == {"a": True, "b": True, "c": False}
+    d, _ = gw.decide(gw.request("s1", "m", 800, 64))
+    assert {x.instance_id: x.kv_source for x in d.costs} == {"a": "host", "b": "host", "c": "none"}
 
 
 def test_gateway_lease_consumed_on_return_then_successor_installed():
