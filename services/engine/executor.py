@@ -56,6 +56,7 @@ from services.engine.model.compiled import compile_model
 from services.engine.model.cuda_graphs import DEFAULT_MAX_CONTEXT as DEFAULT_GRAPH_CONTEXT
 from services.engine.model.cuda_graphs import DecodeGraphs
 from services.engine.model.loader import allocate_kv_cache, load_model
+from services.engine.model.decode_gemm import load_decode_gemm
 from services.engine.model.packed import can_pack
 from services.engine.model.fused_ops import load_fused_ops
 from services.engine.model.paged_attn import load_kernel
@@ -205,7 +206,7 @@ class Engine:
         kv_cache: KVCache | None = None,
         tokenizer: Tokenizer | None = None,
         page_allocator: PageAllocator | None = None,
-        packed_weights: bool | None = None,
+        packed_weights: bool | None = None, decode_gemm: str = "auto",
         compile_mode: str = "off",
         paged_decode: str = "auto",
         fused_ops: str = "auto",
@@ -218,7 +219,7 @@ class Engine:
         self.device = torch.device(device)
         self.model, self.config = model if model is not None else load_model(self.model_dir, device=self.device, dtype=dtype)
         self.dtype = next(self.model.parameters()).dtype
-        self._pack(packed_weights, own_model=model is None)
+        self._pack(packed_weights, own_model=model is None, decode_gemm=decode_gemm)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(self.model_dir)
         self.vocab_size = self.config.vocab_size
         self.page_size = page_size
@@ -245,7 +246,6 @@ class Engine:
                                    lone_prefill_tokens=lone_prefill_tokens)
         self.sampler = Sampler(self.device)
         self._clock = clock
-
         self._intake_lock = threading.Lock()
         self._pending: list[EngineRequest] = []
         self._pending_aborts: list[str] = []
@@ -582,22 +582,28 @@ class Engine:
         self.model.paged_decode = kernel
         return kernel is not None
 
-    def _pack(self, packed_weights: bool | None, own_model: bool) -> None:
+    def _pack(self, packed_weights: bool | None, own_model: bool, decode_gemm: str = "auto") -> None:
         """Prepack the CPU linears (model/packed.py; mutates the model): None = where measured to pay (bf16 on
-        CPU) and only for a model this engine loaded itself (an arena-bound model's weights are rewritten in place)."""
+        CPU) and only for a model this engine loaded itself (an arena-bound model's weights are rewritten in place).
+        ``decode_gemm`` ``auto``: packed linears also get the decode-step kernel where the CPU has AVX-512 BF16
+        (model/decode_gemm.py); ``off``: oneDNN for every step. Sets ``self.decode_gemm`` (on or not)."""
+        if decode_gemm not in ("auto", "off"):
+            raise ValueError(f"decode_gemm must be 'auto' or 'off', got {decode_gemm!r}")
         if packed_weights is None:
             packed_weights = own_model and can_pack(self.device, self.dtype)
+        gemm = load_decode_gemm() if packed_weights and decode_gemm == "auto" and self.device.type == "cpu" else None
         if packed_weights and not self.model.is_packed:
-            self.model.pack_weights()
+            self.model.pack_weights(gemm)
+        self.decode_gemm = gemm is not None and self.model.is_packed
 
     def _log_kernels(self) -> None:
         """On a CPU, log once which path each kernel takes (operators ask which ISA serves). Mutates nothing."""
         if self.device.type != "cpu":
             return
         pa = self.model.prefill_attention
-        log.info("%s CPU kernels: paged decode %s, fused ops %s, prefill attention %s", self.model_id,
+        log.info("%s CPU kernels: paged decode %s, fused ops %s, prefill attention %s, decode GEMM %s", self.model_id,
                  "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
-                 self.prefill_isa if pa is not None else "off (ATen flash)")
+                 self.prefill_isa if pa is not None else "off (ATen flash)", "on" if self.decode_gemm else "off (oneDNN)")
 
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a

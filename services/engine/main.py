@@ -50,6 +50,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         session_cache_entries=cfg.session_cache_entries,
         model_id=cfg.models[0],
         packed_weights=cfg.packed_weights,
+        decode_gemm=cfg.decode_gemm,
         compile_mode=cfg.compile,
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,

@@ -325,7 +325,10 @@ def test_sessions_survive_a_cut_engine_link_across_namespaces(net: Net, synth_mo
         "models_dir": str(models_dir),
         "synthesize_models": False,
         "nats": {"url": nats_url, "connect_timeout_s": 2},
-        "router": {"host": "0.0.0.0", "port": ROUTER_PORT, "accept_timeout_s": 3, "heartbeat_miss_limit": 3},
+        # every lease honoured (Algorithm 1): the cut below needs each session to stay at its home, and a few-token
+        # prefix would otherwise follow the cheaper queue (the default lease arithmetic, issue 12)
+        "router": {"host": "0.0.0.0", "port": ROUTER_PORT, "accept_timeout_s": 3, "heartbeat_miss_limit": 3,
+                   "placement": {"lease_arithmetic": False}},
         # the store every engine dials, on its own host; data_host is the store's own Mooncake address here,
         # and each engine overrides it with its own (TALARIA__KVSTORE__DATA_HOST below)
         "kvstore": {

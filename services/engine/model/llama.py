@@ -156,10 +156,11 @@ class Attention(nn.Module):
         """Concatenate q/k/v into one weight (and bias); rebind the three parameters as views into it."""
         self.qkv_weight, self.qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
-    def pack(self) -> None:
-        """Prepack the fused q/k/v and o weights (model/packed.py); needs ``fuse()`` first."""
-        self.qkv_packed = PackedLinear(self.qkv_weight, self.qkv_bias)
-        self.o_packed = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+    def pack(self, gemm=None) -> None:
+        """Prepack the fused q/k/v and o weights (model/packed.py; ``gemm``: the decode-step kernel or None);
+        needs ``fuse()`` first."""
+        self.qkv_packed = PackedLinear(self.qkv_weight, self.qkv_bias, gemm=gemm)
+        self.o_packed = PackedLinear(self.o_proj.weight, self.o_proj.bias, gemm=gemm)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_weight is None:
@@ -316,10 +317,11 @@ class MLP(nn.Module):
         """Concatenate gate/up into one weight; rebind both parameters as views into it."""
         self.gate_up_weight, self.gate_up_bias = _fuse_linears((self.gate_proj, self.up_proj))
 
-    def pack(self) -> None:
-        """Prepack the fused gate/up and the down weights (model/packed.py); needs ``fuse()`` first."""
-        self.gate_up_packed = PackedLinear(self.gate_up_weight, self.gate_up_bias)
-        self.down_packed = PackedLinear(self.down_proj.weight, self.down_proj.bias)
+    def pack(self, gemm=None) -> None:
+        """Prepack the fused gate/up and the down weights (model/packed.py; ``gemm``: the decode-step kernel or
+        None); needs ``fuse()`` first."""
+        self.gate_up_packed = PackedLinear(self.gate_up_weight, self.gate_up_bias, gemm=gemm)
+        self.down_packed = PackedLinear(self.down_proj.weight, self.down_proj.bias, gemm=gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
@@ -637,16 +639,17 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, gemm=None) -> None:
         """Prepack every projection and the lm_head for the CPU (model/packed.py: one extra copy of the
-        linear weights; the parameters stay, and must not be written in place afterwards). Fuses first."""
+        linear weights; the parameters stay, and must not be written in place afterwards). Fuses first.
+        ``gemm``: the decode-step kernel (model/decode_gemm.py) for the steps of a few rows, or None."""
         with torch.no_grad():
             if self.model.layers and self.model.layers[0].self_attn.qkv_weight is None:
                 self.fuse_projections()
             for layer in self.model.layers:
-                layer.self_attn.pack()
-                layer.mlp.pack()
-            self.lm_head_packed = PackedLinear(self.lm_head.weight, None)
+                layer.self_attn.pack(gemm)
+                layer.mlp.pack(gemm)
+            self.lm_head_packed = PackedLinear(self.lm_head.weight, None, gemm=gemm)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, D]`` for ``positions`` (all ``<= max_pos``), gathered from a per-device/dtype table

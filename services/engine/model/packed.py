@@ -31,20 +31,27 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear:
-    """One linear layer ``y = x W^T + b`` over a weight reordered once into oneDNN's blocked layout.
+    """One linear layer ``y = x W^T + b`` over a weight reordered once into oneDNN's blocked layout, and, with
+    ``gemm`` (``decode_gemm.DecodeGemm``), a second copy in the decode kernel's layout that serves every call
+    of at most ``decode_gemm.MAX_ROWS`` rows (a decode step).
 
     ``x`` may have any leading shape; the weight/bias are copies (not views of the parameters)."""
 
-    __slots__ = ("weight", "bias", "out_features")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "gemm", "small", "small_bias")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 8) -> None:
-        self.out_features = weight.shape[0]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 8, gemm=None) -> None:
+        self.out_features, self.in_features = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach().contiguous().clone()
+        self.small = gemm.pack(weight) if gemm is not None else None
+        self.gemm = gemm if self.small is not None else None
+        self.small_bias = None if bias is None or self.small is None else bias.detach().float().contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inside a torch.compile graph: the opaque kernel as one extern call
             return torch.ops.talaria.packed_linear(x, self.weight, self.bias, self.out_features)
+        if self.gemm is not None and x.numel() <= self.gemm.max_rows * self.in_features and x.dtype == torch.bfloat16:
+            return self.gemm(x, self.small, self.out_features, self.small_bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 

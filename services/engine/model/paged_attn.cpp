@@ -469,7 +469,17 @@ bool prefill_attention_supported();
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots,
                              std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, double scale, std::string isa);
 
+// the decode-step GEMM of decode_gemm.cpp (AVX-512 BF16)
+bool decode_gemm_supported();
+at::Tensor decode_gemm_pack(at::Tensor w);
+at::Tensor decode_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_gemm_supported", &decode_gemm_supported, "the decode GEMM's ISA (AVX-512 BF16) is in this build (decode_gemm.cpp)");
+  m.def("decode_gemm_pack", &decode_gemm_pack, "a [N, K] bf16 weight in the decode GEMM's layout (decode_gemm.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_gemm", &decode_gemm, "y = x W^T + b for a decode step's few rows (decode_gemm.cpp)", py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, in place over the pool)",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());

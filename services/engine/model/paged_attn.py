@@ -61,7 +61,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp", "prefill_attn.cpp")]  # one extension (fused_ops.py, prefill_attn.py)
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attn.cpp", "fused_ops.cpp", "prefill_attn.cpp", "decode_gemm.cpp")]  # one extension (fused_ops.py, prefill_attn.py, decode_gemm.py)
 _HEADERS = [Path(__file__).with_name("cpu_math.h")]  # included by the sources: part of the cache name's hash
 # OpenMP: at::parallel_for's threads (torch's libgomp); 512-bit vectors for the loops the compiler vectorizes
 # (GCC's default is 256 on AVX-512 CPUs: fused SiLU*up at 512 rows 465 -> 242 us, 2 threads). Part of the
