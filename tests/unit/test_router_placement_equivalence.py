@@ -40,7 +40,15 @@ def reference(state: PlacementState, now: float):
     lease = lease_check(state, now)
     if lease == "hit":
         inst = next(i for i in serving if i.instance_id == state.lease.instance_id)
-        return "lease", inst.instance_id, lease, (breakdown(inst, state),)
+        mine = breakdown(inst, state)
+        # the lease arithmetic (issue 12): outweighed when another admissible instance is cheaper by Eq. 1
+        # (the lease still discounted on its own instance) by more than the measured saving of a lease
+        others = apply_eq2([breakdown(i, state) for i in serving], {i.instance_id: i for i in serving}, state)
+        best = min((c for c in others if not c.reject and c.instance_id != inst.instance_id),
+                   key=lambda c: (c.total, c.instance_id), default=None)
+        if not state.params.lease_arithmetic or best is None or best.total + state.lease_saving_s >= mine.total:
+            return "lease", inst.instance_id, lease, (mine,)
+        lease = "outweighed"
     if lease != "none":
         state = replace(state, lease=None)
     costs = tuple(apply_eq2([breakdown(i, state) for i in serving], {i.instance_id: i for i in serving}, state))
@@ -129,6 +137,7 @@ def placement(draw) -> tuple[PlacementState, float]:
         replica_penalty_s=draw(st.sampled_from([0.0, 1.0])),
         model_weights_gib=draw(st.sampled_from([{}, {"m": 4.0}])),
         replica_shortlist=draw(st.sampled_from([0, n, n + 5])),  # 0 = unbounded; else >= number of instances
+        lease_arithmetic=draw(st.booleans()),
     )
     req = CallRequest(draw(st.sampled_from(["s", "", "new"])), model, draw(st.sampled_from([1, 600, 3000])),
                       draw(st.sampled_from([1, 128])), draw(st.sampled_from([0.0, 64.0])))
