@@ -86,25 +86,39 @@ def test_real_model_bf16_packed_engine_gives_the_plain_bf16_tokens():
     assert packed.generate(ids, sp) == plain.generate(ids, sp)
 
 
-def test_real_model_bf16_logits_within_tolerance_of_fp32():
+def _bf16_logits_vs_fp32(gemm=None, chunk: int = 0) -> None:
+    """PROMPTS[3]'s logits at every position from the packed bf16 model (oneDNN, or ``gemm``'s kernel) against the
+    fp32 model's, fed ``chunk`` tokens per forward (0: the whole prompt at once): within BF16_MAX_ABS, top-1 equal
+    at >= BF16_TOP1 of the positions and at the last one."""
     from services.engine.model.batch import AttnBatch
     from services.engine.model.loader import allocate_kv_cache, load_model
     from talaria.tokenizer import Tokenizer
 
     ids = torch.tensor(Tokenizer.from_dir(MODEL_DIR).encode(PROMPTS[3]))
     n = len(ids)
+    chunk = chunk or n
+    pages = [0, 1, 2, 3][: -(-n // 16)]
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         model, cfg = load_model(MODEL_DIR, dtype=dtype)
         if dtype == torch.bfloat16:
-            model.pack_weights()
+            model.pack_weights(gemm)
         kv = allocate_kv_cache(cfg, 4, 16, dtype=dtype)
-        batch = AttnBatch([0, n], [n], [[0, 1, 2, 3][: -(-n // 16)]], torch.arange(n))
-        outs.append(model.compute_logits(model(ids, torch.arange(n), batch, kv)))
+        parts = []
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            pos = torch.arange(a, b)
+            batch = AttnBatch([0, b - a], [b], [pages], torch.tensor(pages)[pos // 16] * 16 + pos % 16)
+            parts.append(model.compute_logits(model(ids[a:b], pos, batch, kv)))
+        outs.append(torch.cat(parts))
     err = (outs[1] - outs[0]).abs().max().item()
     top1 = (outs[1].argmax(-1) == outs[0].argmax(-1)).float().mean().item()
     assert err <= BF16_MAX_ABS and top1 >= BF16_TOP1, (err, top1)
     assert torch.equal(outs[1][-1].argmax(), outs[0][-1].argmax())
+
+
+def test_real_model_bf16_logits_within_tolerance_of_fp32():
+    _bf16_logits_vs_fp32()
 
 
 def test_real_model_bf16_decode_gemm_logits_within_tolerance_of_fp32():
@@ -112,31 +126,9 @@ def test_real_model_bf16_decode_gemm_logits_within_tolerance_of_fp32():
     (measured: one of the four prompts leaves the plain bf16 engine's tokens at its third token, as bf16 itself
     does against transformers); its logits, fed 16 tokens per forward so every linear takes the kernel, are
     within the same bf16 tolerance of fp32 as oneDNN's."""
-    from services.engine.model.batch import AttnBatch
     from services.engine.model.decode_gemm import MAX_ROWS, load_decode_gemm
-    from services.engine.model.loader import allocate_kv_cache, load_model
-    from talaria.tokenizer import Tokenizer
 
     gemm = load_decode_gemm()
     if gemm is None:
         pytest.skip("decode GEMM unavailable (no AVX-512 BF16, or the CPU extension could not be built)")
-    ids = torch.tensor(Tokenizer.from_dir(MODEL_DIR).encode(PROMPTS[3]))
-    n = len(ids)
-    outs = []
-    for dtype in (torch.float32, torch.bfloat16):
-        model, cfg = load_model(MODEL_DIR, dtype=dtype)
-        if dtype == torch.bfloat16:
-            model.pack_weights(gemm)
-        kv = allocate_kv_cache(cfg, 4, 16, dtype=dtype)
-        pages = [0, 1, 2, 3][: -(-n // 16)]
-        chunks = []
-        for a in range(0, n, MAX_ROWS):
-            b = min(n, a + MAX_ROWS)
-            pos = torch.arange(a, b)
-            batch = AttnBatch([0, b - a], [b], [pages], torch.tensor(pages)[pos // 16] * 16 + pos % 16)
-            chunks.append(model.compute_logits(model(ids[a:b], pos, batch, kv)))
-        outs.append(torch.cat(chunks))
-    err = (outs[1] - outs[0]).abs().max().item()
-    top1 = (outs[1].argmax(-1) == outs[0].argmax(-1)).float().mean().item()
-    assert err <= BF16_MAX_ABS and top1 >= BF16_TOP1, (err, top1)
-    assert torch.equal(outs[1][-1].argmax(), outs[0][-1].argmax())
+    _bf16_logits_vs_fp32(gemm, MAX_ROWS)
