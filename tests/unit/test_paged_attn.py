@@ -156,3 +156,45 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(kernel, synth_models
 def test_engine_refuses_an_unknown_mode(synth_models):
     with pytest.raises(ValueError, match="paged_decode"):
         Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, paged_decode="on")
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_but_a_live_build_is_waited_for(tmp_path):
+    """torch's ``lock`` file outlives a killed build; the guard removes it, but only once no live process
+    holds the build ``flock`` (a live build's lock must stay until that build ends)."""
+    import subprocess
+    import sys
+    import threading
+    import time as _time
+
+    from services.engine.model.paged_attn import _build_guard
+
+    (tmp_path / "lock").write_text("")  # left by a build that was killed: nobody holds the flock
+    with _build_guard(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    holder = subprocess.Popen(  # a live build: holds the flock and torch's lock until told to finish
+        [sys.executable, "-c", (
+            "import fcntl, sys, pathlib; d = pathlib.Path(sys.argv[1]); f = open(d / 'talaria-build.flock', 'a+b');"
+            "fcntl.flock(f.fileno(), fcntl.LOCK_EX); (d / 'lock').write_text(''); print('held', flush=True);"
+            "sys.stdin.readline(); (d / 'lock').unlink()"
+        ), str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def waiter():
+            with _build_guard(tmp_path):
+                entered.set()
+
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        _time.sleep(0.3)
+        assert not entered.is_set() and (tmp_path / "lock").exists()  # waits; the live build's lock stays
+        holder.stdin.write("done\n")
+        holder.stdin.flush()
+        assert entered.wait(10)
+        t.join(10)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -41,7 +41,9 @@ Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_ext
 extension carries the fused elementwise ops of ``fused_ops.cpp``, see ``fused_ops.py``), cached in torch's
 extension directory (a rebuild only when a source or the flags change). ``-O3 -march=native``; the extension
 name carries a hash of the CPU's flags so a cache shared by another CPU is not loaded, and one of the sources so
-two checkouts (or versions) never build over each other's cache. Needs a C++ compiler
+two checkouts (or versions) never build over each other's cache. Builds and loads of one cache directory are
+serialized by a ``flock`` (:func:`_build_guard`), which also clears the lock file a killed build leaves behind
+(torch would otherwise wait on it forever). Needs a C++ compiler
 and ``ninja`` (the PyPI package, a runtime requirement: its ``bin`` directory is put on ``PATH`` for the
 build). If the build or load fails, one warning is logged and :func:`load_kernel` returns ``None``: the
 model keeps its gather + SDPA path (and its eager elementwise ops).
@@ -49,11 +51,12 @@ model keeps its gather + SDPA path (and its eager elementwise ops).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -104,20 +107,27 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
-STALE_LOCK_S = 600.0  # a build takes ~30-60 s here: a lock this old was left by a build that was killed
+@contextlib.contextmanager
+def _build_guard(build_dir: Path):
+    """Hold an exclusive ``flock`` on ``<build dir>/talaria-build.flock`` for one build-or-load of the
+    extension, and inside it remove torch's own build lock (``<build dir>/lock``) if one is there.
 
-
-def _clear_stale_lock(cpp_extension, name: str) -> None:
-    """torch's build lock (``<build dir>/lock``) outlives a build that was killed, and every later load then
-    waits on it forever; remove it when it is older than any real build (mutates the extension cache)."""
-    try:
-        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except (OSError, AttributeError):
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale extension build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
+    Why: torch's ``FileBaton`` lock is a plain file created with ``O_EXCL``; a build that is killed (a test
+    run stopped, an engine restarted mid-compile) leaves it behind and every later load polls for it
+    forever. Every process that builds this extension goes through this guard, and the kernel drops a
+    ``flock`` when its holder exits however it exits, so whoever holds the guard knows no live build owns a
+    ``lock`` file it finds: that file is an orphan (mutates the extension cache directory)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "talaria-build.flock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # another process's build: wait for it, it ends or dies
+        try:
+            orphan = build_dir / "lock"
+            if orphan.exists():
+                log.warning("removing an extension build lock left by a killed build: %s", orphan)
+                orphan.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _build():
@@ -125,14 +135,14 @@ def _build():
 
     _ninja_on_path()
     name = f"talaria_paged_attn_{_cpu_tag()}_{_source_tag()}"
-    _clear_stale_lock(cpp_extension, name)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _build_guard(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def load_extension():
