@@ -132,6 +132,9 @@ class PlacementConfig(_Strict):
     gap_cap_s: float = Field(10.0, gt=0, description="adaptive leases: longest window")
     slot_wait: bool = Field(True, description="Eq. 1 on a cold instance adds the wait for the model's slot that the engine's round "
                             "scheduler predicts (ModelState.slot_wait_s, issue 12); false = the bare switch / open cost")
+    charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "
+                                 "instance where its model is active: its prefill stalls each running call, and its decode slows their "
+                                 "steps by the learned decode-by-batch slope (issue 12); false = the call's own latency only")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
                                   "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")

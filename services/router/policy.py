@@ -20,6 +20,19 @@ Cost of a call r on instance i (Eq. 1), in seconds, each term charged exactly on
     queue_s = mean_call_s(i) * (waiting + overlay_calls + admission_unit * overlay_leases
                                 + running_weight * running)
 
+    + imposed  (``charge_imposed``, default on; only where r's model is active on i, i.e. r joins its batch)
+    imposed = n * (suffix prefill [+ C_KV when recomputed]) + expected_decode * (step(n + 1) - step(1))
+             n = running + overlay_calls: r's prefill stalls each of them once, and each of r's decode steps
+             is slower by the learned decode-by-batch slope for all n together
+
+§3.3 says dR_req charges "the incremental queue, prefill, and decode work introduced by r"; the terms above
+it are r's own latency, and ``imposed`` is the rest of the work r introduces: the latency it adds to the
+calls already running there. Without it, a return follows its device-resident prefix onto a busy instance
+whenever that is cheapest *for itself*, and the decode batches pile up on the instances holding KV (the
+two-model workload of issue 12: 90 ms of decode per call against 69 for a least-pressure router that only
+balances). Charging the externality is the classic marginal-cost rule of load balancing: the sum of all
+calls' latencies, not r's alone, is what a placement changes.
+
 A fresh replica (the model is not resident on i) is admitted only when Eq. 2 holds::
 
     gain(m, i) > T_swap(m, i) + mu_i * dW_m + nu_m
@@ -77,6 +90,7 @@ class PolicyParams:
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
     lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed; issue 12 #3)
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
+    charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -206,7 +220,7 @@ class CostBreakdown(NamedTuple):
     always built by field name, ``_eq1`` and ``_eq2``)."""
 
     instance_id: str
-    delta_r: float  # dR_req: queue + suffix prefill + decode
+    delta_r: float  # dR_req: queue + suffix prefill + decode (+ the delay imposed on the batch it joins, `charge_imposed`)
     c_kv: float
     c_act: float
     total: float
@@ -381,7 +395,7 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
     """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2), from the instance's
     per-snapshot terms ``e`` and where the call's prefix is on it (``pressure`` None: the entry's;
     ``c_kv`` None: the prefix is recomputed there). The one place Eq. 1 is written."""
-    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject, curve = e  # unpacked once (hot path)
+    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject, curve, joins, slowdown = e  # once (hot path)
     if pressure is None:
         pressure = e_pressure
     prompt_tokens, need_tokens, call_tokens, s_suf, s_dec, dec, budget, s_prompt = c
@@ -396,6 +410,8 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
         queue_s = (curve.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
         suffix_s = curve.prefill_s(max(1, prompt_tokens - prefix), prompt_tokens)
     delta_r = queue_s + suffix_s + dec * ds
+    if joins:  # the delay imposed on the batch it joins: its prefill stalls each of them, its decode slows their steps
+        delta_r += joins * (suffix_s + (c_kv if kv_source == "recompute" else 0.0)) + slowdown * dec
     ttft = queue_s + c_kv + c_act + suffix_s
     resident = prefix // page if kv_source == "device" else 0
     pages_needed = max(0, -(-need_tokens // page) - resident)
@@ -485,12 +501,28 @@ class _Entry(NamedTuple):
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
     curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
+    joins: int  # calls a new call would run beside (running + forwarded since the snapshot); 0: none or not charged
+    slowdown: float  # seconds per decode step imposed on the ``joins`` calls together (joins x the per-sequence slope)
+
+
+def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams) -> tuple[int, float]:
+    """(calls joined, decode seconds per step imposed on them) for ``_eq1``'s imposed-delay term: only
+    when the call's model is active there (otherwise it runs in its own slot, beside nobody)."""
+    if not p.charge_imposed or act != "active":
+        return 0, 0.0
+    n = inst.running + inst.overlay_calls
+    if n <= 0:
+        return 0, 0.0
+    # n x the per-sequence slope of the decode step; the learned curve is bucketed by powers of two, so the
+    # slope is the secant from batch 1 to n + 1 (linear step model: step(b) = a + s b, n s = step(n+1) - step(1))
+    return n, max(0.0, prof.decode_step_at(n + 1) - prof.decode_step_at(1))
 
 
 def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
     """The per-snapshot terms of ``inst`` for ``model`` (computed once per snapshot by the index)."""
     prof = inst.profile
     act, c_act = activation(inst, model)
+    joins, slowdown = _imposed_terms(inst, prof, act, p)
     return _Entry(
         inst, inst.instance_id, prof.prefill_per_token, prof.decode_step_at(inst.running + 1),
         queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases), calls_on(inst),
@@ -498,11 +530,12 @@ def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
         hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), act, c_act,
         "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else ""),
         prof if prof.prefill_by_context is not None or prof.decode_by_batch is not None else None,
+        joins, slowdown,
     )
 
 
 def _index_params(p: PolicyParams) -> tuple:
-    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib)
+    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed)
 
 
 class InstanceIndex:

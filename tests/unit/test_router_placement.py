@@ -103,6 +103,60 @@ def test_a_prefix_in_the_shared_host_store_is_a_restore_on_every_host_tier_insta
     assert {c.instance_id: c.kv_source for c in decide(st, now=0.0).costs}["t"] == "recompute"
 
 
+def _decode_curve(points):
+    from talaria.cost_curve import CostCurve
+
+    c = CostCurve(0.0)
+    c.load(points)
+    return c
+
+
+BATCHED = Profile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-4, switch_s=0.5, staged_switch_s=0.2,
+                  open_s=4.0, decode_by_batch=_decode_curve([(1, 0.01, 4), (8, 0.04, 2)]))
+
+
+def test_eq1_charges_the_delay_a_call_imposes_on_the_batch_it_joins():
+    """Issue 12: dR_req is the work r introduces (§3.3), so it also charges what r's prefill and decode add to
+    the calls already running where its model is active: each of the n running (+ forwarded) calls is stalled
+    by r's prefill (the recomputed prefix included) and slowed by the learned decode-by-batch slope for each
+    of r's decode steps, n x slope = step(n + 1) - step(1). Nothing is imposed on an idle instance, nor where
+    r waits for its own slot (model not active), nor with ``charge_imposed`` off."""
+    on, off = PolicyParams(), PolicyParams(charge_imposed=False)
+    dev = inst("dev", profile=BATCHED, running=4, overlay_calls=1, kv={("s", "m"): (KV_DEVICE, 800)})
+    rec = inst("rec", profile=BATCHED, running=2)
+    idle = inst("idle", profile=BATCHED)
+    sw = inst("sw", profile=BATCHED, running=3, models={"m": ModelRes(loaded=True), "n": ModelRes(loaded=True, active=True)})
+    session = SessionView("m", "dev", "dev", 800, 0.0)
+
+    def delta(i, params):
+        return breakdown(i, PlacementState(req(), [dev, rec, idle, sw], params, session=session)).delta_r
+
+    step = BATCHED.decode_step_at
+    # dev: 5 joined, suffix 200 tokens, prefix on the device
+    assert delta(dev, on) - delta(dev, off) == pytest.approx(5 * 200 * 1e-3 + 50 * (step(6) - step(1)))
+    # rec: the prefix is recomputed there, which stalls the running calls too
+    assert delta(rec, on) - delta(rec, off) == pytest.approx(2 * (200 + 800) * 1e-3 + 50 * (step(3) - step(1)))
+    assert delta(idle, on) == delta(idle, off)
+    assert delta(sw, on) == delta(sw, off)
+    # the index (decide) and the reference (breakdown) agree
+    st = PlacementState(req(), [dev, rec, idle, sw], on, session=session)
+    for c in decide(st, now=0.0).costs:
+        assert c == breakdown({"dev": dev, "rec": rec, "idle": idle, "sw": sw}[c.instance_id], st)
+
+
+def test_a_return_leaves_its_busy_device_prefix_when_the_batch_it_would_slow_costs_more():
+    """The placement the term changes: the session's prefix is on a busy instance's device (6 running), an idle
+    instance would recompute it. For r alone the device copy is cheaper (1.0 s vs 1.2 s); counting the six calls
+    it would stall and slow (1.8 s more), the idle instance is."""
+    busy = inst("busy", profile=BATCHED, running=6, kv={("s", "m"): (KV_DEVICE, 800)})
+    idle = inst("idle", profile=BATCHED)
+    session = SessionView("m", "busy", "busy", 800, 0.0)
+    prompt = req(session="s", prompt=1000, decode=20.0)
+    pick = {ci: decide(PlacementState(prompt, [busy, idle], PolicyParams(running_weight=0.0, charge_imposed=ci),
+                                      session=session), now=0.0).instance_id for ci in (False, True)}
+    assert pick == {False: "busy", True: "idle"}
+
+
 def test_completion_newer_than_snapshot_counts_as_device_kv():
     """The snapshot cannot know a call that finished after it was sent: the hook's prefix is trusted."""
     a = inst("a", snapshot_unix=10.0)
