@@ -94,8 +94,7 @@ def _leases(args) -> int:
 
     s = run_leases(Path(args.out), profile=args.profile, workloads=tuple(args.workloads.split(",")), seeds=args.seeds, seed=args.seed,
                    sessions=args.sessions, max_depth=args.max_depth, taus=tuple(float(t) for t in args.taus.split(",")), start_gap_s=args.start_gap,
-                   miniswe_path=args.miniswe, with_no_arith=args.no_arith, adaptive=tuple(args.adaptive.split(",")),
-                   say=lambda m: print(m, file=sys.stderr))
+                   miniswe_path=args.miniswe, with_no_arith=args.no_arith, say=lambda m: print(m, file=sys.stderr))
     print(json.dumps(s, indent=2, default=str) if args.json else table(s))
     return 0
 
@@ -158,7 +157,6 @@ def add_cli(sub) -> None:
     le.add_argument("--start-gap", type=float, default=4.0, help="mean seconds between session starts (Poisson)")
     le.add_argument("--miniswe", default="../shared/data/lmcache_miniswe_trace.jsonl.gz")
     le.add_argument("--no-arith", action="store_true", help="also run adaptive leases without the lease arithmetic")
-    le.add_argument("--adaptive", default="adaptive", help="comma list of adaptive variants: adaptive (quantile window), adaptive-net (best_lease)")
     le.add_argument("--json", action="store_true")
     le.set_defaults(fn=_leases)
     ca = ps.add_parser("catalog", help="models served per instance at the TTFT SLO as the catalog grows")

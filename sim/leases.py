@@ -16,7 +16,8 @@ per (workload, policy): medians over the seeds of SCT p50/p95, returning-call TT
 unused leases (installed - hits), expiries (a return that found its lease expired), declined / outweighed
 (adaptive), and device KV held by leases in GiB x s (``lease_token_s`` x the profile's KV bytes per token);
 ratios of adaptive to the best fixed tau of that workload (best = lowest median SCT p50; p95 against the
-best p95). The goal (issue 14): adaptive <= best fixed on SCT with less GiB x s, on every workload, with
+best p95), as a ratio of medians and paired per seed (``compare``: each seed's adaptive run over the same
+seed's best-fixed run; the simulator is deterministic, so this removes the seed-to-seed spread). The goal (issue 14): adaptive <= best fixed on SCT with less GiB x s, on every workload, with
 the same knobs.
 """
 
@@ -60,14 +61,14 @@ def sessions_for(kind: str, seed: int, sessions: int, max_depth: int, miniswe_pa
 
 
 def config(profile: Profile, lease: str, tau: float) -> SimConfig:
-    """The §5.3 two-worker testbed with ``lease`` ("adaptive" | "adaptive-net" | "adaptive-no-arith" | "fixed") leases; ``tau`` for fixed."""
-    if lease not in ("adaptive", "adaptive-net", "adaptive-no-arith", "fixed"):
-        raise ValueError(f"unknown lease policy {lease!r} (adaptive | adaptive-net | adaptive-no-arith | fixed)")
+    """The §5.3 two-worker testbed with ``lease`` ("adaptive" | "adaptive-no-arith" | "fixed") leases; ``tau`` for fixed."""
+    if lease not in ("adaptive", "adaptive-no-arith", "fixed"):
+        raise ValueError(f"unknown lease policy {lease!r} (adaptive | adaptive-no-arith | fixed)")
     ml = int(profile.knobs.get("max_loaded", 1))
     specs = (InstanceSpec("tp4-0", "cold", ROUTER_MODELS, ROUTER_MODELS[:ml], ml), InstanceSpec("tp4-1", "cold", ROUTER_MODELS, ROUTER_MODELS[-ml:], ml))
     gib = {m: profile.model(m).weights_gib for m in ROUTER_MODELS}
     params = PolicyParams(policy="full", model_weights_gib=gib, lease_policy="fixed" if lease == "fixed" else "adaptive",
-                          lease_arithmetic=lease != "adaptive-no-arith", lease_window="net" if lease == "adaptive-net" else "quantile")
+                          lease_arithmetic=lease != "adaptive-no-arith")
     name = lease if lease.startswith("adaptive") else f"fixed {tau:g}s"
     return SimConfig(name, profile, specs, slot=slot_policy(profile), params=params, tau_s=tau)
 
@@ -119,14 +120,14 @@ def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed:
 
 def run_leases(out: Path, *, profile: str, workloads: tuple[str, ...] = ("tools", "miniswe"), seeds: int = 3, seed: int = 0,
                sessions: int = 24, max_depth: int = 40, taus: tuple[float, ...] = TAUS, start_gap_s: float = 4.0,
-               miniswe_path: str = MINISWE_PATH, with_no_arith: bool = False, adaptive: tuple[str, ...] = ("adaptive",),
-               say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+               miniswe_path: str = MINISWE_PATH, with_no_arith: bool = False, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Every (workload, seed, policy) run, medians, ratios; writes ``OUT/summary.json`` and one report per
     workload (``OUT/<workload>/report.md``, the sim's report code). Returns the summary."""
     prof = load(profile)
     if "miniswe" in workloads and not Path(miniswe_path).exists():
         raise FileNotFoundError(f"mini-swe-agent trace not found: {miniswe_path} (pass --miniswe PATH)")
-    policies = [(a, 0.0) for a in adaptive] + ([("adaptive-no-arith", 0.0)] if with_no_arith else []) + [("fixed", t) for t in taus]
+    adaptive = ("adaptive",) + (("adaptive-no-arith",) if with_no_arith else ())
+    policies = [(a, 0.0) for a in adaptive] + [("fixed", t) for t in taus]
     summary: dict[str, Any] = {"profile": profile, "seeds": seeds, "first_seed": seed, "sessions": sessions, "max_depth": max_depth,
                                "start_gap_s": start_gap_s, "taus": list(taus), "workloads": {}}
     for kind in workloads:
@@ -160,7 +161,7 @@ def table(summary: dict[str, Any]) -> str:
         for a, c in w["vs_best_fixed"].items():
             if not c:
                 continue
-            paired = "".join(f"; paired {k[7:10]} median {v['median']:.3f}x [{v['min']:.2f}-{v['max']:.2f}], {v['wins']}/{v['n']} seeds better"
+            paired = "".join(f"; paired {k.split('_')[2]} median {v['median']:.3f}x [{v['min']:.2f}-{v['max']:.2f}], {v['wins']}/{v['n']} seeds better"
                              for k, v in c.items() if k.startswith("paired_"))
             out.append(f"| {kind} | {a} / best fixed | {c['sct_p50_vs_best']:.3f}x ({c['best_fixed_p50']}) | {c['sct_p95_vs_best']:.3f}x "
                        f"({c['best_fixed_p95']}) | | | | | | | | {c['gib_s_vs_best']:.3f}x; goal met: {c['goal_met']}{paired} |")

@@ -122,10 +122,6 @@ class PlacementConfig(_Strict):
         "match the best fixed tau, see services/router/README.md); adaptive = lease window from the predicted return gap per "
         "(model, tool), installed only when it pays, decaying value (services/router/return_gap.py, issue 14)"
     )
-    lease_window: Literal["quantile", "net"] = Field(
-        "quantile", description="adaptive leases: quantile = the gap_quantile of the predicted gap (capped); net = the window, among "
-        "the gap's 0.5-0.99 quantiles, whose expected saving minus the queueing it imposes is largest (return_gap.best_lease)"
-    )
     lease_arithmetic: bool = Field(True, description="honour a lease at the return only when it saves more than it delays the call "
                                    "(Eq. 1 against the best other instance, issue 12 item 3); adaptive leases are also installed only when "
                                    "their expected saving beats the queueing they impose; false = every lease installed and honoured "

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, best_lease, judge_lease
+from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -321,10 +321,7 @@ class Gateway:
         caller's expected tool time (request hint; wins over the learned gap). Reads only (a policy decision
         for the session's next call is evaluated, not committed)."""
         est = self.gaps.predict(model, tool, hint_s)
-        costs = self.lease_costs(instance_id, model, committed, session_id)
-        if self.params.lease_window == "net":
-            return est, best_lease(est, costs, self.gaps.p)
-        return est, judge_lease(est, self.gaps.window(est), costs)
+        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed, session_id))
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:

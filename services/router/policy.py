@@ -88,7 +88,6 @@ class PolicyParams:
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
-    lease_window: str = "quantile"  # adaptive leases: "quantile" (gap_quantile of the gap) | "net" (the window worth the most, return_gap.best_lease)
     lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed; issue 12 #3)
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins

@@ -294,27 +294,6 @@ class LeaseJudgement:
     reason: str  # "worth" | "harm" | "no-window"
 
 
-WINDOW_QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99)  # candidate windows of ``best_lease``: these quantiles of the gap
-
-
-def best_lease(est: GapEstimate, costs: LeaseCosts, params: GapParams) -> LeaseJudgement:
-    """The lease window worth the most: among the gap's ``WINDOW_QUANTILES`` (clamped to ``[floor_s, cap_s]``)
-    the one that maximises ``P(return within w) x saved_s - E[min(gap, w)] x harm_per_s`` (``judge_lease``'s
-    two sides); installed only when that net value is positive. A longer window buys the returns that come
-    late at the price of holding every lease longer, so the best length depends on the saving, the harm and
-    the gap's shape: a sure, fast tool gets a window past nearly all of its returns, a slow or erratic one a
-    short window or none. Continuum sizes a KV time-to-live the same way (reload cost against the queueing
-    it causes); ``GapPredictor.window`` (one fixed quantile) is the ``lease_window: quantile`` rule. Pure."""
-    best: LeaseJudgement | None = None
-    for q in WINDOW_QUANTILES:
-        w = max(params.floor_s, min(params.cap_s, est.quantile(q)))
-        j = judge_lease(est, w, costs)
-        if best is None or j.value_s - j.harm_s > best.value_s - best.harm_s + 1e-12:
-            best = j
-    assert best is not None
-    return best
-
-
 def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJudgement:
     """Install a lease of ``window_s`` only if its expected saving beats the delay it imposes on others."""
     if window_s <= 0:

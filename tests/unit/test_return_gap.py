@@ -14,9 +14,7 @@ from services.router.return_gap import (
     LeaseCosts,
     ResidencyBook,
     ReturnTracker,
-    WINDOW_QUANTILES,
     _z,
-    best_lease,
     judge_lease,
     lease_weight,
 )
@@ -93,31 +91,6 @@ def test_lease_arithmetic_installs_only_what_pays():
     # the same lease on an idle instance (nobody else to delay) is worth it
     assert judge_lease(slow, 10.0, LeaseCosts(saved_s=0.5, harm_per_s=0.0)).install
     assert not judge_lease(slow, 0.0, busy).install
-
-
-def test_the_net_window_is_the_best_candidate_and_follows_the_gaps_shape():
-    """``best_lease`` (``lease_window: net``) picks, among the gap's candidate quantiles, the window with the
-    largest saving-minus-harm, and installs only a positive one: a sure fast tool gets a window past nearly
-    all its returns, the same tool on an instance with nobody to delay the longest candidate, a slow erratic
-    tool on a busy instance nothing, and a saving that grows moves the window out."""
-    p = GapParams(cap_s=10.0, floor_s=0.05)
-    fast, slow = GapEstimate(math.log(0.05), 0.25), GapEstimate(math.log(6.0), 1.0)
-    busy = LeaseCosts(saved_s=0.5, harm_per_s=0.3)
-    for est in (fast, slow):
-        for costs in (busy, LeaseCosts(0.5, 0.0), LeaseCosts(5.0, 0.3), LeaseCosts(0.0, 0.3)):
-            j = best_lease(est, costs, p)
-            cands = [judge_lease(est, max(p.floor_s, min(p.cap_s, est.quantile(q))), costs) for q in WINDOW_QUANTILES]
-            assert j.value_s - j.harm_s == pytest.approx(max(c.value_s - c.harm_s for c in cands))
-            assert j.install == (j.value_s - j.harm_s > 0)
-    j = best_lease(fast, busy, p)
-    assert j.install and j.p_return >= 0.95 and j.window_s == pytest.approx(fast.quantile(j.p_return), rel=1e-6)
-    assert best_lease(fast, LeaseCosts(0.5, 0.0), p).window_s == pytest.approx(fast.quantile(WINDOW_QUANTILES[-1]))
-    assert not best_lease(slow, busy, p).install
-    assert best_lease(slow, LeaseCosts(0.5, 0.0), p).window_s == pytest.approx(10.0)  # the cap
-    mid = GapEstimate(0.0, 1.0)  # median 1 s: a saving that grows moves the window out (never in)
-    ws = [best_lease(mid, LeaseCosts(s, 0.3), p) for s in (0.3, 0.5, 1.0, 5.0)]
-    assert [j.install for j in ws] == [False, True, True, True]
-    assert ws[1].window_s < ws[2].window_s == ws[3].window_s == pytest.approx(10.0)
 
 
 def test_return_tracker_turns_the_next_call_into_a_gap():

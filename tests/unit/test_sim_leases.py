@@ -44,11 +44,11 @@ def test_paired_ratios_compare_each_seed_with_the_same_seeds_best_fixed_run():
     """Seed-to-seed spread cancels in a paired ratio: per seed, the variant over the best fixed tau's run of
     that same seed (best chosen by the medians)."""
     row = lambda p50, p95, gib=1.0: {"sct_p50_s": p50, "sct_p95_s": p95, "lease_gib_s": gib}  # noqa: E731
-    per_seed = {"adaptive-net": [row(90, 200), row(190, 400), row(300, 500)],
+    per_seed = {"adaptive-no-arith": [row(90, 200), row(190, 400), row(300, 500)],
                 "fixed 1s": [row(100, 180), row(200, 420), row(310, 600)],
                 "fixed 5s": [row(150, 170), row(250, 380), row(400, 450)]}
     rows = {n: {k: sorted(r[k] for r in rs)[1] for k in rs[0]} for n, rs in per_seed.items()}
-    c = leases.compare(rows, "adaptive-net", per_seed)
+    c = leases.compare(rows, "adaptive-no-arith", per_seed)
     assert (c["best_fixed_p50"], c["best_fixed_p95"]) == ("fixed 1s", "fixed 5s")
     p50, p95 = c["paired_sct_p50_vs_best"], c["paired_sct_p95_vs_best"]
     assert p50["median"] == pytest.approx(190 / 200) and (p50["wins"], p50["n"]) == (3, 3)
