@@ -38,3 +38,20 @@ def test_comparison_against_the_best_fixed_tau():
     assert c["gib_s_vs_best"] == pytest.approx(0.2) and c["goal_met"] is False  # p95 worse than the best fixed p95
     rows["adaptive"] = row(95.0, 170.0, 10.0)
     assert leases.compare(rows)["goal_met"] is True
+
+
+def test_paired_ratios_compare_each_seed_with_the_same_seeds_best_fixed_run():
+    """Seed-to-seed spread cancels in a paired ratio: per seed, the variant over the best fixed tau's run of
+    that same seed (best chosen by the medians)."""
+    row = lambda p50, p95, gib=1.0: {"sct_p50_s": p50, "sct_p95_s": p95, "lease_gib_s": gib}  # noqa: E731
+    per_seed = {"adaptive-no-arith": [row(90, 200), row(190, 400), row(300, 500)],
+                "fixed 1s": [row(100, 180), row(200, 420), row(310, 600)],
+                "fixed 5s": [row(150, 170), row(250, 380), row(400, 450)]}
+    rows = {n: {k: sorted(r[k] for r in rs)[1] for k in rs[0]} for n, rs in per_seed.items()}
+    c = leases.compare(rows, "adaptive-no-arith", per_seed)
+    assert (c["best_fixed_p50"], c["best_fixed_p95"]) == ("fixed 1s", "fixed 5s")
+    p50, p95 = c["paired_sct_p50_vs_best"], c["paired_sct_p95_vs_best"]
+    assert p50["median"] == pytest.approx(190 / 200) and (p50["wins"], p50["n"]) == (3, 3)
+    assert (p95["median"], p95["min"], p95["max"]) == (pytest.approx(500 / 450), pytest.approx(400 / 380), pytest.approx(200 / 170))
+    assert p95["wins"] == 0
+    assert leases.compare(rows, "adaptive") == {}  # a variant that did not run
