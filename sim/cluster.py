@@ -271,7 +271,7 @@ class Simulation:
         if lease is not None:
             self.leases.install_now(lease)
             # the router's retention hint to the instance holding the session's KV (services/router/service.py)
-            self.instances[c.instance].expect(c, self.clock.now(), lease.gap_mu, lease.gap_sigma, lease.t_exp_unix - lease.t_done_unix)
+            self.instances[c.instance].expect(c, self.clock.now(), *self.gateway.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "hook": hook.SerializeToString(), "lease": lease is not None})
 

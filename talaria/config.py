@@ -135,6 +135,10 @@ class PlacementConfig(_Strict):
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "
                                  "instance where its model is active: its prefill stalls each running call, and its decode slows their "
                                  "steps by the learned decode-by-batch slope (issue 12); false = the call's own latency only")
+    retention_learned_gap: bool = Field(False, description="a fixed-tau lease's retention hint to the engine carries the return-gap "
+                                        "distribution the router learned for (model, tool), so the engine's slot hold and session-KV "
+                                        "eviction weigh the return by it instead of taking it as certain within tau; placement keeps "
+                                        "the lease's cliff (issue 12; adaptive leases always carry theirs)")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
                                   "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")

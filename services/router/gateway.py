@@ -218,6 +218,16 @@ class Gateway:
         self.stats["leases_installed"] += 1
         return lease
 
+    def retention_gap(self, lease: rpb.Lease) -> tuple[float, float]:
+        """``(gap_mu, gap_sigma)`` for the retention hint of ``lease`` to its engine: an adaptive lease's own
+        estimate; a fixed-tau lease's ``(mu, 0)`` (the engine then takes the return as certain within tau), or
+        with ``retention_learned_gap`` the gap distribution learned for the lease's (model, tool) -- the lease
+        itself keeps its cliff in placement. Pure read."""
+        if lease.gap_sigma > 0 or not self.params.retention_learned_gap:
+            return lease.gap_mu, lease.gap_sigma
+        est = self.gaps.predict(lease.model, lease.tool)
+        return est.mu, est.sigma
+
     def _observe_return(self, hook: pb.CompletionHook) -> None:
         """A returning call finished: teach ``residency`` whether it was placed on its lease, whether its prefix
         was still on the device (cached tokens beyond those restored from host) and its TTFT. Mutates both."""

@@ -127,7 +127,7 @@ class RouterState:
             return
         h = pb.RetentionHint(schema_version=1, session_id=session_id, model=model, lease_id=lease_id, t_done_unix=done)
         if lease is not None:
-            h.gap_mu, h.gap_sigma, h.window_s, h.t_done_unix = lease.gap_mu, lease.gap_sigma, lease.t_exp_unix - lease.t_done_unix, lease.t_done_unix
+            (h.gap_mu, h.gap_sigma), h.window_s, h.t_done_unix = self.gateway.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix, lease.t_done_unix
         subject, payload = self.subjects.retention(instance_id), h.SerializeToString()
 
         async def send() -> None:

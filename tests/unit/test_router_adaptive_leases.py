@@ -100,6 +100,31 @@ def test_fixed_policy_keeps_the_papers_tau():
     assert lease.t_exp_unix - lease.t_done_unix == pytest.approx(2.0) and lease.gap_sigma == 0.0
 
 
+def test_a_fixed_leases_retention_hint_carries_the_learned_gap_only_when_asked():
+    """Issue 12: the engine's slot hold takes a fixed-tau lease's return as certain within tau (sigma 0). With
+    ``retention_learned_gap`` the hint to the engine carries the gap learned for the lease's (model, tool)
+    instead; the lease itself (placement) keeps its cliff. An adaptive lease always carries its own."""
+    for on in (False, True):
+        clock = ManualClock(100.0)
+        gw, store = make(clock, policy="fixed", tau=1.0)
+        gw.params = replace(gw.params, retention_learned_gap=on)
+        gw.on_snapshot(snapshot("a", 1, clock))
+        teach(gw, store, clock, "pytest", 6.0)
+        lease = gw.on_hook(hook("a", "s", clock, tool="pytest"))
+        assert lease.gap_sigma == 0.0 and lease.t_exp_unix - lease.t_done_unix == pytest.approx(1.0)
+        mu, sigma = gw.retention_gap(lease)
+        if on:
+            assert sigma > 0 and math.exp(mu) == pytest.approx(6.0, rel=0.05)
+        else:
+            assert (mu, sigma) == (lease.gap_mu, 0.0)
+    clock = ManualClock(100.0)
+    gw, _ = make(clock)
+    gw.params = replace(gw.params, retention_learned_gap=True)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    own = gw.on_hook(hook("a", "s", clock, tool="ls"))
+    assert own.gap_sigma > 0 and gw.retention_gap(own) == (own.gap_mu, own.gap_sigma)
+
+
 def test_lease_declined_when_it_delays_more_than_it_saves():
     """A slow uncertain tool on a busy router: holding the reservation for seconds charges every other
     arrival, while the hit would only save a small prefix."""
