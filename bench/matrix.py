@@ -96,6 +96,8 @@ CONFIGS += tuple(
                  "as Talaria, but the router prices a cold instance at the bare switch cost, not adding the predicted wait for the model's slot (issue 12)", "lease"),
     MatrixConfig("no-imposed", {"router.placement.charge_imposed": False},
                  "as Talaria, but Eq. 1 prices only the call's own latency, not the delay it imposes on the batch it joins (issue 12)", "lease"),
+    MatrixConfig("imposed-decode-only", {"router.placement.imposed_prefill": False},
+                 "as Talaria, but the imposed-delay term charges only the decode slowdown, not the prefill stall (issue 12)", "lease"),
     MatrixConfig("hold-learned-gap", {"router.placement.retention_learned_gap": True},
                  "as Talaria, but a fixed lease's retention hint carries the learned return-gap distribution, so the slot hold weighs each return by it (issue 12)", "lease"),
     MatrixConfig("write-back", {"engines[].host_kv_write_policy": "back"},

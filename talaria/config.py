@@ -139,6 +139,8 @@ class PlacementConfig(_Strict):
                                         "distribution the router learned for (model, tool), so the engine's slot hold and session-KV "
                                         "eviction weigh the return by it instead of taking it as certain within tau; placement keeps "
                                         "the lease's cliff (issue 12; adaptive leases always carry theirs)")
+    imposed_prefill: bool = Field(True, description="with charge_imposed: also charge the stall the call's prefill imposes on each "
+                                  "running call (false: only the decode slowdown; issue 12, see bench/README.md)")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
                                   "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")

@@ -92,6 +92,7 @@ class PolicyParams:
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
     retention_learned_gap: bool = False  # a fixed-tau lease's retention hint carries the learned gap (engine hold/eviction weigh by it)
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins
+    imposed_prefill: bool = True  # ... including its prefill's stall of that batch (False: the decode slowdown only)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -411,8 +412,10 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
         queue_s = (curve.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
         suffix_s = curve.prefill_s(max(1, prompt_tokens - prefix), prompt_tokens)
     delta_r = queue_s + suffix_s + dec * ds
-    if joins:  # the delay imposed on the batch it joins: its prefill stalls each of them, its decode slows their steps
-        delta_r += joins * (suffix_s + (c_kv if kv_source == "recompute" else 0.0)) + slowdown * dec
+    if joins:  # the delay imposed on the batch it joins: its prefill stalls each of them ...
+        delta_r += joins * (suffix_s + (c_kv if kv_source == "recompute" else 0.0))
+    if slowdown:  # ... and its decode slows their steps
+        delta_r += slowdown * dec
     ttft = queue_s + c_kv + c_act + suffix_s
     resident = prefix // page if kv_source == "device" else 0
     pages_needed = max(0, -(-need_tokens // page) - resident)
@@ -502,13 +505,14 @@ class _Entry(NamedTuple):
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
     curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
-    joins: int  # calls a new call would run beside (running + forwarded since the snapshot); 0: none or not charged
+    joins: int  # calls whose prefill stall is charged (running + forwarded since the snapshot); 0: none or not charged
     slowdown: float  # seconds per decode step imposed on the ``joins`` calls together (joins x the per-sequence slope)
 
 
 def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams) -> tuple[int, float]:
-    """(calls joined, decode seconds per step imposed on them) for ``_eq1``'s imposed-delay term: only
-    when the call's model is active there (otherwise it runs in its own slot, beside nobody)."""
+    """(calls whose prefill stall is charged, decode seconds per step imposed on the batch) for ``_eq1``'s
+    imposed-delay term: only when the call's model is active there (otherwise it runs in its own slot, beside
+    nobody); ``imposed_prefill`` False charges the decode slowdown only."""
     if not p.charge_imposed or act != "active":
         return 0, 0.0
     n = inst.running + inst.overlay_calls
@@ -516,7 +520,7 @@ def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams
         return 0, 0.0
     # n x the per-sequence slope of the decode step; the learned curve is bucketed by powers of two, so the
     # slope is the secant from batch 1 to n + 1 (linear step model: step(b) = a + s b, n s = step(n+1) - step(1))
-    return n, max(0.0, prof.decode_step_at(n + 1) - prof.decode_step_at(1))
+    return (n if p.imposed_prefill else 0), max(0.0, prof.decode_step_at(n + 1) - prof.decode_step_at(1))
 
 
 def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
@@ -536,7 +540,7 @@ def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
 
 
 def _index_params(p: PolicyParams) -> tuple:
-    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed)
+    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed, p.imposed_prefill)
 
 
 class InstanceIndex:

@@ -138,6 +138,9 @@ def test_eq1_charges_the_delay_a_call_imposes_on_the_batch_it_joins():
     assert delta(rec, on) - delta(rec, off) == pytest.approx(2 * (200 + 800) * 1e-3 + 50 * (step(3) - step(1)))
     assert delta(idle, on) == delta(idle, off)
     assert delta(sw, on) == delta(sw, off)
+    decode_only = PolicyParams(imposed_prefill=False)  # the prefill stall not charged, the decode slowdown still
+    assert delta(dev, decode_only) - delta(dev, off) == pytest.approx(50 * (step(6) - step(1)))
+    assert delta(rec, decode_only) - delta(rec, off) == pytest.approx(50 * (step(3) - step(1)))
     # the index (decide) and the reference (breakdown) agree
     st = PlacementState(req(), [dev, rec, idle, sw], on, session=session)
     for c in decide(st, now=0.0).costs:

@@ -139,6 +139,7 @@ def placement(draw) -> tuple[PlacementState, float]:
         replica_shortlist=draw(st.sampled_from([0, n, n + 5])),  # 0 = unbounded; else >= number of instances
         lease_arithmetic=draw(st.booleans()),
         charge_imposed=draw(st.booleans()),
+        imposed_prefill=draw(st.booleans()),
     )
     req = CallRequest(draw(st.sampled_from(["s", "", "new"])), model, draw(st.sampled_from([1, 600, 3000])),
                       draw(st.sampled_from([1, 128])), draw(st.sampled_from([0.0, 64.0])))
