@@ -21,9 +21,11 @@ Cost of a call r on instance i (Eq. 1), in seconds, each term charged exactly on
                                 + running_weight * running)
 
     + imposed  (``charge_imposed``, default on; only where r's model is active on i, i.e. r joins its batch)
-    imposed = n * (suffix prefill [+ C_KV when recomputed]) + expected_decode * (step(n + 1) - step(1))
-             n = running + overlay_calls: r's prefill stalls each of them once, and each of r's decode steps
-             is slower by the learned decode-by-batch slope for all n together
+    imposed = expected_decode * (step(n + 1) - step(1))   [+ n * (suffix prefill [+ C_KV when recomputed])]
+             n = running + overlay_calls: each of r's decode steps is slower by the learned decode-by-batch
+             slope for all n together; with ``imposed_prefill`` also r's prefill stalling each of them once
+             (off by default: charged only where r joins an active batch, never for the calls a switch on a
+             cold instance displaces, it tilted the simulator's cold instances toward switching -- bench/README.md)
 
 §3.3 says dR_req charges "the incremental queue, prefill, and decode work introduced by r"; the terms above
 it are r's own latency, and ``imposed`` is the rest of the work r introduces: the latency it adds to the
@@ -92,7 +94,7 @@ class PolicyParams:
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
     retention_learned_gap: bool = False  # a fixed-tau lease's retention hint carries the learned gap (engine hold/eviction weigh by it)
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins
-    imposed_prefill: bool = True  # ... including its prefill's stall of that batch (False: the decode slowdown only)
+    imposed_prefill: bool = False  # ... including its prefill's stall of that batch (default: the decode slowdown only)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:

@@ -118,10 +118,10 @@ BATCHED = Profile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e
 def test_eq1_charges_the_delay_a_call_imposes_on_the_batch_it_joins():
     """Issue 12: dR_req is the work r introduces (§3.3), so it also charges what r's prefill and decode add to
     the calls already running where its model is active: each of the n running (+ forwarded) calls is stalled
-    by r's prefill (the recomputed prefix included) and slowed by the learned decode-by-batch slope for each
-    of r's decode steps, n x slope = step(n + 1) - step(1). Nothing is imposed on an idle instance, nor where
-    r waits for its own slot (model not active), nor with ``charge_imposed`` off."""
-    on, off = PolicyParams(), PolicyParams(charge_imposed=False)
+    by r's prefill (the recomputed prefix included; with ``imposed_prefill``) and slowed by the learned
+    decode-by-batch slope for each of r's decode steps, n x slope = step(n + 1) - step(1). Nothing is imposed on
+    an idle instance, nor where r waits for its own slot (model not active), nor with ``charge_imposed`` off."""
+    on, off = PolicyParams(imposed_prefill=True), PolicyParams(charge_imposed=False)
     dev = inst("dev", profile=BATCHED, running=4, overlay_calls=1, kv={("s", "m"): (KV_DEVICE, 800)})
     rec = inst("rec", profile=BATCHED, running=2)
     idle = inst("idle", profile=BATCHED)
@@ -138,7 +138,7 @@ def test_eq1_charges_the_delay_a_call_imposes_on_the_batch_it_joins():
     assert delta(rec, on) - delta(rec, off) == pytest.approx(2 * (200 + 800) * 1e-3 + 50 * (step(3) - step(1)))
     assert delta(idle, on) == delta(idle, off)
     assert delta(sw, on) == delta(sw, off)
-    decode_only = PolicyParams(imposed_prefill=False)  # the prefill stall not charged, the decode slowdown still
+    decode_only = PolicyParams()  # the default: the prefill stall not charged, the decode slowdown still
     assert delta(dev, decode_only) - delta(dev, off) == pytest.approx(50 * (step(6) - step(1)))
     assert delta(rec, decode_only) - delta(rec, off) == pytest.approx(50 * (step(3) - step(1)))
     # the index (decide) and the reference (breakdown) agree
@@ -149,8 +149,8 @@ def test_eq1_charges_the_delay_a_call_imposes_on_the_batch_it_joins():
 
 def test_a_return_leaves_its_busy_device_prefix_when_the_batch_it_would_slow_costs_more():
     """The placement the term changes: the session's prefix is on a busy instance's device (6 running), an idle
-    instance would recompute it. For r alone the device copy is cheaper (1.0 s vs 1.2 s); counting the six calls
-    it would stall and slow (1.8 s more), the idle instance is."""
+    instance would recompute it. For r alone the device copy is cheaper (1.0 s vs 1.2 s); counting what its
+    decode steps add to the six calls (0.6 s more), the idle instance is."""
     busy = inst("busy", profile=BATCHED, running=6, kv={("s", "m"): (KV_DEVICE, 800)})
     idle = inst("idle", profile=BATCHED)
     session = SessionView("m", "busy", "busy", 800, 0.0)
