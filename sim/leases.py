@@ -17,8 +17,8 @@ unused leases (installed - hits), expiries (a return that found its lease expire
 (adaptive), and device KV held by leases in GiB x s (``lease_token_s`` x the profile's KV bytes per token);
 ratios of adaptive to the best fixed tau of that workload (best = lowest median SCT p50; p95 against the
 best p95), as a ratio of medians and paired per seed (``compare``: each seed's adaptive run over the same
-seed's best-fixed run; the simulator is deterministic, so this removes the seed-to-seed spread). The goal (issue 14): adaptive <= best fixed on SCT with less GiB x s, on every workload, with
-the same knobs.
+seed's best-fixed run; the simulator is deterministic, so this removes the seed-to-seed spread). The goal
+(issue 14): adaptive <= best fixed on SCT with less GiB x s, on every workload, with the same knobs.
 """
 
 from __future__ import annotations

@@ -135,12 +135,12 @@ class PlacementConfig(_Strict):
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "
                                  "instance where its model is active: its decode slows their steps by the learned decode-by-batch slope "
                                  "(and, with imposed_prefill, its prefill stalls each running call; issue 12); false = the call's own latency only")
+    imposed_prefill: bool = Field(False, description="with charge_imposed: also charge the stall the call's prefill imposes on each "
+                                  "running call (default: only the decode slowdown; issue 12, see bench/README.md)")
     retention_learned_gap: bool = Field(False, description="a fixed-tau lease's retention hint to the engine carries the return-gap "
                                         "distribution the router learned for (model, tool), so the engine's slot hold and session-KV "
                                         "eviction weigh the return by it instead of taking it as certain within tau; placement keeps "
                                         "the lease's cliff (issue 12; adaptive leases always carry theirs)")
-    imposed_prefill: bool = Field(False, description="with charge_imposed: also charge the stall the call's prefill imposes on each "
-                                  "running call (default: only the decode slowdown; issue 12, see bench/README.md)")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
                                   "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")

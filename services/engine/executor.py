@@ -586,15 +586,15 @@ class Engine:
         """Prepack the CPU linears (model/packed.py; mutates the model): None = where measured to pay (bf16 on
         CPU) and only for a model this engine loaded itself (an arena-bound model's weights are rewritten in place).
         ``decode_gemm`` ``auto``: packed linears also get the decode-step kernel where the CPU has AVX-512 BF16
-        (model/decode_gemm.py); ``off``: oneDNN for every step. Sets ``self.decode_gemm`` (on or not)."""
+        (model/decode_gemm.py); ``off``: oneDNN for every step. Sets ``self.decode_gemm``: whether the (now) packed
+        model runs it, read from the model, so a model packed before it came here is reported as it is."""
         if decode_gemm not in ("auto", "off"):
             raise ValueError(f"decode_gemm must be 'auto' or 'off', got {decode_gemm!r}")
         if packed_weights is None:
             packed_weights = own_model and can_pack(self.device, self.dtype)
-        gemm = load_decode_gemm() if packed_weights and decode_gemm == "auto" and self.device.type == "cpu" else None
         if packed_weights and not self.model.is_packed:
-            self.model.pack_weights(gemm)
-        self.decode_gemm = gemm is not None and self.model.is_packed
+            self.model.pack_weights(load_decode_gemm() if decode_gemm == "auto" and self.device.type == "cpu" else None)
+        self.decode_gemm = self.model.is_packed and self.model.lm_head_packed.gemm is not None  # what the model runs
 
     def _log_kernels(self) -> None:
         """On a CPU, log once which path each kernel takes (operators ask which ISA serves). Mutates nothing."""
