@@ -508,7 +508,7 @@ class _Entry(NamedTuple):
     base_reject: str  # "unhealthy" | "stale" | ""
     curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
     joins: int  # calls whose prefill stall is charged (running + forwarded since the snapshot); 0: none or not charged
-    slowdown: float  # seconds per decode step imposed on the running calls together (their count x the per-sequence slope)
+    slowdown: float  # seconds per decode step imposed on the running + forwarded calls together (their count x the per-sequence slope)
 
 
 def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams) -> tuple[int, float]:
