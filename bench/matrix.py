@@ -182,7 +182,8 @@ def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int 
         "namespace": f"bm{uuid.uuid4().hex[:8]}",
         "models_dir": str(models_dir),
         "synthesize_models": False,
-        "router": {"port": 0},
+        # every placement with its Eq. 1 breakdown, kept for the run's decisions.json (a few hundred bytes each)
+        "router": {"port": 0, "placement": {"decisions_kept": 20000}},
         "engines": [eng(0), eng(1)],
     }
     tf = TelemetryConfig.model_fields
@@ -196,6 +197,15 @@ def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int 
     if tel:
         cfg["telemetry"] = tel
     return cfg
+
+
+async def _router_decisions(client, api: str, since_unix: float) -> list[dict[str, Any]]:
+    """The replay's placement decisions (``GET /router/decisions``, newest last) with their cost breakdowns,
+    the warm-up's left out; empty when this build's router does not serve them."""
+    r = await client.get(f"{api}/router/decisions")
+    if r.status_code != 200:
+        return []
+    return [d for d in r.json().get("decisions", []) if d.get("at_unix", 0.0) >= since_unix]
 
 
 # ------------------------------------------------------------------------------ engine snapshots
@@ -346,6 +356,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
             cpu = {k: v - cpu_before.get(k, 0.0) for k, v in stack_cpu_seconds(stack).items()}
             await asyncio.sleep(1.0)  # the last heartbeats, hooks and records
             after = (await client.get(f"{api}/health")).json()
+            decisions = await _router_decisions(client, api, w0)
         kv_after = _kvstore_stats(stack)
         switches = listener.window(w0, w1)
         recs = _read_records(records, w0, w1 + 1.0)
@@ -356,6 +367,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
             "kvstore_before": kv_before, "kvstore_after": kv_after, "records": recs, "records_note": note,
         }
         (cdir / "replay.json").write_text(json.dumps(res.to_json()))
+        (cdir / "decisions.json").write_text(json.dumps(decisions))
         (cdir / "telemetry.json").write_text(json.dumps({k: v for k, v in telemetry.items() if k != "records"}, indent=1, default=str))
         summary = summarize_run(res, telemetry)
         summary["stack_up_s"] = up_s
