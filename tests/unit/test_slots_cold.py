@@ -12,6 +12,7 @@ from services.engine.slots import Phase, SlotPolicy
 from services.engine.slotted import SlottedColdEngine
 from services.engine.types import EngineRequest, SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
+from talaria.switch_path import SwitchPath
 
 PAGE = 4
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -200,3 +201,8 @@ def test_heartbeat_carries_each_models_predicted_slot_wait(synth_models):
     assert {m.model: m.slot_wait_s for m in snap.models} == pytest.approx(waits)
     while ce.has_unfinished():
         ce.step()
+    # idle with the last slot still open (no decision runs without work): its work is done, so another
+    # model waits only for the switch (and at most a step), never for the rest of the slot's budget
+    idle = ce.stats()
+    other = next(m for m in idle.models if not m.active)
+    assert other.slot_wait_s <= ce.slots.costs.switch(SwitchPath.HOST_ONLY) + ce.slots.costs.decode_step_at(ce.active, 1) + 1e-9

@@ -155,6 +155,7 @@ class SlotScheduler(MeasuredCosts):
         self._last_t: float | None = None
         self._last_kind: Phase = Phase.IDLE
         self._last_served: str | None = None
+        self._seen: tuple[InstanceView, float] | None = None  # the last decision's view and time (slot_waits)
         self._rounds = 0
         self.summaries: deque[RoundSummary] = deque(maxlen=max_summaries)
         self._unpublished: list[RoundSummary] = []
@@ -164,6 +165,7 @@ class SlotScheduler(MeasuredCosts):
     # ================================================================== public API
     def decide(self, view: InstanceView, now: float) -> Decision:
         self._account(now)
+        self._seen = (view, now)
         d = self._decide(view, now)
         self._last_kind = d.phase
         if d.run_step and self._slot is not None:
@@ -207,22 +209,43 @@ class SlotScheduler(MeasuredCosts):
         """Predicted seconds until each model of the open round gets its slot (issue 12, Eq. 1's wait term for
         a cold instance): 0 for the model holding the slot; for a model still to be served this round, what
         is left of the current slot plus, per slot before it, one switch (measured, host-only) and that
-        slot's length (its protected decode plus its share of the prefill pool). A model outside the round
-        gets the whole rest of the round plus one switch. Empty when no slot is open (an idle instance
-        switches at once: the router prices that switch itself). Pure read."""
+        slot's length. A slot ends at its budget or when its model runs out of work (``_decide`` closes it
+        then, unless it holds for returns), so each slot's length is the smaller of its budget (protected
+        decode plus its share of the prefill pool) and the work the last decision's view showed for its
+        model, less the time since that view. A model outside the round gets the whole rest of the round plus
+        one switch. Empty when no slot is open (an idle instance switches at once: the router prices that
+        switch itself). Pure read."""
         s, r = self._slot, self._round
         if s is None or r is None:
             return {}
         switch = self.costs.switch(SwitchPath.HOST_ONLY)
+        view, seen_at = self._seen if self._seen is not None else (None, now)
+        since = max(0.0, now - seen_at)
         left = max(0.0, s.budget_s - (now - s.opened))
+        if view is not None and s.phase is not Phase.HOLD:  # a hold keeps the slot open past its work (hold.py)
+            left = min(left, max(0.0, self._work_s(view.model(s.model)) - since))
         todo = [m for m in r.order if m not in r.served and m != s.model]
         share = max(0.0, r.plan.prefill_pool_s - r.prefill_used_s) / max(1, len(todo) + 1)
         out = {s.model: 0.0}
         for m in todo:
             out[m] = left + switch
-            left += switch + r.plan.reserved_iters.get(m, 0) * r.plan.decode_step_s.get(m, 0.0) + share
+            slot = r.plan.reserved_iters.get(m, 0) * r.plan.decode_step_s.get(m, 0.0) + share
+            if view is not None:
+                slot = min(slot, self._work_s(view.model(m)))
+            left += switch + slot
         out[""] = left + switch  # any other model: after the round's remaining slots
         return out
+
+    def _work_s(self, mv: ModelView) -> float:
+        """Predicted seconds of the work a view shows for one model: its queued calls' prefill (and restore)
+        and the longest decode among its running and queued calls (``max_tokens``: an upper bound), at the
+        batch those calls make. Pure read of the cost model."""
+        if not mv.has_work:
+            return 0.0
+        host_kv = self.policy.host_kv
+        prefill = sum(self.costs.call(c, host_kv).seconds for c in mv.queued)
+        iters = max([mv.max_remaining_decode, *(c.max_tokens for c in mv.queued)])
+        return prefill + iters * self.costs.decode_step_at(mv.model, mv.running + len(mv.queued))
 
     # ================================================================== time accounting
     def _account(self, now: float) -> None:
