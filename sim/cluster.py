@@ -248,7 +248,8 @@ class Simulation:
         # host_kv stays False: each simulated instance's host tier is its own (a per-node CPU store, as in the
         # paper), so no other instance can restore from it (the real stack's kvstore is shared: wire.py sets it)
         staged = inst.staging[0] if inst.staging else None
-        waits = inst.scheduler.slot_waits(now) if inst.pool == "cold" else {}  # as the engine's SlotStats
+        idle = not inst.running and not inst.waiting  # as the engine's SlotStats (slotted._refresh_gauges)
+        waits = inst.scheduler.slot_waits(now, idle) if inst.pool == "cold" else {}
         for m in inst.loaded:
             snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
                                              num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))

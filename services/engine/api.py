@@ -131,7 +131,7 @@ class ModelStats:
     max_context: int
     num_running: int
     num_waiting: int
-    slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until this model's slot (0: it holds it)
+    slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until the switch into this model starts (0: it holds the slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,7 @@ class SlotStats:
     attainment: float = 1.0  # per-token deadlines met since the epoch began (tracked in both modes)
     ttft_attainment: float = 1.0  # first tokens within their TTFT target
     gap_p99_s: float = 0.0  # p99 inter-token gap
-    slot_wait_s: tuple[tuple[str, float], ...] = ()  # issue 12: (model, predicted s until its slot); "" = any other
+    slot_wait_s: tuple[tuple[str, float], ...] = ()  # issue 12: (model, predicted s until its switch starts); "" = any other
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,7 +181,11 @@ class SlottedColdEngine(ColdEngine):
 
     def _refresh_gauges(self) -> None:
         super()._refresh_gauges()
-        st = self.slots.status(self.clock())  # the pure policy is not thread-safe: read at step boundaries
+        # the pure policy is not thread-safe: read at step boundaries; idle (nothing queued or running): the
+        # slot the last step left open closes at the next decision, so no model waits for it
+        with self._intake_lock:
+            idle = not self._live
+        st = self.slots.status(self.clock(), idle=idle)
         dl = self.deadlines.totals()  # per-token deadlines, scored in both modes (issue 16)
         self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]),
                                     int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s,

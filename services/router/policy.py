@@ -136,7 +136,7 @@ class ModelRes:
     loaded: bool = False  # weights resident (a replica exists here)
     active: bool = False  # currently serving (hot: always)
     staged: bool = False  # weights (partly) pre-staged for a switch
-    wait_s: float = 0.0  # cold instance with rounds: predicted seconds until this model's slot (engine-reported)
+    wait_s: float = 0.0  # cold instance with rounds: predicted seconds until the switch into this model starts (engine-reported)
 
 
 @dataclass(frozen=True, slots=True)

@@ -291,7 +291,7 @@ class DeadlineScheduler(MeasuredCosts):
         out, self._unpublished = self._unpublished, []
         return out
 
-    def slot_waits(self, now: float) -> dict[str, float]:
+    def slot_waits(self, now: float, idle: bool = False) -> dict[str, float]:
         """No slots to wait for: a call's model is switched to when its deadline is due (the round
         scheduler's heartbeat field, empty here). Pure."""
         return {}
@@ -304,7 +304,9 @@ class DeadlineScheduler(MeasuredCosts):
         self._epoch = None
         return s
 
-    def status(self, now: float) -> dict:
+    def status(self, now: float, idle: bool = False) -> dict:
+        """Heartbeat fields (no slot waits: token deadlines have no rounds; ``idle`` is accepted for the
+        executor's one call shape)."""
         tot = self.tracker.totals()
         out = dict(self.totals)
         out.update({

@@ -188,8 +188,9 @@ class SlotScheduler(MeasuredCosts):
         self._account(now)
         return self._close_round(now)
 
-    def status(self, now: float) -> dict:
-        """Heartbeat fields: the open round's remaining time, deadline risk and shortfall (Talaria §3.4)."""
+    def status(self, now: float, idle: bool = False) -> dict:
+        """Heartbeat fields: the open round's remaining time, deadline risk and shortfall (Talaria §3.4), and
+        the models' slot waits (``idle``: the executor has no call queued or running)."""
         r = self._round
         last = self.summaries[-1] if self.summaries else None
         out = dict(self.totals)
@@ -201,22 +202,23 @@ class SlotScheduler(MeasuredCosts):
             "infeasible": list(r.plan.infeasible if r else (last.infeasible if last else ())),
             "active_model": self._slot.model if self._slot else None,
             "phase": self._last_kind.value,
-            "slot_wait_s": self.slot_waits(now),
+            "slot_wait_s": self.slot_waits(now, idle),
         })
         return out
 
-    def slot_waits(self, now: float) -> dict[str, float]:
-        """Predicted seconds until each model of the open round gets its slot (issue 12, Eq. 1's wait term for
-        a cold instance): 0 for the model holding the slot; for a model still to be served this round, what
-        is left of the current slot plus, per slot before it, one switch (measured, host-only) and that
-        slot's length. A slot ends at its budget or when its model runs out of work (``_decide`` closes it
-        then, unless it holds for returns), so each slot's length is the smaller of its budget (protected
-        decode plus its share of the prefill pool) and the work the last decision's view showed for its
-        model, less the time since that view. A model outside the round gets the whole rest of the round plus
-        one switch. Empty when no slot is open (an idle instance switches at once: the router prices that
-        switch itself). Pure read."""
+    def slot_waits(self, now: float, idle: bool = False) -> dict[str, float]:
+        """Predicted seconds until the switch to each model of the open round can start (issue 12, Eq. 1's
+        wait term for a cold instance; the router adds the switch itself, priced by its path): 0 for the
+        model holding the slot; for a model still to be served this round, what is left of the current slot
+        plus, per slot before it, one switch (measured, host-only) and that slot's length. A slot ends at its
+        budget or when its model runs out of work (``_decide`` closes it then, unless it holds for returns),
+        so each slot's length is the smaller of its budget (protected decode plus its share of the prefill
+        pool) and the work the last decision's view showed for its model, less the time since that view. A
+        model outside the round waits for the whole rest of the round. Empty when no slot is open, or when the
+        executor says it is ``idle`` (no call queued or running: the open slot is a leftover the next decision
+        closes, so the instance switches at once). Pure read."""
         s, r = self._slot, self._round
-        if s is None or r is None:
+        if s is None or r is None or idle:
             return {}
         switch = self.costs.switch(SwitchPath.HOST_ONLY)
         view, seen_at = self._seen if self._seen is not None else (None, now)
@@ -228,12 +230,12 @@ class SlotScheduler(MeasuredCosts):
         share = max(0.0, r.plan.prefill_pool_s - r.prefill_used_s) / max(1, len(todo) + 1)
         out = {s.model: 0.0}
         for m in todo:
-            out[m] = left + switch
+            out[m] = left
             slot = r.plan.reserved_iters.get(m, 0) * r.plan.decode_step_s.get(m, 0.0) + share
             if view is not None:
                 slot = min(slot, self._work_s(view.model(m)))
             left += switch + slot
-        out[""] = left + switch  # any other model: after the round's remaining slots
+        out[""] = left  # any other model: after the round's remaining slots
         return out
 
     def _work_s(self, mv: ModelView) -> float:
