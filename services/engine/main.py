@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from talaria.config import EngineConfig, StackConfig
 
@@ -33,6 +34,16 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         tune_allocator()
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"engine {cfg.id}: device {cfg.device!r} requested but CUDA is not available")
+    if cfg.device.startswith("cpu"):
+        # build (or load from torch's extension cache) the CPU kernels now, before the engine is ready: built
+        # lazily they would land in the first model's first activation, and the cold engine would learn a
+        # one-time compile (~1 min on 2 cores) as its switch cost (issue 12: every policy priced a switch at
+        # a minute until enough real switches washed it out)
+        from services.engine.model.paged_attn import load_extension
+
+        t0 = time.perf_counter()
+        ok = load_extension() is not None
+        log.info("engine %s: CPU kernels %s in %.1f s", cfg.id, "ready" if ok else "unavailable (eager paths)", time.perf_counter() - t0)
     if cfg.pool == "cold":
         return build_cold_engine(stack, cfg)
     path = stack.model_path(cfg.models[0])

@@ -198,3 +198,29 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_but_a_live_build_is_wait
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_two_checkouts_of_the_same_sources_build_into_different_cache_directories(tmp_path, monkeypatch):
+    """torch's build file names the sources by absolute path: two checkouts sharing one cache directory
+    rebuilt each other's extension (~1 min) every time the other loaded it, and the engine learned that
+    build as its first switch (issue 12). The cache name hashes the sources' directory as well as their
+    bytes; the same checkout keeps its name."""
+    import shutil
+
+    from services.engine.model import paged_attn as pa
+
+    def tag_of(root):
+        root.mkdir()
+        for p in (*pa._SOURCES, *pa._HEADERS):
+            shutil.copy(p, root / p.name)
+        monkeypatch.setattr(pa, "_SOURCES", [root / p.name for p in pa._SOURCES])
+        monkeypatch.setattr(pa, "_HEADERS", [root / p.name for p in pa._HEADERS])
+        return pa._source_tag()
+
+    here = pa._source_tag()
+    a, b = tag_of(tmp_path / "a"), tag_of(tmp_path / "b")
+    assert a != b and here not in (a, b)
+    assert tag_of(tmp_path / "c") != b  # and stable per place: the same directory, the same name
+    monkeypatch.setattr(pa, "_SOURCES", [tmp_path / "a" / p.name for p in pa._SOURCES])
+    monkeypatch.setattr(pa, "_HEADERS", [tmp_path / "a" / p.name for p in pa._HEADERS])
+    assert pa._source_tag() == a

@@ -40,8 +40,8 @@ SmolLM2 bf16 decode step at ~2,000-token contexts 26.9 -> 24.1 ms (batch 1), 61.
 Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_extension`; the same
 extension carries the fused elementwise ops of ``fused_ops.cpp``, see ``fused_ops.py``), cached in torch's
 extension directory (a rebuild only when a source or the flags change). ``-O3 -march=native``; the extension
-name carries a hash of the CPU's flags so a cache shared by another CPU is not loaded, and one of the sources so
-two checkouts (or versions) never build over each other's cache. Builds and loads of one cache directory are
+name carries a hash of the CPU's flags so a cache shared by another CPU is not loaded, and one of the sources and
+their directory so two checkouts (or versions) never build over each other's cache. Builds and loads of one cache directory are
 serialized by a ``flock`` (:func:`_build_guard`), which also clears the lock file a killed build leaves behind
 (torch would otherwise wait on it forever). Needs a C++ compiler
 and ``ninja`` (the PyPI package, a runtime requirement: its ``bin`` directory is put on ``PATH`` for the
@@ -86,12 +86,15 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    """A short hash of the sources: checkouts with different sources (worktrees, versions) build into
-    different cache directories instead of rebuilding over each other's extension."""
+    """A short hash of the sources and where they are: checkouts (worktrees, versions) build into different
+    cache directories instead of rebuilding over each other's extension. The directory counts even for
+    identical sources: torch's build file names the sources by absolute path, so a second checkout would
+    rewrite it and ninja would rebuild (~1 min on 2 cores) every time the other checkout loaded it."""
     h = hashlib.sha1()
     for p in (*_SOURCES, *_HEADERS):
         h.update(p.read_bytes())
     h.update(" ".join(_CFLAGS).encode())
+    h.update(str(_SOURCES[0].resolve().parent).encode())
     return h.hexdigest()[:8]
 
 
