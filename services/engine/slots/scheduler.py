@@ -238,15 +238,17 @@ class SlotScheduler(MeasuredCosts):
         out[""] = left  # any other model: after the round's remaining slots
         return out
 
-    def _work_s(self, mv: ModelView) -> float:
+    def _work_s(self, mv: ModelView, max_iters: int | None = None) -> float:
         """Predicted seconds of the work a view shows for one model: its queued calls' prefill (and restore)
-        and the longest decode among its running and queued calls (``max_tokens``: an upper bound), at the
-        batch those calls make. Pure read of the cost model."""
+        and the longest decode among its running and queued calls (``max_tokens``: an upper bound; at most
+        ``max_iters`` iterations when given), at the batch those calls make. Pure read of the cost model."""
         if not mv.has_work:
             return 0.0
         host_kv = self.policy.host_kv
         prefill = sum(self.costs.call(c, host_kv).seconds for c in mv.queued)
         iters = max([mv.max_remaining_decode, *(c.max_tokens for c in mv.queued)])
+        if max_iters is not None:
+            iters = min(iters, max_iters)
         return prefill + iters * self.costs.decode_step_at(mv.model, mv.running + len(mv.queued))
 
     # ================================================================== time accounting
@@ -552,8 +554,7 @@ class SlotScheduler(MeasuredCosts):
         wait = min(rest, max(0.0, left_s)) if view.can_park else rest
         for m in others:
             d_m = r.plan.reserved_iters.get(m.model) or reserved_iterations(r.plan.bound_s, pol.tpot_s)
-            iters = min(d_m, max(m.max_remaining_decode, max((c.max_tokens for c in m.queued), default=0)))
             wait += self.costs.switch(expected_path(view.staged_fraction.get(m.model), pol.d2d_staging))
-            wait += sum(self.costs.call(c, pol.host_kv).seconds for c in m.queued) + iters * self.costs.decode_step_at(m.model, m.running + len(m.queued))
+            wait += self._work_s(m, max_iters=d_m)  # its queued prefill and its protected decode
         wait += self.costs.switch(expected_path(view.staged_fraction.get(s.model), pol.d2d_staging))
         return SpGain(wait, sum(len(m.queued) + m.running for m in others), decoding)
