@@ -132,6 +132,7 @@ class ModelStats:
     num_running: int
     num_waiting: int
     slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until the switch into this model starts (0: it holds the slot)
+    profile: CostStats | None = None  # this model's own measured costs (None: not measured here yet; issue 12)
 
 
 @dataclass(frozen=True, slots=True)

@@ -560,6 +560,16 @@ class ColdEngine:
     def _slot_stats(self) -> SlotStats | None:
         return None  # the idle switch rule has no rounds (slotted.SlottedColdEngine has)
 
+    def _model_costs(self, model: str) -> CostStats | None:
+        """The model's own measured costs (its shell's executor and host tier; any thread), None while it
+        has measured nothing here: the models of one cold instance differ in size, so the router prices a
+        call with its model's costs, not the active model's (issue 12). Pure read."""
+        sh = self._shells.get(model)
+        if sh is None:
+            return None
+        cs = sh.engine.cost_stats()
+        return cs if cs.prefill_per_token or cs.decode_step or cs.prefill_by_context or cs.decode_by_batch else None
+
     def stats(self) -> EngineStats:
         """Built now (any thread; never waits for a step): the active shell's stats, one ``ModelStats``
         per loaded catalog model, sessions of every model's device cache and host tier."""
@@ -578,7 +588,8 @@ class ColdEngine:
         waits = dict(slots.slot_wait_s) if slots is not None else {}
         models = tuple(
             ModelStats(m, True, m == active, m in staged, self._info[m].max_context, running if m == active else 0,
-                       max(per_model.get(m, 0) - (running if m == active else 0), 0), waits.get(m, waits.get("", 0.0)))
+                       max(per_model.get(m, 0) - (running if m == active else 0), 0), waits.get(m, waits.get("", 0.0)),
+                       self._model_costs(m))
             for m in list(self.loaded)
         )
         sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where == "device"]

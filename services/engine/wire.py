@@ -6,7 +6,7 @@ what comes back: token chunks, completion hooks, snapshots, switch records and r
 
 from __future__ import annotations
 
-from services.engine.api import EngineStats, SessionInfo
+from services.engine.api import CostStats, EngineStats, SessionInfo
 from services.engine.types import SamplingParams
 from talaria.config import EngineConfig
 from talaria.switch_path import costs_to_proto
@@ -113,6 +113,8 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
             model=m.model, loaded=m.loaded, active=m.active, staged=m.staged, max_context=m.max_context,
             num_running=m.num_running, num_waiting=m.num_waiting, slot_wait_s=m.slot_wait_s,
         ))
+        if m.profile is not None:  # the model's own costs (switch costs stay in the instance profile)
+            snap.models[-1].cost.CopyFrom(cost_profile(m.profile, with_restore=st.host_kv, with_switches=False))
     if cfg.pool == "cold":
         snap.staging_slack_bytes = st.staging_slack_bytes
         snap.num_switches = st.num_switches
@@ -137,11 +139,17 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
             state=_KV_STATE[s.where], last_use_unix=s.last_use_unix,
         ))
     snap.host_kv = bool(st.host_kv)  # restores what the shared kvstore holds, whoever wrote it (router: host_prefix)
-    p = st.profile
-    snap.profile.CopyFrom(pb.CostProfile(
-        prefill_per_token=p.prefill_per_token, decode_step=p.decode_step, switch_costs=costs_to_proto(dict(p.switch_by_path)),
-        restore_per_token=p.restore_per_token if st.host_kv else 0.0,
+    snap.profile.CopyFrom(cost_profile(st.profile, with_restore=st.host_kv, with_switches=True))
+    return snap
+
+
+def cost_profile(p: CostStats, *, with_restore: bool, with_switches: bool) -> pb.CostProfile:
+    """The wire form of measured costs: the instance's (``InstanceSnapshot.profile``, with its switch costs)
+    or one model's (``ModelState.cost``). The restore cost only where a host KV tier restores."""
+    return pb.CostProfile(
+        prefill_per_token=p.prefill_per_token, decode_step=p.decode_step,
+        switch_costs=costs_to_proto(dict(p.switch_by_path)) if with_switches else [],
+        restore_per_token=p.restore_per_token if with_restore else 0.0,
         prefill_by_context=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in p.prefill_by_context],
         decode_by_batch=[pb.LearnedCost(at=a, seconds=s, samples=n) for a, s, n in p.decode_by_batch],
-    ))
-    return snap
+    )

@@ -116,6 +116,7 @@ class Gateway:
         self._recheck: set[tuple[float, str]] = set()  # heap entries re-pushed at a deadline's boundary
         self._armed: dict[str, float] = {}  # id -> its one deadline entry on the heap
         self._priced: dict[str, object] = {}  # id -> the policy.Profile the book gave when the instance last reported
+        self._priced_models: dict[str, dict] = {}  # cold id -> model -> its policy.Profile then (None: the instance's prices it)
         self._leases_synced = False  # _lease_counts mirrors the table's live counts (fixed leases)
         self.work: Counter = Counter()  # states_built, index_puts, deadlines_void: the refresh's work, counted
         self._primed = False
@@ -146,10 +147,17 @@ class Gateway:
             self.profiles.forget(snap.instance_id)
         if not self.registry.observe(snap):
             return False
-        p = snap.profile
+        p, group = snap.profile, peer_group(snap)
         self.profiles.observe(snap.instance_id, p.prefill_per_token, p.decode_step, p.restore_per_token, costs_from_proto(p.switch_costs),
-                              points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch), peer_group(snap))
-        self._priced[snap.instance_id] = self.profiles.profile(snap.instance_id)
+                              points_from_proto(p.prefill_by_context), points_from_proto(p.decode_by_batch), group)
+        base = self._priced[snap.instance_id] = self.profiles.profile(snap.instance_id)
+        if snap.pool == pb.POOL_COLD:  # a hot instance's profile is its one model's already
+            for m in snap.models:
+                if m.HasField("cost"):
+                    c = m.cost
+                    self.profiles.observe_model(snap.instance_id, m.model, c.prefill_per_token, c.decode_step, c.restore_per_token,
+                                                points_from_proto(c.prefill_by_context), points_from_proto(c.decode_by_batch), group)
+            self._priced_models[snap.instance_id] = {m.model: self.profiles.model_profile(snap.instance_id, m.model, base) for m in snap.models}
         self._absorb()
         return True
 
@@ -303,7 +311,7 @@ class Gateway:
         router's arrival rate over all models, spread over the instances) -- in proportion to how busy the
         instance is (calls running, waiting and forwarded over its decode slots): a lease on an instance
         with free slots delays nobody. Pure read."""
-        prof = self.profiles.profile(instance_id)
+        prof = self._priced_models.get(instance_id, {}).get(model) or self.profiles.profile(instance_id)
         per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
         shape = self.shapes.shape(model)
         mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
@@ -341,11 +349,13 @@ class Gateway:
             return cached[2], cached[3]
         spec = self.pools.get(v.instance_id)
         cold = snap.pool == pb.POOL_COLD or (spec is not None and spec.pool == "cold")
+        priced = self._priced_models.get(v.instance_id, {})
         models: dict[str, ModelRes] = {}
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
                 models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
-                                           wait_s=m.slot_wait_s if cold and not m.active and self.params.slot_wait else 0.0)
+                                           wait_s=m.slot_wait_s if cold and not m.active and self.params.slot_wait else 0.0,
+                                           profile=priced.get(m.model))
         if cold and spec is not None:
             for name in spec.models:
                 models.setdefault(name, ModelRes())

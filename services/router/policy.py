@@ -137,6 +137,9 @@ class ModelRes:
     active: bool = False  # currently serving (hot: always)
     staged: bool = False  # weights (partly) pre-staged for a switch
     wait_s: float = 0.0  # cold instance with rounds: predicted seconds until the switch into this model starts (engine-reported)
+    # issue 12: this model's own measured costs on the instance (its peers' for the same model where it has
+    # measured none); None: the instance's profile prices it. Switch costs are always the instance's.
+    profile: Profile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +402,7 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
     """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2), from the instance's
     per-snapshot terms ``e`` and where the call's prefix is on it (``pressure`` None: the entry's;
     ``c_kv`` None: the prefix is recomputed there). The one place Eq. 1 is written."""
-    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject, curve, joins, slowdown = e  # once (hot path)
+    _, iid, ppt, ds, e_pressure, calls, cap, pages_total, page, _, act, c_act, reject, curve, joins, slowdown, _ = e  # once (hot path)
     if pressure is None:
         pressure = e_pressure
     prompt_tokens, need_tokens, call_tokens, s_suf, s_dec, dec, budget, s_prompt = c
@@ -448,7 +451,7 @@ def _eq1_special(e: _Entry, state: PlacementState, c: _Call, shared_host: int = 
     if state.lease is not None and state.lease.instance_id == inst.instance_id and inst.overlay_leases > 0:
         p = state.params  # the lease reserved for this very call is not queue ahead of it (weighted: <= 1)
         pressure = queue_pressure(inst, p.admission_unit, p.running_weight, max(0.0, inst.overlay_leases - 1))
-    return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, inst.profile), c)
+    return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, e.prof), c)
 
 
 def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
@@ -509,6 +512,7 @@ class _Entry(NamedTuple):
     curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
     joins: int  # calls whose prefill stall is charged (running + forwarded since the snapshot); 0: none or not charged
     slowdown: float  # seconds per decode step imposed on the running + forwarded calls together (their count x the per-sequence slope)
+    prof: Profile  # the costs of this model on this instance (``model_profile``)
 
 
 def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams) -> tuple[int, float]:
@@ -525,9 +529,18 @@ def _imposed_terms(inst: InstanceState, prof: Profile, act: str, p: PolicyParams
     return (n if p.imposed_prefill else 0), max(0.0, prof.decode_step_at(n + 1) - prof.decode_step_at(1))
 
 
+def model_profile(inst: InstanceState, model: str) -> Profile:
+    """The costs a call of ``model`` is priced with on ``inst``: the model's own (``ModelRes.profile``), else
+    the instance's. A cold instance time-shares models of different sizes; its instance profile is the
+    active model's, so pricing every model with it priced a 7B call on an instance holding a 0.5B one at the
+    0.5B's speed (issue 12). Pure."""
+    res = inst.models.get(model)
+    return res.profile if res is not None and res.profile is not None else inst.profile
+
+
 def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
     """The per-snapshot terms of ``inst`` for ``model`` (computed once per snapshot by the index)."""
-    prof = inst.profile
+    prof = model_profile(inst, model)
     act, c_act = activation(inst, model)
     joins, slowdown = _imposed_terms(inst, prof, act, p)
     return _Entry(
@@ -537,7 +550,7 @@ def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
         hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), act, c_act,
         "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else ""),
         prof if prof.prefill_by_context is not None or prof.decode_by_batch is not None else None,
-        joins, slowdown,
+        joins, slowdown, prof,
     )
 
 
@@ -696,7 +709,7 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
             left_out += 1
             continue
         elif shared > 0 and e.inst.host_kv:  # restores the shared host prefix
-            append(_eq1(e, None, "host", shared, shared * e.inst.profile.restore_per_token, c))
+            append(_eq1(e, None, "host", shared, shared * e.prof.restore_per_token, c))
         else:
             append(_eq1(e, None, src, committed, None, c))
         mu_append(e.mu)

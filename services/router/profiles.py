@@ -65,6 +65,7 @@ class ProfileBook:
         # per peer group, kept sorted as members' values change (a lookup never scans the fleet, see the note):
         self._sorted: dict[tuple, dict[str, list[float]]] = {}  # metric -> the members' EWMAs, ascending
         self._ranked: dict[tuple, tuple[list, list]] = {}  # (prefill, decode) -> [(-samples, id)] of members' curves
+        self._models: dict[str, set[str]] = {}  # instance -> the keys of its models' own costs (``observe_model``)
 
     def observe(
         self, instance_id: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
@@ -95,10 +96,57 @@ class ProfileBook:
                     _move(vals.setdefault(k, []), old, cur[k])
 
     def forget(self, instance_id: str) -> None:
-        self._unindex(instance_id)
-        self._v.pop(instance_id, None)
-        self._curves.pop(instance_id, None)
-        self._group.pop(instance_id, None)
+        """Drop what the instance measured, its models' costs included. Mutates the book."""
+        for key in [instance_id, *self._models.pop(instance_id, ())]:
+            self._unindex(key)
+            self._v.pop(key, None)
+            self._curves.pop(key, None)
+            self._group.pop(key, None)
+
+    # Per-model costs (issue 12): a cold instance serves models of different sizes and its instance profile is
+    # the active model's. Each model's own costs (``ModelState.cost``) are kept under a key of their own whose
+    # peer group is the instance's plus the model, so an instance that has not run a model yet borrows that
+    # model's costs from its peers, never another model's.
+    def observe_model(
+        self, instance_id: str, model: str, prefill_per_token: float, decode_step: float, restore_per_token: float,
+        prefill_by_context=(), decode_by_batch=(), group: tuple = (),
+    ) -> None:
+        """Fold one snapshot's costs of ``model`` on the instance in (``observe`` without switch costs).
+        Mutates: that model's EWMAs, curves and peer views."""
+        key = _model_key(instance_id, model)
+        self._models.setdefault(instance_id, set()).add(key)
+        self.observe(key, prefill_per_token, decode_step, restore_per_token, {}, prefill_by_context, decode_by_batch,
+                     group + (model,) if group else ())
+
+    def model_profile(self, instance_id: str, model: str, base: Profile) -> Profile | None:
+        """The costs of ``model`` on the instance: its own measurements, else its peers' for the same model;
+        what neither measured, ``base``'s (the instance profile); switch costs always ``base``'s. None when
+        nothing about the model is measured here or at a peer (``base`` prices it). Pure read."""
+        key = _model_key(instance_id, model)
+        group = self._group.get(instance_id, ())
+        group = group + (model,) if group else ()  # the model's peers, whether or not this instance measured it
+        own = self._v.get(key, {})
+        peers = self._sorted.get(group, {}) if group else {}
+        curves = self._curves.get(key, (None, None))
+        prefill_curve = curves[0] or self._peer_curve(key, group, 0)
+        decode_curve = curves[1] or self._peer_curve(key, group, 1)
+        if not own and not any(peers.values()) and prefill_curve is None and decode_curve is None:
+            return None
+
+        def cost(name: str, fallback: float) -> float:
+            if name in own:
+                return own[name]
+            seen = peers.get(name)
+            return seen[len(seen) // 2] if seen else fallback
+
+        return Profile(
+            prefill_per_token=cost("prefill_per_token", base.prefill_per_token),
+            decode_step=cost("decode_step", base.decode_step),
+            restore_per_token=cost("restore_per_token", base.restore_per_token),
+            switch_s=base.switch_s, staged_switch_s=base.staged_switch_s, open_s=base.open_s,
+            prefill_by_context=prefill_curve or base.prefill_by_context,
+            decode_by_batch=decode_curve or base.decode_by_batch,
+        )
 
     def _index(self, instance_id: str) -> None:
         """Add the instance's values and curves to its group's sorted views. Mutates them."""
@@ -173,6 +221,10 @@ class ProfileBook:
             if neg >= 0:
                 break
         return None
+
+
+def _model_key(instance_id: str, model: str) -> str:
+    return f"{instance_id}\x1f{model}"
 
 
 def _samples(c: CostCurve) -> int:

@@ -125,3 +125,73 @@ def test_slot_scheduler_learns_curves_from_a_real_cold_engines_steps(synth_model
 
     c = CallView("q", "tiny-llama", 0.0, 150, 4, "", 0, "missing", False)
     assert costs.call(c).seconds < 150 * prior.prefill_per_token / 1000
+
+
+def _cold_snapshot(ce, iid: str, models, seq: int = 1):
+    from services.engine import wire
+    from talaria.config import EngineConfig
+    from talaria.v1 import engine_pb2 as pb
+
+    snap = wire.instance_snapshot(EngineConfig(id=iid, pool="cold", models=list(models)), ce.stats(), [], epoch=1, seq=seq,
+                                  draining=False, rounds=0)
+    snap.sent_unix = 0.0
+    return pb.InstanceSnapshot.FromString(snap.SerializeToString())  # over the wire
+
+
+def test_router_prices_each_model_of_a_cold_instance_with_that_models_own_measured_costs(synth_models):
+    """Issue 12: a cold instance's profile is its active model's; a call of another model is priced with that
+    model's own costs from the heartbeat (``ModelState.cost``), and a peer that has not run the model yet
+    borrows them, never another model's."""
+    from services.engine.cold import ColdEngine
+    from services.engine.types import EngineRequest, SamplingParams
+    from services.router.gateway import Gateway, PoolSpec
+    from services.router.leases import LeaseTable
+    from services.router.policy import PolicyParams, model_profile
+    from services.router.profiles import ShapeBook
+    from services.router.registry import Registry
+    from services.router.sessions import SessionTable
+    from talaria.clock import ManualClock
+
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+    a = ColdEngine({m: synth_models[m] for m in models}, page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
+    b = ColdEngine({m: synth_models[m] for m in models}, page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+
+    def run(ce, calls):
+        for i, (m, n) in enumerate(calls):
+            ce.add_request(EngineRequest(f"{m}-{i}", list(range(3, 3 + n)), sp, model=m))
+            while ce.has_unfinished():
+                ce.step()
+
+    run(a, [("tiny-llama", 120), ("tiny-qwen2", 12)])  # a: llama measured at a long context, then qwen2 active
+    run(b, [("tiny-qwen3", 12)])  # b: only qwen3
+    assert a.active == "tiny-qwen2" and b.active == "tiny-qwen3"
+    sa, sb = _cold_snapshot(a, "a", models), _cold_snapshot(b, "b", models)
+    own = {m.model: m for m in sa.models}
+    llama = a._shells["tiny-llama"].engine.cost_stats()
+    assert [(c.at, c.seconds, c.samples) for c in own["tiny-llama"].cost.prefill_by_context] == list(llama.prefill_by_context)
+    assert list(llama.prefill_by_context) != list(a._shells["tiny-qwen2"].engine.cost_stats().prefill_by_context)
+    assert not own["tiny-qwen3"].HasField("cost")  # never activated on a: nothing measured there
+
+    clock = ManualClock()
+    reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
+    gw = Gateway(PolicyParams(), reg, SessionTable(clock), LeaseTable(), clock.now, tau_s=0,
+                 pools={i: PoolSpec("cold", models, 4) for i in ("a", "b")}, shapes=ShapeBook())
+    assert gw.on_snapshot(sa) and gw.on_snapshot(sb)
+    gw.on_snapshot(_cold_snapshot(a, "a", models, seq=2))  # a again, after its peer b reported
+    states = {st.instance_id: st for st in gw.instance_states()}
+    sta, stb = states["a"], states["b"]
+
+    def points(p):
+        return [(x, n) for x, _s, n in p.prefill_by_context.points()]
+
+    # a prices llama with llama's own curve, not with its instance profile (the active qwen2's)
+    assert points(model_profile(sta, "tiny-llama")) == [(x, n) for x, _s, n in llama.prefill_by_context]
+    assert points(sta.profile) != points(model_profile(sta, "tiny-llama"))
+    # b never ran llama: it borrows a's llama costs; a never ran qwen3: it borrows b's
+    assert points(model_profile(stb, "tiny-llama")) == points(model_profile(sta, "tiny-llama"))
+    qwen3 = b._shells["tiny-qwen3"].engine.cost_stats()
+    assert points(model_profile(sta, "tiny-qwen3")) == [(x, n) for x, _s, n in qwen3.prefill_by_context]
+    assert model_profile(sta, "tiny-qwen3").prefill_s(100, 100) == pytest.approx(model_profile(stb, "tiny-qwen3").prefill_s(100, 100))
+    # switch costs stay the instance's
+    assert model_profile(sta, "tiny-llama").switch_s == sta.profile.switch_s
