@@ -250,9 +250,14 @@ class Simulation:
         staged = inst.staging[0] if inst.staging else None
         idle = not inst.running and not inst.waiting  # as the engine's SlotStats (slotted._refresh_gauges)
         waits = inst.scheduler.slot_waits(now, idle) if inst.pool == "cold" else {}
+        costs = inst.scheduler.costs
         for m in inst.loaded:
             snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
                                              num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))
+            if inst.pool == "cold" and costs.measured(m):  # each model's own costs, as the cold engine's ModelState.cost
+                mc = costs.snapshot(m)
+                snap.models[-1].cost.CopyFrom(pb.CostProfile(prefill_per_token=mc["prefill_per_token"], decode_step=mc["decode_step"],
+                                                             restore_per_token=mc["restore_per_token"]))
         for sid, m, tokens, where in inst.sessions():
             snap.sessions.append(pb.SessionState(session_id=sid, model=m, committed_tokens=tokens,
                                                  state=pb.KV_DEVICE if where == "device" else pb.KV_HOST))

@@ -46,6 +46,7 @@ class CostModel:
         self._switch = SwitchCostModel(alpha, priors=self.default.switch_by_path)  # the project's one switch-cost model
         self._prefill_curve: dict[str, CostCurve] = {}  # issue 12 #2: per model, seconds per token by context
         self._decode_curve: dict[str, CostCurve] = {}  # per model, decode-step seconds by batch size
+        self._measured: set[str] = set()  # models with a measured step or restore (not only the injected priors)
 
     def _p(self, model: str) -> CostProfile:
         return self._models.get(model, self.default)
@@ -95,6 +96,7 @@ class CostModel:
             rest -= prefill_tokens * p.prefill_per_token
             p = replace(p, restore_per_token=self._ewma(p.restore_per_token, max(rest, 0.0) / restore_tokens))
         self._models[model] = p
+        self._measured.add(model)
 
     def observe_restore(self, model: str, tokens: int, seconds: float) -> None:
         """One real host KV restore of ``tokens`` tokens that took ``seconds`` (it runs off the executor
@@ -102,6 +104,11 @@ class CostModel:
         if tokens > 0:
             p = self._p(model)
             self._models[model] = replace(p, restore_per_token=self._ewma(p.restore_per_token, seconds / tokens))
+            self._measured.add(model)
+
+    def measured(self, model: str) -> bool:
+        """Whether a step or restore of ``model`` has been measured (its costs are more than the priors)."""
+        return model in self._measured
 
     # ---------------------------------------------------------------- learned curves (issue 12 #2)
     def prefill_seconds(self, model: str, tokens: int, context_end: int) -> float:
