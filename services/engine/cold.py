@@ -289,8 +289,8 @@ class ColdEngine:
 
     def _drain_host_kv(self, model: str) -> None:
         sh = self._shells.get(model)
-        if sh is not None and not sh.engine.drain_checkpoints(timeout=60.0):
-            log.warning("switch barrier: checkpoints of %s did not drain within 60 s; they are abandoned", model)
+        if sh is not None and not sh.engine.release_device_kv(timeout=60.0):
+            log.warning("switch barrier: checkpoints of %s did not leave the device within 60 s; they are abandoned", model)
 
     def info(self, model: str) -> ModelInfo:
         try:

@@ -748,6 +748,12 @@ class Engine:
         with self._step_lock:
             return self.host_kv.drain(timeout) if self.host_kv is not None else True
 
+    def release_device_kv(self, timeout: float | None = None) -> bool:
+        """The cold switch barrier: returns once no checkpoint still reads the device pages (the store writes may
+        go on, ``HostKV.release_device``) and no restore is in flight. Returns False if ``timeout`` passed first."""
+        with self._step_lock:
+            return self.host_kv.release_device(timeout) if self.host_kv is not None else True
+
     def flush_cache(self) -> int:
         """Drop all cached prefixes and session entries not in use; with a write-back host tier their dirty
         sessions are written back first (the pages leave the device; the pins go when the copies are

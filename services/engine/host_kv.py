@@ -28,9 +28,12 @@ thread:
 * ``poll()`` at each step start: returns the transfer pins of finished gathers to the block manager and
   advances restores (reserve, publish).
 
-``drain(timeout)`` is the switch barrier: it writes back every dirty session, waits until every queued checkpoint has been gathered and
-written (or abandoned) and every restore has ended, then returns the pins, so the caller may release the KV region. The cold-pool
-switch calls it through ``Engine.drain_checkpoints()``.
+``release_device(timeout)`` is the switch barrier: it writes back every dirty session, copies the jobs the worker has not
+started into host memory at once (the worker writes those copies to the store after the switch), waits until every other
+queued checkpoint has been gathered off the device and every restore has ended, then returns the pins, so the caller may
+release the KV region. The cold-pool switch calls it through ``Engine.release_device_kv()``. A session whose checkpoint is
+still being written when its next call arrives restores once the write is committed (the restore worker waits for it).
+``drain(timeout)`` waits for everything written and committed (flush; tests and benches).
 
 Failure rule: the store is an optimization. Any control or transfer failure marks it unavailable for
 ``retry_after_s`` (control calls have deadlines, Mooncake fails at once on a dead peer); meanwhile jobs are
@@ -56,7 +59,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,7 +86,7 @@ COUNTERS = (
     "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
     # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
     "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
-    "write_backs_residency", "write_backs_next_switch", "write_backs_flush",
+    "write_backs_residency", "write_backs_next_switch", "write_backs_flush", "switch_host_copies",
 )
 
 
@@ -116,6 +119,13 @@ class _Job:
     queued_ns: int = 0
     release: list[list[int]] | None = None  # issue 14: not a checkpoint but a session end (chains to release)
     gathered: threading.Event | None = None  # set once its pins are handed back (or the job ended)
+    # the switch barrier's copy (``release_device``): the job's pages gathered into host memory by the executor
+    # thread, so the device pages could go before the worker reached the job; ``owned``: the worker is copying
+    # from the device pages itself (then nobody else may). Both under ``lock``.
+    host_copy: torch.Tensor | None = None
+    owned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)  # set when the job ended (committed, dropped or failed)
 
 
 @dataclass(slots=True, eq=False)
@@ -136,6 +146,7 @@ class _Restore:
     outcome: str = ""  # restore | recompute | miss | unavailable
     overhead_s: float = 0.0
     cancelled: bool = False
+    after: tuple[threading.Event, ...] = ()  # the session's checkpoints still being written: the lookup waits for them
 
 
 class HostKV:
@@ -203,6 +214,8 @@ class HostKV:
         self._unpins: deque[list[int]] = deque()  # gathered: pins to return on the executor thread
         self._inflight = 0
         self._idle = threading.Condition()
+        self._copying: list[_Job] = []  # queued checkpoint jobs not finished yet (guarded by _idle)
+        self.release_copy_bytes = max(4 * staging_bytes, 64 << 20)  # the switch barrier's host copies, at most
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.last_decision: RestoreDecision | None = None
         # restores: a worker of their own (a slow store read never stalls the executor thread)
@@ -286,6 +299,7 @@ class HostKV:
         job.gathered = threading.Event()
         with self._idle:
             self._inflight += 1
+            self._copying.append(job)
         self._jobs.put(job)
 
     # ---------------------------------------------------------------- write-back (executor thread)
@@ -370,6 +384,53 @@ class HostKV:
             self.poll()
         return done
 
+    def release_device(self, timeout: float | None = None) -> bool:
+        """The switch barrier (Talaria Appendix B): the outgoing model's KV region may be released once no
+        checkpoint still reads its pages -- not once the store has them. Writes back every dirty session; a
+        job the worker has not started is copied into host memory here, at once (the worker later writes that
+        copy to the store and commits it); a job the worker is copying from the device is waited for until its
+        pages are gathered; then the pins go and every restore ends (they write into the region too). The
+        store writes and commits go on after the switch, so a barrier costs the device->host copies, not the
+        network: before, it waited for each dirty session's Reserve, Mooncake write and Commit in turn (~10 ms
+        a session on the CPU bench, the switches' whole ``save_teardown``). Until its commit a session reads
+        as not in the store (``StoreIndex``): a return meanwhile recomputes, never reads a partial chain.
+        Host copies beyond ``release_copy_bytes`` are not made: those jobs are waited for, as ``drain``.
+
+        Call on the executor thread (or holding its step lock). Mutates: the dirty set, queued jobs (their
+        host copies), transfer pins. Returns False on timeout."""
+        self.write_back(None, "switch")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            jobs = list(self._copying)
+        budget = self.release_copy_bytes
+        for job in jobs:
+            with job.lock:
+                if job.owned or job.host_copy is not None or not job.pages or job.gathered.is_set():
+                    continue
+                need = len(job.pages) * self.page_bytes
+                if need > budget:
+                    continue
+                budget -= need
+                copy = torch.empty((len(job.pages), *self.page_shape), dtype=self.engine.dtype)
+                self._gather(job.pages, copy)
+                job.host_copy = copy
+                pins, job.pages = job.pages, []
+                self.engine.kv.unpin_pages(pins)
+                self.counters["switch_host_copies"] += 1
+                job.gathered.set()
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.gathered.wait(left):
+                return False
+        self.poll()
+        while self._restoring:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.wait_restore(0.05 if left is None else min(left, 0.05))
+            self.poll()
+        return True
+
     @property
     def outstanding(self) -> int:
         return self._inflight
@@ -399,9 +460,13 @@ class HostKV:
                     self._unpins.append(job.pages)
                 if job.gathered is not None:
                     job.gathered.set()
+                job.host_copy = None
                 with self._idle:
                     self._inflight -= 1
+                    if job in self._copying:
+                        self._copying.remove(job)
                     self._idle.notify_all()
+                job.done.set()
 
     def _checkpoint(self, job: _Job) -> None:
         if not self.available():
@@ -418,12 +483,20 @@ class HostKV:
         span.set_attributes({"talaria.kv.new_pages": len(blocks), "talaria.kv.present_pages": r.present_pages, "talaria.kv.capacity_miss_pages": r.capacity_miss_pages})
         written: list[int] = []
         sums: list[int] = []
+        with job.lock:  # the switch barrier may have copied the pages off the device already (release_device)
+            copy = job.host_copy
+            job.owned = copy is None
         try:
             for i in range(0, len(blocks), self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
-                self._gather([job.pages[b.page_index] for b in part])
+                if copy is None:
+                    self._gather([job.pages[b.page_index] for b in part])
+                else:
+                    dst = self._pages_view(self._ckpt_buf, len(part))
+                    idx = torch.tensor([b.page_index for b in part], dtype=torch.int64)
+                    torch.index_select(copy, 0, idx, out=dst)
                 sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # issue 14: of the bytes written
-                if i + self.staging_pages >= len(blocks):
+                if i + self.staging_pages >= len(blocks) and copy is None:
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
                     if job.gathered is not None:
@@ -456,10 +529,11 @@ class HostKV:
         P = self.engine.page_size
         return tensor.view(-1, P, *tensor.shape[1:])
 
-    def _gather(self, pages: list[int]) -> None:
-        """Device pool pages -> checkpoint staging (page-first layout). The device->host copy."""
+    def _gather(self, pages: list[int], dst: torch.Tensor | None = None) -> None:
+        """Device pool pages -> checkpoint staging, or ``dst`` (page-first layout). The device->host copy."""
         kvc = self.engine.kv_cache
-        dst = self._pages_view(self._ckpt_buf, len(pages))
+        if dst is None:
+            dst = self._pages_view(self._ckpt_buf, len(pages))
         dev = kvc.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
         with torch.inference_mode():
@@ -516,13 +590,17 @@ class HostKV:
             return False
         kv.extend_hashes(seq.hashes, seq.token_ids, seq.salt)
         m = kv.match_prefix(seq.token_ids, seq.hashes, seq.session_id, host=self.index)
-        if m.host_pages == 0:
+        # the session's checkpoints the switch barrier let go before their commit (``release_device``): its
+        # return waits for them off the executor thread, then restores what they committed
+        with self._idle:
+            after = tuple(j.done for j in self._copying if seq.session_id and j.session_id == seq.session_id and len(j.hashes) > m.device_pages)
+        if m.host_pages == 0 and not after:
             return False
         attrs: dict[str, Any] = {"talaria.kv.device_pages": m.device_pages, "talaria.kv.prompt_pages": n_full}
         if seq.session_id:
             attrs[otel.SESSION_ID] = seq.session_id
         span = self.tracer.start_span("talaria.engine.kv_restore", context=getattr(seq, "trace_context", None), attributes=attrs)
-        job = _Restore(seq, list(seq.hashes[:n_full]), m.device_pages, span, time.perf_counter())
+        job = _Restore(seq, list(seq.hashes[:n_full]), m.device_pages, span, time.perf_counter(), after=after)
         self._restoring[seq.request_id] = job
         self._restore_jobs.put(job)
         return True
@@ -652,6 +730,8 @@ class HostKV:
     def _lookup(self, job: _Restore) -> None:
         """Ask the store for the agreed prefix (pinned) and decide restore-or-recompute from measured costs."""
         span, P = job.span, self.engine.page_size
+        for ev in job.after:  # the session's own checkpoints still in flight (bounded: a dead store fails them)
+            ev.wait(30.0)
         t0 = time.perf_counter()
         if self._closed or not self.available():
             job.outcome = "unavailable"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from services.engine.executor import Engine
 from services.engine.host_kv import HostKV
 from services.engine.kv.retention import Hint, RetentionBook
@@ -129,7 +131,8 @@ def test_cold_switch_writes_back_the_outgoing_models_dirty_sessions_and_a_return
     run_calls(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # switches away from A
     assert ce.active == B
     assert hk.counters["write_backs_switch"] + hk.counters["write_backs_slot_end"] == 1 and len(hk.dirty) == 0
-    assert hk.counters["checkpoints"] == 1 and ce.shell(A).kv.num_transfer_pins == 0
+    assert ce.shell(A).kv.num_transfer_pins == 0  # the barrier let the pages go; the store write may go on
+    assert hk.drain(timeout=10) and hk.counters["checkpoints"] == 1
     turn2 = prompt + first["c1:tokens"] + [3, 4, 5, 6]
     second = run_calls(ce, [EngineRequest("c2", turn2, GREEDY, session_id="cold", model=A)])
     assert second["c2"].usage.restored_tokens >= (len(prompt) // PAGE) * PAGE
@@ -145,5 +148,68 @@ def test_cold_switch_writes_back_the_outgoing_models_dirty_sessions_and_a_return
         if any(o.request_id == "c3" for o in ce.step()):
             break
     run_calls(ce, [EngineRequest("b2", list(range(40, 70)), GREEDY, model=B)])  # queued while c3 decodes
+    assert hk.drain(timeout=10)
     assert ce.active == B and hk.counters["write_backs_next_switch"] == 1 and hk.counters["checkpoints"] == before + 2  # c2 dirty at the barrier, c3 at its end
     assert len(hk.dirty) == 0 and ce.shell(A).kv.num_transfer_pins == 0
+
+
+def test_switch_barrier_releases_the_device_pages_without_waiting_for_the_store(synth_models, store, mooncake):
+    """The cold switch barrier waits for the device->host copies, not for the store: with the store's Reserve
+    held (a slow store), a switch away from A still completes, A's dirty session copied to host memory at the
+    barrier; the session is not published as stored until its commit; once the store answers, it is committed
+    and a return restores it with the tokens of recomputation."""
+    import threading
+
+    ce = SlottedColdEngine(
+        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
+        kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
+    )
+    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
+    prompt = list(range(1000, 1060))
+    first = run_calls(ce, [EngineRequest("s1", prompt, GREEDY, session_id="slow-store", model=A)])
+    hk = ce.shell(A).host_kv
+    assert len(hk.dirty) == 1
+    gate, entered = threading.Event(), threading.Event()
+    reserve = hk.client.reserve
+
+    def held_reserve(*a, **kw):  # the store answers only once the test lets it
+        entered.set()
+        assert gate.wait(30), "the test never released the store"
+        return reserve(*a, **kw)
+
+    hk.client.reserve = held_reserve
+    turn2 = prompt + first["s1:tokens"] + [3, 4, 5, 6]
+    try:
+        run_calls(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # switches away from A
+        assert ce.active == B and hk.counters["switch_host_copies"] == 1
+        assert ce.shell(A).kv.num_transfer_pins == 0 and hk.outstanding == 1  # pages released, the write still pending
+        assert hk.counters["checkpoints"] == 0 and hk.sessions.get("slow-store") is None  # nothing published before the commit
+        # the session returns before its write is committed: it waits for the commit (off the executor
+        # thread), it does not recompute
+        ce.add_request(EngineRequest("s2", turn2, GREEDY, session_id="slow-store", model=A))
+        for _ in range(10_000):
+            assert not any(o.request_id == "s2" for o in ce.step())
+            if ce.active == A and hk.num_restoring == 1:
+                break
+        else:
+            pytest.fail("the return was not held for the session's checkpoint")
+        assert hk.counters["checkpoints"] == 0
+    finally:
+        gate.set()
+    out: list[int] = []
+    for _ in range(10_000):
+        done = [o for o in ce.step() if o.request_id == "s2"]
+        out += [t for o in done for t in o.new_token_ids]
+        if any(o.finished for o in done):
+            usage = next(o for o in done if o.finished).usage
+            break
+    else:
+        pytest.fail("the return did not finish")
+    assert hk.drain(timeout=10) and entered.is_set() and hk.counters["checkpoints"] == 2  # s1, and s2 the drain wrote back
+    assert usage.restored_tokens >= (len(prompt) // PAGE) * PAGE
+    second = {"s2:tokens": out}
+    ref = Engine(synth_models[A], page_size=PAGE, num_pages=256)
+    r1 = run_calls(ref, [EngineRequest("s1", prompt, GREEDY, session_id="slow-store")])["s1:tokens"]
+    r2 = run_calls(ref, [EngineRequest("s2", turn2, GREEDY, session_id="slow-store")])["s2:tokens"]
+    assert (first["s1:tokens"], second["s2:tokens"]) == (r1, r2)
+    assert ce.shell(A).kv.num_transfer_pins == hk.dirty.num_pages  # only s2's dirty chain holds pins now
