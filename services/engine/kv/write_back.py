@@ -12,7 +12,7 @@ happens when the pages are about to leave the device:
 * eviction: the KV manager, when evicting every cache entry could not free enough pages, asks the host tier
   (``KVManager.pressure_hook`` -> ``HostKV.relieve_pressure``) to write back the dirty sessions whose pages
   only their pins still hold, waits for the gathers, and the pins go; a dirty page is never freed unwritten;
-* a cold engine's switch away from the model: the switch barrier (``HostKV.drain``) writes back every dirty
+* a cold engine's switch away from the model: the switch barrier (``HostKV.release_device``) writes back every dirty
   session first, and the slot scheduler's final drain phase (Dfin) starts it early (``slotted.py``);
 * a retention hint predicting the return after the lease window (``kv/retention.py`` value -1): at once;
 * a cold engine whose other models have queued calls (``HostKV.leaving_soon``, set by ``cold.py``): the
