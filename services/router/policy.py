@@ -811,11 +811,16 @@ def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) 
     """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
     another admissible instance has a lower Eq. 1 total (its queue is shorter by more than the C_KV + C_act
     the leased instance avoids) by more than the measured saving of a lease (``state.lease_saving_s``: on a
-    cold instance a return that lost its device residency also waits for its model's next slot). Pure."""
+    cold instance a return that lost its device residency also waits for its model's next slot). That saving is
+    device residency's: when the leased instance no longer holds the prefix on the device (it switched models or
+    evicted it; the prefix is in the host store, which other instances with a host tier restore from as well),
+    the lease buys nothing and Eq. 1 alone decides (default bench: 61 returns a repetition went to a leased
+    instance only to restore from host there, after 103 ms of queue on average). Pure."""
     rows, mus, _ = _rank(state, idx, shortlist=True)
     others = _eq2(rows, mus, state)
     best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
-    return best is not None and best.total + state.lease_saving_s < mine.total
+    saving = state.lease_saving_s if mine.kv_source == "device" else 0.0
+    return best is not None and best.total + saving < mine.total
 
 
 def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:

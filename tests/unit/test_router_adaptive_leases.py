@@ -191,6 +191,12 @@ def test_measured_saving_keeps_a_lease_from_being_outweighed():
     assert decide(PlacementState(r, [busy, idle], p, lease=lease), now=1.0).lease == "outweighed"
     kept = decide(PlacementState(r, [busy, idle], p, lease=lease, lease_saving_s=1e6), now=1.0)
     assert (kept.instance_id, kept.lease) == ("a", "hit")
+    # the saving is device residency's: once the leased instance holds the prefix only in the shared host
+    # store (it switched models or evicted it), an instance with a host tier restores it as well, so however
+    # much residency is measured to save, the lease buys none and Eq. 1 decides
+    host_a = replace(busy, kv={("s", "m"): (2, 800)}, host_kv=True)  # KV_HOST
+    gone = decide(PlacementState(r, [host_a, replace(idle, host_kv=True)], p, lease=lease, lease_saving_s=1e6), now=1.0)
+    assert (gone.instance_id, gone.lease) == ("b", "outweighed")
 
 
 def lease_view(iid, t_done, t_exp, sigma=0.8):
