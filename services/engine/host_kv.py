@@ -393,7 +393,8 @@ class HostKV:
         store writes and commits go on after the switch, so a barrier costs the device->host copies, not the
         network: before, it waited for each dirty session's Reserve, Mooncake write and Commit in turn (~10 ms
         a session on the CPU bench, the switches' whole ``save_teardown``). Until its commit a session reads
-        as not in the store (``StoreIndex``): a return meanwhile recomputes, never reads a partial chain.
+        as not in the store (``StoreIndex``, the router's view): nothing reads a partial chain; a return to
+        this instance meanwhile waits for the commit on the restore worker (``begin_restore``), then restores.
         Host copies beyond ``release_copy_bytes`` are not made: those jobs are waited for, as ``drain``.
 
         Call on the executor thread (or holding its step lock). Mutates: the dirty set, queued jobs (their
