@@ -375,14 +375,20 @@ class HostKV:
                     break
                 self._idle.wait(left)
             done = self._inflight == 0
+        return self._end_restores(deadline) and done
+
+    def _end_restores(self, deadline: float | None) -> bool:
+        """The barriers' last part: return the pins of finished gathers, then wait until every restore has
+        ended (restores write into the region too: they end, published, before it goes). Executor thread.
+        Returns False if ``deadline`` (monotonic) passed first."""
         self.poll()
-        while self._restoring:  # restores write into the region too: they end (published) before it goes
+        while self._restoring:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
             self.wait_restore(0.05 if left is None else min(left, 0.05))
             self.poll()
-        return done
+        return True
 
     def release_device(self, timeout: float | None = None) -> bool:
         """The switch barrier (Talaria Appendix B): the outgoing model's KV region may be released once no
@@ -423,14 +429,7 @@ class HostKV:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not job.gathered.wait(left):
                 return False
-        self.poll()
-        while self._restoring:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self.wait_restore(0.05 if left is None else min(left, 0.05))
-            self.poll()
-        return True
+        return self._end_restores(deadline)
 
     @property
     def outstanding(self) -> int:

@@ -35,6 +35,16 @@ def call(e: Engine, rid: str, prompt: list[int], session: str):
     return toks[rid + ":tokens"], toks[rid].usage
 
 
+def cold_with_tier(synth_models, store, mooncake) -> SlottedColdEngine:
+    """A slotted cold engine over A and B (A active), each model with a write-back host tier on ``store``."""
+    ce = SlottedColdEngine(
+        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
+        kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
+    )
+    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
+    return ce
+
+
 def test_evicted_under_memory_pressure_is_written_back_and_restored_equal_to_recompute(synth_models, store, mooncake):
     path = synth_models[A]
     a_prompt = list(range(100, 180))  # 20 pages
@@ -119,11 +129,7 @@ def test_retention_hint_expecting_a_late_return_writes_back_at_once(synth_models
 
 
 def test_cold_switch_writes_back_the_outgoing_models_dirty_sessions_and_a_return_restores(synth_models, store, mooncake):
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
-        kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
-    )
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
+    ce = cold_with_tier(synth_models, store, mooncake)
     prompt = list(range(800, 860))
     first = run_calls(ce, [EngineRequest("c1", prompt, GREEDY, session_id="cold", model=A)])
     hk = ce.shell(A).host_kv
@@ -160,11 +166,7 @@ def test_switch_barrier_releases_the_device_pages_without_waiting_for_the_store(
     and a return restores it with the tokens of recomputation."""
     import threading
 
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
-        kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
-    )
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
+    ce = cold_with_tier(synth_models, store, mooncake)
     prompt = list(range(1000, 1060))
     first = run_calls(ce, [EngineRequest("s1", prompt, GREEDY, session_id="slow-store", model=A)])
     hk = ce.shell(A).host_kv
