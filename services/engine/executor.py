@@ -702,13 +702,14 @@ class Engine:
         if hk is not None:
             on_device = {s.session_id for s in sessions}
             sessions += [s for s in hk.session_infos(self.model_id) if s.session_id not in on_device]
+        costs = self.cost_stats()  # a hot instance's one model: its costs are the instance's
         return EngineStats(
             model_id=self.model_id, num_running=running, num_waiting=waiting, num_unfinished=unfinished,
             kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free_pages, radix_pages=kv.radix.num_pages,
             session_pages=kv.sessions.num_pages, prefix_hit_rate=kv.hit_rate, tokens_generated=self.num_tokens_generated,
             num_preemptions=sch.num_preemptions, num_steps=self.num_steps, max_context=self.max_context,
-            models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=(cs := self.cost_stats())),),
-            sessions=tuple(sessions), profile=cs, host_kv=hk is not None,
+            models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=costs),),
+            sessions=tuple(sessions), profile=costs, host_kv=hk is not None,
             kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
         )
 

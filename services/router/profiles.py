@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from services.router.policy import CallShape, Profile
 from talaria.cost_curve import CostCurve
@@ -122,31 +122,14 @@ class ProfileBook:
         """The costs of ``model`` on the instance: its own measurements, else its peers' for the same model;
         what neither measured, ``base``'s (the instance profile); switch costs always ``base``'s. None when
         nothing about the model is measured here or at a peer (``base`` prices it). Pure read."""
-        key = _model_key(instance_id, model)
         group = self._group.get(instance_id, ())
         group = group + (model,) if group else ()  # the model's peers, whether or not this instance measured it
-        own = self._v.get(key, {})
-        peers = self._sorted.get(group, {}) if group else {}
-        curves = self._curves.get(key, (None, None))
-        prefill_curve = curves[0] or self._peer_curve(key, group, 0)
-        decode_curve = curves[1] or self._peer_curve(key, group, 1)
-        if not own and not any(peers.values()) and prefill_curve is None and decode_curve is None:
+        cost, prefill_curve, decode_curve = self._lookup(_model_key(instance_id, model), group)
+        scalars = {n: cost(n, None) for n in ("prefill_per_token", "decode_step", "restore_per_token")}
+        if prefill_curve is None and decode_curve is None and all(v is None for v in scalars.values()):
             return None
-
-        def cost(name: str, fallback: float) -> float:
-            if name in own:
-                return own[name]
-            seen = peers.get(name)
-            return seen[len(seen) // 2] if seen else fallback
-
-        return Profile(
-            prefill_per_token=cost("prefill_per_token", base.prefill_per_token),
-            decode_step=cost("decode_step", base.decode_step),
-            restore_per_token=cost("restore_per_token", base.restore_per_token),
-            switch_s=base.switch_s, staged_switch_s=base.staged_switch_s, open_s=base.open_s,
-            prefill_by_context=prefill_curve or base.prefill_by_context,
-            decode_by_batch=decode_curve or base.decode_by_batch,
-        )
+        return replace(base, **{n: v for n, v in scalars.items() if v is not None},
+                       prefill_by_context=prefill_curve or base.prefill_by_context, decode_by_batch=decode_curve or base.decode_by_batch)
 
     def _index(self, instance_id: str) -> None:
         """Add the instance's values and curves to its group's sorted views. Mutates them."""
@@ -189,18 +172,9 @@ class ProfileBook:
         """The instance's measured costs; what it has not measured, its peers' (design note above); else the
         config priors. Pure read. The peers are looked up only for what the instance has not measured (a
         measured instance costs O(1), whatever the fleet's size)."""
-        v, d = self._v.get(instance_id, {}), self.defaults
-        group = self._group.get(instance_id, ())
-        vals = self._sorted.get(group, {}) if group else {}
-
-        def cost(name: str, prior: float) -> float:
-            if name in v:
-                return v[name]
-            seen = vals.get(name)  # the peers' values only: this instance has not measured ``name``
-            return seen[len(seen) // 2] if seen else prior
-
+        d = self.defaults
+        cost, prefill_curve, decode_curve = self._lookup(instance_id, self._group.get(instance_id, ()))
         switch = cost("switch_s", d.switch_s)
-        prefill_curve, decode_curve = self._curves.get(instance_id, (None, None))
         return Profile(
             prefill_per_token=cost("prefill_per_token", d.prefill_per_token),
             decode_step=cost("decode_step", d.decode_step),
@@ -208,9 +182,25 @@ class ProfileBook:
             switch_s=switch,
             staged_switch_s=cost("staged_switch_s", switch),
             open_s=cost("open_s", d.open_s),
-            prefill_by_context=prefill_curve or self._peer_curve(instance_id, group, 0),
-            decode_by_batch=decode_curve or self._peer_curve(instance_id, group, 1),
+            prefill_by_context=prefill_curve,
+            decode_by_batch=decode_curve,
         )
+
+    def _lookup(self, key: str, group: tuple):
+        """What ``key`` (an instance, or one model on it) is priced with: ``cost(name, fallback)`` -- its own
+        EWMA, else the median of its peers' (``group``), else ``fallback`` -- and its prefill and decode curves,
+        its own else the most-sampled peer's (None: neither measured). Pure read."""
+        v = self._v.get(key, {})
+        vals = self._sorted.get(group, {}) if group else {}
+
+        def cost(name: str, fallback):
+            if name in v:
+                return v[name]
+            seen = vals.get(name)  # the peers' values only: ``key`` has not measured ``name``
+            return seen[len(seen) // 2] if seen else fallback
+
+        prefill_curve, decode_curve = self._curves.get(key, (None, None))
+        return cost, prefill_curve or self._peer_curve(key, group, 0), decode_curve or self._peer_curve(key, group, 1)
 
     def _peer_curve(self, instance_id: str, group: tuple, which: int) -> CostCurve | None:
         """The most-sampled measured curve of the instance's peers (``which``: 0 prefill, 1 decode; ties: the
