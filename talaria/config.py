@@ -83,6 +83,7 @@ class EngineConfig(_Strict):
     slot_scheduler: bool = Field(True, description="cold: rounds/slots with SP (services/engine/slots); false = the simple switch-when-idle rule")
     sp: bool = Field(True, description="cold: session-prefill admission of returning sessions mid-slot")
     sp_gain_check: bool = Field(True, description="cold: admit a session-prefill call only when the round wait it saves exceeds the delay it imposes on other models' waiting calls (issue 12); false = SP whenever it fits")
+    sp_new_sessions: bool = Field(True, description="cold: session-prefill also admits, mid-slot, calls of the active model that have no usable prefix (a new session, an evicted one), by the same budget, memory and gain checks; false = such calls wait for their model's next slot, as in the paper (services/engine/slots/admission.py)")
     return_hold: bool = Field(True, description="cold: when the active model's slot has nothing left to run but sessions the router expects back soon (its leases' retention hints), hold the slot open for them if the round wait they save exceeds the delay to other models' waiting calls (services/engine/slots/hold.py); needs sp; false = close the slot at once")
     slot_ttft_s: float = Field(2.0, gt=0, description="cold: T_TTFT target; rounds are bounded by slot_gamma * slot_ttft_s (Eq. 5)")
     slot_tpot_s: float = Field(0.1, gt=0, description="cold: T_TPOT target for protected decode (Eq. 4)")

@@ -131,7 +131,7 @@ class ModelStats:
     max_context: int
     num_running: int
     num_waiting: int
-    slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until the switch into this model starts (0: it holds the slot)
+    slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until this model can take a call (0: its slot admits now)
     profile: CostStats | None = None  # this model's own measured costs (None: not measured here yet; issue 12)
 
 

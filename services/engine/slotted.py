@@ -255,6 +255,6 @@ def policy_from_config(cfg) -> SlotPolicy:
     simulator's model of one, ``sim/cluster.py``.)"""
     return SlotPolicy(
         ttft_s=cfg.slot_ttft_s, tpot_s=cfg.slot_tpot_s, gamma=cfg.slot_gamma, sp=cfg.sp, host_kv=cfg.host_kv,
-        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, token_deadlines=cfg.token_deadlines,
+        d2d_staging=cfg.d2d_staging, sp_gain_check=cfg.sp_gain_check, sp_new_sessions=cfg.sp_new_sessions, token_deadlines=cfg.token_deadlines,
         return_hold=cfg.return_hold,
     )

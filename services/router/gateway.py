@@ -354,7 +354,7 @@ class Gateway:
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
                 models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
-                                           wait_s=m.slot_wait_s if cold and not m.active and self.params.slot_wait else 0.0,
+                                           wait_s=m.slot_wait_s if cold and self.params.slot_wait else 0.0,
                                            profile=priced.get(m.model))
         if cold and spec is not None:
             for name in spec.models:

@@ -367,8 +367,8 @@ def hbm_price(price_s_per_gib: float, kv_usage: float) -> float:
 
 def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     res = inst.models[model]
-    if res.active:
-        return "active", 0.0
+    if res.active:  # 0 while its slot admits calls mid-way; a draining slot quotes its model's next slot
+        return "active", res.wait_s
     # a cold instance serving other models first: the call also waits for this model's slot (issue 12)
     if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
         return "switch", inst.profile.staged_switch_s + res.wait_s

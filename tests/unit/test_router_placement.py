@@ -180,20 +180,25 @@ def test_staged_model_changes_activation_not_a_second_open_penalty():
 def test_a_cold_instance_prices_the_wait_for_its_models_slot():
     """Issue 12: two cold instances hold ``m`` loaded, not active; one will give ``m`` its slot in 3 s, the
     other in 0.1 s. The wait is part of the activation term (Eq. 1), so the call goes where its slot comes
-    first; it reaches the policy from the engine's heartbeat (``ModelState.slot_wait_s``), and a hot instance
-    or the active model never carries one."""
+    first; it reaches the policy from the engine's heartbeat (``ModelState.slot_wait_s``). The active model
+    carries one too: 0 while its slot admits calls, its next slot's wait while the slot drains (a call there
+    waits a round: the call goes to the instance whose slot for it is open)."""
     clock = ManualClock(100.0)
     pools = {i: PoolSpec("cold", ("m", "n"), 16) for i in ("late", "soon")}
     gw, store = make_gateway(clock, pools=pools)
     for iid, wait in (("late", 3.0), ("soon", 0.1)):
         gw.on_snapshot(snapshot(iid, 1, clock, pool=pb.POOL_COLD, models=[
-            pb.ModelState(model="n", loaded=True, active=True, max_context=4096, slot_wait_s=7.0),  # active: ignored
+            pb.ModelState(model="n", loaded=True, active=True, max_context=4096, slot_wait_s=7.0 if iid == "late" else 0.0),
             pb.ModelState(model="m", loaded=True, active=False, max_context=4096, slot_wait_s=wait)]))
     d = place(gw, store, "s1")
     by = {c.instance_id: c for c in d.costs}
     assert d.instance_id == "soon", d.costs
     assert by["late"].c_act - by["soon"].c_act == pytest.approx(2.9)
-    assert gw.instance_states()[0].models["n"].wait_s == 0.0
+    assert {i.instance_id: i.models["n"].wait_s for i in gw.instance_states()} == {"late": 7.0, "soon": 0.0}
+    dn = gw.decide(gw.request("s3", "n", 800, 64))[0]
+    byn = {c.instance_id: c for c in dn.costs}
+    assert dn.instance_id == "soon" and {c.act for c in dn.costs} == {"active"}
+    assert byn["late"].c_act == pytest.approx(7.0) and byn["soon"].c_act == 0.0
     from dataclasses import replace as _replace
 
     gw.params = _replace(gw.params, slot_wait=False)  # the ablation (bench matrix "no-slot-wait"): bare switch costs

@@ -133,6 +133,15 @@ def test_sp_eligibility_reasons():
     assert sp_ineligible_reason(_call(state="missing", prefix=0), **kw) == "prefix_missing"
     assert sp_ineligible_reason(_call(state="host"), **{**kw, "host_kv": False}) == "host_kv_off"
     assert sp_ineligible_reason(_call(), **{**kw, "sp": False}) == "sp_off"
+    # new_sessions: a call without a usable prefix is a candidate too, priced with its whole prefill; the
+    # model, P's arrival cut and the SP switch still apply
+    nw = {**kw, "new_sessions": True}
+    assert sp_ineligible_reason(_call(cont=False, state="missing", prefix=0), **nw) is None
+    assert sp_ineligible_reason(_call(sid="", state="missing", prefix=0), **nw) is None
+    assert sp_ineligible_reason(_call(state="missing", prefix=0), **nw) is None
+    assert sp_ineligible_reason(_call(model="b", cont=False), **nw) == "wrong_model"
+    assert sp_ineligible_reason(_call(arrival=0.4, cont=False), **nw) == "arrived_before_p"
+    assert sp_ineligible_reason(_call(cont=False), **{**nw, "sp": False}) == "sp_off"
 
 
 def _mid_slot(sched, queued_a, queued_b=(), running_a=1, free_kv=None):
@@ -147,7 +156,7 @@ def _mid_slot(sched, queued_a, queued_b=(), running_a=1, free_kv=None):
 
 
 def test_sp_admits_only_eligible_continuations():
-    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2), CostModel(TRUTH))
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp_new_sessions=False), CostModel(TRUTH))
     queued = [
         _call("new", cont=False, state="missing", prefix=0, sid="n", arrival=0.01),
         _call("missing", state="missing", prefix=0, sid="m", arrival=0.02),
@@ -162,11 +171,42 @@ def test_sp_admits_only_eligible_continuations():
                        "other-model": "wrong_model"}
 
 
+def test_sp_admits_calls_without_a_prefix_mid_slot_when_that_pays():
+    """sp_new_sessions (the default): a new session's call and a return whose prefix is gone join the open
+    slot of their model, priced with their whole prefill; where that delays the other model's waiting calls
+    more than the round wait it saves, they are deferred (no_gain) like any SP call."""
+    queued = [
+        _call("new", cont=False, state="missing", prefix=0, sid="n", arrival=0.01),
+        _call("missing", state="missing", prefix=0, sid="m", arrival=0.02),
+        _call("ok-device", sid="d", arrival=0.03),
+    ]
+    other = [_call("other-model", model="b", sid="o", arrival=0.03)]
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2), CostModel(TRUTH))
+    d = _mid_slot(sched, queued, other)
+    assert d.phase is Phase.SP and set(d.admit) == {"new", "missing", "ok-device"}
+    full = {v.request_id: v.cost_s for v in d.verdicts if v.admitted}
+    # its whole prompt's prefill (120 tokens, not a suffix), and the 4 decode steps it adds to the drain
+    assert CostModel(TRUTH).call(queued[0]).prefill_tokens == 120
+    assert full["new"] == pytest.approx(CostModel(TRUTH).call(queued[0]).seconds + 4 * TRUTH.decode_step)
+    # the same calls where their prefill costs the waiting model more than the wait it saves: deferred
+    slow = CostProfile(prefill_per_token=5e-3, decode_step=0.01, restore_per_token=1e-5, switch_by_path=TRUTH.switch_by_path)
+    sched = SlotScheduler(SlotPolicy(ttft_s=40.0, tpot_s=0.2), CostModel(slow))
+    many_b = [_call(f"b{i}", model="b", sid=f"o{i}", arrival=0.0) for i in range(4)]
+    d = _mid_slot(sched, queued[:1], many_b)
+    assert not d.admit and {v.request_id: v.reason for v in d.verdicts}["new"] == "no_gain"
+
+
 def test_sp_with_host_kv_off_skips_host_prefixes():
-    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, host_kv=False), CostModel(TRUTH))
-    d = _mid_slot(sched, [_call("h", state="host", arrival=0.03), _call("d", sid="d2", arrival=0.04)])
+    calls = [_call("h", state="host", arrival=0.03), _call("d", sid="d2", arrival=0.04)]
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, host_kv=False, sp_new_sessions=False), CostModel(TRUTH))
+    d = _mid_slot(sched, calls)
     assert d.admit == ("d",)
     assert {v.request_id: v.reason for v in d.verdicts}["h"] == "host_kv_off"
+    # with sp_new_sessions a host prefix it may not restore is recomputed: priced as a whole prefill
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, host_kv=False), CostModel(TRUTH))
+    d = _mid_slot(sched, calls)
+    assert d.admit == ("h", "d")
+    assert CostModel(TRUTH).call(calls[0], host_kv=False).prefill_tokens == 120
 
 
 def test_sp_batches_are_bounded():
@@ -197,18 +237,26 @@ def test_sp_in_scheduler_respects_bound_and_defers_rest():
     assert sched._slot.sp_deferred == 3 and sched._slot.sp_admitted == 2
 
 
-def test_new_sessions_never_bypass_p():
+def test_new_sessions_bypass_p_only_with_sp_new_sessions():
     sessions = [
         SessionSpec("s1", "a", 0.0, (CallSpec(100, 60),)),
         SessionSpec("late", "a", 0.1, (CallSpec(100, 4),)),  # a new session arriving mid-slot
         SessionSpec("s3", "b", 0.0, (CallSpec(100, 4),)),
     ]
-    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2))
+    # the paper's rule: a new session waits for its model's next P, after b's slot
+    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp_new_sessions=False))
     admit_phase = {rid: d.phase for d in res.decisions for rid in d.admit}
     assert admit_phase["late#0"] is Phase.P
     late = next(c for c in res.calls if c.request_id == "late#0")
     b = next(c for c in res.calls if c.request_id == "s3#0")
     assert late.admitted_at > b.admitted_at  # it waited for a's next slot, after b's
+    # the default: it joins a's open slot (its 100-token prefill is far less than the round wait it saves)
+    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2))
+    admit_phase = {rid: d.phase for d in res.decisions for rid in d.admit}
+    assert admit_phase["late#0"] is Phase.SP
+    late = next(c for c in res.calls if c.request_id == "late#0")
+    b = next(c for c in res.calls if c.request_id == "s3#0")
+    assert late.admitted_at < b.admitted_at and late.finished_at < b.admitted_at
 
 
 # ---------------------------------------------------------------------------------------------- overload, ablations
@@ -332,3 +380,16 @@ def test_slot_waits_predict_each_models_turn_in_the_open_round():
     # without a view (a scheduler restored mid-slot) the slot's budget bounds it, as before
     sched._seen = None
     assert sched.slot_waits(0.3)["b"] == pytest.approx(max(0.0, sched._slot.budget_s - 0.3))
+    # a's slot past its budget with b and c waiting: it drains (D_fin) and admits nothing more, so a call of
+    # a waits for a's next slot -- b's and c's slots and the switch back -- not 0 (what the router was told)
+    end = sched._slot.budget_s + 0.01
+    d = sched.decide(InstanceView("a", (ModelView("a", running=1, max_remaining_decode=4), views[1], views[2])), end)
+    assert d.phase is Phase.DFIN
+    drain = sched.slot_waits(end)
+    assert drain[""] == pytest.approx(2 * (switch + work_a))
+    assert drain["a"] == pytest.approx(drain[""] + switch)
+    # SP off: the slot never admits mid-way, so the holding model quotes its next slot from the start
+    nosp = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp=False), CostModel(TRUTH))
+    nosp.decide(InstanceView("a", views), 0.0)
+    w = nosp.slot_waits(0.0)
+    assert w["a"] == pytest.approx(w[""] + switch) and w["a"] > w["c"] > 0

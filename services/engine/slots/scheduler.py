@@ -63,6 +63,7 @@ class SlotPolicy:
     sp_max_tokens: int = 4096
     endless: bool = False  # one model, no end of slot: the simulator's hot instances (sim/); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
+    sp_new_sessions: bool = True  # SP also admits calls without a usable prefix (new sessions), by the same checks (admission.py)
     return_hold: bool = True  # hold an idle slot open for returns expected soon when that pays (hold.py; needs sp)
     token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
@@ -209,7 +210,9 @@ class SlotScheduler(MeasuredCosts):
     def slot_waits(self, now: float, idle: bool = False) -> dict[str, float]:
         """Predicted seconds until the switch to each model of the open round can start (issue 12, Eq. 1's
         wait term for a cold instance; the router adds the switch itself, priced by its path): 0 for the
-        model holding the slot; for a model still to be served this round, what is left of the current slot
+        model holding the slot while the slot still admits calls mid-way (SP on, not draining, budget left),
+        else the wait for its next slot (the rest of the round and the switch back: a call arriving then
+        waits for it, measured ~1 s a call on the Mooncake replay, where 0 was quoted); for a model still to be served this round, what is left of the current slot
         plus, per slot before it, one switch (measured, host-only) and that slot's length. A slot ends at its
         budget or when its model runs out of work (``_decide`` closes it then, unless it holds for returns),
         so each slot's length is the smaller of its budget (protected decode plus its share of the prefill
@@ -224,6 +227,7 @@ class SlotScheduler(MeasuredCosts):
         view, seen_at = self._seen if self._seen is not None else (None, now)
         since = max(0.0, now - seen_at)
         left = max(0.0, s.budget_s - (now - s.opened))
+        admits = self.policy.sp and not s.dfin and left > 0
         if view is not None and s.phase is not Phase.HOLD:  # a hold keeps the slot open past its work (hold.py)
             left = min(left, max(0.0, self._work_s(view.model(s.model)) - since))
         todo = [m for m in r.order if m not in r.served and m != s.model]
@@ -236,6 +240,8 @@ class SlotScheduler(MeasuredCosts):
                 slot = min(slot, self._work_s(view.model(m)))
             left += switch + slot
         out[""] = left  # any other model: after the round's remaining slots
+        if not admits:  # the holding model's next slot: after the others', and the switch back
+            out[s.model] = left + switch if todo else left
         return out
 
     def _work_s(self, mv: ModelView, max_iters: int | None = None) -> float:
@@ -509,7 +515,7 @@ class SlotScheduler(MeasuredCosts):
         eligible: list[CallView] = []
         verdicts: list[SpVerdict] = []
         for c in candidates:
-            why = sp_ineligible_reason(c, active=s.model, p_opened=p_opened, sp=pol.sp, host_kv=pol.host_kv)
+            why = sp_ineligible_reason(c, active=s.model, p_opened=p_opened, sp=pol.sp, host_kv=pol.host_kv, new_sessions=pol.sp_new_sessions)
             if why is None:
                 eligible.append(c)
                 continue
