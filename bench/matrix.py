@@ -98,6 +98,8 @@ CONFIGS += tuple(
                  "as Talaria, but the router prices a cold instance at the bare switch cost, not adding the predicted wait for the model's slot (issue 12)", "lease"),
     MatrixConfig("no-imposed", {"router.placement.charge_imposed": False},
                  "as Talaria, but Eq. 1 prices only the call's own latency, not the delay it imposes on the batch it joins (issue 12)", "lease"),
+    MatrixConfig("queue-learned", {"router.placement.queue_learned": True},
+                 "as Talaria, but Eq. 1's queue term is scaled per instance by the measured / predicted engine queue of the calls placed there (issue 12)", "lease"),
     MatrixConfig("imposed-prefill", {"router.placement.imposed_prefill": True},
                  "as Talaria, but the imposed-delay term also charges the call's prefill stall of the batch it joins (issue 12)", "lease"),
     MatrixConfig("hold-learned-gap", {"router.placement.retention_learned_gap": True},

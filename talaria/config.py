@@ -136,6 +136,10 @@ class PlacementConfig(_Strict):
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "
                                  "instance where its model is active: its decode slows their steps by the learned decode-by-batch slope "
                                  "(and, with imposed_prefill, its prefill stalls each running call; issue 12); false = the call's own latency only")
+    queue_learned: bool = Field(False, description="Eq. 1's queue term (calls ahead x a mean call, leases at admission_unit, running calls "
+                                "at running_weight) is scaled per instance by the ratio of the engine queue measured for the calls placed "
+                                "there (completion hooks' attribution) to the queue it predicted for them (services/router/profiles.py "
+                                "QueueBook, issue 12); false = the configured weights as they are")
     imposed_prefill: bool = Field(False, description="with charge_imposed: also charge the stall the call's prefill imposes on each "
                                   "running call (default: only the decode slowdown; issue 12, see bench/README.md)")
     retention_learned_gap: bool = Field(False, description="a fixed-tau lease's retention hint to the engine carries the return-gap "

@@ -52,7 +52,7 @@ from services.router.policy import (
     calls_on,
     decide,
 )
-from services.router.profiles import DemandMeter, ProfileBook, ShapeBook, peer_group
+from services.router.profiles import DemandMeter, ProfileBook, QueueBook, ShapeBook, peer_group
 from services.router.registry import InstanceView, Registry
 from services.router.sessions import SessionTable
 from talaria.cost_curve import points_from_proto
@@ -99,6 +99,8 @@ class Gateway:
         self.profiles = profiles or ProfileBook()
         self.shapes = shapes or ShapeBook()
         self.demand = demand or DemandMeter()
+        self.queues = QueueBook()  # issue 12: measured / predicted queueing per instance (``queue_learned``)
+        self._queue_pred: OrderedDict[str, tuple[str, float]] = OrderedDict()  # call -> (instance, Eq. 1 queue predicted, unscaled)
         self.tau_s = tau_s
         self.pools = dict(pools or {})
         self.router_id = router_id
@@ -145,6 +147,7 @@ class Gateway:
             self.sessions.forget_instance(snap.instance_id)
             self.leases.drop_instance(snap.instance_id)
             self.profiles.forget(snap.instance_id)
+            self.queues.forget(snap.instance_id)
         if not self.registry.observe(snap):
             return False
         p, group = snap.profile, peer_group(snap)
@@ -178,6 +181,9 @@ class Gateway:
         self.stats["hooks"] += 1
         # issue 12: the finished call is no longer queue ahead of anyone (its session's return included)
         self.registry.completed(hook.instance_id, hook.request_id, hook.finish_unix or self.wall())
+        pred = self._queue_pred.pop(hook.request_id, None)
+        if pred is not None and pred[0] == hook.instance_id and hook.HasField("attribution") and not hook.HasField("error"):
+            self.queues.observe(pred[0], pred[1], hook.attribution.engine_queue_s)
         if hook.HasField("usage"):
             u = hook.usage
             self.shapes.observe(hook.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
@@ -332,7 +338,8 @@ class Gateway:
         kept = self.residency.saving()  # the residency a lease buys, priced by what losing it cost (measured)
         if kept is not None:
             saved = max(saved, kept)
-        return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s)
+        qs = self.queues.scale(instance_id) if self.params.queue_learned else 1.0  # the queueing a lease imposes, as measured
+        return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s * qs)
 
     def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
         """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
@@ -366,7 +373,8 @@ class Gateway:
     def _state_of(self, iid: str, v: InstanceView, n_leases: int) -> InstanceState:
         snap = v.snapshot
         healthy, fresh = self.registry.healthy(v), self.registry.fresh(v)
-        key = (snap.epoch, snap.seq, v.inflight, v.running, n_leases, healthy, fresh)
+        qs = self.queues.scale(iid) if self.params.queue_learned else 1.0
+        key = (snap.epoch, snap.seq, v.inflight, v.running, n_leases, healthy, fresh, qs)
         cached = self._states.get(iid)
         if cached is not None and cached[0] == key:
             return cached[1]  # nothing this instance's view depends on changed
@@ -390,6 +398,7 @@ class Gateway:
             snapshot_unix=snap.sent_unix,
             epoch=snap.epoch,
             host_kv=snap.host_kv,
+            queue_scale=qs,
         )
         self._states[iid] = (key, st)
         self.work["states_built"] += 1
@@ -652,6 +661,13 @@ class Gateway:
         self.registry.forwarded(inst, call_id)
         if req.session_id:
             self.sessions.record(req.session_id, req.model, inst)
+        chosen = next((c for c in d.costs if c.instance_id == inst), None)
+        if call_id and chosen is not None:  # what its hook's measured engine queue is compared with (QueueBook)
+            st = self._cur.get(inst)
+            scale = st.queue_scale if st is not None and st.queue_scale > 0 else 1.0
+            self._queue_pred[call_id] = (inst, chosen.queue_s / scale)
+            while len(self._queue_pred) > 65536:
+                self._queue_pred.popitem(last=False)
         self.log(req, d)
 
     def log(self, req: CallRequest, d: Decision) -> None:
@@ -741,6 +757,7 @@ class Gateway:
             "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
             "return_gaps": self.gaps.keys(),
             "lease_residency": self.residency.snapshot(),
+            "queue_calibration": {"learned": self.params.queue_learned, "instances": self.queues.stats()},
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
             "mean_decide_us": (self._decide_ns / 1e3 / s["decisions"]) if s.get("decisions") else None,

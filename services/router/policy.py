@@ -95,6 +95,7 @@ class PolicyParams:
     retention_learned_gap: bool = False  # a fixed-tau lease's retention hint carries the learned gap (engine hold/eviction weigh by it)
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins
     imposed_prefill: bool = False  # ... including its prefill's stall of that batch (default: the decode slowdown only)
+    queue_learned: bool = False  # the queue pressure is scaled by the measured/predicted queueing ratio (profiles.QueueBook)
 
     @classmethod
     def from_config(cls, placement) -> PolicyParams:
@@ -161,6 +162,7 @@ class InstanceState:
     snapshot_unix: float = 0.0  # when the snapshot was taken (engine wall clock)
     epoch: int = 0
     host_kv: bool = False  # restores any prefix the cluster's shared host KV store holds (``host_prefix``)
+    queue_scale: float = 1.0  # measured / predicted queueing here (``profiles.QueueBook``; 1 = the configured weights as they are)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,8 +352,9 @@ def host_prefix(state: PlacementState, idx: InstanceIndex | None = None) -> int:
 
 def queue_pressure(inst: InstanceState, admission_unit: float, running_weight: float, leases: int) -> float:
     """Calls ahead of a new one, in units of a mean call (Eq. 1's dR_req): waiting + forwarded since the
-    snapshot + ``admission_unit`` per live lease + ``running_weight`` per running call. The one pressure formula."""
-    return inst.waiting + inst.overlay_calls + admission_unit * leases + running_weight * inst.running
+    snapshot + ``admission_unit`` per live lease + ``running_weight`` per running call, times the instance's
+    measured ``queue_scale`` (1 unless ``queue_learned``). The one pressure formula."""
+    return inst.queue_scale * (inst.waiting + inst.overlay_calls + admission_unit * leases + running_weight * inst.running)
 
 
 def calls_on(inst: InstanceState) -> int:

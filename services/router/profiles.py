@@ -6,10 +6,12 @@ profiles ... using an exponentially weighted moving average"). Pure state, injec
 | ``ProfileBook`` | instance snapshots (``CostProfile``) | per-instance ``policy.Profile``; its peers' measurements, then config defaults, where unmeasured |
 | ``ShapeBook`` | completion hooks (usage) | per-model ``policy.CallShape``: uncached suffix, prompt and decode tokens of a typical call |
 | ``DemandMeter`` | call arrivals | per-model arrival rate (EWMA of inter-arrival) -> calls expected in the control window |
+| ``QueueBook`` | decisions + completion hooks (``CallAttribution.engine_queue_s``) | per-instance ratio of measured to predicted queueing (Eq. 1's queue term) |
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -293,3 +295,60 @@ class DemandMeter:
         if gap is None or last is None:
             return 0.0
         return 1.0 / max(gap, now - last)
+
+
+class QueueBook:
+    """How far Eq. 1's queue term is from the queueing the engines measure (issue 12 #2: costs learned from
+    reality). Pure state: no clock, no I/O; mutated only by ``observe`` / ``forget``.
+
+    Design note. ``policy.queue_pressure`` counts the calls ahead of a new one in mean calls: waiting and
+    forwarded calls at 1, a live lease at ``admission_unit`` (1), a running call at ``running_weight``
+    (0.5) -- configured weights, not measurements. On a continuously batching engine a running call delays
+    a new one mostly through shared steps (Eq. 1 prices that separately), and a lease's return may never
+    come; on the bench (session 32, 5 repetitions per workload) the chosen instance's predicted queue
+    averaged 0.20-0.26 s a call against 0.02-0.04 s of measured engine queue, so the queue term outweighed
+    the switch, restore and prefill terms the decision is for. The book keeps, per instance, an EWMA of the
+    queue Eq. 1 predicted for each call placed there (before any scaling) and of the engine's measured
+    queue for the same call (received -> admitted; a cold engine's wait for its model's slot is
+    ``round_wait_s``, priced by the activation term, not here); ``scale`` is their ratio, which the router
+    multiplies the pressure by. Only chosen instances are observed; an instance with fewer than
+    ``min_samples`` uses the median scale of those with enough, else 1 (the configured weights as they are).
+    Bounded to ``[lo, hi]`` so one outlier cannot switch the term off or blow it up.
+    """
+
+    def __init__(self, alpha: float = 0.1, min_samples: int = 8, lo: float = 0.02, hi: float = 4.0):
+        if not 0 < alpha <= 1 or min_samples < 1 or not 0 < lo <= 1 <= hi:
+            raise ValueError("QueueBook: alpha in (0, 1], min_samples >= 1, lo <= 1 <= hi")
+        self.alpha, self.min_samples, self.lo, self.hi = alpha, min_samples, lo, hi
+        self._v: dict[str, tuple[float, float, int]] = {}  # instance -> (predicted EWMA, measured EWMA, samples)
+
+    def observe(self, instance_id: str, predicted_s: float, measured_s: float) -> None:
+        """One placed call: the queue Eq. 1 predicted on ``instance_id`` (unscaled) and the engine's measured
+        queue. Mutates: that instance's EWMAs."""
+        if not (math.isfinite(predicted_s) and math.isfinite(measured_s)) or predicted_s < 0 or measured_s < 0:
+            return
+        p, m, n = self._v.get(instance_id, (None, None, 0))
+        self._v[instance_id] = (ewma(p, predicted_s, self.alpha), ewma(m, measured_s, self.alpha), n + 1)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop an instance that left (a new epoch starts unmeasured). Mutates: the book."""
+        self._v.pop(instance_id, None)
+
+    def _own(self, instance_id: str) -> float | None:
+        v = self._v.get(instance_id)
+        if v is None or v[2] < self.min_samples or v[0] <= 1e-9:
+            return None  # unmeasured, or Eq. 1 predicted no queue at all there (nothing to scale)
+        return min(self.hi, max(self.lo, v[1] / v[0]))
+
+    def scale(self, instance_id: str) -> float:
+        """The factor Eq. 1's queue pressure on ``instance_id`` is multiplied by: its own measured ratio, else
+        the median of the measured instances', else 1. Pure read."""
+        own = self._own(instance_id)
+        if own is not None:
+            return own
+        known = sorted(x for x in (self._own(i) for i in self._v) if x is not None)
+        return known[len(known) // 2] if known else 1.0
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per instance: the EWMAs, samples and the scale in use (``/router/metrics``)."""
+        return {i: {"predicted_s": p, "measured_s": m, "samples": n, "scale": self.scale(i)} for i, (p, m, n) in self._v.items()}
