@@ -100,6 +100,8 @@ CONFIGS += tuple(
                  "as Talaria, but Eq. 1 prices only the call's own latency, not the delay it imposes on the batch it joins (issue 12)", "lease"),
     MatrixConfig("queue-learned", {"router.placement.queue_learned": True},
                  "as Talaria, but Eq. 1's queue term is scaled per instance by the measured / predicted engine queue of the calls placed there (issue 12)", "lease"),
+    MatrixConfig("lease-unit-0.1", {"router.placement.admission_unit": 0.1},
+                 "as Talaria, but a live lease charges its instance a tenth of a mean call of queue instead of a whole one (issue 12: the lease charge dominated Eq. 1's queue term)", "lease"),
     MatrixConfig("imposed-prefill", {"router.placement.imposed_prefill": True},
                  "as Talaria, but the imposed-delay term also charges the call's prefill stall of the batch it joins (issue 12)", "lease"),
     MatrixConfig("hold-learned-gap", {"router.placement.retention_learned_gap": True},
