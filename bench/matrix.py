@@ -65,8 +65,8 @@ CONFIGS: tuple[MatrixConfig, ...] = (
     MatrixConfig("H2D-only", {"engines[].d2d_staging": False}, "D2D weight staging off (switches reload from host); SP and HKVR on"),
     MatrixConfig("SP-ungated", {"engines[].sp_gain_check": False},
                  "as Talaria, but SP admits by budget alone (no benefit-vs-harm check, issue 12): shows what the check buys"),
-    MatrixConfig("SP-returns-only", {"engines[].sp_new_sessions": False},
-                 "as Talaria, but SP admits only returning sessions mid-slot; new sessions wait for their model's next slot (the paper's rule)"),
+    MatrixConfig("SP-new-sessions", {"engines[].sp_new_sessions": True},
+                 "as Talaria, but SP also admits calls without a usable prefix (new sessions) mid-slot, by the same checks (slots/admission.py)"),
     MatrixConfig("no-hold", {"engines[].return_hold": False},
                  "as Talaria, but a slot with nothing to run closes at once instead of holding for returns its leases expect (slots/hold.py)"),
     # issue 16: the other seed systems' mechanisms added to Talaria's, alone and together

@@ -109,7 +109,7 @@ def add_cli(sub) -> None:
     r.add_argument("--sessions", type=int, default=10, help="synthetic sessions (full scale) when no workload is given")
     r.add_argument("--models", default="qwen3-235b,glm5-nvfp4,qwen3.5-122b-a10b")
     r.add_argument("--instances", type=int, default=1)
-    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only (and SP-returns-only, token-deadlines, token-deadlines-no-HKVR, partial-layers, partial-layers-H2D-only, partial-layers+token-deadlines, unified-residency, unified-residency+partial-layers, JointServe+Aegaeon)")
+    r.add_argument("--configs", default="Talaria,Round-only", help="comma list of Talaria,no-SP,no-HKVR,H2D-only,no-hold,Round-only (and SP-new-sessions, token-deadlines, token-deadlines-no-HKVR, partial-layers, partial-layers-H2D-only, partial-layers+token-deadlines, unified-residency, unified-residency+partial-layers, JointServe+Aegaeon)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="sim-out")
     r.add_argument("--json", action="store_true")

@@ -38,7 +38,7 @@ CONFIGS = {  # §5.1: reverse ablations; Round-only = all three off
 }
 # not the paper's rows: run only when named (``talaria sim run --configs``, ``sim paper --configs``)
 EXTRA_CONFIGS = {
-    "SP-returns-only": {"sp_new_sessions": False},  # the paper's SP: only returning sessions join a slot mid-way
+    "SP-new-sessions": {"sp_new_sessions": True},  # SP also admits calls without a usable prefix mid-slot (slots/admission.py)
     "token-deadlines": {"token_deadlines": True},  # issue 16 (Aegaeon): EDF at token boundaries instead of rounds
     "token-deadlines-no-HKVR": {"token_deadlines": True, "host_kv": False},
     "partial-layers": {"partial_layers": True},  # issue 16 (JointServe §4.4): streaming hot-swap of later layer groups

@@ -172,7 +172,7 @@ def test_sp_admits_only_eligible_continuations():
 
 
 def test_sp_admits_calls_without_a_prefix_mid_slot_when_that_pays():
-    """sp_new_sessions (the default): a new session's call and a return whose prefix is gone join the open
+    """sp_new_sessions (opt-in): a new session's call and a return whose prefix is gone join the open
     slot of their model, priced with their whole prefill; where that delays the other model's waiting calls
     more than the round wait it saves, they are deferred (no_gain) like any SP call."""
     queued = [
@@ -181,7 +181,7 @@ def test_sp_admits_calls_without_a_prefix_mid_slot_when_that_pays():
         _call("ok-device", sid="d", arrival=0.03),
     ]
     other = [_call("other-model", model="b", sid="o", arrival=0.03)]
-    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2), CostModel(TRUTH))
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp_new_sessions=True), CostModel(TRUTH))
     d = _mid_slot(sched, queued, other)
     assert d.phase is Phase.SP and set(d.admit) == {"new", "missing", "ok-device"}
     full = {v.request_id: v.cost_s for v in d.verdicts if v.admitted}
@@ -190,7 +190,7 @@ def test_sp_admits_calls_without_a_prefix_mid_slot_when_that_pays():
     assert full["new"] == pytest.approx(CostModel(TRUTH).call(queued[0]).seconds + 4 * TRUTH.decode_step)
     # the same calls where their prefill costs the waiting model more than the wait it saves: deferred
     slow = CostProfile(prefill_per_token=5e-3, decode_step=0.01, restore_per_token=1e-5, switch_by_path=TRUTH.switch_by_path)
-    sched = SlotScheduler(SlotPolicy(ttft_s=40.0, tpot_s=0.2), CostModel(slow))
+    sched = SlotScheduler(SlotPolicy(ttft_s=40.0, tpot_s=0.2, sp_new_sessions=True), CostModel(slow))
     many_b = [_call(f"b{i}", model="b", sid=f"o{i}", arrival=0.0) for i in range(4)]
     d = _mid_slot(sched, queued[:1], many_b)
     assert not d.admit and {v.request_id: v.reason for v in d.verdicts}["new"] == "no_gain"
@@ -203,7 +203,7 @@ def test_sp_with_host_kv_off_skips_host_prefixes():
     assert d.admit == ("d",)
     assert {v.request_id: v.reason for v in d.verdicts}["h"] == "host_kv_off"
     # with sp_new_sessions a host prefix it may not restore is recomputed: priced as a whole prefill
-    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, host_kv=False), CostModel(TRUTH))
+    sched = SlotScheduler(SlotPolicy(ttft_s=4.0, tpot_s=0.2, host_kv=False, sp_new_sessions=True), CostModel(TRUTH))
     d = _mid_slot(sched, calls)
     assert d.admit == ("h", "d")
     assert CostModel(TRUTH).call(calls[0], host_kv=False).prefill_tokens == 120
@@ -243,15 +243,15 @@ def test_new_sessions_bypass_p_only_with_sp_new_sessions():
         SessionSpec("late", "a", 0.1, (CallSpec(100, 4),)),  # a new session arriving mid-slot
         SessionSpec("s3", "b", 0.0, (CallSpec(100, 4),)),
     ]
-    # the paper's rule: a new session waits for its model's next P, after b's slot
-    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp_new_sessions=False))
+    # the paper's rule (the default): a new session waits for its model's next P, after b's slot
+    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2))
     admit_phase = {rid: d.phase for d in res.decisions for rid in d.admit}
     assert admit_phase["late#0"] is Phase.P
     late = next(c for c in res.calls if c.request_id == "late#0")
     b = next(c for c in res.calls if c.request_id == "s3#0")
     assert late.admitted_at > b.admitted_at  # it waited for a's next slot, after b's
-    # the default: it joins a's open slot (its 100-token prefill is far less than the round wait it saves)
-    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2))
+    # sp_new_sessions: it joins a's open slot (its 100-token prefill is far less than the round wait it saves)
+    res, _, _ = run(sessions, SlotPolicy(ttft_s=4.0, tpot_s=0.2, sp_new_sessions=True))
     admit_phase = {rid: d.phase for d in res.decisions for rid in d.admit}
     assert admit_phase["late#0"] is Phase.SP
     late = next(c for c in res.calls if c.request_id == "late#0")

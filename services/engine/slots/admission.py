@@ -17,7 +17,14 @@ away even while its model holds the slot. Measured on the Mooncake replay (30 se
 calls waited ~1 s each for their slot against ~45 ms for continuations, about a third of all the time calls
 spent waiting. With ``new_sessions`` any call of the active model that arrived after P is a candidate; it
 pays for its whole prompt's prefill, which the same budget, memory and benefit-vs-harm checks weigh, so it
-joins only where the round wait it saves exceeds the delay it imposes.
+joins only where the round wait it saves exceeds the delay it imposes. Off by default (``SlotPolicy.sp_new_sessions``):
+the check weighs the calls of other models waiting *now*; a new session admitted just before another model's
+sessions arrive lengthens the slot they then wait for (and brings its own returns into it), and in
+``tests/unit/test_slots_sp_gain.py``'s constructed regime (slow prefill, eight sessions of another model arriving
+5 ms later) that made the mean SCT 3-8 % worse than no SP at all. On 20 random three-model workloads it never
+lost to no SP and beat the paper's rule (median 0.98x), and on the bench's Mooncake replay it won (bench README);
+a check that also weighs the calls expected to arrive during the slot (as ``hold.py`` does) is what would make
+it safe to turn on.
 
 SP that cannot lose (issue 12 item 3). Fitting the budget is not enough: SP prefill runs inside the active
 model's slot, so it pushes back every call of *another* model that is waiting for its own slot (§3.4: the

@@ -63,7 +63,7 @@ class SlotPolicy:
     sp_max_tokens: int = 4096
     endless: bool = False  # one model, no end of slot: the simulator's hot instances (sim/); the engine's hot pool runs executor.Engine
     sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
-    sp_new_sessions: bool = True  # SP also admits calls without a usable prefix (new sessions), by the same checks (admission.py)
+    sp_new_sessions: bool = False  # SP also admits calls without a usable prefix (new sessions), by the same checks (admission.py; off: see there)
     return_hold: bool = True  # hold an idle slot open for returns expected soon when that pays (hold.py; needs sp)
     token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
