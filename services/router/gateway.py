@@ -639,7 +639,8 @@ class Gateway:
 
     def commit(self, req: CallRequest, d: Decision, call_id: str = "") -> None:
         """Record a forwarded call: overlay (keyed by ``call_id``, which its completion hook removes),
-        session table, accounting, decision log."""
+        session table, accounting, decision log, and the queue Eq. 1 predicted for it on its instance (unscaled;
+        its hook's measured engine queue teaches ``QueueBook``)."""
         assert d.instance_id is not None
         inst = d.instance_id
         self.stats["decisions"] += 1
