@@ -321,17 +321,21 @@ class QueueBook:
             raise ValueError("QueueBook: alpha in (0, 1], min_samples >= 1, lo <= 1 <= hi")
         self.alpha, self.min_samples, self.lo, self.hi = alpha, min_samples, lo, hi
         self._v: dict[str, tuple[float, float, int]] = {}  # instance -> (predicted EWMA, measured EWMA, samples)
+        self._known: list[float] = []  # the measured instances' own scales, kept sorted (``scale`` never scans the fleet)
 
     def observe(self, instance_id: str, predicted_s: float, measured_s: float) -> None:
         """One placed call: the queue Eq. 1 predicted on ``instance_id`` (unscaled) and the engine's measured
         queue. Mutates: that instance's EWMAs."""
         if not (math.isfinite(predicted_s) and math.isfinite(measured_s)) or predicted_s < 0 or measured_s < 0:
             return
+        old = self._own(instance_id)
         p, m, n = self._v.get(instance_id, (None, None, 0))
         self._v[instance_id] = (ewma(p, predicted_s, self.alpha), ewma(m, measured_s, self.alpha), n + 1)
+        _move(self._known, old, self._own(instance_id))
 
     def forget(self, instance_id: str) -> None:
         """Drop an instance that left (a new epoch starts unmeasured). Mutates: the book."""
+        _move(self._known, self._own(instance_id), None)
         self._v.pop(instance_id, None)
 
     def _own(self, instance_id: str) -> float | None:
@@ -346,7 +350,7 @@ class QueueBook:
         own = self._own(instance_id)
         if own is not None:
             return own
-        known = sorted(x for x in (self._own(i) for i in self._v) if x is not None)
+        known = self._known
         return known[len(known) // 2] if known else 1.0
 
     def stats(self) -> dict[str, dict[str, float]]:
