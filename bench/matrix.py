@@ -428,7 +428,7 @@ def run_matrix(
     (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
     (``bench.report.combine_repeats``). With ``repeats`` = 1 the output is laid out as before
     (``<out>/<configuration>``)."""
-    from bench.report import combine_repeats, matrix_table, repeats_table, write_matrix_report
+    from bench.report import ablations_table, baseline_names, combine_repeats, matrix_table, repeats_table, write_matrix_report
 
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
@@ -502,6 +502,10 @@ def run_matrix(
         say(f"medians over {repeats} interleaved repetitions; ratios: median of per-repetition ratios [min-max], "
             f"CI95 = hierarchical bootstrap, W/L = repetitions below/above 1; load 1m {meta['loadavg_start']} -> {meta['loadavg_end']}")
         say(repeats_table(agg))
+        abl = ablations_table(agg, baseline_names(rows))
+        if abl:
+            say("\neach configuration against Talaria (paired per repetition; CI95, W/L, verdict per quantile)")
+            say(abl)
         say("\ndetail: median repetition per configuration")
     say(matrix_table(rows))
     say(f"\nreport: {report} (matrix took {meta['matrix_wall_s']:.0f}s)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from bench import format_table
@@ -564,6 +565,24 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
             repeats_table(agg),
             "```",
             "",
+        ]
+        abl = ablations_table(agg, baseline_names(rows))
+        if abl:
+            lines += [
+                "### Each configuration against Talaria",
+                "",
+                "Per repetition the configuration's SCT percentile over Talaria's on the same sessions; median "
+                "[min-max] over repetitions, the bootstrap CI95 of that median, `W/L` = repetitions below / above 1. "
+                "For an ablation (one mechanism off) `off helps` means turning the mechanism off made sessions faster "
+                "beyond the noise (the whole interval below 1), `pays` that the mechanism made them faster (above 1), "
+                "`tie` that the interval holds 1.",
+                "",
+                "```",
+                abl,
+                "```",
+                "",
+            ]
+        lines += [
             "### Per repetition",
             "",
             "```",
@@ -760,6 +779,7 @@ def _latency_plot(plt, out: Path, ran: list[dict[str, Any]]) -> Path | None:
 REPEAT_METRICS = ("sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s")
 REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria", "best") for m in ("sct", "ttft") for q in ("p50", "p95"))
 CI_RATIOS = ("sct_p50_vs_base", "sct_p95_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")  # bootstrap intervals (bench/stats.py)
+VS_REFERENCE = ("sct_p50_vs_talaria", "sct_p95_vs_talaria")  # every other row / the reference (Talaria): the ablations' verdicts
 
 
 def _median(xs: list[float]) -> float:
@@ -791,8 +811,8 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         for k in REPEAT_RATIOS:
             vals = [s[k] for _i, s in ok if _finite(s.get(k))]
             agg["ratios"][k] = {"median": _median(vals), "min": min(vals, default=NA), "max": max(vals, default=NA), "n": len(vals), "values": vals}
-        agg["ci95"] = _repeat_cis(reps, name, baseline)
-        agg["wins_losses"] = {k: list(wins_losses(agg["ratios"][k]["values"])) for k in CI_RATIOS}
+        agg["ci95"] = _repeat_cis(reps, name, baseline, reference)
+        agg["wins_losses"] = {k: list(wins_losses(agg["ratios"][k]["values"])) for k in CI_RATIOS + VS_REFERENCE}
         loads = [v[0] for _i, s in ok for key in ("loadavg_before", "loadavg_after") if (v := s.get(key))]
         agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
@@ -804,12 +824,14 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
     return out
 
 
-def _repeat_cis(reps: list[list[dict[str, Any]]], name: str, baseline: str) -> dict[str, list[float]]:
+def _repeat_cis(reps: list[list[dict[str, Any]]], name: str, baseline: str, reference: str = "Talaria") -> dict[str, list[float]]:
     """Hierarchical bootstrap intervals (repetitions, then paired sessions; bench/stats.py) of the
-    configuration's median-over-repetitions SCT ratios vs ``baseline`` and vs the best baseline."""
+    configuration's median-over-repetitions SCT ratios vs ``baseline``, vs the best baseline and vs
+    ``reference`` (not for the reference itself: an ablation's interval vs Talaria says whether turning
+    its mechanism off helps by more than the noise, issue 12's done-when)."""
     from bench.stats import bootstrap_ratio_ci
 
-    vs_base, vs_best = [], []
+    vs_base, vs_best, vs_ref = [], [], []
     for rows in reps:
         by = {r["name"]: r["summary"] for r in rows if r.get("summary")}
         if name not in by:
@@ -819,8 +841,12 @@ def _repeat_cis(reps: list[list[dict[str, Any]]], name: str, baseline: str) -> d
         dens = [by[n]["scts"] for n in baseline_names(rows, baseline) if n in by]
         if dens:
             vs_best.append((by[name]["scts"], dens))
+        if name != reference and reference in by:
+            vs_ref.append((by[name]["scts"], [by[reference]["scts"]]))
     out = {}
-    for key, pairs in (("base", vs_base), ("best", vs_best)):
+    for key, pairs in (("base", vs_base), ("best", vs_best), ("talaria", vs_ref)):
+        if key == "talaria" and not pairs:
+            continue
         for q, qn in ((50, "p50"), (95, "p95")):
             out[f"sct_{qn}_vs_{key}"] = list(bootstrap_ratio_ci(pairs, q, seed=CI_SEED))
     return out
@@ -877,6 +903,34 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
                        f"{a['engine_cpu_s']:.1f}" if _finite(a.get("engine_cpu_s", NA)) else "n/a",
                        f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
     return format_table(headers, body)
+
+
+def ablation_verdict(ci: Any) -> str:
+    """One quantile's verdict on a configuration / Talaria interval: ``off helps`` when the whole interval is
+    below 1 (the configuration beats Talaria beyond the noise), ``pays`` when it is above 1, else ``tie``."""
+    if not ci or not all(_finite(x) for x in ci):
+        return "n/a"
+    return "off helps" if ci[1] < 1.0 else "pays" if ci[0] > 1.0 else "tie"
+
+
+def ablations_table(agg: list[dict[str, Any]], skip: Iterable[str], reference: str = "Talaria") -> str:
+    """Every configuration but ``reference`` and ``skip`` (the baselines) against ``reference``, paired within
+    each repetition: median ratio [min-max], its bootstrap CI95, W/L (repetitions below / above 1), and per
+    quantile the verdict of ``ablation_verdict`` (for an ablation row: whether the mechanism it turns off
+    earns its place)."""
+    headers = ["configuration", "SCT p50/" + reference, "CI95", "W/L", "p50", "SCT p95/" + reference, "CI95", "W/L", "p95"]
+    body = []
+    skip = set(skip) | {reference}
+    for a in agg:
+        if a["name"] in skip:
+            continue
+        q, ci, wl = a["ratios"], a.get("ci95", {}), a.get("wins_losses", {})
+        row: list[object] = [a["name"]]
+        for k in VS_REFERENCE:
+            w = wl.get(k)
+            row += [_ratio_cell(q[k]), _ci_range(ci.get(k)), f"{w[0]}/{w[1]}" if w else "n/a", ablation_verdict(ci.get(k))]
+        body.append(row)
+    return format_table(headers, body) if body else ""
 
 
 def repetitions_table(flat: list[dict[str, Any]]) -> str:

@@ -301,6 +301,40 @@ def test_aggregate_repeats_reports_best_baseline_ci_wins_and_load(tmp_path):
     assert data["rows"][0]["aggregate"]["wins_losses"]["sct_p50_vs_best"] == [4, 1]
 
 
+def test_each_ablation_is_judged_against_talaria_with_a_paired_interval(tmp_path):
+    """Issue 12's done-when: "turning a mechanism off never helps by more than the confidence interval". The
+    report pairs every non-baseline row with Talaria per repetition and says per quantile whether the
+    interval is below 1 (off helps), above 1 (the mechanism pays) or holds 1 (tie)."""
+    from bench.report import ablation_verdict, ablations_table, combine_repeats, write_matrix_report
+
+    sessions = [f"s{i}" for i in range(12)]
+    reps = []
+    for r in range(5):
+        ro = {s: (10.0 + i) * (1 + 0.1 * r) for i, s in enumerate(sessions)}
+        ta = {s: v * 0.8 for s, v in ro.items()}
+        rows = [{"name": "Talaria", "kind": "ablation", "status": "ok", "summary": _summary(ta)},
+                {"name": "Round-only", "kind": "baseline", "status": "ok", "summary": _summary(ro)}]
+        rows.append({"name": "no-A", "kind": "ablation", "status": "ok", "summary": _summary({s: v * 1.2 for s, v in ta.items()})})  # A pays
+        rows.append({"name": "no-B", "kind": "ablation", "status": "ok", "summary": _summary({s: v * 0.9 for s, v in ta.items()})})  # B costs
+        # C: off is as often faster as slower, session by session and repetition by repetition
+        rows.append({"name": "no-C", "kind": "ablation", "status": "ok",
+                     "summary": _summary({s: v * (1.08 if (i + r) % 2 else 0.93) for i, (s, v) in enumerate(ta.items())})})
+        reps.append(rows)
+    out, agg = combine_repeats(reps)
+    by = {a["name"]: a for a in agg}
+    assert "sct_p50_vs_talaria" not in by["Talaria"]["ci95"]  # never against itself
+    verdict = {n: ablation_verdict(by[n]["ci95"]["sct_p50_vs_talaria"]) for n in ("no-A", "no-B", "no-C")}
+    assert verdict == {"no-A": "pays", "no-B": "off helps", "no-C": "tie"}
+    assert by["no-B"]["wins_losses"]["sct_p50_vs_talaria"] == [5, 0]
+    lo, hi = by["no-A"]["ci95"]["sct_p95_vs_talaria"]
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)  # exact ratios: a zero-width interval
+    table = ablations_table(agg, ["Round-only"])
+    assert "Round-only" not in table and table.count("off helps") == 2 and "no-C" in table
+    assert ablation_verdict([math.nan, 1.1]) == "n/a"
+    md = write_matrix_report(tmp_path, out, {"command": "x", "workload_desc": "y"}, repeats=reps).read_text()
+    assert "Each configuration against Talaria" in md and "off helps" in md
+
+
 SHARED_MOONCAKE = SHARED_MINISWE.parent / "mooncake_synthetic_trace.jsonl"
 
 
