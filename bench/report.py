@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from bench import format_table
@@ -917,7 +917,9 @@ def ablations_table(agg: list[dict[str, Any]], skip: Iterable[str], reference: s
     """Every configuration but ``reference`` and ``skip`` (the baselines) against ``reference``, paired within
     each repetition: median ratio [min-max], its bootstrap CI95, W/L (repetitions below / above 1), and per
     quantile the verdict of ``ablation_verdict`` (for an ablation row: whether the mechanism it turns off
-    earns its place)."""
+    earns its place). Empty when ``reference`` did not run."""
+    if not any(a["name"] == reference for a in agg):
+        return ""
     headers = ["configuration", "SCT p50/" + reference, "CI95", "W/L", "p50", "SCT p95/" + reference, "CI95", "W/L", "p95"]
     body = []
     skip = set(skip) | {reference}

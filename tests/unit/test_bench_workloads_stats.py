@@ -331,6 +331,7 @@ def test_each_ablation_is_judged_against_talaria_with_a_paired_interval(tmp_path
     table = ablations_table(agg, ["Round-only"])
     assert "Round-only" not in table and table.count("off helps") == 2 and "no-C" in table
     assert ablation_verdict([math.nan, 1.1]) == "n/a"
+    assert ablations_table([a for a in agg if a["name"] != "Talaria"], ["Round-only"]) == ""  # no reference, no table
     md = write_matrix_report(tmp_path, out, {"command": "x", "workload_desc": "y"}, repeats=reps).read_text()
     assert "Each configuration against Talaria" in md and "off helps" in md
 
