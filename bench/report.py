@@ -878,6 +878,12 @@ def _ci_range(ci: Any) -> str:
     return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci and all(_finite(x) for x in ci) else "n/a"
 
 
+def _ratio_ci_wl(a: dict[str, Any], key: str) -> list[str]:
+    """The three cells of one aggregated ratio: median [min-max], its CI95, W/L."""
+    w = a.get("wins_losses", {}).get(key)
+    return [_ratio_cell(a["ratios"][key]), _ci_range(a.get("ci95", {}).get(key)), f"{w[0]}/{w[1]}" if w else "n/a"]
+
+
 def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
     """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]; ``CI95``: the
     hierarchical bootstrap interval of that median (bench/stats.py); ``W/L``: repetitions whose ratio was
@@ -890,11 +896,7 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
     for a in agg:
         m, q = a["metrics"], a["ratios"]
         rng = m["sct_p50_s"]
-        ci, wl = a.get("ci95", {}), a.get("wins_losses", {})
-        best = []
-        for k in ("sct_p50_vs_best", "sct_p95_vs_best"):
-            w = wl.get(k)
-            best += [_ratio_cell(q[k]), _ci_range(ci.get(k)), f"{w[0]}/{w[1]}" if w else "n/a"]
+        best = _ratio_ci_wl(a, "sct_p50_vs_best") + _ratio_ci_wl(a, "sct_p95_vs_best")
         ld = a.get("load1", {})
         body.append([a["name"], f"{a['repeats_ok']}/{a['repeats']}"] + [m[k]["median"] for k in REPEAT_METRICS]
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
@@ -926,11 +928,9 @@ def ablations_table(agg: list[dict[str, Any]], skip: Iterable[str], reference: s
     for a in agg:
         if a["name"] in skip:
             continue
-        q, ci, wl = a["ratios"], a.get("ci95", {}), a.get("wins_losses", {})
         row: list[object] = [a["name"]]
         for k in VS_REFERENCE:
-            w = wl.get(k)
-            row += [_ratio_cell(q[k]), _ci_range(ci.get(k)), f"{w[0]}/{w[1]}" if w else "n/a", ablation_verdict(ci.get(k))]
+            row += _ratio_ci_wl(a, k) + [ablation_verdict(a.get("ci95", {}).get(k))]
         body.append(row)
     return format_table(headers, body) if body else ""
 

@@ -214,8 +214,8 @@ class SlotScheduler(MeasuredCosts):
         else the wait for its next slot (the rest of the round and the switch back: a call arriving then
         waits for it, measured ~1 s a call on the Mooncake replay, where 0 was quoted); for a model still to
         be served this round, what is left of the current slot plus, per slot before it, one switch
-        (measured, host-only) and that slot's length. A slot ends at its budget or when its model runs out of work (``_decide`` closes it then, unless it holds for returns),
-        so each slot's length is the smaller of its budget (protected decode plus its share of the prefill
+        (measured, host-only) and that slot's length. A slot ends at its budget or when its model runs out of
+        work (``_decide`` closes it then, unless it holds for returns), so each slot's length is the smaller of its budget (protected decode plus its share of the prefill
         pool) and the work the last decision's view showed for its model, less the time since that view. A
         model outside the round waits for the whole rest of the round. Empty when no slot is open, or when the
         executor says it is ``idle`` (no call queued or running: the open slot is a leftover the next decision
