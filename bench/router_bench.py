@@ -98,12 +98,14 @@ class _Nats:
     """Direct NATS calls to the engine process, on a private event loop (sync facade)."""
 
     def __init__(self, nats_url: str, namespace: str, model: str):
+        from services.router.engine_client import InboxMux
         from talaria.subjects import Subjects
 
         self.loop = asyncio.new_event_loop()
         self.subjects = Subjects(namespace)
         self.model = model
         self.nc = self.loop.run_until_complete(self._connect(nats_url))
+        self.mux = InboxMux(self.nc, self.subjects.inbox_prefix("bench"))  # as the router reads its inboxes
 
     async def _connect(self, url: str):
         from talaria.natsutil import connect
@@ -122,7 +124,7 @@ class _Nats:
             token_ids=pb.TokenIds(ids=prompt),
             deadline_unix=time.time() + 60,
         )
-        call = EngineCall(self.nc, self.subjects, "bench", ENGINE_ID, req)
+        call = EngineCall(self.nc, self.subjects, "bench", ENGINE_ID, req, self.mux)
         alive = lambda: True  # noqa: E731 - the timeouts below bound a dead engine
         try:
             await call.start()

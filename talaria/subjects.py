@@ -13,9 +13,11 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.hook.intent                   ToolIntent (a tool-call header seen mid-stream; issue 14)
     <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
     <ns>.kvstore.<store>.stats         KvStoreStatsRecord (periodic; read by the telemetry service)
-    <ns>.inbox.<router>.<id>           reply inboxes of one router process; the engine probes an inbox
-                                       (a request carrying the PROBE_HEADER header) to find out whether its
-                                       requester still listens: "no responders" = gone, abort the call
+    <ns>.inbox.<router>.<id>           reply inboxes of one router process (one subscription to
+                                       <ns>.inbox.<router>.*); the engine probes an inbox (a request
+                                       carrying the PROBE_HEADER header) to find out whether its requester
+                                       still listens: "no responders" (the router is gone) or an answer
+                                       with PROBE_HEADER = PROBE_GONE (it dropped the call) = abort the call
 
 Instance ids and namespaces are NATS tokens: no dots, spaces or wildcards.
 """
@@ -29,7 +31,9 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 DEFAULT_NAMESPACE = "talaria"
 LEASE_BUCKET = "leases"
-PROBE_HEADER = "Talaria-Probe"  # a liveness probe on a reply inbox: not a chunk, ignore it
+PROBE_HEADER = "Talaria-Probe"  # a liveness probe on a reply inbox: not a chunk; answered with this header:
+PROBE_LIVE = "live"  # the requester still reads the call
+PROBE_GONE = "gone"  # the requester dropped the call: abort it
 
 
 def check_token(value: str, what: str = "token") -> str:

@@ -44,7 +44,7 @@ from services.engine.wire import SCHEMA_VERSION, CallError
 from talaria import call_hints, otel
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
-from talaria.subjects import PROBE_HEADER, Subjects
+from talaria.subjects import PROBE_GONE, PROBE_HEADER, Subjects
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
@@ -645,11 +645,14 @@ class EngineService:
     async def _probe(self, rid: str, reply: str) -> None:
         assert self.nc is not None
         try:
-            await self.nc.request(reply, b"", timeout=min(1.0, self.requester_probe_s), headers={PROBE_HEADER: "1"})
+            answer = await self.nc.request(reply, b"", timeout=min(1.0, self.requester_probe_s), headers={PROBE_HEADER: "1"})
         except NoRespondersError:
             self._abort(rid, "requester gone: nobody listens on its reply inbox")
-        except Exception:  # noqa: BLE001 - a timeout means someone listens (routers do not answer probes)
-            pass
+            return
+        except Exception:  # noqa: BLE001 - a timeout means someone listens (a requester that does not answer probes)
+            return
+        if answer.headers and answer.headers.get(PROBE_HEADER) == PROBE_GONE:
+            self._abort(rid, "requester gone: its router dropped the call")
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self, stop: asyncio.Event, url: str) -> None:

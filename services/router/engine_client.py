@@ -9,6 +9,13 @@ Token path (issue 20 §5): a reader that lags (its HTTP writes or the event loop
 per token: :meth:`EngineCall.chunks` takes every chunk already queued and, when several are next in order,
 yields them merged into one (:func:`merge_chunks`), so the caller encodes one JSON / SSE event for them.
 Nothing waits for more tokens; a reader that keeps up sees the engine's chunks unchanged.
+
+Reply inboxes (issue 20 §5): a router process subscribes once to ``<ns>.inbox.<router>.*``
+(:class:`InboxMux`) and hands each call's chunks to it by the inbox's last token, instead of a subscription
+per call. A per-call subscription cost a SUB and an UNSUB through the server on every call, one more write
+from the router and a nats-py reader task created and cancelled per call. The engine's liveness probe of
+an inbox (``PROBE_HEADER``) still gets "no responders" when the router process is gone; while it lives the
+mux answers the probe: ``live`` for a call it still reads, ``gone`` for one it dropped (the engine aborts).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client as NATS
 
-from talaria.subjects import PROBE_HEADER, Subjects
+from talaria.subjects import PROBE_GONE, PROBE_HEADER, PROBE_LIVE, Subjects
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -66,47 +73,107 @@ class EngineUnavailable(Exception):
         self.accepted = accepted
 
 
-class EngineCall:
-    """One in-flight call. Iterate ``chunks()``; call ``cancel()`` if the client goes away."""
+class InboxMux:
+    """Every reply inbox of one router process on one NATS subscription (``<prefix>.*``; see the module
+    note). ``EngineCall.start`` registers a call under a fresh token and ``close`` removes it; a message on
+    ``<prefix>.<token>`` goes to that call (:meth:`EngineCall.deliver`), a message for no registered call is
+    counted in ``stray`` and dropped. Probes are answered (``live`` / ``gone``). The subscription is made on
+    first use (:meth:`ready`) and survives reconnects (nats-py subscribes again). Mutates its call map."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, router_id: str, instance_id: str, req: pb.GenerateRequest):
+    def __init__(self, nc: NATS, prefix: str):
+        self.nc = nc
+        self.prefix = prefix
+        self._calls: dict[str, "EngineCall"] = {}
+        self._sub = None
+        self._lock = asyncio.Lock()
+        self.stray = 0  # messages for no registered call (a call closed before the engine's last words)
+
+    async def ready(self) -> None:
+        """Subscribe if not yet (at most once, however many calls start together)."""
+        if self._sub is not None:
+            return
+        async with self._lock:
+            if self._sub is None:
+                self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+
+    def register(self, call: "EngineCall") -> str:
+        """A new inbox for ``call``; returns its subject."""
+        token = uuid.uuid4().hex
+        self._calls[token] = call
+        return f"{self.prefix}.{token}"
+
+    def unregister(self, inbox: str) -> None:
+        self._calls.pop(inbox[len(self.prefix) + 1 :], None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    async def _on_msg(self, msg) -> None:
+        call = self._calls.get(msg.subject[len(self.prefix) + 1 :])
+        if msg.headers and PROBE_HEADER in msg.headers:  # the engine asks whether this call's requester listens
+            if msg.reply:
+                try:
+                    await self.nc.publish(msg.reply, b"", headers={PROBE_HEADER: PROBE_LIVE if call is not None else PROBE_GONE})
+                except Exception as e:  # noqa: BLE001 - the engine's probe times out and it keeps the call
+                    log.debug("probe answer failed: %s", e)
+            return
+        if call is None:
+            self.stray += 1
+            return
+        call.deliver(msg)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may already be closed
+                pass
+            self._sub = None
+
+
+class EngineCall:
+    """One in-flight call. Iterate ``chunks()``; call ``cancel()`` if the client goes away. Its chunks arrive
+    through ``mux`` (the router's :class:`InboxMux` on ``nc``)."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, router_id: str, instance_id: str, req: pb.GenerateRequest, mux: InboxMux | None = None):
         self.nc = nc
         self.subjects = subjects
         self.instance_id = instance_id
         self.req = req
-        self.inbox = f"{subjects.inbox_prefix(router_id)}.{uuid.uuid4().hex}"
+        self.mux = mux
+        self.inbox = ""  # set by start(): <ns>.inbox.<router>.<token>
         self._queue: asyncio.Queue[pb.TokenChunk | None] = asyncio.Queue()  # None: NATS no-responders
         self.no_responders = False  # the engine's process is gone (its subscription with it)
-        self._sub = None
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
         self.keepalives = 0  # keepalive chunks seen (the engine held the call without tokens)
         self.trace = None  # services.router.tracing.CallTrace: sees every chunk, ended by close()
 
-    async def start(self) -> None:
-        async def on_msg(msg) -> None:
-            if msg.headers and PROBE_HEADER in msg.headers:
-                return  # the engine checking that this inbox still listens (its request sees our interest)
-            if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
-                self.no_responders = True  # NATS: nobody subscribes to the engine's generate subject
-                self._queue.put_nowait(None)
-                return
-            chunk = pb.TokenChunk()
-            try:
-                chunk.ParseFromString(msg.data)
-            except Exception:  # noqa: BLE001 - a corrupt chunk must not kill the subscription
-                log.warning("undecodable chunk on %s", self.inbox)
-                return
-            self._queue.put_nowait(chunk)
+    def deliver(self, msg) -> None:
+        """One message on this call's inbox (from the mux): a chunk, or NATS's no-responders status."""
+        if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
+            self.no_responders = True  # NATS: nobody subscribes to the engine's generate subject
+            self._queue.put_nowait(None)
+            return
+        chunk = pb.TokenChunk()
+        try:
+            chunk.ParseFromString(msg.data)
+        except Exception:  # noqa: BLE001 - a corrupt chunk must not kill the subscription
+            log.warning("undecodable chunk on %s", self.inbox)
+            return
+        self._queue.put_nowait(chunk)
 
+    async def start(self) -> None:
+        """Register with the mux and publish the request (mutates the mux's call map)."""
+        assert self.mux is not None, "EngineCall.start needs the router's InboxMux"
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
-        # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path): the
-        # subscription and the request go out together on the next write, in order, and a connection
-        # that is down now (NATS restarting) is refused here instead of by a flush timeout.
+        # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path); a
+        # connection that is down now (NATS restarting) is refused here instead of by a flush timeout.
         try:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected")
-            self._sub = await self.nc.subscribe(self.inbox, cb=on_msg)
+            await self.mux.ready()
+            self.inbox = self.mux.register(self)
             await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
         except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, connection closed or down): not a 500
             raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
@@ -197,11 +264,8 @@ class EngineCall:
             log.warning("cancel of %s failed: %s", self.req.request_id, e)
 
     async def close(self) -> None:
+        """End the call's trace and leave the mux (later messages on its inbox are strays)."""
         if self.trace is not None:
             self.trace.end()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may already be closed
-                pass
-            self._sub = None
+        if self.mux is not None and self.inbox:
+            self.mux.unregister(self.inbox)

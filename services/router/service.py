@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 
 from services.router.app import create_app
+from services.router.engine_client import InboxMux
 from services.router.gateway import Gateway, PoolSpec
 from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
 from services.router.policy import PolicyParams
@@ -46,9 +47,18 @@ class RouterState:
     counters: Counter = field(default_factory=Counter)
     telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call (issue 7)
     _bg: set = field(default_factory=set)  # fire-and-forget publish tasks
+    _mux: InboxMux | None = None
 
     def tracer(self):
         return self.telemetry.tracer
+
+    def inbox_mux(self) -> InboxMux:
+        """The reply-inbox mux on the current NATS connection (made on first use; a new connection object,
+        as tests make, gets a new one). Mutates ``_mux``."""
+        assert self.nc is not None
+        if self._mux is None or self._mux.nc is not self.nc:
+            self._mux = InboxMux(self.nc, self.subjects.inbox_prefix(self.cfg.router.id))
+        return self._mux
 
     def publish_call(self, rec) -> None:
         """Send a CallRecord to the telemetry service without waiting for it (issue 7)."""
@@ -308,6 +318,8 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         await serve
         watcher.cancel()
         await state.lease_store.stop()
+        if state._mux is not None:
+            await state._mux.close()
         await close_connection(state.nc, subs)
         await asyncio.to_thread(state.telemetry.shutdown)  # bounded by telemetry.export_timeout_s
 

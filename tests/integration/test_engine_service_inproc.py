@@ -168,6 +168,51 @@ async def test_a_call_whose_requester_is_gone_is_aborted(synth_models, nats_url)
         eng.step_s = 0.0
 
 
+async def test_a_call_its_router_dropped_is_aborted_and_a_live_one_is_not(synth_models, nats_url):
+    """Issue 20 §5: the router reads every reply inbox through one subscription (``InboxMux``), so a call
+    it dropped without a cancel still has NATS interest; the mux answers the engine's probe ``gone`` and
+    the engine aborts the call, while a call the router still reads (probed too) runs to its end."""
+    from services.router.engine_client import EngineCall, InboxMux
+
+    eng = SlowStepEngine(synth_models["tiny-llama"], page_size=4, num_pages=512)
+    eng.step_s = 0.05
+    cfg = EngineConfig(id="mx0", models=["tiny-llama"], heartbeat_period_s=0.2)
+    svc = EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0, requester_probe_s=0.3)
+    try:
+        with Running(svc, nats_url):
+            nc = await connect(nats_url, "test")
+            router = await connect(nats_url, "router")
+            try:
+                await until_serving(nc, "mx0")
+                mux = InboxMux(router, SUBJ.inbox_prefix("r0"))
+                live = EngineCall(router, SUBJ, "r0", "mx0", gen("tiny-llama", 30), mux)  # ~1.5 s: probed several times
+                dropped = EngineCall(router, SUBJ, "r0", "mx0", gen("tiny-llama", 1000), mux)
+                await live.start()
+                await dropped.start()
+                assert live.inbox != dropped.inbox and len(mux) == 2
+                assert (await live.wait_accepted(30, lambda: True)).accepted
+                assert (await dropped.wait_accepted(30, lambda: True)).accepted
+                await dropped.close()  # the router drops it: no cancel is sent, the mux still subscribes
+                tokens = []
+                async for c in live.chunks(30, lambda: True):
+                    tokens += c.token_ids
+                assert len(tokens) == 30, "a call the router still reads was cut short"
+                for _ in range(100):
+                    if not eng.has_unfinished():
+                        break
+                    await asyncio.sleep(0.1)
+                assert not eng.has_unfinished(), "the engine kept generating a call its router dropped"
+                assert svc.counters["aborted"] == 1  # the dropped call, not the live one
+                assert mux.stray >= 1  # the dropped call's chunks after close() were dropped, not delivered
+                await live.close()
+                assert len(mux) == 0
+            finally:
+                await router.close()
+                await nc.close()
+    finally:
+        eng.step_s = 0.0
+
+
 async def test_a_full_engine_still_answers_413_for_a_prompt_that_can_never_fit(synth_models, nats_url):
     """Issue 18 #4: with its queue full the engine answered 429 before it looked at the prompt, so a client that
     retries 429 looped forever on a prompt over the context. Over the context is 413 first; a fitting call
