@@ -3,8 +3,10 @@
 What is measured (each number in the output says how, in its ``cite``):
 
 * prefill: a fresh prompt of each length in ``--lengths`` (prefix cache flushed), time to the first
-  token through ``Engine.step()`` with the engine's default chunked-prefill budget (as served); fitted
-  as ``t = k * n**p`` (``sim.profile.fit_power``);
+  token through ``Engine.step()`` with the engine's default chunked-prefill budget (as served), the
+  repetitions outer and the lengths inner; the medians fitted as ``t = k * n**p``
+  (``sim.profile.fit_power``), and each repetition fitted alone to give the fit's spread at 1,024 tokens
+  (in the ``prefill_k`` cite);
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
   first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
 * restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.restore_blocking``)
@@ -34,6 +36,11 @@ import yaml
 from bench import ensure_models
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # the bench matrix's catalog
+# The default workload's prompts run to ~3,600 tokens (p50 ~800): six lengths across that range, so one
+# slow measurement cannot swing the fitted exponent as it did with three (issue 15: two profiles measured
+# 40 minutes apart put the recompute of 1,024 tokens at 142 vs 111 ms).
+LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+PREFILL_PROBE_TOKENS = 1024  # where the profile reports its fit's spread over repetitions
 
 
 def _loadavg() -> str:
@@ -98,12 +105,20 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
                     max_num_batched_tokens=EngineConfig.model_fields["max_num_batched_tokens"].default)
     rng = random.Random(seed)
     vocab = engine.vocab_size
-    pts = []
+    prompts = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in lengths}
     for n in lengths:
-        prompt = [rng.randrange(3, vocab) for _ in range(n)]
-        _first_token_s(engine, prompt, f"warm-{n}")
-        pts.append((n, statistics.median(_first_token_s(engine, prompt, f"p{n}-{r}") for r in range(repeats))))
+        _first_token_s(engine, prompts[n], f"warm-{n}")
+    # repetitions outer, lengths inner: a burst of load on this shared machine slows one repetition of
+    # every length instead of every repetition of one length (which bends the fitted exponent)
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for r in range(repeats):
+        for n in lengths:
+            times[n].append(_first_token_s(engine, prompts[n], f"p{n}-{r}"))
+    pts = [(n, statistics.median(times[n])) for n in lengths]
     k, p = _fit(pts)
+    # the fit's own spread: each repetition fitted alone, its prediction at the probe length
+    probe = PREFILL_PROBE_TOKENS
+    per_rep = sorted(kr * probe**pr for kr, pr in (_fit([(n, times[n][r]) for n in lengths]) for r in range(repeats)))
     rows, ys = [], []
     for b in batches:
         for ctx in contexts:
@@ -113,12 +128,14 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
     base, per_seq, per_ctx = _lstsq(rows, ys)
     cfg = engine.config
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
-    say(f"  {name}: prefill {[(n, round(t, 4)) for n, t in pts]} -> k={k:.3g} p={p:.3f}; decode base {base * 1e3:.2f} ms, "
+    spread = (per_rep[0], per_rep[-1])
+    say(f"  {name}: prefill {[(n, round(t, 4)) for n, t in pts]} -> k={k:.3g} p={p:.3f} ({probe} tokens: {k * probe**p * 1e3:.1f} ms, "
+        f"repetitions alone {spread[0] * 1e3:.1f}-{spread[1] * 1e3:.1f} ms); decode base {base * 1e3:.2f} ms, "
         f"+{per_seq * 1e3:.3f} ms/seq, +{per_ctx * 1e9:.2f} ms per 1M ctx tokens")
     del engine
     gc.collect()
-    return {"prefill_points": pts, "prefill_k": k, "prefill_p": p, "decode_base_s": base, "decode_per_seq_s": per_seq,
-            "decode_per_ctx_token_s": per_ctx, "kv_bytes_per_token": kv}
+    return {"prefill_points": [(n, round(t, 6)) for n, t in pts], "prefill_k": k, "prefill_p": p, "prefill_probe_spread_s": spread,
+            "decode_base_s": base, "decode_per_seq_s": per_seq, "decode_per_ctx_token_s": per_ctx, "kv_bytes_per_token": kv}
 
 
 def _fit(pts):
@@ -192,7 +209,10 @@ def build_profile(args, say=print) -> dict[str, Any]:
     models_out = {}
     for m, r in per.items():
         models_out[m] = {
-            "prefill_k": c(r["prefill_k"], f"fit of first-token times {r['prefill_points']}"), "prefill_p": c(r["prefill_p"], "same fit"),
+            "prefill_k": c(r["prefill_k"], f"fit of median first-token times {r['prefill_points']}; each repetition fitted alone puts "
+                                           f"{PREFILL_PROBE_TOKENS} tokens at {r['prefill_probe_spread_s'][0] * 1e3:.1f}-"
+                                           f"{r['prefill_probe_spread_s'][1] * 1e3:.1f} ms"),
+            "prefill_p": c(r["prefill_p"], "same fit"),
             "decode_base_s": c(r["decode_base_s"], "least squares over batch x context grid"),
             "decode_per_seq_s": c(r["decode_per_seq_s"], "same fit"), "decode_per_ctx_token_s": c(r["decode_per_ctx_token_s"], "same fit"),
             "restore_per_token_s": c(restore, f"bench kvstore restore step of {args.restore_tokens} tokens ({models[0]})"),
@@ -234,12 +254,12 @@ def main(args) -> int:
 def add_args(p) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), help="catalog (default: the bench matrix's three models)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="prefill lengths (default 128 512 2048)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help=f"prefill lengths (default {' '.join(map(str, LENGTHS))})")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batch sizes (default 1 4)")
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 512], help="decode contexts (default 64 512)")
     p.add_argument("--restore-tokens", type=int, default=1024, help="host KV restore probe length (0: skip)")
     p.add_argument("--switches", type=int, default=3, help="measured switches per path (default 3)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="repetitions (outer loop; medians are used) (default 5)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the profile YAML here (default: stdout)")

@@ -1,4 +1,4 @@
-"""``talaria sim``: run | paper | scale (see sim/README.md)."""
+"""``talaria sim``: run | paper | scale | pools | leases | catalog | validate (see sim/README.md)."""
 
 from __future__ import annotations
 
@@ -173,6 +173,25 @@ def add_cli(sub) -> None:
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--config", default="Talaria", help="the cold pool's slot-policy row: Talaria (rounds), token-deadlines, ... (sim paper's rows)")
     ca.set_defaults(fn=_catalog)
+    va = ps.add_parser("validate", help="the simulator against a real `talaria bench matrix` run, with one or more measured profiles (issue 15)")
+    va.add_argument("--matrix", required=True, help="the matrix run's --out directory (summary.json, workload.jsonl)")
+    va.add_argument("--profiles", nargs="+", required=True, help="profiles from `talaria bench profile` on the same machine")
+    va.add_argument("--configs", help="comma list (default: every configuration of the run the simulator models)")
+    va.add_argument("--tolerance", type=float, default=0.20, help="allowed |simulated / real - 1| (default 0.20)")
+    va.add_argument("--out", help="also write the result as JSON here")
+    va.add_argument("--json", action="store_true")
+    va.set_defaults(fn=_validate)
+
+
+def _validate(args) -> int:
+    from .validate import run_validate, table
+
+    r = run_validate(Path(args.matrix), args.profiles, args.configs.split(",") if args.configs else None, args.tolerance,
+                     say=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    print(json.dumps(r, indent=2) if args.json else table(r))
+    return 0 if r["within_all"] and r["same_order_all"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

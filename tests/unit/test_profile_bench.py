@@ -16,10 +16,12 @@ def test_bench_profile_measures_a_loadable_profile(synth_models):
     p = argparse.ArgumentParser()
     add_args(p)
     args = p.parse_args(["--models", "tiny-llama", "tiny-qwen2", "--models-dir", str(models_dir), "--lengths", "16", "64",
-                         "--batches", "1", "2", "--contexts", "16", "--restore-tokens", "0", "--switches", "1", "--repeats", "1"])
+                         "--batches", "1", "2", "--contexts", "16", "--restore-tokens", "0", "--switches", "1", "--repeats", "2"])
     raw = build_profile(args, say=lambda m: None)
     raw = yaml.safe_load(yaml.safe_dump(raw))
     assert uncited(raw) == []
+    cite = raw["models"]["tiny-llama"]["prefill_k"]["cite"]
+    assert "median first-token times" in cite and "each repetition fitted alone puts 1024 tokens at" in cite
     prof = from_dict(raw)
     m = prof.model("tiny-llama")
     assert m.prefill_s(0, 64) > 0 and m.weights_gib > 0 and m.kv_bytes_per_token > 0

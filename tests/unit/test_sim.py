@@ -514,3 +514,49 @@ def test_cpu_profile_charges_host_kv_checkpoints_to_the_next_step():
         steps.append((inst.step(0.0).seconds, inst.step(1.0).seconds))
     assert steps[1][0] == pytest.approx(steps[0][0] + 4001 * 1e-5)  # charged once, to the next step
     assert steps[1][1] == pytest.approx(steps[0][1])
+
+
+def test_sim_validate_compares_a_matrix_run_with_each_profile(tmp_path, capsys):
+    """``talaria sim validate`` (issue 15): medians over the matrix's repetitions against the simulation of the
+    same workload; errors, the 20 % verdict and the ordering; configurations it cannot simulate, or that
+    failed a repetition, are left out; exit 1 when a profile misses."""
+    from bench.workloads import write_jsonl
+    from bench.workloads.synthetic import SynthParams, generate
+    from sim.cli import main
+    from sim.validate import compare, simulate
+
+    w = generate(SynthParams(sessions=6, models=("qwen3-235b", "glm5-nvfp4"), seed=2, max_depth=8))
+    mdir = tmp_path / "matrix"
+    mdir.mkdir()
+    write_jsonl(w, mdir / "workload.jsonl")
+    sim = simulate(mdir / "workload.jsonl", str(TP8), ["Talaria", "Round-only"], 2)
+    assert sim["Talaria"]["sct_p50_s"] < sim["Round-only"]["sct_p50_s"]
+
+    def matrix(scale: dict[str, float]) -> None:
+        reps = []
+        for rep in (1, 2, 3):  # medians over repetitions: the middle one is exactly sim x scale
+            f = {1: 0.9, 2: 1.0, 3: 1.2}[rep]
+            reps += [{"rep": rep, "name": c, "status": "ok", "sct_p50_s": sim[c]["sct_p50_s"] * scale[c] * f,
+                      "sct_p95_s": sim[c]["sct_p95_s"] * scale[c] * f} for c in sim]
+            reps.append({"rep": rep, "name": "least-pressure", "status": "ok", "sct_p50_s": 1.0, "sct_p95_s": 2.0})
+            reps.append({"rep": rep, "name": "no-SP", "status": "ok" if rep != 2 else "failed: boom", "sct_p50_s": 1.0, "sct_p95_s": 2.0})
+        summ = {"meta": {"workload_file": str(tmp_path / "elsewhere.jsonl")}, "rows": [{"name": r["name"]} for r in reps[:4]], "repetitions": reps}
+        (mdir / "summary.json").write_text(json.dumps(summ))
+
+    matrix({"Talaria": 1.05, "Round-only": 1.15})  # the simulation 5 % fast on Talaria, 13 % on Round-only
+    assert main(["sim", "validate", "--matrix", str(mdir), "--profiles", str(TP8), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert list(r["real"]) == ["Talaria", "Round-only"] and r["skipped"] == ["least-pressure"]  # no-SP failed a repetition
+    v = r["profiles"][str(TP8)]
+    assert abs(v["errors"]["Talaria"]["sct_p50_s"] - (1 / 1.05 - 1)) < 1e-9
+    assert abs(v["errors"]["Round-only"]["sct_p95_s"] - (1 / 1.15 - 1)) < 1e-9
+    assert v["within"] and r["within_all"] and r["same_order_all"] and r["instances"] == 2
+
+    matrix({"Talaria": 1.3, "Round-only": 1.3})  # 23 % off, same order: outside 20 %
+    assert main(["sim", "validate", "--matrix", str(mdir), "--profiles", str(TP8)]) == 1
+    assert "NOT within 20%" in capsys.readouterr().out
+
+    real = {"A": {"sct_p50_s": 1.0, "sct_p95_s": 2.0}, "B": {"sct_p50_s": 2.0, "sct_p95_s": 3.0}}
+    flipped = {"A": {"sct_p50_s": 2.1, "sct_p95_s": 2.0}, "B": {"sct_p50_s": 2.0, "sct_p95_s": 3.0}}
+    c = compare(real, flipped)
+    assert c["same_order"] == {"sct_p50_s": False, "sct_p95_s": True} and not c["within"]
