@@ -36,10 +36,10 @@ import yaml
 from bench import ensure_models
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # the bench matrix's catalog
-# The default workload's prompts run to ~3,600 tokens (p50 ~800): six lengths across that range, so one
+# The default workload's prompts run to 3,584 tokens (p50 ~800): six lengths across that range, so one
 # slow measurement cannot swing the fitted exponent as it did with three (issue 15: two profiles measured
 # 40 minutes apart put the recompute of 1,024 tokens at 142 vs 111 ms).
-LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+LENGTHS = (128, 256, 512, 1024, 2048, 3584)
 PREFILL_PROBE_TOKENS = 1024  # where the profile reports its fit's spread over repetitions
 
 
@@ -105,6 +105,10 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
                     max_num_batched_tokens=EngineConfig.model_fields["max_num_batched_tokens"].default)
     rng = random.Random(seed)
     vocab = engine.vocab_size
+    longest = engine.max_context - 1  # a prompt and its one output token within the model's context
+    if max(lengths) > longest:
+        say(f"  {name}: prefill lengths above its context of {engine.max_context} tokens measured at {longest}")
+    lengths = sorted({min(n, longest) for n in lengths})
     prompts = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in lengths}
     for n in lengths:
         _first_token_s(engine, prompts[n], f"warm-{n}")

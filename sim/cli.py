@@ -186,8 +186,12 @@ def add_cli(sub) -> None:
 def _validate(args) -> int:
     from .validate import run_validate, table
 
-    r = run_validate(Path(args.matrix), args.profiles, args.configs.split(",") if args.configs else None, args.tolerance,
-                     say=lambda m: print(m, file=sys.stderr))
+    try:
+        r = run_validate(Path(args.matrix), args.profiles, args.configs.split(",") if args.configs else None, args.tolerance,
+                         say=lambda m: print(m, file=sys.stderr))
+    except ValueError as e:
+        print(f"talaria sim validate: {e}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=1))
     print(json.dumps(r, indent=2) if args.json else table(r))

@@ -95,6 +95,11 @@ def run_validate(matrix_dir: Path, profiles: list[str], configs: list[str] | Non
                  say=print) -> dict[str, Any]:
     from .paper import CONFIGS
 
+    for p in profiles:
+        if not Path(p).is_file():
+            raise ValueError(f"no profile at {p} (measure one with `talaria bench profile --out {p}`)")
+    if not (matrix_dir / "summary.json").is_file():
+        raise ValueError(f"no matrix run at {matrix_dir} (its summary.json is missing)")
     real, wpath, instances = measured(matrix_dir)
     known = [c for c in real if c in CONFIGS]
     chosen = [c for c in (configs or known) if c in real]

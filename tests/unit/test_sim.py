@@ -560,3 +560,6 @@ def test_sim_validate_compares_a_matrix_run_with_each_profile(tmp_path, capsys):
     flipped = {"A": {"sct_p50_s": 2.1, "sct_p95_s": 2.0}, "B": {"sct_p50_s": 2.0, "sct_p95_s": 3.0}}
     c = compare(real, flipped)
     assert c["same_order"] == {"sct_p50_s": False, "sct_p95_s": True} and not c["within"]
+    assert main(["sim", "validate", "--matrix", str(mdir), "--profiles", str(tmp_path / "none.yaml")]) == 2  # a clear error, no traceback
+    assert main(["sim", "validate", "--matrix", str(mdir), "--profiles", str(TP8), "--configs", "least-pressure"]) == 2
+    assert "does not model least-pressure" in capsys.readouterr().err
