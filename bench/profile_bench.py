@@ -8,7 +8,8 @@ What is measured (each number in the output says how, in its ``cite``):
   (``sim.profile.fit_power``), and each repetition fitted alone to give the fit's spread at 1,024 tokens
   (in the ``prefill_k`` cite);
 * decode step: ``batch`` prompts of ``context`` tokens, the mean step time after every sequence has its
-  first token, over the grid ``--batches`` x ``--contexts``; least squares ``base + per_seq*B + per_ctx*B*ctx``;
+  first token (24 tokens each), over the grid ``--batches`` x ``--contexts`` (repetitions outer); least
+  squares over the grid's medians ``base + per_seq*B + per_ctx*B*ctx``;
 * restore per token: ``bench kvstore`` (real kvstore server, Mooncake on loopback, ``HostKV.restore_blocking``)
   on a ``--restore-tokens`` prefix, its restore step time / tokens; checkpoint per token: the CPU seconds the
   same prefix's checkpoint costs (a CPU engine's copies share its cores; the simulator charges them to steps);
@@ -41,6 +42,11 @@ MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # the bench matrix's catalo
 # 40 minutes apart put the recompute of 1,024 tokens at 142 vs 111 ms).
 LENGTHS = (128, 256, 512, 1024, 2048, 3584)
 PREFILL_PROBE_TOKENS = 1024  # where the profile reports its fit's spread over repetitions
+# Decode: a grid of batch x context wide enough for the three-term fit (four points moved its per-sequence
+# term by 40-64 % between two profiles measured a minute apart), each point DECODE_TOKENS steps long.
+BATCHES = (1, 2, 4, 8)
+CONTEXTS = (64, 512, 2048)
+DECODE_TOKENS = 24
 
 
 def _loadavg() -> str:
@@ -123,12 +129,15 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
     # the fit's own spread: each repetition fitted alone, its prediction at the probe length
     probe = PREFILL_PROBE_TOKENS
     per_rep = sorted(kr * probe**pr for kr, pr in (_fit([(n, times[n][r]) for n in lengths]) for r in range(repeats)))
-    rows, ys = [], []
-    for b in batches:
-        for ctx in contexts:
-            prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(b)]
-            ys.append(statistics.median(_decode_step_s(engine, prompts, 9, f"d{b}-{ctx}-{r}") for r in range(repeats)))
-            rows.append((1.0, float(b), float(b * ctx)))
+    # decode: the same order (repetitions outer, grid points inner), DECODE_TOKENS steps a point
+    grid = [(b, min(ctx, longest - DECODE_TOKENS)) for b in batches for ctx in contexts]
+    dprompts = {(b, ctx): [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(b)] for b, ctx in grid}
+    dtimes: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
+    for r in range(repeats):
+        for b, ctx in grid:
+            dtimes[(b, ctx)].append(_decode_step_s(engine, dprompts[(b, ctx)], DECODE_TOKENS, f"d{b}-{ctx}-{r}"))
+    rows = [(1.0, float(b), float(b * ctx)) for b, ctx in grid]
+    ys = [statistics.median(dtimes[g]) for g in grid]
     base, per_seq, per_ctx = _lstsq(rows, ys)
     cfg = engine.config
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
@@ -259,8 +268,8 @@ def add_args(p) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), help="catalog (default: the bench matrix's three models)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help=f"prefill lengths (default {' '.join(map(str, LENGTHS))})")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batch sizes (default 1 4)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[64, 512], help="decode contexts (default 64 512)")
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help=f"decode batch sizes (default {' '.join(map(str, BATCHES))})")
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help=f"decode contexts (default {' '.join(map(str, CONTEXTS))})")
     p.add_argument("--restore-tokens", type=int, default=1024, help="host KV restore probe length (0: skip)")
     p.add_argument("--switches", type=int, default=3, help="measured switches per path (default 3)")
     p.add_argument("--repeats", type=int, default=5, help="repetitions (outer loop; medians are used) (default 5)")
