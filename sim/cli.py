@@ -178,6 +178,7 @@ def add_cli(sub) -> None:
     va.add_argument("--profiles", nargs="+", required=True, help="profiles from `talaria bench profile` on the same machine")
     va.add_argument("--configs", help="comma list (default: every configuration of the run the simulator models)")
     va.add_argument("--tolerance", type=float, default=0.20, help="allowed |simulated / real - 1| (default 0.20)")
+    va.add_argument("--order-resolution", type=float, default=0.05, help="real medians closer than this are a tie for the ordering check (default 0.05)")
     va.add_argument("--out", help="also write the result as JSON here")
     va.add_argument("--json", action="store_true")
     va.set_defaults(fn=_validate)
@@ -188,7 +189,7 @@ def _validate(args) -> int:
 
     try:
         r = run_validate(Path(args.matrix), args.profiles, args.configs.split(",") if args.configs else None, args.tolerance,
-                         say=lambda m: print(m, file=sys.stderr))
+                         say=lambda m: print(m, file=sys.stderr), resolution=args.order_resolution)
     except ValueError as e:
         print(f"talaria sim validate: {e}", file=sys.stderr)
         return 2
