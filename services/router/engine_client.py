@@ -135,7 +135,7 @@ class EngineCall:
     """One in-flight call. Iterate ``chunks()``; call ``cancel()`` if the client goes away. Its chunks arrive
     through ``mux`` (the router's :class:`InboxMux` on ``nc``)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, router_id: str, instance_id: str, req: pb.GenerateRequest, mux: InboxMux | None = None):
+    def __init__(self, nc: NATS, subjects: Subjects, instance_id: str, req: pb.GenerateRequest, mux: InboxMux | None = None):
         self.nc = nc
         self.subjects = subjects
         self.instance_id = instance_id

@@ -16,7 +16,7 @@ def _tok(seq: int, t: int, **kw) -> pb.TokenChunk:
 
 
 def _call() -> EngineCall:
-    return EngineCall(None, Subjects("t"), "r", "e0", pb.GenerateRequest(request_id="x"))
+    return EngineCall(None, Subjects("t"), "e0", pb.GenerateRequest(request_id="x"))
 
 
 def _read(call: EngineCall, feed) -> list[pb.TokenChunk]:
