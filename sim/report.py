@@ -46,6 +46,7 @@ def summarize(r: RunResult) -> dict[str, Any]:
                                            "model_switches", "avoidable_cold_opens", "same_instance_return_rate")},
         "avoidable_opens": rt.get("avoidable_cold_opens", 0),
         "decide_p50_us": nearest_rank(r.decide_us, 50), "decide_p99_us": nearest_rank(r.decide_us, 99),
+        "decide_p999_us": nearest_rank(r.decide_us, 99.9), "decide_max_us": max(r.decide_us, default=0.0),
         "policy_p50_us": nearest_rank(r.policy_us, 50), "policy_p99_us": nearest_rank(r.policy_us, 99),
         "snapshot_p50_us": nearest_rank(r.snapshot_us, 50), "snapshot_p99_us": nearest_rank(r.snapshot_us, 99),
         "deadline_attainment": (first_ok + later_ok) / (first + later) if first + later else float("nan"),

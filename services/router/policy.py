@@ -457,9 +457,10 @@ def _eq1_special(e: _Entry, state: PlacementState, c: _Call, shared_host: int = 
     return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, e.prof), c)
 
 
-def breakdown(inst: InstanceState, state: PlacementState) -> CostBreakdown:
-    """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2)."""
-    return _eq1_special(_entry(inst, state.request.model, state.params), state, _call(state), host_prefix(state))
+def breakdown(inst: InstanceState, state: PlacementState, idx: InstanceIndex | None = None) -> CostBreakdown:
+    """Eq. 1 for one instance plus the round-admission and memory checks (no Eq. 2). ``idx`` (the state's
+    index) finds the session's host prefix among the instances that list it instead of scanning them all."""
+    return _eq1_special(_entry(inst, state.request.model, state.params), state, _call(state), host_prefix(state, idx))
 
 
 def apply_eq2(costs: Sequence[CostBreakdown], by_id: Mapping[str, InstanceState], state: PlacementState) -> list[CostBreakdown]:
@@ -792,7 +793,7 @@ def decide_full(state: PlacementState, now: float) -> Decision:
     if lease == "hit":
         assert state.lease is not None
         inst = idx.by_id[state.lease.instance_id]
-        mine = breakdown(inst, state)
+        mine = breakdown(inst, state, idx)
         p = state.params
         if not p.lease_arithmetic or not _outweighed(state, idx, mine):
             return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)

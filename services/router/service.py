@@ -27,7 +27,7 @@ from services.router.return_gap import GapParams, GapPredictor
 from services.router.sessions import SessionTable
 from talaria.clock import MonotonicClock
 from talaria.config import StackConfig
-from talaria import otel
+from talaria import gctune, otel
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
@@ -307,6 +307,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
         await asyncio.sleep(0.02)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     api = f"http://{host}:{port}"
+    log.info("router %s: GC thresholds %s after start-up (router.gc_gen0_threshold)", cfg.router.id, gctune.tune(cfg.router.gc_gen0_threshold))
     log.info("router %s listening on %s", cfg.router.id, api)
     print(f"router {cfg.router.id} listening on {api}", flush=True)
     if ready is not None and not ready.done():

@@ -263,8 +263,13 @@ def test_scale_cluster_splits_hot_and_cold_and_runs(tmp_path):
     hot = [s for s in specs if s.pool == "hot"]
     assert len(specs) == 20 and hot and all(len(s.catalog) == 1 for s in hot)
     assert weights[0] > weights[-1] and hot[0].catalog[0] == catalog[0]
+    import gc
+
+    before = gc.get_threshold()
     s = run_scale(tmp_path, profile=str(TP8), instances=6, models=4, sessions=12, base_sessions=12, say=lambda m: None)
     assert s["calls"] > 12 and s["sim_s"] > 0 and s["decide_p99_us"] > 0 and s["policy_p99_us"] > 0 and s["snapshot_p99_us"] > 0
+    assert s["decide_p50_us"] <= s["decide_p99_us"] <= s["decide_p999_us"] <= s["decide_max_us"]
+    assert s["gc_thresholds"][0] == 50_000 and gc.get_threshold() == before  # the router's collector while it ran, then ours
     assert json.loads((tmp_path / "scale.json").read_text())["instances"] == 6
 
 
