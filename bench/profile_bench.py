@@ -130,7 +130,7 @@ def measure_model(path: Path, name: str, *, lengths, batches, contexts, repeats:
     probe = PREFILL_PROBE_TOKENS
     per_rep = sorted(kr * probe**pr for kr, pr in (_fit([(n, times[n][r]) for n in lengths]) for r in range(repeats)))
     # decode: the same order (repetitions outer, grid points inner), DECODE_TOKENS steps a point
-    grid = [(b, min(ctx, longest - DECODE_TOKENS)) for b in batches for ctx in contexts]
+    grid = list(dict.fromkeys((b, min(ctx, longest - DECODE_TOKENS)) for b in batches for ctx in contexts))  # clamped: no point twice
     dprompts = {(b, ctx): [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(b)] for b, ctx in grid}
     dtimes: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
     for r in range(repeats):
