@@ -124,7 +124,7 @@ class _Nats:
             token_ids=pb.TokenIds(ids=prompt),
             deadline_unix=time.time() + 60,
         )
-        call = EngineCall(self.nc, self.subjects, ENGINE_ID, req, self.mux)
+        call = EngineCall(self.mux, self.subjects, ENGINE_ID, req)
         alive = lambda: True  # noqa: E731 - the timeouts below bound a dead engine
         try:
             await call.start()

@@ -22,7 +22,6 @@ def _run(args) -> int:
     from bench.workloads.mooncake import MooncakeParams, import_mooncake
 
     from . import paper, report, workload
-    from .cluster import InstanceSpec, SimConfig, Simulation
     from .profile import load
 
     prof = load(args.profile)
@@ -33,14 +32,7 @@ def _run(args) -> int:
                                            length_scale=1.0, time_scale=1.0, max_prompt=131072, max_output=4096, vocab=32000))  # full scale
     else:
         w = workload.full_scale(args.sessions, args.seed, args.models.split(","))
-    sessions_of = lambda: workload.from_workload(w)  # noqa: E731 - fresh call objects per configuration
-    models = tuple(w.models())
-    specs = tuple(InstanceSpec(f"sim-{i}", "cold", models) for i in range(args.instances))
-    rows = []
-    for name in args.configs.split(","):
-        flags = paper.config_flags(name)
-        cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **flags), tau_s=float(prof.knobs.get("tau_s", 1.0)), **paper.engine_flags(name))
-        rows.append(report.summarize(Simulation(cfg, sessions_of()).run()))
+    rows = paper.replay_summaries(prof, w, args.configs.split(","), args.instances)
     out = Path(args.out)
     report.write(out, rows, {"profile": args.profile, "workload": args.workload or args.mooncake or "synthetic full scale"}, "Simulated run")
     if args.json:
@@ -173,12 +165,15 @@ def add_cli(sub) -> None:
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--config", default="Talaria", help="the cold pool's slot-policy row: Talaria (rounds), token-deadlines, ... (sim paper's rows)")
     ca.set_defaults(fn=_catalog)
+    from .validate import RESOLUTION, TOLERANCE
+
     va = ps.add_parser("validate", help="the simulator against a real `talaria bench matrix` run, with one or more measured profiles (issue 15)")
     va.add_argument("--matrix", required=True, help="the matrix run's --out directory (summary.json, workload.jsonl)")
     va.add_argument("--profiles", nargs="+", required=True, help="profiles from `talaria bench profile` on the same machine")
     va.add_argument("--configs", help="comma list (default: every configuration of the run the simulator models)")
-    va.add_argument("--tolerance", type=float, default=0.20, help="allowed |simulated / real - 1| (default 0.20)")
-    va.add_argument("--order-resolution", type=float, default=0.05, help="real medians closer than this are a tie for the ordering check (default 0.05)")
+    va.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"allowed |simulated / real - 1| (default {TOLERANCE})")
+    va.add_argument("--order-resolution", type=float, default=RESOLUTION,
+                    help=f"real medians closer than this are a tie for the ordering check (default {RESOLUTION})")
     va.add_argument("--out", help="also write the result as JSON here")
     va.add_argument("--json", action="store_true")
     va.set_defaults(fn=_validate)

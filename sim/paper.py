@@ -109,6 +109,19 @@ def tp8_config(profile: Profile, name: str, flags: dict[str, bool], record: bool
                      unified_residency=unified_residency)
 
 
+def replay_summaries(profile: Profile, w, names: list[str], instances: int) -> list[dict[str, Any]]:
+    """Each named configuration (``CONFIGS`` / ``EXTRA_CONFIGS``) simulated on the replay workload ``w``
+    (``talaria-replay/1``) over ``instances`` cold instances serving all its models: the report summaries,
+    in ``names`` order (``talaria sim run``, ``talaria sim validate``)."""
+    specs = tuple(InstanceSpec(f"sim-{i}", "cold", tuple(w.models())) for i in range(instances))
+    rows = []
+    for name in names:
+        cfg = SimConfig(name, profile, specs, slot=slot_policy(profile, **config_flags(name)), tau_s=float(profile.knobs.get("tau_s", 1.0)),
+                        **engine_flags(name))
+        rows.append(report.summarize(Simulation(cfg, workload.from_workload(w)).run()))  # fresh call objects per configuration
+    return rows
+
+
 def router_config(profile: Profile, policy: str, tau: float | None = None, park: bool = False) -> SimConfig:
     k = profile.knobs
     ml = int(k.get("max_loaded", 2))

@@ -49,8 +49,8 @@ def measured(matrix_dir: Path, resolution: float = RESOLUTION) -> tuple[dict[str
     resolved: dict[str, list[tuple[str, str]]] = {m: [] for m in METRICS}
     names = list(ok)
     for i, a in enumerate(names):
+        by_rep_a = {r.get("rep", 1): r for r in ok[a]}
         for b in names[i + 1 :]:
-            by_rep_a = {r.get("rep", 1): r for r in ok[a]}
             pairs = [(by_rep_a[r.get("rep", 1)], r) for r in ok[b] if r.get("rep", 1) in by_rep_a]
             for m in METRICS:
                 signs = {(x[m] > y[m]) - (x[m] < y[m]) for x, y in pairs}
@@ -76,20 +76,11 @@ def simulate(workload_path: Path, profile_path: str, configs: list[str], instanc
     """SCT p50/p95 of each configuration simulated on ``instances`` cold instances (as ``talaria sim run``)."""
     from bench.workloads import read_jsonl
 
-    from . import paper, report, workload
-    from .cluster import InstanceSpec, SimConfig, Simulation
+    from .paper import replay_summaries
     from .profile import load
 
-    prof = load(profile_path)
-    w = read_jsonl(workload_path)
-    specs = tuple(InstanceSpec(f"sim-{i}", "cold", tuple(w.models())) for i in range(instances))
-    out = {}
-    for name in configs:
-        cfg = SimConfig(name, prof, specs, slot=paper.slot_policy(prof, **paper.config_flags(name)), tau_s=float(prof.knobs.get("tau_s", 1.0)),
-                        **paper.engine_flags(name))
-        s = report.summarize(Simulation(cfg, workload.from_workload(w)).run())
-        out[name] = {m: float(s[m]) for m in METRICS}
-    return out
+    rows = replay_summaries(load(profile_path), read_jsonl(workload_path), configs, instances)
+    return {name: {m: float(s[m]) for m in METRICS} for name, s in zip(configs, rows)}
 
 
 def order(values: dict[str, dict[str, float]], metric: str) -> list[str]:

@@ -212,7 +212,7 @@ class RouterAPI:
         state.gateway.commit(adm.req, d, g.request_id)
         if step.deadline_risk_s is not None:
             log.info("call %s placed on %s past admission: predicted TTFT %.1fs (deadline risk)", g.request_id, inst, step.deadline_risk_s)
-        call = EngineCall(state.nc, state.subjects, inst, g, state.inbox_mux())
+        call = EngineCall(state.inbox_mux(), state.subjects, inst, g)
         view = state.registry.instances[inst]
         try:
             await call.start()

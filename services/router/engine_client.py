@@ -133,10 +133,11 @@ class InboxMux:
 
 class EngineCall:
     """One in-flight call. Iterate ``chunks()``; call ``cancel()`` if the client goes away. Its chunks arrive
-    through ``mux`` (the router's :class:`InboxMux` on ``nc``)."""
+    through ``mux`` (the router's :class:`InboxMux`), whose NATS connection it publishes on (None: a call
+    that is only read from, as in unit tests of the chunk stream)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, instance_id: str, req: pb.GenerateRequest, mux: InboxMux | None = None):
-        self.nc = nc
+    def __init__(self, mux: InboxMux | None, subjects: Subjects, instance_id: str, req: pb.GenerateRequest):
+        self.nc = mux.nc if mux is not None else None
         self.subjects = subjects
         self.instance_id = instance_id
         self.req = req

@@ -185,8 +185,8 @@ async def test_a_call_its_router_dropped_is_aborted_and_a_live_one_is_not(synth_
             try:
                 await until_serving(nc, "mx0")
                 mux = InboxMux(router, SUBJ.inbox_prefix("r0"))
-                live = EngineCall(router, SUBJ, "mx0", gen("tiny-llama", 30), mux)  # ~1.5 s: probed several times
-                dropped = EngineCall(router, SUBJ, "mx0", gen("tiny-llama", 1000), mux)
+                live = EngineCall(mux, SUBJ, "mx0", gen("tiny-llama", 30))  # ~1.5 s: probed several times
+                dropped = EngineCall(mux, SUBJ, "mx0", gen("tiny-llama", 1000))
                 await live.start()
                 await dropped.start()
                 assert live.inbox != dropped.inbox and len(mux) == 2
