@@ -4,7 +4,11 @@ What is measured (one process, the kernel built before any timing)
     * ``--mode layer``: one layer's decode attention (``Attention._attend`` of the decode group, SmolLM2-135M
       shapes: 9 query heads, 3 KV heads, head dim 64, page 16) at batch ``--batch`` and each context length
       of ``--lens``, pages scattered over the pool: the kernel vs the padded gather + masked SDPA, in blocks of
-      ``--block`` calls alternated ``--repeats`` times; median per call in microseconds;
+      ``--block`` calls alternated ``--repeats`` times; median per call in microseconds and the kernel's K/V
+      read rate. Each call of a block reads the next of ``--layers`` layers' pools (default 30, SmolLM2's
+      count), so the K/V come from memory as in a decode step; ``--layers 1`` repeats one layer, whose K/V
+      (11 MB at batch 8 x 1,800 keys) then stay in this CPU's 32 MB L3 -- that measured 30 GB/s where a
+      decode step gets half (2026-12-05; ``paged_attn.py``);
     * ``--mode step``: whole decode steps (``Engine.step()``) of the real model ``--model`` with ``--batch``
       prompts of ``--prompt`` tokens prefilled first, the kernel switched on and off step by step
       (``model.paged_decode``), ``--steps`` steps each; median step time in milliseconds.
@@ -16,6 +20,7 @@ What is measured (one process, the kernel built before any timing)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -42,7 +47,7 @@ def _time(fn, n: int) -> list[float]:
     return out
 
 
-def layer_mode(batch: int, lens: list[int], dtype: torch.dtype, block: int, repeats: int) -> dict:
+def layer_mode(batch: int, lens: list[int], dtype: torch.dtype, block: int, repeats: int, layers: int = 30) -> dict:
     kernel = load_kernel()
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_attention_heads": 9,
                                  "num_key_value_heads": 3, "num_hidden_layers": 1, "intermediate_size": 1536,
@@ -55,8 +60,9 @@ def layer_mode(batch: int, lens: list[int], dtype: torch.dtype, block: int, repe
         num_pages = batch * pages_each + 8
         perm = torch.randperm(num_pages, generator=g).tolist()
         tables = [perm[i * pages_each : (i + 1) * pages_each] for i in range(batch)]
-        k = torch.randn(num_pages * page, 3, 64, generator=g).to(dtype)
-        v = torch.randn(num_pages * page, 3, 64, generator=g).to(dtype)
+        ks = [torch.randn(num_pages * page, 3, 64, generator=g).to(dtype) for _ in range(layers)]
+        vs = [torch.randn(num_pages * page, 3, 64, generator=g).to(dtype) for _ in range(layers)]
+        k, v = ks[0], vs[0]
         q = torch.randn(batch, 9, 64, generator=g).to(dtype)
         ab = AttnBatch(list(range(batch + 1)), [L] * batch, tables, torch.zeros(batch, dtype=torch.long))
         plans = {"kernel": _AttnPlan(ab, page, batch, torch.device("cpu"), None, kernel),
@@ -64,12 +70,18 @@ def layer_mode(batch: int, lens: list[int], dtype: torch.dtype, block: int, repe
         ref = attn._attend(q, k, v, plans["gather_sdpa"].single, whole=True).float()
         err = (attn._attend(q, k, v, plans["kernel"].single, whole=True).float() - ref).abs().max().item()
         times: dict[str, list[float]] = {name: [] for name in plans}
+        nxt = itertools.count()
         for _ in range(repeats):
             for name, plan in plans.items():
-                times[name] += _time(lambda: attn._attend(q, k, v, plan.single, whole=True), block)
+                def call(plan=plan):
+                    i = next(nxt) % layers  # the next layer's pool: out of cache, as in a decode step
+                    return attn._attend(q, ks[i], vs[i], plan.single, whole=True)
+                times[name] += _time(call, block)
         med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+        kv_bytes = 2 * batch * L * 3 * 64 * ks[0].element_size()
         res[f"L={L}"] = {"kernel_us": round(med["kernel"], 1), "gather_sdpa_us": round(med["gather_sdpa"], 1),
-                         "speedup": round(med["gather_sdpa"] / med["kernel"], 2), "max_abs_err": err}
+                         "speedup": round(med["gather_sdpa"] / med["kernel"], 2), "max_abs_err": err,
+                         "kernel_kv_gb_s": round(kv_bytes / med["kernel"] / 1e3, 1)}
     return res
 
 
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lens", default="256,2000")
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=30, help="layer mode: pools rotated through (1 = one layer's K/V, cache-hot)")
     ap.add_argument("--model", default=".talaria/models/smollm2-135m-instruct")
     ap.add_argument("--prompt", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=20)
@@ -123,10 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     load_kernel()  # build (or load from the cache) before anything is timed
     before = _loadavg()
     if a.mode == "layer":
-        res = layer_mode(a.batch, [int(x) for x in a.lens.split(",")], dtype, a.block, a.repeats)
+        res = layer_mode(a.batch, [int(x) for x in a.lens.split(",")], dtype, a.block, a.repeats, a.layers)
     else:
         res = step_mode(a.model, a.batch, a.prompt, a.steps, dtype)
-    print(json.dumps({"mode": a.mode, "threads": a.threads, "dtype": a.dtype, "batch": a.batch, "result": res,
+    print(json.dumps({"mode": a.mode, "threads": a.threads, "dtype": a.dtype, "batch": a.batch,
+                      **({"layers": a.layers} if a.mode == "layer" else {}), "result": res,
                       "loadavg_before": before, "loadavg_after": _loadavg()}, indent=1))
 
 

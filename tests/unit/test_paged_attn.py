@@ -60,9 +60,18 @@ def _reference(q, k, v, tables, lens, scale, window):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("window", [0, 20])
-def test_kernel_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads, window):
+@pytest.mark.parametrize("rows", ["whole", "padded"])
+def test_kernel_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads, window, rows):
+    """``whole``: the pool's rows hold the kv heads back to back (the engine's pools): every head of a sequence
+    in one task where the CPU has AVX-512 (``all_heads_avx512_d64``); ``padded``: rows with a gap after the
+    heads (views of a wider tensor): one task per (sequence, kv head)."""
     D = 64
     k, v, tables, table = _pool(LENS, kv_heads, D, dtype, seed=heads * 10 + window)
+    if rows == "padded":
+        wide_k, wide_v = torch.zeros(k.shape[0], kv_heads + 1, D, dtype=dtype), torch.zeros(k.shape[0], kv_heads + 1, D, dtype=dtype)
+        wide_k[:, :kv_heads], wide_v[:, :kv_heads] = k, v
+        k, v = wide_k[:, :kv_heads], wide_v[:, :kv_heads]
+        assert k.stride(0) == (kv_heads + 1) * D and k.stride(2) == 1
     q = torch.randn(len(LENS), heads, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     lens = torch.tensor(LENS, dtype=torch.int32)
     out = kernel(q, k, v, table, lens, PAGE, D**-0.5, window)

@@ -1,7 +1,9 @@
 // Paged decode attention on the CPU: one query token per sequence against its context K/V, read in place
 // from the paged pool through the block table. Design note: services/engine/model/paged_attn.py.
 //
-// Per (sequence b, kv head h) task, over one chunk of its visible keys (the whole context unless there are
+// Where the pool's rows hold the kv heads back to back (the engine's pools) and AVX-512 applies, one task per
+// (sequence b, chunk of keys) reads whole rows for every kv head (all_heads_avx512_d64, run_all_heads);
+// otherwise, per (sequence b, kv head h) task, over one chunk of its visible keys (the whole context unless there are
 // too few tasks for the threads, see split_of): the G = H / KVH query heads that share kv head h are scored
 // together against each K row, a max-subtracted softmax over the float score buffer (two passes: scores,
 // then weights), and the weighted V rows summed into G float accumulators; a task's chunks are then merged
@@ -280,6 +282,62 @@ void chunk_avx512_d64(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accp + g * D + 16 * i, acc[g][i]);
 }
+
+// Every kv head of sequence b over keys [j0, j1), for a pool whose rows hold the KVH heads back to back
+// (strides ks1 = D, ks0 = KVH * D): each run's K rows, then its V rows, are read whole (the KVH heads one
+// after the other while the run is in cache) instead of one head's 128 bytes of each row per task. Out of
+// cache (a decode step reads each layer's K/V once) the per-head tasks read the pool at ~9-14 GB/s where
+// whole-page reads reach ~30 here. part: KVH per-head parts of part_floats(s) floats, back to back.
+template <typename T, int G>
+void all_heads_avx512_d64(const Shape& s, int64_t b, int64_t j0, int64_t j1, const T* q, const T* k,
+                          const T* v, const int32_t* tables, float* part, std::vector<float>& buf) {
+  using Q = typename QRow<T>::type;
+  constexpr int64_t D = 64;
+  const int64_t m = j1 - j0, KVH = s.KVH, PF = part_floats(s);
+  buf.resize(static_cast<size_t>(KVH * G * m + 16));
+  float* scores = buf.data();  // [KVH * G][m]
+  const int32_t* table = tables + b * s.P;
+  auto krow = [&](int64_t slot) { return k + slot * s.ks0; };
+  auto vrow = [&](int64_t slot) { return v + slot * s.vs0; };
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  for_blocks(table, s.page_size, j0, j1, krow, s.ks0 * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1u);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      const T* base = k + kh * s.ks1;
+      for (int g = 0; g < G; ++g) {
+        const Q qg(q + b * s.qs0 + (kh * G + g) * s.qs1);
+        __m512 d[16];
+        for (int64_t r = 0; r < 16; ++r) d[r] = r < cnt ? qg.dot(base + (slot + r) * s.ks0) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores + (kh * G + g) * m + (j - j0), keep, _mm512_mul_ps(hsum16(d), scale));
+      }
+    }
+  });
+  for (int64_t kh = 0; kh < KVH; ++kh) {
+    float* p = part + kh * PF;
+    softmax_weights(scores + kh * G * m, G, m, p, p + G);
+    std::fill(p + 2 * G, p + 2 * G + G * D, 0.f);
+  }
+  for_blocks(table, s.page_size, j0, j1, vrow, s.vs0 * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      float* accp = part + kh * PF + 2 * G;
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_loadu_ps(accp + g * D + 16 * i);
+      const T* base = v + kh * s.vs1;
+      const float* sc = scores + kh * G * m + (j - j0);
+      for (int64_t r = 0; r < cnt; ++r) {
+        __m512 x[4];
+        vrow4(base + (slot + r) * s.vs0, x);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(sc[g * m + r]);
+          for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(w, x[i], acc[g][i]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accp + g * D + 16 * i, acc[g][i]);
+    }
+  });
+}
 #endif  // __AVX512F__
 
 template <typename T>
@@ -309,6 +367,37 @@ ChunkFn<T> pick_chunk(const Shape& s) {
   }
 #endif
   return s.D == 64 ? chunk_portable<T, 64> : s.D == 128 ? chunk_portable<T, 128> : chunk_portable<T, 0>;
+}
+
+template <typename T>
+using AllHeadsFn = void (*)(const Shape&, int64_t, int64_t, int64_t, const T*, const T*, const T*, const int32_t*,
+                            float*, std::vector<float>&);
+
+// The all-heads body where it applies (AVX-512 for T, head dim 64, G <= 6, heads back to back in each pool
+// row); nullptr otherwise (the per-head tasks run).
+template <typename T>
+AllHeadsFn<T> pick_all_heads(const Shape& s) {
+#if defined(__AVX512F__)
+  constexpr bool vec = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                       || std::is_same_v<T, c10::BFloat16>
+#endif
+      ;
+  if constexpr (vec) {
+    if (s.D == 64 && s.ks1 == 64 && s.vs1 == 64 && s.ks0 == s.KVH * 64 && s.vs0 == s.KVH * 64) {
+      switch (s.G) {
+        case 1: return all_heads_avx512_d64<T, 1>;
+        case 2: return all_heads_avx512_d64<T, 2>;
+        case 3: return all_heads_avx512_d64<T, 3>;
+        case 4: return all_heads_avx512_d64<T, 4>;
+        case 5: return all_heads_avx512_d64<T, 5>;
+        case 6: return all_heads_avx512_d64<T, 6>;
+        default: break;
+      }
+    }
+  }
+#endif
+  return nullptr;
 }
 
 constexpr int64_t kMinChunk = 256;  // keys: below this a chunk's merge and task overhead outweigh the balance
@@ -353,6 +442,48 @@ void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t
   }
 }
 
+// The all-heads tasks: one per (sequence, chunk of its keys) -- chunks only when there are fewer than two
+// sequences per thread (each at least kMinChunk keys, ~4 tasks per thread) -- then each (sequence, kv head)
+// finished from its chunks' parts, as the per-head tasks are.
+template <typename T>
+void run_all_heads(const Shape& s, AllHeadsFn<T> all, const T* qp, const T* kp, const T* vp, const int32_t* tp,
+                   const int32_t* lp, T* op) {
+  const int threads = at::get_num_threads();
+  const int64_t want = s.B >= 2 * threads ? 1 : (4 * threads + s.B - 1) / s.B;
+  std::vector<int64_t> nchunks(s.B), first(s.B + 1, 0);
+  for (int64_t b = 0; b < s.B; ++b) {
+    const auto [j0, j1] = visible(s, lp, b);
+    nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
+    first[b + 1] = first[b] + nchunks[b];
+  }
+  const int64_t PF = part_floats(s), TF = s.KVH * PF;  // floats of one task's parts
+  auto bounds = [&](int64_t b, int64_t c) {
+    const int64_t C = nchunks[b];
+    const auto [j0, j1] = visible(s, lp, b);
+    const int64_t m = j1 - j0;
+    return std::pair<int64_t, int64_t>{j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock),
+                                       c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
+  };
+  std::vector<float> parts(static_cast<size_t>(first[s.B] * TF));
+  at::parallel_for(0, first[s.B], 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const auto [lo_j, hi_j] = bounds(b, t - first[b]);
+      all(s, b, lo_j, hi_j, qp, kp, vp, tp, parts.data() + t * TF, buf);
+      if (nchunks[b] == 1)
+        for (int64_t kh = 0; kh < s.KVH; ++kh) finish_task(s, parts.data() + t * TF + kh * PF, 1, TF, b, kh, op);
+    }
+  });
+  if (first[s.B] == s.B) return;  // no sequence was split: every output is written
+  at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / s.KVH, kh = t % s.KVH;
+      if (nchunks[b] > 1) finish_task(s, parts.data() + first[b] * TF + kh * PF, nchunks[b], TF, b, kh, op);
+    }
+  });
+}
+
 template <typename T>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
          const at::Tensor& lens, at::Tensor& out) {
@@ -362,6 +493,10 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
+  if (const AllHeadsFn<T> all = pick_all_heads<T>(s)) {
+    run_all_heads(s, all, qp, kp, vp, tp, lp, op);
+    return;
+  }
   const ChunkFn<T> chunk = pick_chunk<T>(s);
   const int64_t want = split_of(s, at::get_num_threads());
   std::vector<int64_t> nchunks(s.B), first(s.B + 1, 0);  // per sequence; first: its first task's index

@@ -37,6 +37,23 @@ Measured (old kernel vs this one, side by side in one process; SmolLM2-135M shap
 machine, 2026-12-03): one layer, bf16, batch 1 / 8 at 2,048 keys 127 -> 53 us / 954 -> 488 us; a whole
 SmolLM2 bf16 decode step at ~2,000-token contexts 26.9 -> 24.1 ms (batch 1), 61.4 -> 49.7 ms (batch 8).
 
+* **All kv heads in one task** (2026-12-05, issue 20): where the pool's rows hold the kv heads back to back
+  (the engine's pools) and the AVX-512 body applies, a task is (sequence, chunk of keys) and reads each run's
+  K rows, then its V rows, whole: the KVH heads one after the other while the run's rows are in cache, the
+  next run's whole rows prefetched. Per-head tasks each read 128 of every 384 bytes (SmolLM2: 3 kv heads x
+  64 dims x bf16), and out of cache that pattern read the pool at 7-10 GB/s. The numbers above were one
+  layer called repeatedly, whose K/V (11 MB at batch 8 x 1,800 keys) stay in this CPU's 32 MB L3: 30 GB/s
+  there, while a decode step reads 30 layers' K/V once each, from memory (``python -m bench.paged_attn_bench
+  --mode layer`` now rotates through ``--layers`` pools, default 30). Side by side, old / new, two
+  interleaved runs, load 1.2-1.6, bf16, 2 threads, 30 layers rotated: batch 8 at 1,800 keys 1,137 / 1,351
+  -> 949 / 959 us (8.2-9.7 -> 11.5-11.7 GB/s), at 512 keys 328 / 376 -> 264 / 283 us; batch 1 at 1,800 keys
+  157 / 198 -> 167 / 134 us (a tie within the spread). A whole SmolLM2 bf16 decode step at batch 8 x ~1,800
+  keys (``Engine.step``, two alternations): attention 23.3 / 23.8 -> 21.9 / 22.4 ms, the step 39.9 -> 37.5
+  ms. What remains is not the memory bound: the kernel is ~26 cycles per (key, kv head) from cache (the
+  scores, one exp per score and the bf16 -> fp32 V conversion), ~370 us a layer at batch 8 x 1,800 keys
+  against ~350 us to read its K/V at 32 GB/s, and out of cache the two add up rather than overlap.
+  Other layouts (padded rows) keep the per-head tasks (both tested, ``tests/unit/test_paged_attn.py``).
+
 Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_extension`; the same
 extension carries the fused elementwise ops of ``fused_ops.cpp``, see ``fused_ops.py``), cached in torch's
 extension directory (a rebuild only when a source or the flags change). ``-O3 -march=native``; the extension
