@@ -24,27 +24,17 @@ def _load(args):
         raise SystemExit(2) from None
 
 
-def _run_until_signal(coro_factory, event_loop: str = "auto") -> int:
-    """Run ``coro_factory(stop_event)`` on the configured event loop (``talaria/eventloop.py``) until
-    SIGINT/SIGTERM sets the event."""
-    from talaria.eventloop import loop_factory
-
-    try:
-        factory, name = loop_factory(event_loop)
-    except (RuntimeError, ValueError) as e:
-        print(f"talaria: {e}", file=sys.stderr)
-        return 2
+def _run_until_signal(coro_factory) -> int:
+    """Run ``coro_factory(stop_event)`` until SIGINT/SIGTERM sets the event."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        logging.getLogger("talaria").info("event loop: %s (event_loop: %s)", name, event_loop)
         await coro_factory(stop)
 
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main())
+    asyncio.run(main())
     return 0
 
 
@@ -71,7 +61,7 @@ def cmd_router(args) -> int:
         cfg = cfg.model_copy(update={"router": RouterConfig(**r)})
     from services.router.service import run_router
 
-    return _run_until_signal(lambda stop: run_router(cfg, stop), cfg.event_loop)
+    return _run_until_signal(lambda stop: run_router(cfg, stop))
 
 
 def cmd_engine(args) -> int:
@@ -87,7 +77,7 @@ def cmd_engine(args) -> int:
         return 2
     from services.engine.main import run_engine
 
-    return _run_until_signal(lambda stop: run_engine(cfg, ecfg, url, stop), cfg.event_loop)
+    return _run_until_signal(lambda stop: run_engine(cfg, ecfg, url, stop))
 
 
 def cmd_kvstore(args) -> int:
@@ -113,7 +103,7 @@ def cmd_telemetry(args) -> int:
         return 2
     from services.telemetry.service import run_telemetry
 
-    return _run_until_signal(lambda stop: run_telemetry(cfg, stop), cfg.event_loop)
+    return _run_until_signal(lambda stop: run_telemetry(cfg, stop))
 
 
 def cmd_up(args) -> int:

@@ -212,8 +212,6 @@ class RouterConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="engine aborts a call running longer than this")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(4096, ge=1)
-    http: Literal["auto", "httptools", "h11"] = Field(
-        "auto", description="uvicorn's HTTP/1.1 parser: auto = httptools (C, a declared dependency) where installed, else h11")
     gc_gen0_threshold: int = Field(50_000, ge=0, description="the router process's young-generation GC threshold after start-up "
                                    "objects are frozen (talaria/gctune.py: Python's default 700 put collections inside placement "
                                    "decisions); 0 = Python's defaults")
@@ -275,8 +273,6 @@ class KvStoreConfig(_Strict):
 
 class StackConfig(_Strict):
     namespace: str = "talaria"
-    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
-        "auto", description="the services' asyncio loop (talaria/eventloop.py): auto = uvloop where installed, else the standard loop")
 
     models_dir: str = ".talaria/models"
     synthesize_models: bool = Field(True, description="`talaria up` synthesizes missing catalog models")

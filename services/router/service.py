@@ -296,8 +296,7 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
     watcher = asyncio.create_task(watch_health(state))
     app = create_app(state)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port, log_level="warning", lifespan="off", timeout_graceful_shutdown=30,
-                       http=cfg.router.http)
+        uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port, log_level="warning", lifespan="off", timeout_graceful_shutdown=30)
     )
     server.install_signal_handlers = lambda: None  # the process owner handles signals
     serve = asyncio.create_task(server.serve())
