@@ -345,56 +345,59 @@ using ChunkFn = void (*)(const Shape&, int64_t, int64_t, int64_t, int64_t, const
                          const int32_t*, float*, std::vector<float>&);
 
 template <typename T>
+using AllHeadsFn = void (*)(const Shape&, int64_t, int64_t, int64_t, const T*, const T*, const T*, const int32_t*,
+                            float*, std::vector<float>&);
+
+#if defined(__AVX512F__)
+// T has an AVX-512 body: float, and bf16 where the CPU has AVX512_BF16
+template <typename T>
+constexpr bool kVecType = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                          || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
+
+// The AVX-512 head-dim-64 bodies of one G, so that a runtime G picks both from one switch.
+template <typename T, int G>
+struct Bodies {
+  static constexpr ChunkFn<T> chunk = chunk_avx512_d64<T, G>;
+  static constexpr AllHeadsFn<T> all = all_heads_avx512_d64<T, G>;
+};
+
+// get(Bodies<T, G>{}) for the call's G (1 .. 6), else nullptr.
+template <typename T, typename Fn, typename Get>
+Fn for_group(int64_t G, Get get) {
+  switch (G) {
+    case 1: return get(Bodies<T, 1>{});
+    case 2: return get(Bodies<T, 2>{});
+    case 3: return get(Bodies<T, 3>{});
+    case 4: return get(Bodies<T, 4>{});
+    case 5: return get(Bodies<T, 5>{});
+    case 6: return get(Bodies<T, 6>{});
+    default: return nullptr;
+  }
+}
+#endif
+
+template <typename T>
 ChunkFn<T> pick_chunk(const Shape& s) {
 #if defined(__AVX512F__)
-  constexpr bool vec = std::is_same_v<T, float>
-#if defined(__AVX512BF16__)
-                       || std::is_same_v<T, c10::BFloat16>
-#endif
-      ;
-  if constexpr (vec) {
-    if (s.D == 64) {
-      switch (s.G) {
-        case 1: return chunk_avx512_d64<T, 1>;
-        case 2: return chunk_avx512_d64<T, 2>;
-        case 3: return chunk_avx512_d64<T, 3>;
-        case 4: return chunk_avx512_d64<T, 4>;
-        case 5: return chunk_avx512_d64<T, 5>;
-        case 6: return chunk_avx512_d64<T, 6>;
-        default: break;
-      }
-    }
+  if constexpr (kVecType<T>) {
+    if (s.D == 64)
+      if (const ChunkFn<T> f = for_group<T, ChunkFn<T>>(s.G, [](auto b) { return decltype(b)::chunk; })) return f;
   }
 #endif
   return s.D == 64 ? chunk_portable<T, 64> : s.D == 128 ? chunk_portable<T, 128> : chunk_portable<T, 0>;
 }
-
-template <typename T>
-using AllHeadsFn = void (*)(const Shape&, int64_t, int64_t, int64_t, const T*, const T*, const T*, const int32_t*,
-                            float*, std::vector<float>&);
 
 // The all-heads body where it applies (AVX-512 for T, head dim 64, G <= 6, heads back to back in each pool
 // row); nullptr otherwise (the per-head tasks run).
 template <typename T>
 AllHeadsFn<T> pick_all_heads(const Shape& s) {
 #if defined(__AVX512F__)
-  constexpr bool vec = std::is_same_v<T, float>
-#if defined(__AVX512BF16__)
-                       || std::is_same_v<T, c10::BFloat16>
-#endif
-      ;
-  if constexpr (vec) {
-    if (s.D == 64 && s.ks1 == 64 && s.vs1 == 64 && s.ks0 == s.KVH * 64 && s.vs0 == s.KVH * 64) {
-      switch (s.G) {
-        case 1: return all_heads_avx512_d64<T, 1>;
-        case 2: return all_heads_avx512_d64<T, 2>;
-        case 3: return all_heads_avx512_d64<T, 3>;
-        case 4: return all_heads_avx512_d64<T, 4>;
-        case 5: return all_heads_avx512_d64<T, 5>;
-        case 6: return all_heads_avx512_d64<T, 6>;
-        default: break;
-      }
-    }
+  if constexpr (kVecType<T>) {
+    if (s.D == 64 && s.ks1 == 64 && s.vs1 == 64 && s.ks0 == s.KVH * 64 && s.vs0 == s.KVH * 64)
+      return for_group<T, AllHeadsFn<T>>(s.G, [](auto b) { return decltype(b)::all; });
   }
 #endif
   return nullptr;
@@ -410,6 +413,29 @@ inline int64_t split_of(const Shape& s, int threads) {
   const int64_t tasks = s.B * s.KVH;
   return tasks >= 2 * threads ? 1 : (4 * threads + tasks - 1) / tasks;
 }
+
+// How a call's keys are split over tasks (flash-decoding's split over the context): per sequence b, its keys
+// are nchunks[b] chunks (at least kMinChunk keys each, at most `want`) and its tasks are first[b] ..
+// first[b + 1] - 1, `per_chunk` tasks a chunk (the kv heads, for per-head tasks; 1 for all-heads tasks).
+struct Split {
+  std::vector<int64_t> nchunks, first;
+  Split(const Shape& s, const int32_t* lens, int64_t want, int64_t per_chunk) : nchunks(s.B), first(s.B + 1, 0) {
+    for (int64_t b = 0; b < s.B; ++b) {
+      const auto [j0, j1] = visible(s, lens, b);
+      nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
+      first[b + 1] = first[b] + nchunks[b] * per_chunk;
+    }
+  }
+  int64_t tasks() const { return first.back(); }
+  int64_t seq_of(int64_t t) const { return std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1; }
+  // keys of chunk c of sequence b: on multiples of kBlock keys but the last
+  std::pair<int64_t, int64_t> bounds(const Shape& s, const int32_t* lens, int64_t b, int64_t c) const {
+    const int64_t C = nchunks[b];
+    const auto [j0, j1] = visible(s, lens, b);
+    const int64_t m = j1 - j0;
+    return {j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock), c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
+  }
+};
 
 // The output rows of task (b, kh) from its C chunk parts (PF floats apart): one chunk is divided by its sum;
 // several are rescaled to their common max first. Writes only those G output rows.
@@ -449,37 +475,24 @@ template <typename T>
 void run_all_heads(const Shape& s, AllHeadsFn<T> all, const T* qp, const T* kp, const T* vp, const int32_t* tp,
                    const int32_t* lp, T* op) {
   const int threads = at::get_num_threads();
-  const int64_t want = s.B >= 2 * threads ? 1 : (4 * threads + s.B - 1) / s.B;
-  std::vector<int64_t> nchunks(s.B), first(s.B + 1, 0);
-  for (int64_t b = 0; b < s.B; ++b) {
-    const auto [j0, j1] = visible(s, lp, b);
-    nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
-    first[b + 1] = first[b] + nchunks[b];
-  }
+  const Split sp(s, lp, s.B >= 2 * threads ? 1 : (4 * threads + s.B - 1) / s.B, 1);
   const int64_t PF = part_floats(s), TF = s.KVH * PF;  // floats of one task's parts
-  auto bounds = [&](int64_t b, int64_t c) {
-    const int64_t C = nchunks[b];
-    const auto [j0, j1] = visible(s, lp, b);
-    const int64_t m = j1 - j0;
-    return std::pair<int64_t, int64_t>{j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock),
-                                       c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
-  };
-  std::vector<float> parts(static_cast<size_t>(first[s.B] * TF));
-  at::parallel_for(0, first[s.B], 1, [&](int64_t lo, int64_t hi) {
+  std::vector<float> parts(static_cast<size_t>(sp.tasks() * TF));
+  at::parallel_for(0, sp.tasks(), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const auto [lo_j, hi_j] = bounds(b, t - first[b]);
+      const int64_t b = sp.seq_of(t);
+      const auto [lo_j, hi_j] = sp.bounds(s, lp, b, t - sp.first[b]);
       all(s, b, lo_j, hi_j, qp, kp, vp, tp, parts.data() + t * TF, buf);
-      if (nchunks[b] == 1)
+      if (sp.nchunks[b] == 1)
         for (int64_t kh = 0; kh < s.KVH; ++kh) finish_task(s, parts.data() + t * TF + kh * PF, 1, TF, b, kh, op);
     }
   });
-  if (first[s.B] == s.B) return;  // no sequence was split: every output is written
+  if (sp.tasks() == s.B) return;  // no sequence was split: every output is written
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / s.KVH, kh = t % s.KVH;
-      if (nchunks[b] > 1) finish_task(s, parts.data() + first[b] * TF + kh * PF, nchunks[b], TF, b, kh, op);
+      if (sp.nchunks[b] > 1) finish_task(s, parts.data() + sp.first[b] * TF + kh * PF, sp.nchunks[b], TF, b, kh, op);
     }
   });
 }
@@ -498,47 +511,34 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     return;
   }
   const ChunkFn<T> chunk = pick_chunk<T>(s);
-  const int64_t want = split_of(s, at::get_num_threads());
-  std::vector<int64_t> nchunks(s.B), first(s.B + 1, 0);  // per sequence; first: its first task's index
-  for (int64_t b = 0; b < s.B; ++b) {
-    const auto [j0, j1] = visible(s, lp, b);
-    nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
-    first[b + 1] = first[b] + nchunks[b] * s.KVH;
-  }
+  const Split sp(s, lp, split_of(s, at::get_num_threads()), s.KVH);
   const int64_t PF = part_floats(s);
-  auto bounds = [&](int64_t b, int64_t c) {  // chunk c of sequence b: on multiples of kBlock keys but the last
-    const int64_t C = nchunks[b];
-    const auto [j0, j1] = visible(s, lp, b);
-    const int64_t m = j1 - j0;
-    return std::pair<int64_t, int64_t>{j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock),
-                                       c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
-  };
-  if (first[s.B] == s.B * s.KVH) {  // no split: each task finishes its own output (one parallel region)
+  if (sp.tasks() == s.B * s.KVH) {  // no split: each task finishes its own output (one parallel region)
     at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> buf, part(static_cast<size_t>(PF));
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / s.KVH, kh = t % s.KVH;
-        const auto [lo_j, hi_j] = bounds(b, 0);
+        const auto [lo_j, hi_j] = sp.bounds(s, lp, b, 0);
         chunk(s, b, kh, lo_j, hi_j, qp, kp, vp, tp, part.data(), buf);
         finish_task(s, part.data(), 1, PF, b, kh, op);
       }
     });
     return;
   }
-  std::vector<float> parts(static_cast<size_t>(first[s.B] * PF));
-  at::parallel_for(0, first[s.B], 1, [&](int64_t lo, int64_t hi) {
+  std::vector<float> parts(static_cast<size_t>(sp.tasks() * PF));
+  at::parallel_for(0, sp.tasks(), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const int64_t C = nchunks[b], kh = (t - first[b]) / C, c = (t - first[b]) % C;
-      const auto [lo_j, hi_j] = bounds(b, c);
+      const int64_t b = sp.seq_of(t);
+      const int64_t C = sp.nchunks[b], kh = (t - sp.first[b]) / C, c = (t - sp.first[b]) % C;
+      const auto [lo_j, hi_j] = sp.bounds(s, lp, b, c);
       chunk(s, b, kh, lo_j, hi_j, qp, kp, vp, tp, parts.data() + t * PF, buf);
     }
   });
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {  // merge a task's chunks
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / s.KVH, kh = t % s.KVH;
-      finish_task(s, parts.data() + (first[b] + kh * nchunks[b]) * PF, nchunks[b], PF, b, kh, op);
+      finish_task(s, parts.data() + (sp.first[b] + kh * sp.nchunks[b]) * PF, sp.nchunks[b], PF, b, kh, op);
     }
   });
 }
