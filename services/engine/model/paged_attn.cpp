@@ -286,8 +286,8 @@ void chunk_avx512_d64(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t
 // Every kv head of sequence b over keys [j0, j1), for a pool whose rows hold the KVH heads back to back
 // (strides ks1 = D, ks0 = KVH * D): each run's K rows, then its V rows, are read whole (the KVH heads one
 // after the other while the run is in cache) instead of one head's 128 bytes of each row per task. Out of
-// cache (a decode step reads each layer's K/V once) the per-head tasks read the pool at ~9-14 GB/s where
-// whole-page reads reach ~30 here. part: KVH per-head parts of part_floats(s) floats, back to back.
+// cache (a decode step reads each layer's K/V once) that took the read rate from 8-10 to ~11.5 GB/s at batch
+// 8 (measured: paged_attn.py). part: KVH per-head parts of part_floats(s) floats, back to back.
 template <typename T, int G>
 void all_heads_avx512_d64(const Shape& s, int64_t b, int64_t j0, int64_t j1, const T* q, const T* k,
                           const T* v, const int32_t* tables, float* part, std::vector<float>& buf) {
