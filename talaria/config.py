@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from talaria.gctune import DEFAULT_GEN0
 from talaria.subjects import check_token
 
 
@@ -212,7 +213,7 @@ class RouterConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="engine aborts a call running longer than this")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(4096, ge=1)
-    gc_gen0_threshold: int = Field(50_000, ge=0, description="the router process's young-generation GC threshold after start-up "
+    gc_gen0_threshold: int = Field(DEFAULT_GEN0, ge=0, description="the router process's young-generation GC threshold after start-up "
                                    "objects are frozen (talaria/gctune.py: Python's default 700 put collections inside placement "
                                    "decisions); 0 = Python's defaults")
     placement: PlacementConfig = PlacementConfig()

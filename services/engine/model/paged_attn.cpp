@@ -405,12 +405,11 @@ AllHeadsFn<T> pick_all_heads(const Shape& s) {
 
 constexpr int64_t kMinChunk = 256;  // keys: below this a chunk's merge and task overhead outweigh the balance
 
-// How many chunks each (sequence, kv head) task's keys are split into (flash-decoding's split over the
+// How many chunks each of `tasks` tasks' keys are split into (flash-decoding's split over the
 // context): 1 when there are already at least two tasks per thread; else enough for ~4 tasks per thread,
 // each chunk at least kMinChunk keys. At batch 1 with 3 kv heads on 2 threads, one thread otherwise did
 // two of the three tasks.
-inline int64_t split_of(const Shape& s, int threads) {
-  const int64_t tasks = s.B * s.KVH;
+inline int64_t split_of(int64_t tasks, int threads) {
   return tasks >= 2 * threads ? 1 : (4 * threads + tasks - 1) / tasks;
 }
 
@@ -474,8 +473,7 @@ void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t
 template <typename T>
 void run_all_heads(const Shape& s, AllHeadsFn<T> all, const T* qp, const T* kp, const T* vp, const int32_t* tp,
                    const int32_t* lp, T* op) {
-  const int threads = at::get_num_threads();
-  const Split sp(s, lp, s.B >= 2 * threads ? 1 : (4 * threads + s.B - 1) / s.B, 1);
+  const Split sp(s, lp, split_of(s.B, at::get_num_threads()), 1);
   const int64_t PF = part_floats(s), TF = s.KVH * PF;  // floats of one task's parts
   std::vector<float> parts(static_cast<size_t>(sp.tasks() * TF));
   at::parallel_for(0, sp.tasks(), 1, [&](int64_t lo, int64_t hi) {
@@ -511,7 +509,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     return;
   }
   const ChunkFn<T> chunk = pick_chunk<T>(s);
-  const Split sp(s, lp, split_of(s, at::get_num_threads()), s.KVH);
+  const Split sp(s, lp, split_of(s.B * s.KVH, at::get_num_threads()), s.KVH);
   const int64_t PF = part_floats(s);
   if (sp.tasks() == s.B * s.KVH) {  // no split: each task finishes its own output (one parallel region)
     at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
