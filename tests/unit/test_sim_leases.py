@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 
 from bench.workloads import Call, Session, Workload
@@ -55,3 +58,38 @@ def test_paired_ratios_compare_each_seed_with_the_same_seeds_best_fixed_run():
     assert (p95["median"], p95["min"], p95["max"]) == (pytest.approx(500 / 450), pytest.approx(400 / 380), pytest.approx(200 / 170))
     assert p95["wins"] == 0
     assert leases.compare(rows, "adaptive") == {}  # a variant that did not run
+
+
+def test_paired_ratio_is_a_geometric_mean_with_a_student_t_interval():
+    r = leases.paired_ratio([110.0, 90.0, 121.0], [100.0, 100.0, 110.0])
+    logs = [math.log(1.1), math.log(0.9), math.log(1.1)]
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    assert r["ratio"] == pytest.approx(math.exp(mean))
+    assert r["hi"] == pytest.approx(math.exp(mean + 4.303 * sd / math.sqrt(3)))  # t(0.975, 2 df)
+    assert r["lo"] == pytest.approx(math.exp(mean - 4.303 * sd / math.sqrt(3)))
+    assert (r["wins"], r["n"]) == (1, 3)
+    assert leases.paired_ratio([1.0], [2.0])["lo"] == 0.0  # one seed: no interval, nothing resolved
+
+
+def test_goal_reads_the_paired_intervals_and_the_best_fixed_taus_memory():
+    """Paired: "matches" = not measurably worse (each interval reaches 1), "beats" = both ratios <= 1; both
+    need less GiB x s than the best-p50 fixed tau. A variant consistently 5 % slower fails however small its KV."""
+    row = lambda p50, p95, gib: {"sct_p50_s": p50, "sct_p95_s": p95, "lease_gib_s": gib}  # noqa: E731
+    fixed = {"fixed 1s": [row(100, 200, 50), row(200, 300, 50), row(300, 400, 50), row(150, 250, 50)],
+             "fixed 5s": [row(120, 190, 90), row(230, 280, 90), row(330, 380, 90), row(170, 240, 90)]}
+
+    def verdict(ad):
+        per_seed = {"adaptive": ad, **fixed}
+        rows = {n: leases.geomeans(rs) for n, rs in per_seed.items()}
+        return leases.compare(rows, "adaptive", per_seed)
+
+    noisy = [row(95, 195, 20), row(210, 270, 20), row(290, 390, 20), row(160, 245, 20)]  # p50 ~ fixed 1s, p95 ~ fixed 5s
+    c = verdict(noisy)
+    assert (c["best_fixed_p50"], c["best_fixed_p95"]) == ("fixed 1s", "fixed 5s")
+    assert c["goal_met"] is True and c["paired_sct_p50_vs_best"]["lo"] < 1.0 < c["paired_sct_p50_vs_best"]["hi"]
+    assert c["beats"] is False  # its p50 ratio is just above 1: matched, not beaten
+    slower = [row(105, 210, 20), row(210, 316, 20), row(315, 420, 20), row(158, 262, 20)]  # 5 % worse on every seed
+    c = verdict(slower)
+    assert c["paired_sct_p50_vs_best"]["lo"] > 1.0 and c["goal_met"] is False
+    c = verdict([row(90, 180, 60), row(180, 270, 60), row(270, 360, 60), row(135, 225, 60)])  # faster, but more KV than fixed 1s
+    assert c["beats"] is False and c["goal_met"] is False
