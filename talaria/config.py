@@ -120,9 +120,10 @@ class PlacementConfig(_Strict):
     lease_ttl_s: float = Field(1.0, ge=0, description="soft-reservation timeout tau; 0 disables leases")
     lease_store: Literal["jetstream", "memory"] = Field("jetstream", description="jetstream = shared by router replicas")
     lease_policy: Literal["adaptive", "fixed"] = Field(
-        "fixed", description="fixed = the paper's tau (lease_ttl_s) for every call (default: adaptive has not yet been measured to "
-        "match the best fixed tau, see services/router/README.md); adaptive = lease window from the predicted return gap per "
-        "(model, tool), installed only when it pays, decaying value (services/router/return_gap.py, issue 14)"
+        "fixed", description="fixed = the paper's tau (lease_ttl_s) for every call (the default until adaptive is measured on the "
+        "real stack: in the simulator it matches the best fixed tau of each workload with less KV held, see "
+        "services/router/README.md); adaptive = lease window from the predicted return gap per (model, tool), installed only "
+        "when it pays (services/router/return_gap.py, issue 14)"
     )
     lease_arithmetic: bool = Field(True, description="honour a lease at the return only when it saves more than it delays the call "
                                    "(Eq. 1 against the best other instance, issue 12 item 3); adaptive leases are also installed only when "
@@ -132,6 +133,10 @@ class PlacementConfig(_Strict):
     gap_prior_sigma: float = Field(1.0, gt=0, description="adaptive leases: cold-start spread of ln(gap)")
     gap_quantile: float = Field(0.9, gt=0, lt=1, description="adaptive leases: the window is this quantile of the predicted gap")
     gap_cap_s: float = Field(10.0, gt=0, description="adaptive leases: longest window")
+    lease_decay: bool = Field(False, description="adaptive leases: true = a live lease weighs on its instance in placement by its "
+                              "decaying value, P(return inside the window | not back yet); false (default) = one full admission unit "
+                              "until its window ends, as a fixed tau does -- measured better on mini-swe-agent's SCT p50 by 5-7 % "
+                              "(services/router/README.md). The engine's retention and hold decay either way")
     slot_wait: bool = Field(True, description="Eq. 1 on a cold instance adds the wait for the model's slot that the engine's round "
                             "scheduler predicts (ModelState.slot_wait_s, issue 12); false = the bare switch / open cost")
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "

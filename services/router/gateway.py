@@ -492,7 +492,7 @@ class Gateway:
         now = self.wall()
         if self.adaptive:  # decaying weights change with the clock: recomputed from every lease
             self._leases_synced = False
-            leases = self.leases.weighted_by_instance(now)
+            leases = self.leases.weighted_by_instance(now, decay=self.params.lease_decay)
             old = self._lease_counts
             if leases != old:
                 dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))

@@ -91,6 +91,7 @@ class PolicyParams:
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
     lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed; issue 12 #3)
+    lease_decay: bool = False  # adaptive: True = a live lease weighs on its instance by its decaying value; False = in full until it expires
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
     retention_learned_gap: bool = False  # a fixed-tau lease's retention hint carries the learned gap (engine hold/eviction weigh by it)
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins

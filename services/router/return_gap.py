@@ -17,9 +17,13 @@ the server, and keeps retention *soft and decaying*. Here:
 * **Lease window** = the ``quantile`` (default 0.9) of the predicted gap, clamped to ``[floor_s, cap_s]``.
 * **Decaying value**: a live lease is worth the probability that its return still comes inside the window
   given that it has not come yet, ``P(gap <= w | gap > elapsed)`` -- 1-ish right after the call, falling
-  smoothly to 0 at the window's end (``lease_weight``). Placement charges a live lease against its
-  instance by that weight instead of a full admission unit until a cliff; a fixed-tau lease keeps the
-  cliff (weight 1 until ``t_exp``).
+  smoothly to 0 at the window's end (``lease_weight``). The engine's retention and slot hold weigh the
+  return by it (the retention hint carries ``mu, sigma``), so a session whose return grows unlikely yields
+  its memory first. Placement charges a live lease against its instance by that weight only with
+  ``lease_decay``; by default it charges one full admission unit until the window ends, as a fixed tau
+  does. Measured (``talaria sim leases --decay``, ``services/router/README.md``): with the decaying charge,
+  other calls fill the instance while the return is still likely, and mini-swe-agent's SCT p50 was 5-8 %
+  worse than with the full charge (paired over 12 seeds, two seed sets); the window itself is what adapts.
 * **Lease arithmetic** (``judge_lease``): installing a lease is worth ``P(return within window) x saved_s``
   (what a hit saves: recomputing or restoring the committed prefix elsewhere, from the router's measured
   per-token costs -- or, once measured, more: Continuum prices a KV TTL by the reload *and the queueing*

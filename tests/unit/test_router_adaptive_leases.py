@@ -40,10 +40,10 @@ def hook(iid, session, clock, tool="", tokens=600, rid="r1"):
     return h
 
 
-def make(clock, policy="adaptive", tau=1.0):
+def make(clock, policy="adaptive", tau=1.0, **params):
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
     table = LeaseTable()
-    gw = Gateway(PolicyParams(lease_policy=policy), reg, SessionTable(clock), table, clock.now, tau_s=tau, shapes=ShapeBook(),
+    gw = Gateway(PolicyParams(lease_policy=policy, **params), reg, SessionTable(clock), table, clock.now, tau_s=tau, shapes=ShapeBook(),
                  gaps=GapPredictor(GapParams(min_samples=3)))
     return gw, MemoryLeases(table)
 
@@ -270,6 +270,27 @@ def test_live_lease_weight_decays_in_the_table():
     assert w[0]["a"] > w[1]["a"] > w[2].get("a", 0.0)
     assert [x.get("b") for x in w] == [1.0, 1.0, 1.0, None]  # fixed tau: the cliff
     assert table.held_token_s(2.0) == pytest.approx(2 * 100 * 2.0)
+    # lease_decay off: the adaptive lease weighs in full until its window ends, as the fixed one does
+    assert [table.weighted_by_instance(t, decay=False).get("a") for t in (0.1, 1.5, 3.5, 4.0)] == [1.0, 1.0, 1.0, None]
+
+
+def test_gateway_charges_adaptive_leases_in_full_without_lease_decay():
+    """``lease_decay: false``: a live adaptive lease is one full admission unit on its instance until its window
+    ends (what the gateway hands placement), where with decay its weight has fallen by then."""
+    weights = {}
+    for decay in (True, False):
+        clock = ManualClock(100.0)
+        gw, store = make(clock, lease_decay=decay)
+        gw.on_snapshot(snapshot("a", 1, clock))
+        teach(gw, store, clock, "pytest", 6.0)
+        gw.on_snapshot(snapshot("a", 2, clock))
+        lease = gw.on_hook(hook("a", "s-new", clock, tool="pytest", rid="r-new"))
+        assert lease is not None
+        store.install_now(lease)
+        clock.advance(0.8 * (lease.t_exp_unix - lease.t_done_unix))
+        gw._lease_dirty(set())
+        weights[decay] = gw._lease_counts.get("a", 0.0)
+    assert weights[False] >= 1.0 and weights[True] < weights[False]
 
 
 def test_declared_tool_keys_the_lease_when_the_hook_has_none():

@@ -32,6 +32,16 @@ def test_simulated_router_learns_gaps_per_tool():
     assert r.router["lease_policy"] == "adaptive"
 
 
+def test_lease_configurations_of_the_comparison():
+    prof = load("profiles/paper-tp4-router.yaml")
+    none, decay, fixed = leases.config(prof, "none", 5.0), leases.config(prof, "adaptive-decay", 1.0), leases.config(prof, "fixed", 2.0)
+    assert (none.name, none.tau_s) == ("no leases", 0.0)  # tau 0: the gateway installs no lease
+    assert decay.params.lease_policy == "adaptive" and decay.params.lease_decay and not leases.config(prof, "adaptive", 1.0).params.lease_decay
+    assert (fixed.name, fixed.tau_s, fixed.params.lease_policy) == ("fixed 2s", 2.0, "fixed")
+    with pytest.raises(ValueError, match="unknown lease policy"):
+        leases.config(prof, "sticky", 1.0)
+
+
 def test_comparison_against_the_best_fixed_tau():
     row = lambda p50, p95, gib: {"sct_p50_s": p50, "sct_p95_s": p95, "lease_gib_s": gib}  # noqa: E731
     rows = {"adaptive": row(95.0, 200.0, 10.0), "fixed 1s": row(100.0, 190.0, 50.0), "fixed 5s": row(120.0, 180.0, 90.0)}
