@@ -22,8 +22,9 @@ the server, and keeps retention *soft and decaying*. Here:
   its memory first. Placement charges a live lease against its instance by that weight only with
   ``lease_decay``; by default it charges one full admission unit until the window ends, as a fixed tau
   does. Measured (``talaria sim leases --decay``, ``services/router/README.md``): with the decaying charge,
-  other calls fill the instance while the return is still likely, and mini-swe-agent's SCT p50 was 5-8 %
-  worse than with the full charge (paired over 12 seeds, two seed sets); the window itself is what adapts.
+  other calls fill the instance while the return is still likely: mini-swe-agent's SCT p50 with the full
+  charge was 0.956x [0.911-1.003] of the decaying one's (paired, 24 seeds; per-tool workload: a tie). The
+  window itself is what adapts.
 * **Lease arithmetic** (``judge_lease``): installing a lease is worth ``P(return within window) x saved_s``
   (what a hit saves: recomputing or restoring the committed prefix elsewhere, from the router's measured
   per-token costs -- or, once measured, more: Continuum prices a KV TTL by the reload *and the queueing*
