@@ -135,8 +135,8 @@ class PlacementConfig(_Strict):
     gap_cap_s: float = Field(10.0, gt=0, description="adaptive leases: longest window")
     lease_decay: bool = Field(False, description="adaptive leases: true = a live lease weighs on its instance in placement by its "
                               "decaying value, P(return inside the window | not back yet); false (default) = one full admission unit "
-                              "until its window ends, as a fixed tau does -- mini-swe-agent's SCT p50 0.956x [0.911-1.003] of the "
-                              "decaying charge's, paired over 24 seeds (services/router/README.md). The engine's retention and hold decay either way")
+                              "until its window ends, as a fixed tau does -- mini-swe-agent's SCT p50 0.971x [0.935-1.008] of the "
+                              "decaying charge's, paired over 36 seeds (services/router/README.md). The engine's retention and hold decay either way")
     slot_wait: bool = Field(True, description="Eq. 1 on a cold instance adds the wait for the model's slot that the engine's round "
                             "scheduler predicts (ModelState.slot_wait_s, issue 12); false = the bare switch / open cost")
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "

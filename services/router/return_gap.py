@@ -23,7 +23,7 @@ the server, and keeps retention *soft and decaying*. Here:
   ``lease_decay``; by default it charges one full admission unit until the window ends, as a fixed tau
   does. Measured (``talaria sim leases --decay``, ``services/router/README.md``): with the decaying charge,
   other calls fill the instance while the return is still likely: mini-swe-agent's SCT p50 with the full
-  charge was 0.956x [0.911-1.003] of the decaying one's (paired, 24 seeds; per-tool workload: a tie). The
+  charge was 0.971x [0.935-1.008] of the decaying one's (paired, 36 seeds; per-tool workload: a tie). The
   window itself is what adapts.
 * **Lease arithmetic** (``judge_lease``): installing a lease is worth ``P(return within window) x saved_s``
   (what a hit saves: recomputing or restoring the committed prefix elsewhere, from the router's measured
