@@ -119,7 +119,7 @@ class Gateway:
         self._armed: dict[str, float] = {}  # id -> its one deadline entry on the heap
         self._priced: dict[str, object] = {}  # id -> the policy.Profile the book gave when the instance last reported
         self._priced_models: dict[str, dict] = {}  # cold id -> model -> its policy.Profile then (None: the instance's prices it)
-        self._leases_synced = False  # _lease_counts mirrors the table's live counts (fixed leases)
+        self._leases_synced = False  # _lease_counts mirrors the table's live counts (leases charged in full)
         self.work: Counter = Counter()  # states_built, index_puts, deadlines_void: the refresh's work, counted
         self._primed = False
         self._decide_ns = 0
@@ -488,11 +488,13 @@ class Gateway:
             self._primed = False
 
     def _lease_dirty(self, dirty: set[str]) -> None:
-        """Add the instances whose live-lease count (adaptive: decayed weight) changed; update the mirror."""
+        """Add the instances whose live-lease count (adaptive with ``lease_decay``: decayed weight) changed;
+        update the mirror. A lease charged in full until it expires (fixed tau; adaptive by default) is the
+        table's live count, kept incrementally."""
         now = self.wall()
-        if self.adaptive:  # decaying weights change with the clock: recomputed from every lease
+        if self.adaptive and self.params.lease_decay:  # decaying weights change with the clock: recomputed from every lease
             self._leases_synced = False
-            leases = self.leases.weighted_by_instance(now, decay=self.params.lease_decay)
+            leases = self.leases.weighted_by_instance(now)
             old = self._lease_counts
             if leases != old:
                 dirty.update(k for k in leases.keys() | old.keys() if leases.get(k, 0) != old.get(k, 0))

@@ -179,16 +179,15 @@ class LeaseTable:
         self._touched[consumer] = set()
         return set(self._live_inst) if got is None else got
 
-    def weighted_by_instance(self, now: float, quantum: float = 0.125, decay: bool = True) -> dict[str, float]:
+    def weighted_by_instance(self, now: float, quantum: float = 0.125) -> dict[str, float]:
         """Live leases per instance, each weighted by its decaying value (``return_gap.lease_weight``: a
-        fixed-tau lease weighs 1 until it expires; ``decay`` False: every live lease weighs 1), rounded to
-        ``quantum`` so that placement state is rebuilt only when a weight moved visibly. Pure read."""
+        fixed-tau lease weighs 1 until it expires), rounded to ``quantum`` so that placement state is rebuilt
+        only when a weight moved visibly."""
         acc: dict[str, float] = {}
         for e in self._by_key.values():
             v = e.view
             if now < v.t_exp_unix:
-                w = lease_weight(v.gap_mu, v.gap_sigma, v.t_done_unix, v.t_exp_unix, now) if decay else 1.0
-                acc[v.instance_id] = acc.get(v.instance_id, 0.0) + w
+                acc[v.instance_id] = acc.get(v.instance_id, 0.0) + lease_weight(v.gap_mu, v.gap_sigma, v.t_done_unix, v.t_exp_unix, now)
         return {k: round(w / quantum) * quantum for k, w in acc.items() if w >= quantum / 2}
 
     def held_token_s(self, now: float) -> float:

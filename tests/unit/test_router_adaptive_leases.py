@@ -270,8 +270,8 @@ def test_live_lease_weight_decays_in_the_table():
     assert w[0]["a"] > w[1]["a"] > w[2].get("a", 0.0)
     assert [x.get("b") for x in w] == [1.0, 1.0, 1.0, None]  # fixed tau: the cliff
     assert table.held_token_s(2.0) == pytest.approx(2 * 100 * 2.0)
-    # lease_decay off: the adaptive lease weighs in full until its window ends, as the fixed one does
-    assert [table.weighted_by_instance(t, decay=False).get("a") for t in (0.1, 1.5, 3.5, 4.0)] == [1.0, 1.0, 1.0, None]
+    # lease_decay off: the adaptive lease weighs in full until its window ends, as the fixed one does (the live count)
+    assert [table.live_by_instance(t).get("a") for t in (0.1, 1.5, 3.5, 4.0)] == [1.0, 1.0, 1.0, None]
 
 
 def test_gateway_charges_adaptive_leases_in_full_without_lease_decay():
