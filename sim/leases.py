@@ -135,13 +135,13 @@ def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-    """Adaptive variant ``name`` against the best fixed tau (lowest SCT p50; p95 against the lowest p95).
+    """Adaptive variant ``name`` against the best fixed tau of ``rows`` (lowest SCT p50; p95 against the
+    lowest p95; ``run_leases`` passes geometric means over the seeds).
 
-    Without ``per_seed``: best by ``rows`` (e.g. medians), ratios of those rows, ``goal_met`` = both ratios <= 1
-    with less GiB x s than the best-p50 fixed tau. With ``per_seed`` (every policy's runs, seed by seed in the
-    same order) the comparison is *paired*: the best fixed tau is the one with the lowest geometric mean over
-    the seeds, and per metric ``paired_*`` is the geometric mean of the per-seed ratios with its 95 %
-    interval (``paired_ratio``). Then ``beats`` = both paired ratios <= 1 and ``goal_met`` = neither is
+    Without ``per_seed``: ratios of those rows, ``goal_met`` = both ratios <= 1 with less GiB x s than the
+    best-p50 fixed tau. With ``per_seed`` (every policy's runs, seed by seed in the same order) the comparison
+    is *paired*: per metric ``paired_*`` is the geometric mean of the per-seed ratios against the best fixed
+    tau's runs, with its 95 % interval (``paired_ratio``). Then ``beats`` = both paired ratios <= 1 and ``goal_met`` = neither is
     measurably worse (each interval reaches down to 1 or below: the variant *matches or beats* the best fixed
     tau as far as these seeds resolve), in both cases with less GiB x s than the best-p50 fixed tau; the
     interval's width says how far that is. Pure."""
@@ -150,9 +150,8 @@ def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed:
     if not fixed or ad is None:
         return {}
     paired = bool(per_seed) and name in per_seed and all(k in per_seed for k in fixed)  # type: ignore[operator]
-    ref = {k: geomeans(per_seed[k]) for k in fixed} if paired else fixed  # type: ignore[index]
-    best50 = min(ref, key=lambda k: ref[k]["sct_p50_s"])
-    best95 = min(ref, key=lambda k: ref[k]["sct_p95_s"])
+    best50 = min(fixed, key=lambda k: fixed[k]["sct_p50_s"])
+    best95 = min(fixed, key=lambda k: fixed[k]["sct_p95_s"])
     gib = fixed[best50]["lease_gib_s"]
     out: dict[str, Any] = {
         "best_fixed_p50": best50, "best_fixed_p95": best95,
@@ -193,10 +192,10 @@ def run_leases(out: Path, *, profile: str, workloads: tuple[str, ...] = ("tools"
                 say(f"{kind} seed {seed + k} {s['name']:10s} SCT p50 {s['sct_p50_s']:.1f} p95 {s['sct_p95_s']:.1f} hits {s['lease_hits']} "
                     f"unused {s['unused_leases']} declined {s['leases_declined']} outweighed {s['lease_outweighed']} GiB*s {s['lease_gib_s']:.0f} "
                     f"({s['wall_s']:.0f} s wall)")
-        rows = {name: medians(rs) for name, rs in runs.items()}
         per_seed = {n: [{m: r[m] for m in METRICS} for r in rs] for n, rs in runs.items()}
-        summary["workloads"][kind] = {"medians": rows, "geomeans": {n: geomeans(rs) for n, rs in per_seed.items()},
-                                      "vs_best_fixed": {a: compare(rows, a, per_seed) for a in adaptive}, "per_seed": per_seed}
+        geo = {n: geomeans(rs) for n, rs in per_seed.items()}
+        summary["workloads"][kind] = {"medians": {n: medians(rs) for n, rs in runs.items()}, "geomeans": geo,
+                                      "vs_best_fixed": {a: compare(geo, a, per_seed) for a in adaptive}, "per_seed": per_seed}
         report.write(out / kind, [rs[len(rs) // 2] for rs in runs.values()], {"workload": kind, "profile": profile, "seeds": seeds},
                      f"Lease policies on the {kind} workload (one seed's runs; medians in ../summary.json)")
     out.mkdir(parents=True, exist_ok=True)
