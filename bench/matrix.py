@@ -83,7 +83,7 @@ CONFIGS: tuple[MatrixConfig, ...] = (
 )
 # router policy "full" is the Talaria row (same engines, policy "full"; fixed lease tau by default).
 # Issue 14 lease rows (kind "lease"): run only when named (--configs), e.g. on the per-tool workload:
-#   talaria bench matrix --tool-gaps --configs lease-adaptive lease-adaptive-no-arith lease-fixed-0.5 lease-fixed-1 lease-fixed-2 lease-fixed-5
+#   talaria bench matrix --tool-gaps --configs lease-adaptive lease-fixed-0.5 lease-fixed-1 lease-fixed-2 lease-fixed-5 no-leases
 CONFIGS += tuple(
     MatrixConfig(f"lease-fixed-{t:g}", {"router.placement.lease_policy": "fixed", "router.placement.lease_ttl_s": t},
                  f"as Talaria, but the paper's fixed lease tau = {t:g} s for every call", "lease")
@@ -92,6 +92,8 @@ CONFIGS += tuple(
                   "as Talaria, but adaptive leases: windows from the predicted return gap per (model, tool), lease arithmetic on", "lease"),
     MatrixConfig("lease-adaptive-no-arith", {"router.placement.lease_policy": "adaptive", "router.placement.lease_arithmetic": False},
                   "as lease-adaptive, but every lease installed and honoured (no value-vs-harm check)", "lease"),
+    MatrixConfig("no-leases", {"router.placement.lease_ttl_s": 0.0},
+                  "as Talaria, but no leases at all (tau 0): the reference that shows what any lease buys", "lease"),
     MatrixConfig("lease-always", {"router.placement.lease_arithmetic": False},
                  "as Talaria, but a valid lease is honoured at the return whatever it delays the call (Algorithm 1 as published; issue 12 item 3 checks it)", "lease"),
     MatrixConfig("no-slot-wait", {"router.placement.slot_wait": False},
