@@ -430,7 +430,8 @@ def run_matrix(
     (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
     (``bench.report.combine_repeats``). With ``repeats`` = 1 the output is laid out as before
     (``<out>/<configuration>``)."""
-    from bench.report import ablations_table, baseline_names, combine_repeats, matrix_table, repeats_table, write_matrix_report
+    from bench.report import (ablations_table, baseline_names, combine_repeats, lease_comparison, lease_table, matrix_table, repeats_table,
+                              write_matrix_report)
 
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
@@ -508,6 +509,10 @@ def run_matrix(
         if abl:
             say("\neach configuration against Talaria (paired per repetition; CI95, W/L, verdict per quantile)")
             say(abl)
+        lt = lease_table(lease_comparison(reps))
+        if lt:
+            say("\nlease policies against the best fixed tau (issue 14; paired per repetition, geometric means, 95 % interval)")
+            say(lt)
         say("\ndetail: median repetition per configuration")
     say(matrix_table(rows))
     say(f"\nreport: {report} (matrix took {meta['matrix_wall_s']:.0f}s)")

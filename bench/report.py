@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import format_table
-from bench.stats import wins_losses
+from bench.stats import vs_best_fixed, wins_losses
 from bench.workloads import nearest_rank
 
 SOURCES = {
@@ -582,6 +582,24 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
                 "```",
                 "",
             ]
+        lc = lease_comparison(repeats)
+        if lc:
+            extra["lease_comparison"] = lc
+            lines += [
+                "### Lease policies against the best fixed tau (issue 14)",
+                "",
+                f"The lease rows over the {lc['repetitions']} repetitions where all of them ran: geometric means of SCT p50 / p95, "
+                "means of the lease counters (`token x s` = committed tokens x seconds held by leases: the device KV they "
+                "reserved). Below, each row that is not a fixed tau against the best fixed tau (best by the geometric "
+                "mean; p95 against the best p95), paired per repetition: the geometric mean of the per-repetition "
+                "ratios with its 95 % Student t interval. The goal: an adaptive row matches or beats the best fixed tau "
+                "on both (neither interval above 1) with less KV than the best-p50 fixed tau.",
+                "",
+                "```",
+                lease_table(lc),
+                "```",
+                "",
+            ]
         lines += [
             "### Per repetition",
             "",
@@ -777,6 +795,7 @@ def _latency_plot(plt, out: Path, ran: list[dict[str, Any]]) -> Path | None:
 # repetition (both sides saw the same machine state), and the report gives the median over repetitions
 # and the min-max range of those per-repetition ratios.
 REPEAT_METRICS = ("sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s")
+LEASE_COUNTS = ("lease_hits", "leases_unused", "lease_expiries", "leases_declined", "lease_outweighed", "lease_token_s")  # issue 14
 REPEAT_RATIOS = tuple(f"{m}_{q}_vs_{ref}" for ref in ("base", "talaria", "best") for m in ("sct", "ttft") for q in ("p50", "p95"))
 CI_RATIOS = ("sct_p50_vs_base", "sct_p95_vs_base", "sct_p50_vs_best", "sct_p95_vs_best")  # bootstrap intervals (bench/stats.py)
 VS_REFERENCE = ("sct_p50_vs_talaria", "sct_p95_vs_talaria")  # every other row / the reference (Talaria): the ablations' verdicts
@@ -864,6 +883,8 @@ def repetition_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             row["replay_wall_s"] = s.get("wall_s", NA)
             row["sessions_won_lost_tied_vs_base"] = s.get("sessions_won_lost_tied_vs_base")
             row["loadavg_before"], row["loadavg_after"] = s.get("loadavg_before"), s.get("loadavg_after")
+            if r.get("kind") == "lease":  # issue 14: the lease counters of each repetition, for re-reading the comparison
+                row.update({k: s.get(k, NA) for k in LEASE_COUNTS})
             flat.append(row)
     return flat
 
@@ -933,6 +954,52 @@ def ablations_table(agg: list[dict[str, Any]], skip: Iterable[str], reference: s
             row += _ratio_ci_wl(a, k) + [ablation_verdict(a.get("ci95", {}).get(k))]
         body.append(row)
     return format_table(headers, body) if body else ""
+
+
+def lease_comparison(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Issue 14's lease rows (``lease-fixed-*``, ``lease-adaptive*``, ``no-leases``) read the way ``talaria sim
+    leases`` reads its seeds, with the repetition as the unit: per row the geometric mean over repetitions of
+    SCT p50 / p95 and the mean of the lease counters (``lease_token_s`` = committed tokens x seconds held by
+    leases, the device KV they reserved), and every other row against the best fixed tau, paired per
+    repetition (``bench.stats.vs_best_fixed``; ``goal_met`` is the issue's goal for an adaptive row). Only
+    repetitions where every lease row ran are used. ``{}`` without a fixed row and one other lease row. Pure."""
+    names = [r["name"] for r in reps[0]] if reps else []
+    lease = [n for n in names if n.startswith(("lease-fixed-", "lease-adaptive")) or n == "no-leases"]
+    fixed = [n for n in lease if n.startswith("lease-fixed-")]
+    if not fixed or len(lease) == len(fixed):
+        return {}
+    units = [{r["name"]: r["summary"] for r in rep if r["name"] in lease and r.get("status") == "ok" and r.get("summary")} for rep in reps]
+    units = [u for u in units if len(u) == len(lease) and all(_finite(u[n].get("sct_p50_s")) for n in lease)]
+    if not units:
+        return {}
+    keys = ("sct_p50_s", "sct_p95_s") + LEASE_COUNTS
+    per_unit = {n: [{k: float(u[n].get(k) or 0.0) if _finite(u[n].get(k)) else 0.0 for k in keys} for u in units] for n in lease}
+    rows = {}
+    for n, rs in per_unit.items():
+        rows[n] = {k: math.exp(sum(math.log(r[k]) for r in rs) / len(rs)) if k.startswith("sct_") else sum(r[k] for r in rs) / len(rs)
+                   for k in keys}
+    vs = {n: vs_best_fixed(rows, n, fixed, per_unit, kv_key="lease_token_s") for n in lease if n not in fixed}
+    return {"repetitions": len(units), "rows": rows, "vs_best_fixed": vs}
+
+
+def lease_table(cmp: dict[str, Any]) -> str:
+    """``lease_comparison`` as text: the rows, then each non-fixed row's paired ratios against the best fixed tau."""
+    if not cmp:
+        return ""
+    head = ["configuration", "SCT p50 s", "SCT p95 s", "hits", "unused", "expiries", "declined", "outweighed", "token x s"]
+    body = [[n, f"{r['sct_p50_s']:.2f}", f"{r['sct_p95_s']:.2f}"] + [f"{r[k]:.0f}" for k in LEASE_COUNTS] for n, r in cmp["rows"].items()]
+    lines = [format_table(head, body), ""]
+    for n, c in cmp["vs_best_fixed"].items():
+        if not c:
+            continue
+        cells = []
+        for q in ("p50", "p95"):
+            p = c.get(f"paired_sct_{q}_vs_best") or {}
+            cells.append(f"SCT {q} {p['ratio']:.3f}x [{p['lo']:.3f}-{p['hi']:.3f}] of {c[f'best_fixed_{q}']} ({p['wins']}/{p['n']} better)"
+                         if p else f"SCT {q} {c[f'sct_{q}_vs_best']:.3f}x of {c[f'best_fixed_{q}']}")
+        kv = c["kv_vs_best"]
+        lines.append(f"{n}: " + ", ".join(cells) + f", KV {kv:.2f}x" + (f"; goal met: {c['goal_met']}, beats: {c.get('beats')}" if n.startswith("lease-adaptive") else ""))
+    return "\n".join(lines)
 
 
 def repetitions_table(flat: list[dict[str, Any]]) -> str:

@@ -25,6 +25,7 @@ import math
 import random
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 from bench.workloads import nearest_rank
@@ -111,3 +112,62 @@ def loadavg(path: str | Path = "/proc/loadavg") -> list[float] | None:
         return [float(x) for x in Path(path).read_text().split()[:3]]
     except (OSError, ValueError):
         return None
+
+
+# two-sided 95 % Student t quantiles by degrees of freedom (1-30); above 30 the normal's 1.96 is within 4 %
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110,
+         2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Unit by unit (a simulator seed, a matrix repetition) ``a[i] / b[i]``: their geometric mean (``ratio``)
+    with its 95 % interval (Student t over the log ratios), median, min, max, units where ``a`` is lower
+    (``wins``) and ``n``. Pairing removes the spread between units (a seed's workload, a repetition's machine
+    state) that both sides share. Pure."""
+    logs = [math.log(x / y) for x, y in zip(a, b) if x > 0 and y > 0]
+    if not logs:
+        return {}
+    n, mean = len(logs), statistics.fmean(logs)
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * statistics.stdev(logs) / math.sqrt(n) if n > 1 else math.inf
+    ratios = [math.exp(x) for x in logs]
+    return {"ratio": math.exp(mean), "lo": math.exp(mean - half) if math.isfinite(half) else 0.0, "hi": math.exp(mean + half),
+            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "wins": sum(x < 0 for x in logs), "n": n}
+
+
+def vs_best_fixed(rows: Mapping[str, Mapping[str, float]], name: str, fixed: Sequence[str],
+                  per_unit: Mapping[str, Sequence[Mapping[str, float]]] | None = None, *, kv_key: str) -> dict[str, Any]:
+    """Issue 14's lease comparison: variant ``name`` against the best of the ``fixed`` lease rows (lowest SCT
+    p50; p95 against the lowest p95; ``rows`` are aggregates over units, e.g. geometric means), with the
+    device KV the leases held under ``kv_key`` (GiB x s in the simulator, committed token x s on the stack).
+
+    Without ``per_unit``: ratios of those rows, ``goal_met`` = both ratios <= 1 with less KV than the best-p50
+    fixed tau. With ``per_unit`` (every row's runs, unit by unit in the same order) the comparison is
+    *paired*: per metric ``paired_*`` is the geometric mean of the per-unit ratios against the best fixed
+    tau's runs, with its 95 % interval (``paired_ratio``). Then ``beats`` = both paired ratios <= 1 and
+    ``goal_met`` = neither is measurably worse (each interval reaches down to 1 or below: the variant
+    *matches or beats* the best fixed tau as far as these units resolve), in both cases with less KV than the
+    best-p50 fixed tau; the interval's width says how far that is. ``{}`` when the variant or every fixed row
+    is missing. Pure."""
+    fx = {k: rows[k] for k in fixed if k in rows}
+    ad = rows.get(name)
+    if not fx or ad is None:
+        return {}
+    paired = bool(per_unit) and name in per_unit and all(k in per_unit for k in fx)  # type: ignore[operator]
+    best50 = min(fx, key=lambda k: fx[k]["sct_p50_s"])
+    best95 = min(fx, key=lambda k: fx[k]["sct_p95_s"])
+    kv = fx[best50][kv_key]
+    out: dict[str, Any] = {
+        "best_fixed_p50": best50, "best_fixed_p95": best95,
+        "sct_p50_vs_best": ad["sct_p50_s"] / fx[best50]["sct_p50_s"],
+        "sct_p95_vs_best": ad["sct_p95_s"] / fx[best95]["sct_p95_s"],
+        "kv_vs_best": ad[kv_key] / kv if kv > 0 else math.nan,
+    }
+    less_kv = ad[kv_key] < kv
+    out["goal_met"] = out["sct_p50_vs_best"] <= 1.0 and out["sct_p95_vs_best"] <= 1.0 and less_kv
+    if paired:
+        for key, best in (("sct_p50_s", best50), ("sct_p95_s", best95)):
+            out[f"paired_{key[:7]}_vs_best"] = paired_ratio([r[key] for r in per_unit[name]], [r[key] for r in per_unit[best]])  # type: ignore[index]
+        p50, p95 = out["paired_sct_p50_vs_best"], out["paired_sct_p95_vs_best"]
+        out["beats"] = bool(p50) and bool(p95) and p50["ratio"] <= 1.0 and p95["ratio"] <= 1.0 and less_kv
+        out["goal_met"] = bool(p50) and bool(p95) and p50["lo"] <= 1.0 and p95["lo"] <= 1.0 and less_kv
+    return out

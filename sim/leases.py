@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.stats import vs_best_fixed
 from services.router.policy import PolicyParams
 
 from . import report, workload
@@ -114,60 +115,11 @@ def geomeans(runs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-# two-sided 95 % Student t quantiles by degrees of freedom (1-30); above 30 the normal's 1.96 is within 4 %
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110,
-         2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
-    """Seed by seed ``a[i] / b[i]``: their geometric mean (``ratio``) with its 95 % interval (Student t over the
-    log ratios), median, min, max, seeds where ``a`` is lower (``wins``) and ``n``. The simulator is
-    deterministic, so the seed is the only noise, and pairing removes the workload's seed-to-seed spread.
-    Pure."""
-    logs = [math.log(x / y) for x, y in zip(a, b) if x > 0 and y > 0]
-    if not logs:
-        return {}
-    n, mean = len(logs), statistics.fmean(logs)
-    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * statistics.stdev(logs) / math.sqrt(n) if n > 1 else math.inf
-    ratios = [math.exp(x) for x in logs]
-    return {"ratio": math.exp(mean), "lo": math.exp(mean - half) if math.isfinite(half) else 0.0, "hi": math.exp(mean + half),
-            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "wins": sum(x < 0 for x in logs), "n": n}
-
-
 def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-    """Adaptive variant ``name`` against the best fixed tau of ``rows`` (lowest SCT p50; p95 against the
-    lowest p95; ``run_leases`` passes geometric means over the seeds).
-
-    Without ``per_seed``: ratios of those rows, ``goal_met`` = both ratios <= 1 with less GiB x s than the
-    best-p50 fixed tau. With ``per_seed`` (every policy's runs, seed by seed in the same order) the comparison
-    is *paired*: per metric ``paired_*`` is the geometric mean of the per-seed ratios against the best fixed
-    tau's runs, with its 95 % interval (``paired_ratio``). Then ``beats`` = both paired ratios <= 1 and ``goal_met`` = neither is
-    measurably worse (each interval reaches down to 1 or below: the variant *matches or beats* the best fixed
-    tau as far as these seeds resolve), in both cases with less GiB x s than the best-p50 fixed tau; the
-    interval's width says how far that is. Pure."""
-    fixed = {k: v for k, v in rows.items() if k.startswith("fixed")}
-    ad = rows.get(name)
-    if not fixed or ad is None:
-        return {}
-    paired = bool(per_seed) and name in per_seed and all(k in per_seed for k in fixed)  # type: ignore[operator]
-    best50 = min(fixed, key=lambda k: fixed[k]["sct_p50_s"])
-    best95 = min(fixed, key=lambda k: fixed[k]["sct_p95_s"])
-    gib = fixed[best50]["lease_gib_s"]
-    out: dict[str, Any] = {
-        "best_fixed_p50": best50, "best_fixed_p95": best95,
-        "sct_p50_vs_best": ad["sct_p50_s"] / fixed[best50]["sct_p50_s"],
-        "sct_p95_vs_best": ad["sct_p95_s"] / fixed[best95]["sct_p95_s"],
-        "gib_s_vs_best": ad["lease_gib_s"] / gib if gib > 0 else float("nan"),
-    }
-    less_kv = ad["lease_gib_s"] < gib
-    out["goal_met"] = out["sct_p50_vs_best"] <= 1.0 and out["sct_p95_vs_best"] <= 1.0 and less_kv
-    if paired:
-        for key, best in (("sct_p50_s", best50), ("sct_p95_s", best95)):
-            out[f"paired_{key[:7]}_vs_best"] = paired_ratio([r[key] for r in per_seed[name]], [r[key] for r in per_seed[best]])  # type: ignore[index]
-        p50, p95 = out["paired_sct_p50_vs_best"], out["paired_sct_p95_vs_best"]
-        out["beats"] = bool(p50) and bool(p95) and p50["ratio"] <= 1.0 and p95["ratio"] <= 1.0 and less_kv
-        out["goal_met"] = bool(p50) and bool(p95) and p50["lo"] <= 1.0 and p95["lo"] <= 1.0 and less_kv
-    return out
+    """Adaptive variant ``name`` against the best fixed tau of ``rows`` (the ``fixed ...`` rows; ``run_leases``
+    passes geometric means over the seeds), paired seed by seed when ``per_seed`` is given; the arithmetic
+    and the verdicts (``goal_met``, ``beats``) are ``bench.stats.vs_best_fixed``'s. Pure."""
+    return vs_best_fixed(rows, name, [k for k in rows if k.startswith("fixed")], per_seed, kv_key="lease_gib_s")
 
 
 def run_leases(out: Path, *, profile: str, workloads: tuple[str, ...] = ("tools", "miniswe"), seeds: int = 12, seed: int = 0,
@@ -220,5 +172,5 @@ def table(summary: dict[str, Any]) -> str:
                 else [f"{c['sct_p50_vs_best']:.3f}x", f"{c['sct_p95_vs_best']:.3f}x"]
             verdict = f"goal met: {c['goal_met']}" + (f", beats: {c['beats']}" if "beats" in c else "")
             out.append(f"| {kind} | {a} / best fixed | {cells[0]} ({c['best_fixed_p50']}) | {cells[1]} ({c['best_fixed_p95']}) | | | | | | | "
-                       f"| {c['gib_s_vs_best']:.3f}x; {verdict} |")
+                       f"| {c['kv_vs_best']:.3f}x; {verdict} |")
     return "\n".join(out)

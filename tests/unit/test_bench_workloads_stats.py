@@ -336,6 +336,48 @@ def test_each_ablation_is_judged_against_talaria_with_a_paired_interval(tmp_path
     assert "Each configuration against Talaria" in md and "off helps" in md
 
 
+def test_lease_rows_are_read_against_the_best_fixed_tau_paired_per_repetition(tmp_path):
+    """Issue 14 on the stack: `bench matrix --configs lease-...` reports the adaptive row against the best fixed tau
+    the way `sim leases` does (geometric means, paired per repetition, KV held by leases), and says whether the
+    goal is met; a repetition where a lease row failed is left out of the pairing."""
+    from bench.report import combine_repeats, lease_comparison, lease_table, write_matrix_report
+
+    sessions = [f"s{i}" for i in range(10)]
+    reps = []
+    for r, drift in enumerate((1.0, 1.3, 0.8, 1.1)):  # machine drift per repetition, shared by every row
+        base = {s: (10.0 + i) * drift for i, s in enumerate(sessions)}
+
+        def row(name, f95, factor, token_s):
+            scts = {s: v * (f95 if i == len(sessions) - 1 else factor) for i, (s, v) in enumerate(base.items())}
+            return {"name": name, "kind": "lease", "status": "ok",
+                    "summary": _summary(scts) | {"lease_hits": 10.0, "leases_unused": 5.0, "lease_expiries": 1.0, "leases_declined": 0.0,
+                                                 "lease_outweighed": 0.0, "lease_token_s": token_s}}
+        rows = [row("lease-fixed-1", 1.0, 1.0, 100.0), row("lease-fixed-5", 0.9, 0.95, 400.0),
+                row("lease-adaptive", (0.89, 0.93, 0.91, 0.9)[r], 0.96 if r % 2 else 0.93, 300.0), row("no-leases", 1.1, 1.05, 0.0)]
+        if r == 3:
+            rows[2] = {"name": "lease-adaptive", "kind": "lease", "status": "failed: engine died"}
+        reps.append(rows)
+    c = lease_comparison(reps)
+    assert c["repetitions"] == 3  # the fourth lost its adaptive run
+    a = c["vs_best_fixed"]["lease-adaptive"]
+    assert (a["best_fixed_p50"], a["best_fixed_p95"]) == ("lease-fixed-5", "lease-fixed-5")
+    p50 = a["paired_sct_p50_vs_best"]
+    assert p50["ratio"] == pytest.approx((0.93 * 0.96 * 0.93) ** (1 / 3) / 0.95) and p50["n"] == 3 and p50["wins"] == 2
+    assert a["paired_sct_p95_vs_best"]["ratio"] == pytest.approx((0.89 * 0.93 * 0.91) ** (1 / 3) / 0.9)
+    assert a["kv_vs_best"] == pytest.approx(0.75) and a["goal_met"] is True and a["beats"] is False  # both intervals hold 1; p95 ratio > 1
+    assert c["rows"]["lease-fixed-1"]["sct_p50_s"] == pytest.approx(14.0 * (1.0 * 1.3 * 0.8) ** (1 / 3))  # geometric mean over repetitions
+    assert c["vs_best_fixed"]["no-leases"]["paired_sct_p95_vs_best"]["ratio"] == pytest.approx(1.1 / 0.9)
+    text = lease_table(c)
+    assert "lease-adaptive: SCT p50" in text and "goal met" in text and "no-leases: SCT p50" in text
+    assert lease_comparison([[r for r in rep if r["name"] != "lease-adaptive" and r["name"] != "no-leases"] for rep in reps]) == {}
+    rows_, _ = combine_repeats(reps)
+    md = write_matrix_report(tmp_path, rows_, {"command": "x", "workload_desc": "y"}, repeats=reps).read_text()
+    assert "Lease policies against the best fixed tau" in md
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["lease_comparison"]["repetitions"] == 3
+    assert [r["lease_token_s"] for r in data["repetitions"][:4]] == [100.0, 400.0, 300.0, 0.0]  # per repetition, for re-reading
+
+
 SHARED_MOONCAKE = SHARED_MINISWE.parent / "mooncake_synthetic_trace.jsonl"
 
 
