@@ -610,7 +610,6 @@ class Gateway:
             seq=self._seq,
             index=None if exclude else self._index,  # with exclusions the policy indexes the subset itself
             index_version=self._index.version,
-            lease_saving_s=(self.residency.saving() or 0.0) if lease is not None and self.params.lease_arithmetic else 0.0,
         )
         return st, rev
 

@@ -220,9 +220,6 @@ class PlacementState:
     # version still equals ``index_version``, else the policy builds one from ``instances``.
     index: InstanceIndex | None = None
     index_version: int = -1
-    # Adaptive leases: what honouring the lease saves beyond Eq. 1's terms, measured (``return_gap.ResidencyBook``:
-    # the device residency a lease buys x what losing it cost); the lease is outweighed only by more than this.
-    lease_saving_s: float = 0.0
 
 
 class CostBreakdown(NamedTuple):
@@ -814,18 +811,21 @@ def decide_full(state: PlacementState, now: float) -> Decision:
 
 def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
     """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
-    another admissible instance has a lower Eq. 1 total (its queue is shorter by more than the C_KV + C_act
-    the leased instance avoids) by more than the measured saving of a lease (``state.lease_saving_s``: on a
-    cold instance a return that lost its device residency also waits for its model's next slot). That saving is
-    device residency's: when the leased instance no longer holds the prefix on the device (it switched models or
-    evicted it; the prefix is in the host store, which other instances with a host tier restore from as well),
-    the lease buys nothing and Eq. 1 alone decides (default bench: 61 returns a repetition went to a leased
-    instance only to restore from host there, after 103 ms of queue on average). Pure."""
+    another admissible instance has a lower Eq. 1 total than the leased one (its own lease not charged there):
+    Eq. 1 already prices what the call pays on each instance *now* -- the device prefix against a restore or
+    a recompute, the other's wait for its model's slot, both queues. The measured residency saving of a lease
+    (``return_gap.ResidencyBook``) is an expectation over returns wherever they went, slot waits included; it
+    prices the decision to reserve (``Gateway.lease_costs``), not this one, where it would count the other
+    instance's slot wait twice (until 2026-12-06 it was added here as a margin: returns stayed on a busier
+    instance by up to the whole saving, seconds on the saturated testbed, and sessions moved half as often;
+    without it mini-swe-agent's SCT p95 with adaptive leases was 0.98x, ``services/router/README.md``). When
+    the leased instance no longer holds the prefix on the device (it switched models or evicted it; the
+    prefix is in the host store, which other instances with a host tier restore from as well) the lease
+    buys nothing and Eq. 1 decides the same way. Pure."""
     rows, mus, _ = _rank(state, idx, shortlist=True)
     others = _eq2(rows, mus, state)
     best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
-    saving = state.lease_saving_s if mine.kv_source == "device" else 0.0
-    return best is not None and best.total + saving < mine.total
+    return best is not None and best.total < mine.total
 
 
 def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:

@@ -34,9 +34,11 @@ the server, and keeps retention *soft and decaying*. Here:
   learns that from the returns' hooks: the residency share a lease buys x what losing it costs) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
   arriving at its instance meanwhile: their arrival rate x one mean call of queueing, from the measured
   profiles). A lease that costs more than it saves is not installed. At the return itself the policy
-  honours a lease only when its instance is not costlier than the best alternative by Eq. 1 plus the
-  measured saving (``policy.decide_full``, ``lease_policy: adaptive``): a lease that would delay the call
-  more than its resident prefix saves is dropped.
+  honours a lease only while its instance is the cheapest by Eq. 1 (``policy._outweighed``): Eq. 1 then
+  prices the actual alternative (a restore there, its slot wait, both queues), so the measured saving,
+  an expectation over returns placed anywhere, is not added again as a margin (it was until 2026-12-06:
+  returns stayed on a busier instance by seconds and the batches were balanced worse; measured in
+  ``services/router/README.md``).
 
 Pure: no clock is read (every time is an argument), no I/O. ``GapPredictor``, ``ReturnTracker`` and
 ``ResidencyBook`` mutate only themselves.

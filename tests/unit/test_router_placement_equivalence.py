@@ -42,11 +42,11 @@ def reference(state: PlacementState, now: float):
         inst = next(i for i in serving if i.instance_id == state.lease.instance_id)
         mine = breakdown(inst, state)
         # the lease arithmetic (issue 12): outweighed when another admissible instance is cheaper by Eq. 1
-        # (the lease still discounted on its own instance) by more than the measured saving of a lease
+        # (the lease still discounted on its own instance)
         others = apply_eq2([breakdown(i, state) for i in serving], {i.instance_id: i for i in serving}, state)
         best = min((c for c in others if not c.reject and c.instance_id != inst.instance_id),
                    key=lambda c: (c.total, c.instance_id), default=None)
-        if not state.params.lease_arithmetic or best is None or best.total + state.lease_saving_s >= mine.total:
+        if not state.params.lease_arithmetic or best is None or best.total >= mine.total:
             return "lease", inst.instance_id, lease, (mine,)
         lease = "outweighed"
     if lease != "none":
