@@ -109,8 +109,12 @@ def test_named_tool_choice_streams_incremental_arguments(client):
                 reasons.append(c.finish_reason)
     assert reasons == ["tool_calls"]
     assert deltas[0].id and deltas[0].function.name == "get_weather"
+    # the rest are argument fragments of the same call. How many there are depends on how many engine steps
+    # were queued when the reader took them (a lagging reader gets them merged, services/engine/streaming.py;
+    # a loaded machine made this 1), so the count is not asserted: that arguments stream before the call
+    # closes is pinned without timing by tests/unit/test_tool_parsers.py (hermes eager streaming)
+    assert all(not d.id and not d.function.name and d.index == 0 for d in deltas[1:])
     args = "".join(d.function.arguments or "" for d in deltas)
-    assert len([d for d in deltas if d.function.arguments]) > 2
     assert set(json.loads(args)) == {"city"}
 
 
