@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import format_table
-from bench.stats import vs_best_fixed, wins_losses
+from bench.stats import unit_means, vs_best_fixed, wins_losses
 from bench.workloads import nearest_rank
 
 SOURCES = {
@@ -974,10 +974,7 @@ def lease_comparison(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
         return {}
     keys = ("sct_p50_s", "sct_p95_s") + LEASE_COUNTS
     per_unit = {n: [{k: float(u[n].get(k) or 0.0) if _finite(u[n].get(k)) else 0.0 for k in keys} for u in units] for n in lease}
-    rows = {}
-    for n, rs in per_unit.items():
-        rows[n] = {k: math.exp(sum(math.log(r[k]) for r in rs) / len(rs)) if k.startswith("sct_") else sum(r[k] for r in rs) / len(rs)
-                   for k in keys}
+    rows = {n: unit_means(rs, keys) for n, rs in per_unit.items()}
     vs = {n: vs_best_fixed(rows, n, fixed, per_unit, kv_key="lease_token_s") for n in lease if n not in fixed}
     return {"repetitions": len(units), "rows": rows, "vs_best_fixed": vs}
 

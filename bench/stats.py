@@ -134,6 +134,18 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
             "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "wins": sum(x < 0 for x in logs), "n": n}
 
 
+def unit_means(runs: Sequence[Mapping[str, float]], keys: Sequence[str]) -> dict[str, float]:
+    """Per key over the units (simulator seeds, matrix repetitions): the geometric mean of the latency figures
+    (``sct_*``, ``ttft_*``: ratios of these are what a paired comparison reads; a median of a few units jumps by
+    the one in the middle), the arithmetic mean of everything else (counts, KV held); a latency figure with a
+    non-positive value falls back to the arithmetic mean. Pure."""
+    out = {}
+    for k in keys:
+        xs = [float(r[k]) for r in runs]
+        out[k] = math.exp(statistics.fmean(math.log(x) for x in xs)) if k.startswith(("sct_", "ttft_")) and min(xs) > 0 else statistics.fmean(xs)
+    return out
+
+
 def vs_best_fixed(rows: Mapping[str, Mapping[str, float]], name: str, fixed: Sequence[str],
                   per_unit: Mapping[str, Sequence[Mapping[str, float]]] | None = None, *, kv_key: str) -> dict[str, Any]:
     """Issue 14's lease comparison: variant ``name`` against the best of the ``fixed`` lease rows (lowest SCT

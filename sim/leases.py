@@ -30,13 +30,12 @@ GiB x s than the best-p50 fixed tau, on every workload, with the same knobs.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.stats import vs_best_fixed
+from bench.stats import unit_means, vs_best_fixed
 from services.router.policy import PolicyParams
 
 from . import report, workload
@@ -105,14 +104,9 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def geomeans(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Per metric over the seeds: the geometric mean of the SCT / TTFT figures (ratios of these are what the
-    comparison reads; a median of 6-12 seeds of a chaotic schedule jumps by the one seed in the middle), the
-    arithmetic mean of the counts and of GiB x s. Pure."""
-    out = {}
-    for k in (m for m in METRICS if m in runs[0]):
-        xs = [float(r[k]) for r in runs]
-        out[k] = math.exp(statistics.fmean(math.log(x) for x in xs)) if k.startswith(("sct_", "ttft_")) and min(xs) > 0 else statistics.fmean(xs)
-    return out
+    """Per metric over the seeds (``bench.stats.unit_means``): geometric means of the SCT / TTFT figures,
+    arithmetic means of the counts and of GiB x s. Pure."""
+    return unit_means(runs, [m for m in METRICS if m in runs[0]])
 
 
 def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
