@@ -186,8 +186,9 @@ def test_heartbeat_carries_each_models_predicted_slot_wait(synth_models):
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     ce.add_request(EngineRequest("first", [5, 6, 7, 8], sp, arrival_time=clock.t, model=MODELS[0]))
     ce.add_request(EngineRequest("other", [5, 6, 7, 8], sp, arrival_time=clock.t, model=MODELS[1]))
+    finished: set[str] = set()
     for _ in range(50):
-        ce.step()
+        finished |= {o.request_id for o in ce.step() if o.finished}
         st = ce.stats()
         if st.slots is not None and dict(st.slots.slot_wait_s).get(MODELS[0]) == 0.0 and ce.active == MODELS[0]:
             break
@@ -198,8 +199,14 @@ def test_heartbeat_carries_each_models_predicted_slot_wait(synth_models):
     cfg = EngineConfig(id="c0", pool="cold", models=list(MODELS))
     snap = pb.InstanceSnapshot.FromString(wire.instance_snapshot(cfg, st, [], epoch=1, seq=1, draining=False, rounds=0).SerializeToString())
     assert {m.model: m.slot_wait_s for m in snap.models} == pytest.approx(waits)
-    while ce.has_unfinished():
-        ce.step()
+    # step until both calls are done, and no further: ``has_unfinished`` stays true while the engine stages the
+    # next model's weights, and each of those steps' decisions (no work) closes the slot this part looks at
+    for _ in range(200):
+        if finished >= {"first", "other"}:
+            break
+        finished |= {o.request_id for o in ce.step() if o.finished}
+    else:
+        pytest.fail(f"the calls did not finish: {finished}")
     # idle with the last slot still open (no decision runs without work): the next decision closes it, so no
     # model waits for it (the router prices the switch alone), never for the rest of the slot's budget
     idle = ce.stats()
