@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, judge_lease
+from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, best_window, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -314,19 +314,29 @@ class Gateway:
         much suffix each must prefill and what each model switch costs); without it, or with no admissible
         alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's profile). A live lease puts
         one admission unit of a mean call's queueing on every other call arriving at its instance (the
-        router's arrival rate over all models, spread over the instances) -- in proportion to how busy the
-        instance is (calls running, waiting and forwarded over its decode slots): a lease on an instance
-        with free slots delays nobody. Pure read."""
+        router's arrival rate over all models, spread over the instances). With another healthy instance to
+        go to, that holds whatever the leased instance's free slots: placement charges the lease that unit
+        on its instance (``policy.queue_pressure``) at any load, so it steers other calls away at any load.
+        Until 2026-12-06 the harm was always scaled by how busy the instance was (a lease on an instance with
+        free slots "delays nobody"): at light load the arithmetic then saw no cost and kept 7-10 s windows
+        after slow tools, which held 1.8-2.3x the best fixed tau's KV and lost SCT p50 to it in the
+        simulator, and 3.3x its KV on the stack (``services/router/README.md``). A lone instance has nowhere
+        to steer calls to: there the lease delays them only in proportion to how busy it is (calls running,
+        waiting and forwarded over its decode slots). Pure read."""
         prof = self._priced_models.get(instance_id, {}).get(model) or self.profiles.profile(instance_id)
         per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
         shape = self.shapes.shape(model)
         mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
         now = self.wall()
         rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
-        v = self.registry.instances.get(instance_id)
-        spec = self.pools.get(instance_id)
-        calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
-        busy = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
+        reg = self.registry
+        v = reg.instances.get(instance_id)
+        if any(iid != instance_id and reg.healthy(o) for iid, o in reg.instances.items()):
+            exposed = 1.0  # the charge steers arrivals to the other instances, at any load
+        else:  # nowhere to steer them: the lease delays them only when the instance's slots are taken
+            spec = self.pools.get(instance_id)
+            calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
+            exposed = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
         saved = committed * per_token
         if session_id:
             nxt = self.request(session_id, model, committed + int(shape.suffix_tokens), max(1, int(shape.decode_tokens)))
@@ -339,14 +349,18 @@ class Gateway:
         if kept is not None:
             saved = max(saved, kept)
         qs = self.queues.scale(instance_id) if self.params.queue_learned else 1.0  # the queueing a lease imposes, as measured
-        return LeaseCosts(saved_s=saved, harm_per_s=busy * rate * self.params.admission_unit * mean_call_s * qs)
+        return LeaseCosts(saved_s=saved, harm_per_s=exposed * rate * self.params.admission_unit * mean_call_s * qs)
 
     def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
         """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
         caller's expected tool time (request hint; wins over the learned gap). Reads only (a policy decision
         for the session's next call is evaluated, not committed)."""
         est = self.gaps.predict(model, tool, hint_s)
-        return est, judge_lease(est, self.gaps.window(est), self.lease_costs(instance_id, model, committed, session_id))
+        costs = self.lease_costs(instance_id, model, committed, session_id)
+        window = self.gaps.window(est)
+        if self.params.lease_arithmetic:  # without it every lease is installed at its quantile window
+            window = best_window(est, costs, self.gaps.p.floor_s, window)
+        return est, judge_lease(est, window, costs)
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:

@@ -14,7 +14,11 @@ the server, and keeps retention *soft and decaying*. Here:
   ``prior_median_s`` = the paper's tau of 1 s, ``prior_sigma``). A caller's own expectation
   (``hint_s``: e.g. an "expected tool time" request hint, another branch) overrides the median with
   ``hint_sigma`` of spread. Gaps over ``max_gap_s`` are not returns (the session paused) and teach nothing.
-* **Lease window** = the ``quantile`` (default 0.9) of the predicted gap, clamped to ``[floor_s, cap_s]``.
+* **Lease window** = the ``quantile`` (default 0.9) of the predicted gap, clamped to ``[floor_s, cap_s]``,
+  or, with the lease arithmetic on, the shorter window up to it that nets the most (``best_window``: the
+  return probability it buys times the saving, less its expected hold times the holding price). For a
+  well-predicted tool the two agree; an uncertain estimate (the model-wide one pools ``ls`` with ``pytest``:
+  sigma ~3 in log space) gets a short window over its fast returns instead of seconds for its tail.
 * **Decaying value**: a live lease is worth the probability that its return still comes inside the window
   given that it has not come yet, ``P(gap <= w | gap > elapsed)`` -- 1-ish right after the call, falling
   smoothly to 0 at the window's end (``lease_weight``). The engine's retention and slot hold weigh the
@@ -33,7 +37,11 @@ the server, and keeps retention *soft and decaying*. Here:
   token resident vs 17-24 s not, while the host restore of a 20K-token prefix is ~30 ms. ``ResidencyBook``
   learns that from the returns' hooks: the residency share a lease buys x what losing it costs) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
   arriving at its instance meanwhile: their arrival rate x one mean call of queueing, from the measured
-  profiles). A lease that costs more than it saves is not installed. At the return itself the policy
+  profiles; at any load when another instance can take them, since placement charges it at any load --
+  scaled by the instance's busy share only on a lone instance). A lease that costs more than it saves is
+  not installed. With the charge priced at light load too (2026-12-06), adaptive holds 0.27-0.38x the KV of
+  the best fixed tau at the testbed's load and matches it at a third of the load, where it used to hold
+  1.8-2.3x and lose (``services/router/README.md`` (9)). At the return itself the policy
   honours a lease only while its instance is the cheapest by Eq. 1 (``policy._outweighed``): Eq. 1 then
   prices the actual alternative (a restore there, its slot wait, both queues), so the measured saving,
   an expectation over returns placed anywhere, is not added again as a margin (it was until 2026-12-06:
@@ -299,6 +307,18 @@ class LeaseJudgement:
     harm_s: float  # E[hold] x harm_per_s
     expected_hold_s: float
     reason: str  # "worth" | "harm" | "no-window"
+
+
+def best_window(est: GapEstimate, costs: LeaseCosts, floor_s: float, max_s: float, points: int = 40) -> float:
+    """The window in ``[floor_s, max_s]`` with the most net value ``P(gap <= w) x saved_s - E[min(gap, w)] x
+    harm_per_s`` (log-spaced grid of ``points + 1``; ``max_s`` itself when nothing is charged for holding).
+    Extending a window pays while the return's hazard at its end, times the saving, beats the holding price:
+    after a slow, uncertain tool the tail of the gap distribution holds for seconds per percent of returns,
+    so the best window is shorter than its quantile once holding costs anything. Pure."""
+    if max_s <= floor_s or costs.harm_per_s <= 0:
+        return max_s
+    grid = [floor_s * (max_s / floor_s) ** (k / points) for k in range(points + 1)]
+    return max(grid, key=lambda w: est.cdf(w) * costs.saved_s - est.expected_hold(w) * costs.harm_per_s)
 
 
 def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJudgement:

@@ -15,6 +15,7 @@ from services.router.return_gap import (
     ResidencyBook,
     ReturnTracker,
     _z,
+    best_window,
     judge_lease,
     lease_weight,
 )
@@ -91,6 +92,28 @@ def test_lease_arithmetic_installs_only_what_pays():
     # the same lease on an idle instance (nobody else to delay) is worth it
     assert judge_lease(slow, 10.0, LeaseCosts(saved_s=0.5, harm_per_s=0.0)).install
     assert not judge_lease(slow, 0.0, busy).install
+
+
+def test_the_best_window_stops_where_holding_stops_paying():
+    """A model-wide estimate pools fast and slow tools into one very uncertain gap (median 75 ms, sigma 2.8, as
+    learned in the simulator's per-tool workload): its 0.9 quantile is seconds long, but most of its returns
+    come in the first few hundred ms and each further second held buys a percent or two. With holding
+    priced, the window ends where the hazard times the saving falls below the price, and nets more than the
+    quantile window; with holding free the quantile window stands; a lease worth nothing is not installed."""
+    mixed = GapEstimate(math.log(0.075), 2.8)
+    cap = min(10.0, mixed.quantile(0.9))
+    priced = LeaseCosts(saved_s=1.13, harm_per_s=1.66)
+    w = best_window(mixed, priced, 0.05, cap)
+    net = lambda x: mixed.cdf(x) * priced.saved_s - mixed.expected_hold(x) * priced.harm_per_s  # noqa: E731
+    assert 0.1 < w < 0.2 * cap
+    assert net(w) > net(cap) + 0.3 and net(w) >= max(net(cap * k / 200) for k in range(1, 201)) - 1e-2
+    assert judge_lease(mixed, w, priced).install
+    assert best_window(mixed, LeaseCosts(saved_s=1.13, harm_per_s=0.0), 0.05, cap) == cap
+    worthless = LeaseCosts(saved_s=0.01, harm_per_s=1.66)
+    assert not judge_lease(mixed, best_window(mixed, worthless, 0.05, cap), worthless).install
+    # a tool whose returns are well predicted: within its quantile window the hazard keeps paying, the window stands
+    slow = GapEstimate(math.log(4.0), 0.8)
+    assert best_window(slow, LeaseCosts(saved_s=3.0, harm_per_s=0.3), 0.05, 10.0) == 10.0
 
 
 def test_return_tracker_turns_the_next_call_into_a_gap():

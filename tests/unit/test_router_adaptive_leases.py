@@ -136,10 +136,19 @@ def test_lease_declined_when_it_delays_more_than_it_saves():
         clock.advance(0.05)
     assert gw.on_hook(hook("a", "s", clock, tokens=20)) is None
     assert gw.stats["leases_declined"] == 1
-    # an idle instance (free slots): nobody is delayed, the small lease is installed
+    # a lone idle instance (free slots): there is nowhere to steer the others to and nobody waits, so the
+    # small lease is installed
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 2, clock, waiting=0))
     assert gw.on_hook(hook("a", "s3", clock, tokens=20)) is not None
+    # with a second instance the lease's admission charge steers the other calls to it whatever the free
+    # slots, so the same lease costs them and is declined (it was installed until 2026-12-06: at light load
+    # the arithmetic saw no cost and kept long windows after slow tools)
+    gw.on_snapshot(snapshot("b", 1, clock, waiting=0))
+    j = gw.size_lease("a", "m", "", 20, session_id="s4")[1]
+    assert not j.install and j.harm_s > j.value_s
+    assert gw.on_hook(hook("a", "s4", clock, tokens=20)) is None
+    assert gw.stats["leases_declined"] == 2
 
 
 def returned(gw, store, clock, session, i, on_lease, resident, ttft):

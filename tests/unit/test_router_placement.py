@@ -513,7 +513,7 @@ def test_a_finished_call_is_not_queue_ahead_of_anyone():
     gw.on_hook(hook("a", "t", clock, rid="c2"))
     assert v.running == 0
     assert gw.instance_states()[0].running == 0
-    assert gw.lease_costs("a", "m", 600).harm_per_s == 0.0  # an idle instance: a lease there delays nobody
+    assert gw.lease_costs("a", "m", 600).harm_per_s == 0.0  # a lone idle instance: a lease there delays nobody
     # a snapshot sent after the finish replaces the correction; one sent before it does not
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 3, clock, running=2))
