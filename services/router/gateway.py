@@ -328,13 +328,12 @@ class Gateway:
         shape = self.shapes.shape(model)
         mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
         now = self.wall()
-        rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(self.registry.instances))
         reg = self.registry
-        v = reg.instances.get(instance_id)
+        rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(reg.instances))
         if any(iid != instance_id and reg.healthy(o) for iid, o in reg.instances.items()):
             exposed = 1.0  # the charge steers arrivals to the other instances, at any load
         else:  # nowhere to steer them: the lease delays them only when the instance's slots are taken
-            spec = self.pools.get(instance_id)
+            v, spec = reg.instances.get(instance_id), self.pools.get(instance_id)
             calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
             exposed = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
         saved = committed * per_token
