@@ -312,7 +312,14 @@ class Gateway:
         session known, Eq. 1's KV + activation terms of the session's next call on the best *other* admissible
         instance minus those on this one, queueing left out (the policy's own view of where the prefix is, how
         much suffix each must prefill and what each model switch costs); without it, or with no admissible
-        alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's profile). A live lease puts
+        alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's
+        profile). That prices a return that *lost* its residency; once the router has measured returns with and
+        without a lease (``ResidencyBook.lift``) it is weighted by how much more often a lease keeps residency
+        (the share) and floored by the measured cost of losing it: ``share x max(Eq. 1 difference, measured
+        loss)``. Until 2026-12-06 it was ``max(Eq. 1 difference, share x measured loss)``, which priced every
+        lease as if the return would certainly lose its residency without it: on the stack 89-90 % of returns
+        without a lease kept it anyway (a lease bought 0.005-0.018 s measured, Eq. 1 said ~0.3 s) and adaptive
+        held 3.0x the KV of a fixed 0.5 s tau for no SCT difference. A live lease puts
         one admission unit of a mean call's queueing on every other call arriving at its instance (the
         router's arrival rate over all models, spread over the instances). With another healthy instance to
         go to, that holds whatever the leased instance's free slots: placement charges the lease that unit
@@ -344,9 +351,10 @@ class Gateway:
             alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
             if mine is not None and alt is not None:
                 saved = max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s))
-        kept = self.residency.saving()  # the residency a lease buys, priced by what losing it cost (measured)
-        if kept is not None:
-            saved = max(saved, kept)
+        lift = self.residency.lift()  # measured: how often a lease changes the outcome, what losing residency costs
+        if lift is not None:
+            share, loss_s = lift
+            saved = share * max(saved, loss_s)
         qs = self.queues.scale(instance_id) if self.params.queue_learned else 1.0  # the queueing a lease imposes, as measured
         return LeaseCosts(saved_s=saved, harm_per_s=exposed * rate * self.params.admission_unit * mean_call_s * qs)
 

@@ -274,13 +274,20 @@ class ResidencyBook:
         self._add(self._ttft, resident, ttft_s)
         self._add(self._share, on_lease, 1.0 if resident else 0.0)
 
-    def saving(self) -> float | None:
-        """Seconds of TTFT a lease saves a return (>= 0); None until every side has ``min_samples`` returns."""
+    def lift(self) -> tuple[float, float] | None:
+        """``(share, loss_s)``: how much more often a return keeps its device residency with a lease than without
+        (share resident with a lease - share without, in [0, 1]) and the seconds of TTFT a return that lost it
+        paid over one that kept it (>= 0); None until every side has ``min_samples`` returns. Pure read."""
         parts = [self._ttft.get(True), self._ttft.get(False), self._share.get(True), self._share.get(False)]
         if any(p is None or p[1] < self.min_samples for p in parts):
             return None
         (t_res, _), (t_lost, _), (s_lease, _), (s_none, _) = parts  # type: ignore[misc]
-        return max(0.0, s_lease - s_none) * max(0.0, t_lost - t_res)
+        return max(0.0, s_lease - s_none), max(0.0, t_lost - t_res)
+
+    def saving(self) -> float | None:
+        """Seconds of TTFT a lease saves a return (>= 0): ``share x loss_s`` of ``lift``; None until measured."""
+        lift = self.lift()
+        return None if lift is None else lift[0] * lift[1]
 
     def snapshot(self) -> dict[str, object]:
         """What was learned (for /router/metrics)."""

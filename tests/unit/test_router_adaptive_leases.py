@@ -14,7 +14,7 @@ from services.router.leases import LeaseTable, MemoryLeases
 from services.router.policy import CallRequest, InstanceState, LeaseView, ModelRes, PlacementState, PolicyParams, Profile, decide
 from services.router.profiles import ShapeBook
 from services.router.registry import Registry
-from services.router.return_gap import GapParams, GapPredictor
+from services.router.return_gap import GapParams, GapPredictor, LeaseCosts, best_window, judge_lease
 from services.router.sessions import SessionTable
 from talaria.clock import ManualClock
 from talaria.v1 import common_pb2 as cpb
@@ -149,6 +149,40 @@ def test_lease_declined_when_it_delays_more_than_it_saves():
     assert not j.install and j.harm_s > j.value_s
     assert gw.on_hook(hook("a", "s4", clock, tokens=20)) is None
     assert gw.stats["leases_declined"] == 2
+
+
+def test_a_lease_is_worth_only_the_residency_it_changes():
+    """The stack's case (issue 14, 2026-12-06): 90 % of returns without a lease still found their prefix on the
+    device (nothing evicted it; placement sent them back by KV locality), and losing it cost 0.12 s. The
+    arithmetic priced a hit as the prefix restored elsewhere (3000 tokens: 0.06 s) as if every return would
+    lose its residency without the lease, and installed a lease that a light arrival rate on a second
+    instance makes not worth its hold; weighted by the share of returns whose residency the lease changes
+    (~0.10 measured), the same lease saves ~0.012 s and is declined."""
+    clock = ManualClock(100.0)
+    gw, _ = make(clock)
+    for _ in range(5):
+        gw.residency.observe(False, False, 0.15)  # returns without a lease that lost their residency
+    for _ in range(45):
+        gw.residency.observe(False, True, 0.03)  # ... and the many that kept it anyway
+    for _ in range(10):
+        gw.residency.observe(True, True, 0.03)  # returns on their lease keep it
+    share, loss_s = gw.residency.lift()
+    assert 0.05 < share < 0.15 and loss_s == pytest.approx(0.12)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    gw.on_snapshot(snapshot("b", 1, clock))
+    for _ in range(3):  # 0.05 calls/s of other traffic
+        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        clock.advance(20.0)
+    gw.on_snapshot(snapshot("a", 2, clock))
+    gw.on_snapshot(snapshot("b", 2, clock))
+    restored_elsewhere = 3000 * gw.profiles.profile("a").restore_per_token  # 0.06 s: below the measured loss
+    costs = gw.lease_costs("a", "m", 3000)
+    assert costs.saved_s == pytest.approx(share * max(restored_elsewhere, loss_s))
+    est, j = gw.size_lease("a", "m", "", 3000)
+    assert not j.install and j.harm_s > j.value_s
+    # priced as a certain loss (the saving before 2026-12-06), the same hold looked worth it
+    unweighted = LeaseCosts(max(restored_elsewhere, share * loss_s), costs.harm_per_s)
+    assert judge_lease(est, best_window(est, unweighted, gw.gaps.p.floor_s, gw.gaps.window(est)), unweighted).install
 
 
 def returned(gw, store, clock, session, i, on_lease, resident, ttft):
