@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, NextModelBook, ResidencyBook, ReturnTracker, best_window, judge_lease
+from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ResidencyBook, ReturnTracker, best_window, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -128,6 +128,7 @@ class Gateway:
         self.next_models = NextModelBook()
         self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
         self.residency = ResidencyBook()  # what a lease saves a return, measured from the returns' hooks
+        self._sizing: dict[str, list[float]] = {}  # "model|tool" -> [judged, installed, sum window, sum saved, sum harm/s]
         self._returning: OrderedDict[tuple[str, str], bool] = OrderedDict()  # (session, model) -> placed on its lease
         self._declared: OrderedDict[str, str] = OrderedDict()  # request id -> tool named by the client (X-Talaria-Tool)
 
@@ -209,6 +210,7 @@ class Gateway:
         if self.adaptive:
             hint = hook.hints.expected_tool_s if hook.HasField("hints") and hook.hints.expected_tool_s > 0 else None
             judged = self.size_lease(hook.instance_id, hook.model, tool, committed, hint_s=hint, session_id=hook.session_id)
+            self._sized(hook.model, tool, judged[1])
             if not judged[1].install and self.params.lease_arithmetic:
                 self.stats["leases_declined"] += 1
                 return None
@@ -231,6 +233,16 @@ class Gateway:
             lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
         self.stats["leases_installed"] += 1
         return lease
+
+    def _sized(self, model: str, tool: str, j: LeaseJudgement) -> None:
+        """Account one lease judgement of a hook per ``model|tool`` (``lease_sizing`` in ``metrics``: what the
+        arithmetic saw when it installed or declined). Mutates only that account."""
+        row = self._sizing.setdefault(f"{model}|{tool}", [0.0] * 5)
+        row[0] += 1
+        row[1] += 1 if j.install else 0
+        row[2] += j.window_s
+        row[3] += j.value_s / j.p_return if j.p_return > 0 else 0.0
+        row[4] += j.harm_s / j.expected_hold_s if j.expected_hold_s > 0 else 0.0
 
     def retention_gap(self, lease: rpb.Lease) -> tuple[float, float]:
         """``(gap_mu, gap_sigma)`` for the retention hint of ``lease`` to its engine: an adaptive lease's own
@@ -780,6 +792,8 @@ class Gateway:
             "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
             "return_gaps": self.gaps.keys(),
             "lease_residency": self.residency.snapshot(),
+            "lease_sizing": {k: {"judged": int(n), "installed": int(i), "window_s": w / n, "saved_s": sv / n, "harm_per_s": h / n}
+                             for k, (n, i, w, sv, h) in self._sizing.items()},
             "queue_calibration": {"learned": self.params.queue_learned, "instances": self.queues.stats()},
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,

@@ -154,6 +154,13 @@ def test_residency_book_prices_the_residency_a_lease_buys():
     assert b.saving() is None  # 4 < min_samples
     b.observe(on_lease=False, resident=False, ttft_s=10.5)
     assert b.saving() == pytest.approx(10.0)
+    early = ResidencyBook(alpha=0.05, min_samples=5)  # the share is read before any return lost its residency
+    for resident in (True, True, True, True, False):
+        early.observe(on_lease=False, resident=resident, ttft_s=0.5)
+    for _ in range(5):
+        early.observe(on_lease=True, resident=True, ttft_s=0.5)
+    assert early.lift() == (pytest.approx(0.2), 0.0)  # running mean: 1 of 5 lost, not the first sample's weight
+    assert early.saving() is None  # one lost return: its cost is not measured yet
     same = ResidencyBook(alpha=0.3, min_samples=1)
     for on in (True, False):
         same.observe(on, True, 0.5)

@@ -149,6 +149,9 @@ def test_lease_declined_when_it_delays_more_than_it_saves():
     assert not j.install and j.harm_s > j.value_s
     assert gw.on_hook(hook("a", "s4", clock, tokens=20)) is None
     assert gw.stats["leases_declined"] == 2
+    sizing = gw.metrics()["lease_sizing"]["m|"]  # what the arithmetic saw, per model|tool, for operators
+    assert (sizing["judged"], sizing["installed"]) == (3, 1)
+    assert sizing["saved_s"] > 0 and sizing["harm_per_s"] > 0 and sizing["window_s"] > 0
 
 
 def test_a_lease_is_worth_only_the_residency_it_changes():
