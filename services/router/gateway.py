@@ -241,8 +241,8 @@ class Gateway:
         row[0] += 1
         row[1] += 1 if j.install else 0
         row[2] += j.window_s
-        row[3] += j.value_s / j.p_return if j.p_return > 0 else 0.0
-        row[4] += j.harm_s / j.expected_hold_s if j.expected_hold_s > 0 else 0.0
+        row[3] += j.saved_s
+        row[4] += j.harm_per_s
 
     def retention_gap(self, lease: rpb.Lease) -> tuple[float, float]:
         """``(gap_mu, gap_sigma)`` for the retention hint of ``lease`` to its engine: an adaptive lease's own

@@ -280,6 +280,13 @@ class ResidencyBook:
         self._add(self._ttft, resident, ttft_s)
         self._add(self._share, on_lease, 1.0 if resident else 0.0)
 
+    def _loss_s(self) -> float | None:
+        """TTFT lost - TTFT kept (>= 0); None until both sides have ``min_samples`` returns."""
+        kept, lost = self._ttft.get(True), self._ttft.get(False)
+        if kept is None or lost is None or min(kept[1], lost[1]) < self.min_samples:
+            return None
+        return max(0.0, lost[0] - kept[0])
+
     def lift(self) -> tuple[float, float] | None:
         """``(share, loss_s)``: how much more often a return keeps its device residency with a lease than without
         (share resident with a lease - share without, in [0, 1]; None until both sides have ``min_samples``
@@ -289,17 +296,14 @@ class ResidencyBook:
         on, off = self._share.get(True), self._share.get(False)
         if on is None or off is None or min(on[1], off[1]) < self.min_samples:
             return None
-        kept, lost = self._ttft.get(True), self._ttft.get(False)
-        measured = kept is not None and lost is not None and min(kept[1], lost[1]) >= self.min_samples
-        return max(0.0, on[0] - off[0]), (max(0.0, lost[0] - kept[0]) if measured else 0.0)  # type: ignore[index]
+        loss = self._loss_s()
+        return max(0.0, on[0] - off[0]), (0.0 if loss is None else loss)
 
     def saving(self) -> float | None:
         """Seconds of TTFT a lease saves a return (>= 0): ``share x loss_s`` of ``lift``; None until every side
         has ``min_samples`` returns."""
-        lift, kept, lost = self.lift(), self._ttft.get(True), self._ttft.get(False)
-        if lift is None or kept is None or lost is None or min(kept[1], lost[1]) < self.min_samples:
-            return None
-        return lift[0] * lift[1]
+        lift, loss = self.lift(), self._loss_s()
+        return None if lift is None or loss is None else lift[0] * loss
 
     def snapshot(self) -> dict[str, object]:
         """What was learned (for /router/metrics)."""
@@ -326,6 +330,8 @@ class LeaseJudgement:
     harm_s: float  # E[hold] x harm_per_s
     expected_hold_s: float
     reason: str  # "worth" | "harm" | "no-window"
+    saved_s: float = 0.0  # the costs it was judged by (``LeaseCosts``)
+    harm_per_s: float = 0.0
 
 
 def best_window(est: GapEstimate, costs: LeaseCosts, floor_s: float, max_s: float, points: int = 40) -> float:
@@ -343,12 +349,12 @@ def best_window(est: GapEstimate, costs: LeaseCosts, floor_s: float, max_s: floa
 def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJudgement:
     """Install a lease of ``window_s`` only if its expected saving beats the delay it imposes on others."""
     if window_s <= 0:
-        return LeaseJudgement(False, 0.0, 0.0, 0.0, 0.0, 0.0, "no-window")
+        return LeaseJudgement(False, 0.0, 0.0, 0.0, 0.0, 0.0, "no-window", costs.saved_s, costs.harm_per_s)
     p = est.cdf(window_s)
     hold = est.expected_hold(window_s)
     value = p * costs.saved_s
     harm = hold * costs.harm_per_s
-    return LeaseJudgement(value > harm, window_s, p, value, harm, hold, "worth" if value > harm else "harm")
+    return LeaseJudgement(value > harm, window_s, p, value, harm, hold, "worth" if value > harm else "harm", costs.saved_s, costs.harm_per_s)
 
 
 class NextModelBook:
