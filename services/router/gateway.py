@@ -320,12 +320,16 @@ class Gateway:
         return d.instance_id, nxt
 
     def lease_costs(self, instance_id: str, model: str, committed: int, session_id: str = "") -> LeaseCosts:
-        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``). What a hit saves: with the
-        session known, Eq. 1's KV + activation terms of the session's next call on the best *other* admissible
-        instance minus those on this one, queueing left out (the policy's own view of where the prefix is, how
-        much suffix each must prefill and what each model switch costs); without it, or with no admissible
-        alternative now, the committed prefix restored or recomputed elsewhere (the cheaper, per the instance's
-        profile). That prices a return that *lost* its residency; once the router has measured returns with and
+        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``). What a hit saves: the cheaper
+        place for a return that lost its residency -- this instance with the prefix off its device (restored
+        or recomputed here, the cheaper per the instance's profile) or, with the session known, the best *other*
+        admissible instance (Eq. 1's KV + activation terms of the session's next call there minus those on this
+        one, queueing left out: the policy's own view of where the prefix is, how much suffix each must prefill
+        and what each model switch costs). Until 2026-12-06 only the other instance was priced, with its slot
+        wait when the model was not active there; but placement keeps such a return where its model is active
+        and restores it there: on the stack leases were priced at 2.6-4.4 s saved in one repetition in three
+        while the returns that lost residency paid 0.19 s, and adaptive held 2.0x fixed 0.5 s's KV. That prices
+        a return that *lost* its residency; once the router has measured returns with and
         without a lease (``ResidencyBook.lift``) it is weighted by how much more often a lease keeps residency
         (the share) and floored by the measured cost of losing it: ``share x max(Eq. 1 difference, measured
         loss)``. Until 2026-12-06 it was ``max(Eq. 1 difference, share x measured loss)``, which priced every
@@ -355,14 +359,15 @@ class Gateway:
             v, spec = reg.instances.get(instance_id), self.pools.get(instance_id)
             calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
             exposed = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
-        saved = committed * per_token
+        off_device = committed * per_token  # the prefix restored or recomputed: here, or elsewhere without a session
+        saved = off_device
         if session_id:
             nxt = self.request(session_id, model, committed + int(shape.suffix_tokens), max(1, int(shape.decode_tokens)))
             d, _ = self.decide(nxt, use_lease=False)
             mine = next((c for c in d.costs if c.instance_id == instance_id), None)
             alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
-            if mine is not None and alt is not None:
-                saved = max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s))
+            if mine is not None and alt is not None:  # the return that lost residency goes where it is cheaper
+                saved = min(off_device, max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s)))
         lift = self.residency.lift()  # measured: how often a lease changes the outcome, what losing residency costs
         if lift is not None:
             share, loss_s = lift

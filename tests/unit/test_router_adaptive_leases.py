@@ -188,6 +188,38 @@ def test_a_lease_is_worth_only_the_residency_it_changes():
     assert judge_lease(est, best_window(est, unweighted, gw.gaps.p.floor_s, gw.gaps.window(est)), unweighted).install
 
 
+def test_a_lost_residency_is_priced_where_the_return_would_go():
+    """The stack's outlier (issue 14, 2026-12-06): the other instance was cold with the model between slots, so
+    Eq. 1's difference to it (recompute + switch + a 3 s slot wait: 6.5 s) priced every lease, while the returns
+    that lost residency stayed where their model was active and restored the prefix from host there (3000
+    tokens: 0.06 s). A lost residency is priced by the cheaper of the two; once the router has measured
+    what losing it costs, that measured loss still floors it (the simulator's cold instances, where it does
+    mean a slot wait)."""
+    clock = ManualClock(100.0)
+    gw, _ = make(clock)
+    gw.on_snapshot(snapshot("a", 1, clock))
+    between_slots = snapshot("b", 1, clock)
+    between_slots.pool = pb.POOL_COLD
+    between_slots.models[0].active = False
+    between_slots.models[0].slot_wait_s = 3.0
+    gw.on_snapshot(between_slots)
+    gw.on_hook(hook("a", "s", clock, tokens=3000))
+    d, _ = gw.decide(gw.request("s", "m", 3100, 64), use_lease=False)
+    elsewhere = next(c for c in d.costs if c.instance_id == "b")
+    assert elsewhere.c_act > 3.0 and elsewhere.c_kv > 1.0  # what the old pricing charged a lost residency
+    restored_here = 3000 * gw.profiles.profile("a").restore_per_token
+    assert gw.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(restored_here)
+    for _ in range(5):  # measured: a lease changes the outcome for 1 return in 5, and losing it cost 2 s
+        gw.residency.observe(False, False, 2.1)
+    for _ in range(20):
+        gw.residency.observe(False, True, 0.1)
+    for _ in range(5):
+        gw.residency.observe(True, True, 0.1)
+    share, loss_s = gw.residency.lift()
+    assert loss_s == pytest.approx(2.0)
+    assert gw.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(share * loss_s)
+
+
 def returned(gw, store, clock, session, i, on_lease, resident, ttft):
     """One return of ``session`` placed on its lease (or with the lease left uninstalled), then its hook:
     prefix found on device (cached, nothing restored) or not (all of it restored from host)."""
