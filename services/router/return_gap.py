@@ -39,7 +39,12 @@ the server, and keeps retention *soft and decaying*. Here:
   are of a return that *lost* its residency, so once measured the saving is ``share x max(Eq. 1 difference,
   measured loss)``: a lease is worth only the returns whose residency it changes -- on the real stack 89-90 %
   of returns without a lease kept their prefix anyway, and pricing each lease as a certain loss held 3x the
-  KV of a fixed 0.5 s tau for no SCT difference) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
+  KV of a fixed 0.5 s tau for no SCT difference. The Eq. 1 price is of the place such a return would go: the
+  cheaper of this instance with the prefix off its device (restored or recomputed here) and the best other
+  instance; priced by the other instance alone, its slot wait for a model between slots there priced leases
+  at seconds that no return paid, and one stack repetition in three held 4x fixed 0.5 s's KV. Since then
+  adaptive holds 0.03x the best fixed tau's token-seconds on the stack for the same SCT, and declines nearly
+  every lease on the mini-swe-agent replay, whose gaps are longer than any lease is worth there) and costs ``E[time held] x harm_per_s`` (the admission charge it puts on other calls
   arriving at its instance meanwhile: their arrival rate x one mean call of queueing, from the measured
   profiles; at any load when another instance can take them, since placement charges it at any load --
   scaled by the instance's busy share only on a lone instance). A lease that costs more than it saves is
@@ -317,7 +322,7 @@ class ResidencyBook:
 class LeaseCosts:
     """Measured inputs of the lease arithmetic (router profiles), seconds."""
 
-    saved_s: float  # what a hit saves: Eq. 1's difference to the best other instance, x the measured share of returns whose residency a lease changes
+    saved_s: float  # what a hit saves: a lost residency where it is cheapest (restored here or Eq. 1's best other instance), x the measured share of returns whose residency a lease changes
     harm_per_s: float  # queueing a live lease imposes on other calls per second it is held
 
 
