@@ -328,11 +328,11 @@ class Gateway:
         and what each model switch costs). Until 2026-12-06 only the other instance was priced, with its slot
         wait when the model was not active there; but placement keeps such a return where its model is active
         and restores it there: on the stack leases were priced at 2.6-4.4 s saved in one repetition in three
-        while the returns that lost residency paid 0.19 s, and adaptive held 2.0x fixed 0.5 s's KV. That prices
-        a return that *lost* its residency; once the router has measured returns with and
+        while the returns that lost residency paid 0.19 s, and adaptive held 2.0x fixed 0.5 s's KV. Either price
+        is of a return that *lost* its residency; once the router has measured returns with and
         without a lease (``ResidencyBook.lift``) it is weighted by how much more often a lease keeps residency
-        (the share) and floored by the measured cost of losing it: ``share x max(Eq. 1 difference, measured
-        loss)``. Until 2026-12-06 it was ``max(Eq. 1 difference, share x measured loss)``, which priced every
+        (the share) and floored by the measured cost of losing it: ``share x max(that price, measured loss)``.
+        Until 2026-12-06 it was ``max(Eq. 1 difference, share x measured loss)``, which priced every
         lease as if the return would certainly lose its residency without it: on the stack 89-90 % of returns
         without a lease kept it anyway (a lease bought 0.005-0.018 s measured, Eq. 1 said ~0.3 s) and adaptive
         held 3.0x the KV of a fixed 0.5 s tau for no SCT difference. A live lease puts
