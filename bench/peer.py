@@ -19,6 +19,16 @@ What is measured (issue 20 §1)
       ~``--turn-tokens`` new tokens, ``--gap`` seconds after an answer before the next call,
       ``max_tokens=--agent-tokens``. SCT = a session's last answer end - its first call start; p50/p95
       over sessions; TTFT of returns = TTFT of calls 2..N (p50/p95).
+    * ``agent-chat``: the same sessions as streaming ``/v1/chat/completions`` calls, the way an agent harness
+      sends them: a system prompt of ~``--system-tokens`` tokens shared by every session of a repetition (new
+      per repetition, so no repetition finds the previous one's), a first user turn making the first prompt
+      ~``--first-tokens``, then per call the answer as an assistant message and a ~``--turn-tokens`` user
+      (tool result) message. All sessions start together, so their first calls arrive together and share
+      the system prompt: besides SCT and the returns' TTFT it reports the first calls' TTFT and the prompt
+      tokens the server reports cached for them (``usage.prompt_tokens_details.cached_tokens``).
+
+    ``agent-chat`` counts failed calls (``chat_failed_calls``; a failed call ends its session); in the other
+    workloads a failed call fails the run.
 
     Token counts of the prompts are calibrated once on the Talaria target (``usage.prompt_tokens`` of a
     probe call, tokens per word); both targets get the very same texts.
@@ -71,6 +81,7 @@ class CallResult:
     completion_tokens: int
     prompt_tokens: int
     text: str
+    cached_tokens: int = 0
 
 
 def make_text(n_words: int, rng: random.Random) -> str:
@@ -101,6 +112,32 @@ async def call(t: Target, prompt: str, max_tokens: int, session: str = "", ignor
     t.texts.append("".join(text))
     return CallResult(t_first - t0, t_first, t_end, usage.completion_tokens if usage else len(text),
                       usage.prompt_tokens if usage else 0, "".join(text))
+
+
+async def chat_call(t: Target, messages: list[dict], max_tokens: int, session: str) -> CallResult:
+    """One streaming chat completion (greedy); like ``call``, plus the cached prompt tokens the server reports."""
+    t0 = time.perf_counter()
+    stream = await t.client.chat.completions.create(
+        model=t.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-session-id": session},
+    )
+    t_first = 0.0
+    text: list[str] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+            if not t_first:
+                t_first = time.perf_counter()
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    t.texts.append("".join(text))
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    return CallResult(t_first - t0, t_first, t_end, usage.completion_tokens if usage else len(text),
+                      usage.prompt_tokens if usage else 0, "".join(text), cached)
 
 
 async def ttft_workload(t: Target, lengths: list[int], calls: int, words_per_token: float, rng: random.Random) -> dict[str, float]:
@@ -143,7 +180,45 @@ async def agent_workload(t: Target, a: argparse_like, wpt: float, rng: random.Ra
             "return_ttft_p50_s": percentile(rets, 50), "return_ttft_p95_s": percentile(rets, 95)}
 
 
-HIGHER_IS_BETTER = ("_tok_s",)
+async def _chat_session(t: Target, sid: str, system: str, a: argparse_like, wpt: float, rng: random.Random) -> dict[str, Any]:
+    first_words = max(1, round((a.first_tokens - a.system_tokens) * wpt))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": make_text(first_words, rng)}]
+    start = time.perf_counter()
+    out: dict[str, Any] = {"returns": [], "first": None, "failed": 0, "sct": None}
+    for k in range(a.calls):
+        try:
+            r = await chat_call(t, messages, a.agent_tokens, sid)
+        except Exception:  # noqa: BLE001 - a failed call is counted and ends the session (it cannot go on)
+            out["failed"] += 1
+            return out
+        if k:
+            out["returns"].append(r.ttft)
+        else:
+            out["first"] = r
+        if k + 1 < a.calls:
+            messages = messages + [{"role": "assistant", "content": r.text},
+                                   {"role": "user", "content": make_text(round(a.turn_tokens * wpt), rng)}]
+            await asyncio.sleep(a.gap)
+    out["sct"] = time.perf_counter() - start
+    return out
+
+
+async def agent_chat_workload(t: Target, a: argparse_like, wpt: float, rng: random.Random, tag: str) -> dict[str, float]:
+    system = "You are a coding agent. " + make_text(max(1, round(a.system_tokens * wpt)), rng)
+    seeds = [rng.randrange(1 << 30) for _ in range(a.sessions)]
+    res = await asyncio.gather(*(_chat_session(t, f"chat-{tag}-{i}", system, a, wpt, random.Random(seeds[i])) for i in range(a.sessions)))
+    scts = [r["sct"] for r in res if r["sct"] is not None]
+    rets = [x for r in res for x in r["returns"]]
+    firsts = [r["first"] for r in res if r["first"] is not None]
+    nan = float("nan")
+    return {"chat_sct_p50_s": percentile(scts, 50) if scts else nan, "chat_sct_p95_s": percentile(scts, 95) if scts else nan,
+            "chat_return_ttft_p50_s": percentile(rets, 50) if rets else nan,
+            "chat_first_ttft_p50_s": percentile([f.ttft for f in firsts], 50) if firsts else nan,
+            "chat_first_cached_tokens": float(sum(f.cached_tokens for f in firsts)),
+            "chat_failed_calls": float(sum(r["failed"] for r in res))}
+
+
+HIGHER_IS_BETTER = ("_tok_s", "_cached_tokens")
 
 
 async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
@@ -167,6 +242,8 @@ async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
                     per[t.name].update(await ttft_workload(t, a.ttft_lengths, a.ttft_calls, wpt, rng))
                 elif wl == "decode":
                     per[t.name].update(await decode_workload(t, a.streams, a.decode_tokens, rng))
+                elif wl == "agent-chat":
+                    per[t.name].update(await agent_chat_workload(t, a, wpt, rng, f"{t.name}-{rep}-{a.seed}"))
                 else:
                     per[t.name].update(await agent_workload(t, a, wpt, rng, f"{t.name}-{rep}-{a.seed}"))
         for t in targets:
@@ -200,7 +277,7 @@ def add_args(p) -> None:
     p.add_argument("--model", required=True, help="the peer's served model name")
     p.add_argument("--talaria-url", default="http://127.0.0.1:8080/v1", help="Talaria's OpenAI base URL (default http://127.0.0.1:8080/v1)")
     p.add_argument("--talaria-model", default="", help="Talaria's model name (default: --model)")
-    p.add_argument("--workloads", nargs="+", default=["ttft", "decode", "agent"], choices=["ttft", "decode", "agent"])
+    p.add_argument("--workloads", nargs="+", default=["ttft", "decode", "agent"], choices=["ttft", "decode", "agent", "agent-chat"])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; medians are reported (default 3)")
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=[512, 2048], help="prompt tokens of the TTFT workload")
     p.add_argument("--ttft-calls", type=int, default=3, help="sequential calls per length and repetition (default 3)")
@@ -209,6 +286,7 @@ def add_args(p) -> None:
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--calls", type=int, default=8, help="calls per session (default 8)")
     p.add_argument("--first-tokens", type=int, default=800, help="first prompt of a session, tokens (default 800)")
+    p.add_argument("--system-tokens", type=int, default=300, help="agent-chat: shared system prompt, tokens (default 300)")
     p.add_argument("--turn-tokens", type=int, default=200, help="new tokens per turn (default 200)")
     p.add_argument("--agent-tokens", type=int, default=32, help="max_tokens of an agent call (default 32)")
     p.add_argument("--gap", type=float, default=0.4, help="seconds between an answer and the next call (default 0.4)")

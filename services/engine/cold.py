@@ -88,6 +88,7 @@ class ColdEngine:
         partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
         paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
         prefill_attention: str = "auto",
+        intra_op_threads: int | None = None,  # every shell's team (Engine._step_threads); None: this thread's count now
     ) -> None:
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
@@ -100,6 +101,9 @@ class ColdEngine:
             max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
             session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
             prefill_attention=prefill_attention,
+            # shells are built on the executor thread at switches, whose count is not the configured one until
+            # its first step sets it: take it here, on the building thread (``build_cold_engine``)
+            intra_op_threads=intra_op_threads if intra_op_threads is not None else torch.get_num_threads(),
         )
         self.clock = clock
         self.rule = rule or IdleSwitchRule()

@@ -211,6 +211,7 @@ class Engine:
         paged_decode: str = "auto",
         fused_ops: str = "auto",
         small_step_threads: int | None = None,
+        intra_op_threads: int | None = None,
         prefill_attention: str = "auto",
         cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
     ) -> None:
@@ -231,7 +232,12 @@ class Engine:
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self._log_kernels()
-        self.small_step_threads, self._big_threads = self._small_threads(small_step_threads), None  # _step_threads
+        # the team every step runs with (``_step_threads`` sets it on the stepping thread): the count asked for, else
+        # the constructing thread's (``build_engine`` sets the configured count there just before)
+        self.intra_op_threads = intra_op_threads if intra_op_threads is not None else torch.get_num_threads()
+        if self.intra_op_threads < 1:
+            raise ValueError(f"intra_op_threads must be >= 1, got {self.intra_op_threads}")
+        self.small_step_threads = self._small_threads(small_step_threads)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on;
         # decode steps replayed as CUDA graphs (model/cuda_graphs.py): own weights and KV pool only
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
@@ -425,15 +431,19 @@ class Engine:
         return n if self.device.type == "cpu" else None
 
     def _step_threads(self, tokens: int) -> None:
-        """``small_step_threads``: a step of at most SMALL_STEP_TOKENS tokens runs with that many intra-op
-        threads, a larger one with the configured count. A decode step is ~150 short parallel regions, each
-        ending at a team barrier, where a prefill chunk's regions are long; mutates torch's thread count for
-        the calling (executor) thread only when it changes."""
-        if self.small_step_threads is None:
-            return
-        if self._big_threads is None:
-            self._big_threads = torch.get_num_threads()
-        want = self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self._big_threads
+        """Give the stepping thread its own intra-op thread count: ``intra_op_threads``, or ``small_step_threads``
+        for a step of at most SMALL_STEP_TOKENS tokens (a decode step is ~150 short parallel regions, each
+        ending at a team barrier, where a prefill chunk's regions are long).
+
+        Why every step and not once at start-up: ``torch.set_num_threads`` on one thread also sets the default
+        of every thread that never called it. The host KV tier's and the transfer scheduler's workers set 1
+        for themselves (their copies run single-threaded), so an executor thread that relied on the default ran
+        every step with one thread (issue 42: the default stack's decode at 0.69x of the same stack with the
+        host KV tier off). Once this thread has set its own count, others' calls no longer change it, so this
+        is one ``get_num_threads`` a step. Mutates torch's thread count for the calling thread only."""
+        want = self.intra_op_threads
+        if self.small_step_threads is not None and tokens <= SMALL_STEP_TOKENS:
+            want = self.small_step_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 

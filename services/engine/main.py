@@ -66,6 +66,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,
         small_step_threads=cfg.small_step_threads,
+        intra_op_threads=torch_threads(cfg),
         prefill_attention=cfg.prefill_attention,
         cuda_graphs=cfg.cuda_graphs,
         cuda_graph_max_context=cfg.cuda_graph_max_context,
@@ -119,6 +120,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         paged_decode=cfg.paged_decode,
         fused_ops=cfg.fused_ops,
         small_step_threads=cfg.small_step_threads,
+        intra_op_threads=torch_threads(cfg),
         prefill_attention=cfg.prefill_attention,
     )
 

@@ -78,3 +78,56 @@ def test_in_own_thread_returns_and_raises_and_its_thread_ends():
 
     asyncio.run(main())
     assert len(seen) == 2 and all(t is not threading.main_thread() and not t.is_alive() for t in seen)
+
+
+def test_a_worker_setting_one_thread_does_not_shrink_the_executors_team(synth_models):
+    """Issue 42: ``torch.set_num_threads`` on one thread is also the default of every thread that never set its
+    own. The host KV tier's workers set 1 for themselves; the executor thread, started after them, then ran
+    every step with one thread (the default stack's decode at 0.69x of the stack without the tier). The engine
+    gives its stepping thread its own count (``intra_op_threads``), whatever other threads set."""
+    import torch
+
+    from services.engine.executor import Engine
+    from services.engine.types import EngineRequest, SamplingParams
+
+    before = torch.get_num_threads()
+    try:
+        eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, intra_op_threads=2)
+        assert eng.intra_op_threads == 2
+        worker = threading.Thread(target=torch.set_num_threads, args=(1,))  # what host_kv's workers do
+        worker.start()
+        worker.join()
+        seen: list[int] = []
+        inherited: list[int] = []
+        errors: list[BaseException] = []
+
+        def executor() -> None:  # a fresh thread, as the engine service's step thread is
+            try:
+                steps()
+            except BaseException as e:  # noqa: BLE001 - reported on the test's thread
+                errors.append(e)
+
+        def steps() -> None:
+            inherited.append(torch.get_num_threads())  # the default a thread inherits: the worker's count
+            eng.add_request(EngineRequest("r", eng.tokenizer.encode("hello there"), SamplingParams(temperature=0.0, max_tokens=2)))
+            while eng.has_unfinished():
+                eng.step()
+                seen.append(torch.get_num_threads())
+            worker2 = threading.Thread(target=torch.set_num_threads, args=(1,))  # a later worker start
+            worker2.start()
+            worker2.join()
+            eng.add_request(EngineRequest("r2", eng.tokenizer.encode("hello again"), SamplingParams(temperature=0.0, max_tokens=2)))
+            while eng.has_unfinished():
+                eng.step()
+                seen.append(torch.get_num_threads())
+
+        t = threading.Thread(target=executor)
+        t.start()
+        t.join()
+        assert not errors, errors
+        assert inherited == [1]
+        assert seen and set(seen) == {2}
+        with pytest.raises(ValueError):
+            Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, intra_op_threads=0)
+    finally:
+        torch.set_num_threads(before)
