@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
 
 from talaria.subjects import PROBE_GONE, PROBE_HEADER, PROBE_LIVE, Subjects
 from talaria.v1 import engine_pb2 as pb
@@ -65,12 +66,32 @@ _LAST_MESSAGES = tuple(f.name for f in pb.TokenChunk.DESCRIPTOR.fields if f.mess
 
 
 class EngineUnavailable(Exception):
-    """The engine did not accept or stopped answering; ``accepted`` says whether it had started."""
+    """The engine did not accept or stopped answering; ``accepted`` says whether it had started. ``bus``: the
+    cause is the router's own NATS connection (down, or lost while the call was in flight), not the engine,
+    so the instance's health must not change (issue 47)."""
 
-    def __init__(self, instance_id: str, message: str, accepted: bool):
+    def __init__(self, instance_id: str, message: str, accepted: bool, bus: bool = False):
         super().__init__(message)
         self.instance_id = instance_id
         self.accepted = accepted
+        self.bus = bus
+
+
+class TooLargeForBus(Exception):
+    """The call's wire message is over the NATS server's ``max_payload``: it can never be sent, to any
+    instance (a 413 naming the limit, never a health change; issue 47)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"the request is {size} bytes on the message bus, over its limit of {limit} bytes (NATS max_payload)")
+        self.size, self.limit = size, limit
+
+
+def wire_size(payload: bytes, headers: dict[str, str] | None) -> int:
+    """Bytes the NATS server counts against ``max_payload`` for a message: payload plus header block
+    (``NATS/1.0\r\n``, one ``key: value\r\n`` per header, a closing ``\r\n``)."""
+    if not headers:
+        return len(payload)
+    return len(payload) + 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
 class InboxMux:
@@ -165,9 +186,17 @@ class EngineCall:
         self._queue.put_nowait(chunk)
 
     async def start(self) -> None:
-        """Register with the mux and publish the request (mutates the mux's call map)."""
+        """Register with the mux and publish the request (mutates the mux's call map). Raises
+        ``TooLargeForBus`` for a message over the server's ``max_payload`` (nothing sent), and
+        ``EngineUnavailable(bus=True)`` when the connection is down or refuses the publish: neither is about
+        the engine."""
         assert self.mux is not None, "EngineCall.start needs the router's InboxMux"
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
+        payload = self.req.SerializeToString()
+        limit = self.nc.max_payload  # the server's, from its INFO (updated on every reconnect)
+        size = wire_size(payload, headers)
+        if limit > 0 and size > limit:
+            raise TooLargeForBus(size, limit)
         # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path); a
         # connection that is down now (NATS restarting) is refused here instead of by a flush timeout.
         try:
@@ -175,15 +204,21 @@ class EngineCall:
                 raise ConnectionError("not connected")
             await self.mux.ready()
             self.inbox = self.mux.register(self)
-            await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
+            await self.nc.publish(self.subjects.generate(self.instance_id), payload, reply=self.inbox, headers=headers)
+        except MaxPayloadError:  # a server with a smaller limit since the check (reconnected elsewhere)
+            raise TooLargeForBus(size, self.nc.max_payload) from None
         except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, connection closed or down): not a 500
-            raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
+            raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False, bus=True) from None
+
+    def _ended(self, marker) -> EngineUnavailable:
+        """The exception for a queued end marker (no-responders)."""
+        return EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
         if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)
             chunk = self._queue.get_nowait()
             if chunk is None:  # the no-responders marker (NATS restarting, or the engine gone) came first
-                raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+                raise self._ended(chunk)
             return chunk
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -197,7 +232,7 @@ class EngineCall:
                 async with asyncio.timeout(min(left, 0.25)):
                     chunk = await self._queue.get()
                 if chunk is None:
-                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+                    raise self._ended(chunk)
                 return chunk
             except TimeoutError:
                 if not alive():
@@ -213,12 +248,12 @@ class EngineCall:
         return chunk
 
     def _ready(self) -> list[pb.TokenChunk]:
-        """Every chunk already queued (no wait). A no-responders marker stays queued for ``_next``."""
+        """Every chunk already queued (no wait). An end marker stays queued for ``_next``."""
         out = []
         while not self._queue.empty():
             c = self._queue.get_nowait()
             if c is None:
-                self._queue.put_nowait(None)
+                self._queue.put_nowait(c)
                 break
             out.append(c)
         return out
