@@ -94,6 +94,10 @@ def wire_size(payload: bytes, headers: dict[str, str] | None) -> int:
     return len(payload) + 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
+# A marker queued on every call in flight when the router's NATS connection drops (``InboxMux.bus_lost``)
+_BUS_LOST = object()
+
+
 class InboxMux:
     """Every reply inbox of one router process on one NATS subscription (``<prefix>.*``; see the module
     note). ``EngineCall.start`` registers a call under a fresh token and ``close`` removes it; a message on
@@ -127,6 +131,15 @@ class InboxMux:
         self._calls.pop(inbox[len(self.prefix) + 1 :], None)
 
     def __len__(self) -> int:
+        return len(self._calls)
+
+    def bus_lost(self) -> int:
+        """The NATS connection dropped (``disconnected`` callback): every registered call may have lost chunks
+        that no one will send again (the server forgot this inbox's subscription until the reconnect), so each
+        ends with ``EngineUnavailable(bus=True)`` once it has read what had already arrived. Returns the number
+        of calls told; mutates their queues, not the call map (each call leaves it through ``close``)."""
+        for call in self._calls.values():
+            call.bus_lost()
         return len(self._calls)
 
     async def _on_msg(self, msg) -> None:
@@ -164,7 +177,7 @@ class EngineCall:
         self.req = req
         self.mux = mux
         self.inbox = ""  # set by start(): <ns>.inbox.<router>.<token>
-        self._queue: asyncio.Queue[pb.TokenChunk | None] = asyncio.Queue()  # None: NATS no-responders
+        self._queue: asyncio.Queue = asyncio.Queue()  # TokenChunk; None: NATS no-responders; _BUS_LOST
         self.no_responders = False  # the engine's process is gone (its subscription with it)
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
@@ -185,6 +198,12 @@ class EngineCall:
             return
         self._queue.put_nowait(chunk)
 
+    def bus_lost(self) -> None:
+        """The router's NATS connection dropped while this call was in flight (from the mux): the reader
+        ends with ``EngineUnavailable(bus=True)`` after the chunks already queued. Mutates the queue."""
+        if not self.finished:
+            self._queue.put_nowait(_BUS_LOST)
+
     async def start(self) -> None:
         """Register with the mux and publish the request (mutates the mux's call map). Raises
         ``TooLargeForBus`` for a message over the server's ``max_payload`` (nothing sent), and
@@ -204,6 +223,8 @@ class EngineCall:
                 raise ConnectionError("not connected")
             await self.mux.ready()
             self.inbox = self.mux.register(self)
+            if not self.nc.is_connected:  # dropped while subscribing: its bus_lost() may have missed this call
+                raise ConnectionError("not connected")
             await self.nc.publish(self.subjects.generate(self.instance_id), payload, reply=self.inbox, headers=headers)
         except MaxPayloadError:  # a server with a smaller limit since the check (reconnected elsewhere)
             raise TooLargeForBus(size, self.nc.max_payload) from None
@@ -211,13 +232,16 @@ class EngineCall:
             raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False, bus=True) from None
 
     def _ended(self, marker) -> EngineUnavailable:
-        """The exception for a queued end marker (no-responders)."""
+        """The exception for a queued end marker (no-responders or bus lost)."""
+        if marker is _BUS_LOST:
+            return EngineUnavailable(self.instance_id, f"the router lost its NATS connection while the call to {self.instance_id} was in flight "
+                                     "(its remaining chunks cannot be recovered)", self.accepted is not None, bus=True)
         return EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
         if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)
             chunk = self._queue.get_nowait()
-            if chunk is None:  # the no-responders marker (NATS restarting, or the engine gone) came first
+            if chunk is None or chunk is _BUS_LOST:  # an end marker (engine gone / bus lost) came first
                 raise self._ended(chunk)
             return chunk
         loop = asyncio.get_running_loop()
@@ -231,7 +255,7 @@ class EngineCall:
                 # races with an arriving chunk, and the reader then runs on to the end of the call
                 async with asyncio.timeout(min(left, 0.25)):
                     chunk = await self._queue.get()
-                if chunk is None:
+                if chunk is None or chunk is _BUS_LOST:
                     raise self._ended(chunk)
                 return chunk
             except TimeoutError:
@@ -252,7 +276,7 @@ class EngineCall:
         out = []
         while not self._queue.empty():
             c = self._queue.get_nowait()
-            if c is None:
+            if c is None or c is _BUS_LOST:
                 self._queue.put_nowait(c)
                 break
             out.append(c)
