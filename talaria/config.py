@@ -39,6 +39,8 @@ class NatsConfig(_Strict):
     tls_key_file: str | None = None
     connect_timeout_s: float = 5.0
     max_reconnect_attempts: int = -1  # forever
+    ping_interval_s: float = Field(5.0, gt=0, description="client PING period; a server that answers none of max_outstanding_pings + 1 in a row is declared gone (issue 47: bounds how long a silent bus goes unnoticed; nats-py's own default is 120 s)")
+    max_outstanding_pings: int = Field(2, ge=1, description="unanswered PINGs tolerated; a silent server is noticed within ping_interval_s x (this + 1) (default 15 s)")
 
 
 class EngineConfig(_Strict):

@@ -217,6 +217,8 @@ async def connect(
         max_reconnect_attempts=cfg.max_reconnect_attempts,
         reconnect_time_wait=0.5,
         allow_reconnect=True,
+        ping_interval=cfg.ping_interval_s,  # a silent server is noticed within ping_interval x (max_outstanding + 1)
+        max_outstanding_pings=cfg.max_outstanding_pings,
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,

@@ -70,6 +70,7 @@ class Tokenizer:
                 eos.append(int(i))
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self._template = None
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -104,6 +105,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of input text one token can stand for, so a text of ``b`` bytes is
+        at least ``b // max_token_bytes`` tokens (the router's early context check, issue 47): the longest
+        vocabulary entry (added tokens included) in UTF-8 bytes -- a byte-level entry's characters stand for
+        one byte each, a SentencePiece ``▁`` or ``<0xNN>`` for one -- times 4 when the tokenizer normalizes its
+        input (NFC / NFKC composition and case folding shrink no input by more than that). Computed once."""
+        if self._max_token_bytes is None:
+            longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=0)
+            self._max_token_bytes = longest * (4 if self._tok.normalizer is not None else 1)
+        return self._max_token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

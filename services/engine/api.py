@@ -133,6 +133,7 @@ class ModelStats:
     num_waiting: int
     slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until this model can take a call (0: its slot admits now)
     profile: CostStats | None = None  # this model's own measured costs (None: not measured here yet; issue 12)
+    max_token_bytes: int = 0  # the tokenizer's bound on text bytes per token (Tokenizer.max_token_bytes; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True)

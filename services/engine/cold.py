@@ -593,7 +593,7 @@ class ColdEngine:
         models = tuple(
             ModelStats(m, True, m == active, m in staged, self._info[m].max_context, running if m == active else 0,
                        max(per_model.get(m, 0) - (running if m == active else 0), 0), waits.get(m, waits.get("", 0.0)),
-                       self._model_costs(m))
+                       self._model_costs(m), getattr(self._info[m].tokenizer, "max_token_bytes", 0))
             for m in list(self.loaded)
         )
         sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where == "device"]

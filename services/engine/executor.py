@@ -718,7 +718,8 @@ class Engine:
             kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free_pages, radix_pages=kv.radix.num_pages,
             session_pages=kv.sessions.num_pages, prefix_hit_rate=kv.hit_rate, tokens_generated=self.num_tokens_generated,
             num_preemptions=sch.num_preemptions, num_steps=self.num_steps, max_context=self.max_context,
-            models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=costs),),
+            models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=costs,
+                               max_token_bytes=getattr(self.tokenizer, "max_token_bytes", 0)),),
             sessions=tuple(sessions), profile=costs, host_kv=hk is not None,
             kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
         )

@@ -111,7 +111,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
     for m in st.models:  # every loaded catalog model is served; `active` marks the resident one
         snap.models.append(pb.ModelState(
             model=m.model, loaded=m.loaded, active=m.active, staged=m.staged, max_context=m.max_context,
-            num_running=m.num_running, num_waiting=m.num_waiting, slot_wait_s=m.slot_wait_s,
+            num_running=m.num_running, num_waiting=m.num_waiting, slot_wait_s=m.slot_wait_s, max_token_bytes=m.max_token_bytes,
         ))
         if m.profile is not None:  # the model's own costs (switch costs stay in the instance profile)
             snap.models[-1].cost.CopyFrom(cost_profile(m.profile, with_restore=st.host_kv, with_switches=False))

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import auth, resume
-from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable
+from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable, TooLargeForBus
 from services.router.errors import APIError, CatchAll, unencodable, wire_field
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
@@ -163,13 +163,16 @@ class RouterAPI:
         gw.lease_judged(d)
         return "", 0, True
 
-    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None) -> Placed:
+    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None,
+                         text_bytes: int = 0, param: str = "prompt") -> Placed:
         """Admit, place and forward; a forward the engine does not accept is retried elsewhere. ``trace``
-        records the call's router queue time and when it was forwarded (issue 12 attribution)."""
+        records the call's router queue time and when it was forwarded (issue 12 attribution). ``text_bytes``:
+        UTF-8 bytes of prompt text the engine tokenizes verbatim (the early context check's lower bound);
+        ``param``: the field an over-context 413 names."""
         gw = self.state.gateway
         req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens, g.hints.expected_output_tokens)
         gw.arrival(req)
-        adm = gw.admission(req, self.overload, prompt_exact=exact)
+        adm = gw.admission(req, self.overload, prompt_exact=exact, prompt_bytes=text_bytes, prompt_param=param)
         use_lease = True
         try:
             while True:
@@ -217,8 +220,17 @@ class RouterAPI:
         try:
             await call.start()
             first = await call.wait_accepted(self.cfg.accept_timeout_s, lambda: state.registry.alive(view))
+        except TooLargeForBus as e:  # about the message, not the engine: no health change, no retry (issue 47)
+            await call.close()
+            state.gateway.call_ended(g.request_id, inst)  # never sent: out of the in-flight overlay
+            state.counters["too_large_for_bus"] += 1
+            raise APIError(413, str(e), code="request_too_large") from None
         except EngineUnavailable as e:
             await call.close()
+            if e.bus:  # the router's own NATS connection: every instance is as unreachable (issue 47)
+                state.gateway.call_ended(g.request_id, inst)
+                state.counters["bus_unavailable"] += 1
+                raise APIError(503, f"the message bus is unavailable: {e}", code="engine_unavailable", headers={"Retry-After": "1"}) from None
             if call.no_responders:
                 state.registry.mark_gone(inst, "NATS: no responders to a call (process gone)")
             else:
@@ -242,10 +254,11 @@ class RouterAPI:
         return Placed(call, first, step)
 
     # ------------------------------------------------------------------------------------ serving
-    async def serve(self, request: Request, g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int, exact: bool = False) -> Response:
+    async def serve(self, request: Request, g: pb.GenerateRequest, req, chat: bool, prompt_tokens: int, exact: bool = False,
+                    text_bytes: int = 0) -> Response:
         ct = CallTrace(self.state.tracer(), g, chat, self.cfg.id, self.state.publish_call)  # one trace per call; ended by call.close()
         try:
-            placed = await self.start_call(g, prompt_tokens, exact, ct)
+            placed = await self.start_call(g, prompt_tokens, exact, ct, text_bytes, "messages" if chat else "prompt")
         except BaseException as e:
             ct.end(e)
             raise
@@ -424,7 +437,10 @@ class RouterAPI:
         g.messages.CopyFrom(msgs)
         _put(g, "tools_json", req.tools_json(), "tools")
         est = sum(len(m.content) for m in msgs.messages) // 4 + 8 * len(msgs.messages)
-        return await self.serve(request, g, req, chat=True, prompt_tokens=est)
+        # the early context check's lower bound counts the turns every chat template renders verbatim (an
+        # assistant turn's reasoning may be dropped by the template, e.g. Qwen3's)
+        verbatim = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in msgs.messages if m.role in ("system", "user"))
+        return await self.serve(request, g, req, chat=True, prompt_tokens=est, text_bytes=verbatim)
 
     async def completions(self, request: Request) -> Response:
         data = await self.read_json(request)
@@ -434,7 +450,8 @@ class RouterAPI:
         g = self.base_request(request, req, req.effective_max_tokens())
         if isinstance(req.prompt, str):
             _put(g, "text", req.prompt, "prompt")
-            return await self.serve(request, g, req, chat=False, prompt_tokens=len(req.prompt) // 4 + 1)
+            return await self.serve(request, g, req, chat=False, prompt_tokens=len(req.prompt) // 4 + 1,
+                                    text_bytes=len(req.prompt.encode("utf-8", "surrogatepass")))
         ids = pb.TokenIds()
         _put(ids, "ids", list(req.prompt), "prompt")
         g.token_ids.CopyFrom(ids)

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
 
 from talaria.subjects import PROBE_GONE, PROBE_HEADER, PROBE_LIVE, Subjects
 from talaria.v1 import engine_pb2 as pb
@@ -65,12 +66,36 @@ _LAST_MESSAGES = tuple(f.name for f in pb.TokenChunk.DESCRIPTOR.fields if f.mess
 
 
 class EngineUnavailable(Exception):
-    """The engine did not accept or stopped answering; ``accepted`` says whether it had started."""
+    """The engine did not accept or stopped answering; ``accepted`` says whether it had started. ``bus``: the
+    cause is the router's own NATS connection (down, or lost while the call was in flight), not the engine,
+    so the instance's health must not change (issue 47)."""
 
-    def __init__(self, instance_id: str, message: str, accepted: bool):
+    def __init__(self, instance_id: str, message: str, accepted: bool, bus: bool = False):
         super().__init__(message)
         self.instance_id = instance_id
         self.accepted = accepted
+        self.bus = bus
+
+
+class TooLargeForBus(Exception):
+    """The call's wire message is over the NATS server's ``max_payload``: it can never be sent, to any
+    instance (a 413 naming the limit, never a health change; issue 47)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"the request is {size} bytes on the message bus, over its limit of {limit} bytes (NATS max_payload)")
+        self.size, self.limit = size, limit
+
+
+def wire_size(payload: bytes, headers: dict[str, str] | None) -> int:
+    """Bytes the NATS server counts against ``max_payload`` for a message: payload plus header block
+    (``NATS/1.0\r\n``, one ``key: value\r\n`` per header, a closing ``\r\n``)."""
+    if not headers:
+        return len(payload)
+    return len(payload) + 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+
+
+# A marker queued on every call in flight when the router's NATS connection drops (``InboxMux.bus_lost``)
+_BUS_LOST = object()
 
 
 class InboxMux:
@@ -108,6 +133,15 @@ class InboxMux:
     def __len__(self) -> int:
         return len(self._calls)
 
+    def bus_lost(self) -> int:
+        """The NATS connection dropped (``disconnected`` callback): every registered call may have lost chunks
+        that no one will send again (the server forgot this inbox's subscription until the reconnect), so each
+        ends with ``EngineUnavailable(bus=True)`` once it has read what had already arrived. Returns the number
+        of calls told; mutates their queues, not the call map (each call leaves it through ``close``)."""
+        for call in self._calls.values():
+            call.bus_lost()
+        return len(self._calls)
+
     async def _on_msg(self, msg) -> None:
         call = self._calls.get(msg.subject[len(self.prefix) + 1 :])
         if msg.headers and PROBE_HEADER in msg.headers:  # the engine asks whether this call's requester listens
@@ -143,7 +177,7 @@ class EngineCall:
         self.req = req
         self.mux = mux
         self.inbox = ""  # set by start(): <ns>.inbox.<router>.<token>
-        self._queue: asyncio.Queue[pb.TokenChunk | None] = asyncio.Queue()  # None: NATS no-responders
+        self._queue: asyncio.Queue = asyncio.Queue()  # TokenChunk; None: NATS no-responders; _BUS_LOST
         self.no_responders = False  # the engine's process is gone (its subscription with it)
         self.accepted: pb.TokenChunk | None = None
         self.finished = False
@@ -164,10 +198,24 @@ class EngineCall:
             return
         self._queue.put_nowait(chunk)
 
+    def bus_lost(self) -> None:
+        """The router's NATS connection dropped while this call was in flight (from the mux): the reader
+        ends with ``EngineUnavailable(bus=True)`` after the chunks already queued. Mutates the queue."""
+        if not self.finished:
+            self._queue.put_nowait(_BUS_LOST)
+
     async def start(self) -> None:
-        """Register with the mux and publish the request (mutates the mux's call map)."""
+        """Register with the mux and publish the request (mutates the mux's call map). Raises
+        ``TooLargeForBus`` for a message over the server's ``max_payload`` (nothing sent), and
+        ``EngineUnavailable(bus=True)`` when the connection is down or refuses the publish: neither is about
+        the engine."""
         assert self.mux is not None, "EngineCall.start needs the router's InboxMux"
         headers = dict(self.req.trace_context) or None  # W3C trace context also as NATS headers
+        payload = self.req.SerializeToString()
+        limit = self.nc.max_payload  # the server's, from its INFO (updated on every reconnect)
+        size = wire_size(payload, headers)
+        if limit > 0 and size > limit:
+            raise TooLargeForBus(size, limit)
         # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path); a
         # connection that is down now (NATS restarting) is refused here instead of by a flush timeout.
         try:
@@ -175,15 +223,26 @@ class EngineCall:
                 raise ConnectionError("not connected")
             await self.mux.ready()
             self.inbox = self.mux.register(self)
-            await self.nc.publish(self.subjects.generate(self.instance_id), self.req.SerializeToString(), reply=self.inbox, headers=headers)
+            if not self.nc.is_connected:  # dropped while subscribing: its bus_lost() may have missed this call
+                raise ConnectionError("not connected")
+            await self.nc.publish(self.subjects.generate(self.instance_id), payload, reply=self.inbox, headers=headers)
+        except MaxPayloadError:  # a server with a smaller limit since the check (reconnected elsewhere)
+            raise TooLargeForBus(size, self.nc.max_payload) from None
         except Exception as e:  # noqa: BLE001 - NATS restarting (subscribe refused, connection closed or down): not a 500
-            raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False) from None
+            raise EngineUnavailable(self.instance_id, f"NATS did not take the call to {self.instance_id}: {type(e).__name__}", False, bus=True) from None
+
+    def _ended(self, marker) -> EngineUnavailable:
+        """The exception for a queued end marker (no-responders or bus lost)."""
+        if marker is _BUS_LOST:
+            return EngineUnavailable(self.instance_id, f"the router lost its NATS connection while the call to {self.instance_id} was in flight "
+                                     "(its remaining chunks cannot be recovered)", self.accepted is not None, bus=True)
+        return EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
 
     async def _next(self, timeout: float, alive: Callable[[], bool], what: str) -> pb.TokenChunk:
         if not self._queue.empty():  # fast path: a chunk is already here (no timer, no task per chunk)
             chunk = self._queue.get_nowait()
-            if chunk is None:  # the no-responders marker (NATS restarting, or the engine gone) came first
-                raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+            if chunk is None or chunk is _BUS_LOST:  # an end marker (engine gone / bus lost) came first
+                raise self._ended(chunk)
             return chunk
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -196,8 +255,8 @@ class EngineCall:
                 # races with an arriving chunk, and the reader then runs on to the end of the call
                 async with asyncio.timeout(min(left, 0.25)):
                     chunk = await self._queue.get()
-                if chunk is None:
-                    raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (NATS: no responders)", self.accepted is not None)
+                if chunk is None or chunk is _BUS_LOST:
+                    raise self._ended(chunk)
                 return chunk
             except TimeoutError:
                 if not alive():
@@ -213,12 +272,12 @@ class EngineCall:
         return chunk
 
     def _ready(self) -> list[pb.TokenChunk]:
-        """Every chunk already queued (no wait). A no-responders marker stays queued for ``_next``."""
+        """Every chunk already queued (no wait). An end marker stays queued for ``_next``."""
         out = []
         while not self._queue.empty():
             c = self._queue.get_nowait()
-            if c is None:
-                self._queue.put_nowait(None)
+            if c is None or c is _BUS_LOST:
+                self._queue.put_nowait(c)
                 break
             out.append(c)
         return out

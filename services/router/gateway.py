@@ -715,9 +715,10 @@ class Gateway:
             self.decisions.append({"at_unix": self.wall(), "session_id": req.session_id, "model": req.model, **d.as_dict()})
 
     # ---------------------------------------------------------------------------------- admission
-    def admission(self, req: CallRequest, overload: "OverloadPolicy", prompt_exact: bool = False) -> "Admission":
+    def admission(self, req: CallRequest, overload: "OverloadPolicy", prompt_exact: bool = False, prompt_bytes: int = 0,
+                  prompt_param: str = "prompt") -> "Admission":
         """The admission / queue / retry state machine of one call (see ``Admission``)."""
-        return Admission(self, req, overload, prompt_exact)
+        return Admission(self, req, overload, prompt_exact, prompt_bytes, prompt_param)
 
     def context_limit(self, model: str, candidates: Iterable[str]) -> int:
         """The largest context any of ``candidates`` reports for ``model`` (0 = unknown)."""
@@ -727,6 +728,17 @@ class Gateway:
             if v is not None:
                 best = max(best, v.max_context(model))
         return best
+
+    def prompt_floor(self, model: str, candidates: Iterable[str], text_bytes: int) -> tuple[int, int]:
+        """A lower bound on the tokens of a prompt with ``text_bytes`` bytes of text the engine tokenizes
+        verbatim, and the bytes-per-token bound it used: ``text_bytes // b`` with ``b`` the largest
+        ``max_token_bytes`` any of ``candidates`` reports for ``model`` ((0, 0): none reports one). Pure."""
+        b = 0
+        for iid in candidates:
+            v = self.registry.instances.get(iid)
+            if v is not None:
+                b = max(b, v.max_token_bytes(model))
+        return (text_bytes // b, b) if b > 0 and text_bytes > 0 else (0, 0)
 
     def start_now(self, req: CallRequest, d: Decision, over_context: bool) -> Decision | None:
         """Overload fallback (issue 18 item 5): the least loaded live candidate if it can start the call now
@@ -839,7 +851,10 @@ ACCOUNTING = (
 # round-admission and memory checks are *predictions*; a prediction never turns away work that can start
 # now. When ``decide`` finds no admissible candidate ("overload"):
 #   0. A token-id prompt is counted exactly: over the context (prompt + max_tokens, the engine's rule) it is
-#      413 ``context_length_exceeded`` at once, busy or not.
+#      413 ``context_length_exceeded`` at once, busy or not. A text prompt whose *lower bound* (its text
+#      bytes over the tokenizer's most bytes per token, ``prompt_floor``) is already over is the same 413,
+#      never forwarded: tokenizing megabytes is itself seconds of an engine's time, and a message over the
+#      bus's ``max_payload`` could not be sent anyway (issue 47).
 #   1. A call whose prompt estimate is over the model's context is forwarded to the least loaded live
 #      candidate, whatever its load: the engine tokenizes exactly and answers 413 ``context_length_exceeded``
 #      (a 429 would make a retrying client loop forever).
@@ -895,6 +910,8 @@ class Admission:
     req: CallRequest
     overload: OverloadPolicy
     prompt_exact: bool = False  # req.prompt_tokens is the exact token count (a token-id prompt)
+    prompt_bytes: int = 0  # else: UTF-8 bytes of the prompt text the engine tokenizes verbatim (lower bound, step 0)
+    prompt_param: str = "prompt"  # the request field an over-context 413 names
     tried: set[str] = field(default_factory=set)
     attempts: int = 0
     last_error: str = ""
@@ -907,12 +924,19 @@ class Admission:
         if self.attempts >= self.overload.max_attempts:
             return self._exhausted()
         d, rev = gw.decide(req, self.tried, use_lease)
-        limit = gw.context_limit(req.model, [c.instance_id for c in d.costs])
+        cands = [c.instance_id for c in d.costs]
+        limit = gw.context_limit(req.model, cands)
         over = limit > 0 and req.prompt_tokens + req.max_tokens > limit
         if over and self.prompt_exact:  # same rule as the engine's, on an exact count: never forwarded
             self._dequeue()
-            return Step("reject", d, rev, status=413, code="context_length_exceeded", param="prompt",
+            return Step("reject", d, rev, status=413, code="context_length_exceeded", param=self.prompt_param,
                         message=f"prompt of {req.prompt_tokens} tokens plus max_tokens {req.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'")
+        floor, per = gw.prompt_floor(req.model, cands, self.prompt_bytes) if not self.prompt_exact else (0, 0)
+        if limit > 0 and floor > 0 and floor + req.max_tokens > limit:  # can never fit, whatever the tokenizer says
+            self._dequeue()
+            return Step("reject", d, rev, status=413, code="context_length_exceeded", param=self.prompt_param,
+                        message=f"prompt of at least {floor} tokens ({self.prompt_bytes} bytes of text, at most {per} bytes per token for this "
+                                f"model's tokenizer) plus max_tokens {req.max_tokens} exceeds the context limit of {limit} tokens of model '{req.model}'")
         if d.instance_id is not None:
             return self._forward(d, rev)
         if d.reason == "no-instance":

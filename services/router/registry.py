@@ -74,6 +74,13 @@ class InstanceView:
                 return m.max_context
         return 0
 
+    def max_token_bytes(self, model: str) -> int:
+        """The instance's bound on prompt-text bytes per token of ``model`` (0 = not reported)."""
+        for m in self.snapshot.models:
+            if m.model == model:
+                return m.max_token_bytes
+        return 0
+
 
 @dataclass
 class Registry:

@@ -205,9 +205,19 @@ async def watch_health(state: RouterState, every_s: float = 0.25) -> None:
 
 
 def on_nats_state(state: RouterState, what: str) -> None:
-    """NATS connection callback: after a reconnect, rebuild the lease mirror from the shared bucket at once
-    (issue 18 item 8) instead of waiting for the old watcher to catch up. Mutates counters."""
+    """NATS connection callback: on a disconnect, every call in flight ends with ``engine_unavailable`` (issue
+    47: its chunks may be lost, and nothing would ever end it otherwise but ``idle_chunk_timeout_s``); after a
+    reconnect, rebuild the lease mirror from the shared bucket at once (issue 18 item 8) instead of waiting for
+    the old watcher to catch up. Mutates counters and the in-flight calls' queues."""
     state.counters[f"nats_{what}"] += 1
+    if what == "disconnected" and state._mux is not None:
+        # issue 47: the server forgot every reply inbox's subscription; chunks sent until the reconnect are
+        # gone and no engine sends them again, so each call in flight ends now with a clean 503 (the engine
+        # stops its work on the router's cancel, delivered at the reconnect, or its next requester probe)
+        lost = state._mux.bus_lost()
+        if lost:
+            state.counters["calls_bus_lost"] += lost
+            log.warning("NATS connection lost: %d call(s) in flight end with engine_unavailable", lost)
     if what != "reconnected":
         return
 

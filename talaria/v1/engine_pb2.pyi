@@ -375,7 +375,7 @@ class SessionState(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., committed_tokens: _Optional[int] = ..., state: _Optional[_Union[KvState, str]] = ..., last_use_unix: _Optional[float] = ...) -> None: ...
 
 class ModelState(_message.Message):
-    __slots__ = ("model", "loaded", "active", "staged", "max_context", "num_running", "num_waiting", "slot_wait_s", "cost")
+    __slots__ = ("model", "loaded", "active", "staged", "max_context", "num_running", "num_waiting", "slot_wait_s", "cost", "max_token_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class ModelState(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     SLOT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     loaded: bool
     active: bool
@@ -394,7 +395,8 @@ class ModelState(_message.Message):
     num_waiting: int
     slot_wait_s: float
     cost: CostProfile
-    def __init__(self, model: _Optional[str] = ..., loaded: _Optional[bool] = ..., active: _Optional[bool] = ..., staged: _Optional[bool] = ..., max_context: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., slot_wait_s: _Optional[float] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ...) -> None: ...
+    max_token_bytes: int
+    def __init__(self, model: _Optional[str] = ..., loaded: _Optional[bool] = ..., active: _Optional[bool] = ..., staged: _Optional[bool] = ..., max_context: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., slot_wait_s: _Optional[float] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ..., max_token_bytes: _Optional[int] = ...) -> None: ...
 
 class SwitchCost(_message.Message):
     __slots__ = ("path", "seconds")

@@ -87,6 +87,25 @@ def test_over_the_context_is_never_429():
     assert (text.kind, text.decision.instance_id, text.decision.reason) == ("forward", "a", "start-now")
 
 
+def test_text_that_can_never_fit_is_413_before_it_is_sent():
+    """Issue 47: a text prompt whose lower bound (bytes over the tokenizer's most bytes per token) is over the
+    context is 413 at the router, idle instance or not, naming the field; one the bound lets through (its
+    estimate may be over, the engine decides) is forwarded; without a reported bound nothing changes."""
+    clock = ManualClock(100.0)
+    gw = gateway(clock)
+    s = snap("a", 1, clock)
+    s.models[0].max_token_bytes = 100
+    gw.on_snapshot(s)
+    never = gw.admission(gw.request("", "m", 1_200_000, 16), OverloadPolicy("reject"), prompt_bytes=4_800_000, prompt_param="messages").next()
+    assert (never.kind, never.status, never.code, never.param) == ("reject", 413, "context_length_exceeded", "messages")
+    assert "at least 48000 tokens" in never.message and "100 bytes per token" in never.message
+    maybe = gw.admission(gw.request("", "m", 100_000, 16), OverloadPolicy("reject"), prompt_bytes=400_000).next()
+    assert maybe.kind == "forward"  # 4,000 tokens at least: the engine's tokenizer decides
+    unknown = gateway(clock)
+    unknown.on_snapshot(snap("a", 1, clock))
+    assert unknown.admission(unknown.request("", "m", 1_200_000, 16), OverloadPolicy("reject"), prompt_bytes=4_800_000).next().kind == "forward"
+
+
 def test_queue_waits_on_the_injected_clock_then_429_and_leaves_the_queue():
     clock = ManualClock(100.0)
     gw = gateway(clock, slots=1)

@@ -76,3 +76,25 @@ def test_a_no_responders_marker_already_queued_is_engine_unavailable_not_a_crash
     call._queue.put_nowait(None)
     with pytest.raises(EngineUnavailable):
         asyncio.run(call.wait_accepted(5.0, lambda: True))
+
+
+def test_a_lost_bus_ends_the_call_after_the_chunks_already_here():
+    """Issue 47: the router's NATS connection dropped mid-call. The reader gets what had arrived, then
+    ``EngineUnavailable(bus=True)`` at once (not after ``idle_timeout``: nothing would ever come)."""
+    import pytest
+
+    from services.router.engine_client import EngineUnavailable
+
+    call = _call()
+    call.accepted = pb.TokenChunk(accepted=True)
+    call._queue.put_nowait(_tok(1, 11))
+    call.bus_lost()
+    got = []
+
+    async def go():
+        async for c in call.chunks(3600.0, lambda: True):
+            got.append(list(c.token_ids))
+
+    with pytest.raises(EngineUnavailable) as e:
+        asyncio.run(asyncio.wait_for(go(), 10))
+    assert got == [[11]] and e.value.bus and e.value.accepted
