@@ -352,6 +352,7 @@ class Engine:
             if not sched.is_empty:
                 t0 = time.perf_counter()
                 sampled = self._execute(sched)
+                self.scheduler.publish_computed(sched)  # the forward wrote them: calls sharing the prefix reuse them
                 self._record_timing(sched, time.perf_counter() - t0)
                 outputs += self._postprocess(sched, sampled)
             elif hk is not None and hk.num_restoring and not outputs:

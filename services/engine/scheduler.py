@@ -15,6 +15,14 @@ tokens and ``max_num_seqs`` running sequences.
    radix), pages for the whole remaining prompt (evicting caches if needed, never preempting), then
    commit. A sequence whose prefill does not fit the remaining token budget gets a chunk and continues
    next step. No admission happens in a step that preempted.
+   Prefix-aware admission (issue 42 item 2; the effect of vLLM's and SGLang's prefix caching on calls that
+   arrive together): a running sequence's computed full prompt pages are published into the radix cache
+   after every forward (``publish_computed``), and a waiting sequence whose next uncached page is one that
+   a running sequence is still computing (same cumulative hash: same tokens up to there) is *deferred*:
+   it stays waiting, later ones may be admitted, and it is admitted once those pages are published, with
+   the shared prefix as a cache hit. Eight agent sessions that start together behind one system prompt
+   compute it once instead of eight times. A deferred call waits for the leader's chunk that covers the
+   shared part (one step when it fits the budget), which the leader's own prefill was going to take anyway.
 3. A step in which nothing decodes gives its first prefill chunk up to ``lone_prefill_tokens`` (when that
    is larger than ``max_num_batched_tokens``); the step's other chunks share what is left of the normal
    budget. Chunking bounds the stall of decoding sequences (Sarathi-Serve's argument); with none decoding, a
@@ -138,13 +146,22 @@ class Scheduler:
             budget = max(0, budget - n)
             limit = budget
 
-        # 2b. admissions, FCFS
-        while self.waiting and limit > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
-            if not self._admit(seq, out):
+        # 2b. admissions, FCFS; a call whose next page a running prefill is computing waits for it (deferred)
+        i = 0
+        inflight: set[int] | None = None
+        while i < len(self.waiting) and limit > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[i]
+            if inflight is None:
+                inflight = self._inflight_hashes()
+            admitted = self._admit(seq, out, inflight)
+            if admitted is None:
+                i += 1  # deferred: its prefix is being computed by a running call
+                continue
+            if not admitted:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(seq)
+            inflight.update(seq.hashes[seq.num_published_pages :])
             n = self._schedule_chunk(seq, limit, out)
             budget = max(0, budget - n)
             limit = budget
@@ -173,10 +190,37 @@ class Scheduler:
         kv.append(seq.pages, seq.num_tokens)
         return True
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _inflight_hashes(self) -> set[int]:
+        """Full-page hashes running sequences hold but have not published yet (being computed, or computed by
+        the step being scheduled now). Read-only."""
+        out: set[int] = set()
+        for s in self.running:
+            out.update(s.hashes[s.num_published_pages :])
+        return out
+
+    def publish_computed(self, sched: SchedulerOutput) -> None:
+        """The executor ran ``sched``'s forward without error: publish every prefill chunk's newly computed
+        full pages (of the hashed tokens: the prompt, or prompt + generated for a preempted call) into the
+        radix cache. Mutates: the radix cache, ``num_published_pages`` of those sequences."""
+        P = self.kv.page_size
+        for sc in sched.scheduled:
+            seq = sc.seq
+            if sc.is_decode or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = min(seq.num_computed_tokens // P, len(seq.hashes))
+            if n > seq.num_published_pages:
+                self.kv.publish(seq.hashes, seq.pages, n)
+                seq.num_published_pages = n
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, inflight: set[int] = frozenset()) -> bool | None:
+        """Check-then-commit one admission. Returns True when admitted, False when its pages do not fit,
+        None when deferred (its next uncached page is in ``inflight``: a running call is computing it)."""
         kv = self.kv
         kv.extend_hashes(seq.hashes, seq.token_ids, seq.salt)
         match = kv.match_prefix(seq.token_ids, seq.hashes, seq.session_id)
+        nxt = match.num_tokens // kv.page_size
+        if inflight and nxt < len(seq.hashes) and seq.hashes[nxt] in inflight:
+            return None
         need = kv.pages_needed(match, seq.num_tokens)
         if not kv.can_allocate(need):
             protect_sid = seq.session_id if match.from_session else ""
@@ -190,6 +234,7 @@ class Scheduler:
         seq.locked_hashes = alloc.locked_hashes
         seq.num_computed_tokens = alloc.num_cached_tokens
         seq.num_cached_tokens = min(alloc.num_cached_tokens, seq.num_prompt_tokens)
+        seq.num_published_pages = len(alloc.locked_hashes)  # its radix-matched pages are in the cache already
         seq.status = SequenceStatus.RUNNING
         out.copies += alloc.copies
         return True
@@ -200,6 +245,7 @@ class Scheduler:
         seq.pages = []
         seq.locked_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_published_pages = 0  # what it published stays cached (the radix cache holds its own reference)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

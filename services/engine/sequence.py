@@ -28,6 +28,7 @@ class Sequence:
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "session_id", "arrival_order",
         "num_computed_tokens", "num_cached_tokens", "pages", "locked_hashes", "hashes", "status",
         "num_preemptions", "trace_context", "num_restored_tokens", "salt", "kv_hold", "phases", "priority", "queue_at",
+        "num_published_pages",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None, session_id: str = "") -> None:
@@ -51,6 +52,7 @@ class Sequence:
         self.phases = None  # issue 12: talaria.attribution.PhaseClock, moved by the executor (exact time split)
         self.priority = 0  # issue 14 hint: waiting order (larger first, ties by arrival); see Scheduler.add
         self.queue_at = 0.0  # issue 14: arrival time minus the latency-sensitivity hint (order within a priority)
+        self.num_published_pages = 0  # full pages of ``hashes`` in the radix cache while it runs (Scheduler.publish_computed)
 
     @property
     def num_tokens(self) -> int:

@@ -88,6 +88,31 @@ def test_batched_equals_unbatched_greedy(synth_models, name):
     batched_engine.check_integrity()
 
 
+def test_calls_arriving_together_compute_their_shared_prefix_once(llama):
+    """Issue 42 item 2: six calls behind one ~40-token "system prompt", added together, compute it once: the
+    first is admitted, the others wait for its forward and reuse its pages; greedy tokens are those of each
+    call run alone on a fresh engine."""
+    e = make_engine(llama, max_num_batched_tokens=512)
+    system = e.tokenizer.encode("you are a careful agent; answer briefly and call tools when they help " * 2)
+    ps = [system + e.tokenizer.encode(f" task {i}: list the files of directory {i}") for i in range(6)]
+    shared = (len(system) // PAGE) * PAGE
+    for i, p in enumerate(ps):
+        e.add_request(EngineRequest(f"r{i}", p, GREEDY))
+    finals, toks = {}, {f"r{i}": [] for i in range(6)}
+    while e.has_unfinished():
+        for out in e.step():
+            toks[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    e.check_integrity()
+    assert finals["r0"].usage.cached_tokens == 0
+    assert all(finals[f"r{i}"].usage.cached_tokens >= shared for i in range(1, 6))
+    alone = make_engine(llama)
+    for i, p in enumerate(ps):
+        assert toks[f"r{i}"] == alone.generate([p], GREEDY)[0]
+        alone.flush_cache()
+
+
 def test_prefix_hit_same_prompt_and_full_prompt_cached(llama):
     e = make_engine(llama)
     p = prompts(e, 1)[0]

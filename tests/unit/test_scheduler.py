@@ -255,3 +255,59 @@ def test_a_partial_prefill_continues_with_the_lone_limit_once_nothing_decodes():
 def test_lone_prefill_tokens_must_not_be_negative():
     with pytest.raises(ValueError):
         Scheduler(KVManager(4, 4, clock=Clock()), lone_prefill_tokens=-1)
+
+
+def run_and_publish(s, token=7):
+    """As the executor does: schedule, 'run' the forward, publish the computed pages, sample."""
+    out = s.schedule()
+    s.publish_computed(out)
+    for sc in out.scheduled:
+        if sc.sample:
+            sc.seq.append_token(token)
+    s.check_integrity()
+    return out
+
+
+def test_a_call_sharing_a_prefix_being_computed_waits_for_it_and_reuses_it():
+    """Issue 42 item 2: calls arriving together behind one system prompt compute it once. ``b`` shares ``a``'s
+    first three pages; while ``a`` computes them ``b`` is deferred (``c``, unrelated and behind it, goes
+    ahead); once ``a``'s forward published them, ``b`` is admitted with the three pages as a cache hit."""
+    s = make(num_pages=32, budget=64)
+    a = seq("a", 14)
+    b = Sequence("b", list(range(12)) + [500, 501, 502], SamplingParams(max_tokens=100))
+    c = seq("c", 6, start=200)
+    for x in (a, b, c):
+        s.add(x)
+    out = run_and_publish(s)
+    assert out.summary() == [("a", 14), ("c", 6)]
+    assert b.status is SequenceStatus.WAITING and not b.pages
+    assert len(s.kv.radix) == 3 + 1  # a's three full pages and c's one, published after the forward
+    out = run_and_publish(s)
+    assert out.summary() == [("a", 1), ("c", 1), ("b", 3)]
+    assert b.num_cached_tokens == 12 and b.pages[:3] == a.pages[:3]
+    assert s.kv.num_hit_tokens == 12
+
+
+def test_a_deferred_call_is_not_held_by_a_preempted_or_finished_leader():
+    s = make(num_pages=32, budget=64)
+    a, b = seq("a", 14), seq("b", 13)  # b shares a's first three pages
+    s.add(a)
+    s.add(b)
+    out = s.schedule()  # a's forward fails: nothing is published
+    assert out.summary() == [("a", 14)] and b.status is SequenceStatus.WAITING
+    s.finish(a, cache=False)  # its call is failed
+    out = run_and_publish(s)
+    assert out.summary() == [("b", 13)] and b.num_cached_tokens == 0  # computes it itself
+    assert len(s.kv.radix) == 3
+
+
+def test_without_publishing_the_scheduler_never_matches_unwritten_pages():
+    """Pages of a step whose forward has not run (or failed) are never matched: they are not in the radix
+    cache until ``publish_computed``, and the call sharing them stays deferred meanwhile."""
+    s = make(num_pages=32, budget=64)
+    a, b = seq("a", 14), seq("b", 13)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)  # no publish: b still waits
+    assert b.status is SequenceStatus.WAITING and len(s.kv.radix) == 0
