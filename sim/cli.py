@@ -47,7 +47,8 @@ def _paper(args) -> int:
 
     s = run_paper(Path(args.out), tp8_profile=args.profile, router_profile=args.router_profile, seed=args.seed,
                   configs=args.configs.split(",") if args.configs else None, say=lambda m: print(m, file=sys.stderr),
-                  output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else ())
+                  output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else (),
+                  router_start_gap_s=args.router_start_gap)
     print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
     return 0
 
@@ -115,6 +116,7 @@ def add_cli(sub) -> None:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
     pp.add_argument("--start-gap", type=float, default=26.0, help="seconds between session starts of the TP=8 replay (not published)")
+    pp.add_argument("--router-start-gap", type=float, default=2.0, help="seconds between session starts of the router testbed ('high load', not published)")
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
     pp.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
                     help="instances park in-flight calls at a switch (the slot scheduler's can_park mode; their context goes to "

@@ -67,6 +67,12 @@ class SimConfig:
     can_park: bool = False  # True: the paper's engine (in-flight calls parked at a switch, §5.5); False: this codebase's (Dfin drains)
     partial_layers: bool = False  # cold engines' streaming hot-swap (issue 16, JointServe §4.4; engine config partial_layers)
     unified_residency: bool = False  # cold engines' one budget for staged weights and session KV (issue 16, JointServe §3)
+    # Residency as the router sees it (ModelState.loaded, Eq. 1's C_act, §5.3's avoidable opens). False: a model
+    # in the instance's rotation / weight bank is resident (as the cold engine reports). True (the §5.3 router
+    # testbed): only weights on the device are -- the active model and the one being staged (Eq. 1: "the
+    # advertised switch cost when its state is resident or staged, and the measured full-open cost otherwise");
+    # every other catalog model is an open (sim/README.md, "Router testbed").
+    device_residency: bool = False
     record: bool = False
     max_sim_s: float = 1e7
     stall_s: float = 3600.0  # no call finished for this long (simulated): raise instead of idling forever
@@ -131,6 +137,7 @@ class Simulation:
         self._policy_us: list[float] = []  # policy.decide alone (Gateway._decide_ns delta)
         self._trace: dict[str, Any] = {"router": [], "slots": {i: [] for i in self.instances}} if cfg.record else {}
         self._left = sum(len(s.calls) for s in sessions)
+        self.worker_opens = {"opens": 0, "avoidable_opens": 0}  # ``_count_open``
 
     @staticmethod
     def _slab(prof: Profile) -> int:
@@ -208,6 +215,8 @@ class Simulation:
             self._push(self.clock.now() + self.cfg.retry_s, "retry", payload)
             return
         inst = self.instances[d.instance_id]
+        if self._busy.get(d.instance_id) != "moving" and req.model in inst.catalog:
+            self._count_open(d.instance_id, req.model)
         if self._busy.get(d.instance_id) == "moving" or not inst.submit(s.calls[k], self.clock.now()):
             if not self.cfg.pool_sizer:
                 raise RuntimeError(f"router placed {req.model} on {d.instance_id}, which cannot serve it")
@@ -252,8 +261,12 @@ class Simulation:
         waits = inst.scheduler.slot_waits(now, idle) if inst.pool == "cold" else {}
         costs = inst.scheduler.costs
         for m in inst.loaded:
-            snap.models.append(pb.ModelState(model=m, loaded=True, active=m == inst.active, staged=m == staged,
+            snap.models.append(pb.ModelState(model=m, loaded=self.resident(inst, m), active=m == inst.active, staged=m == staged,
                                              num_waiting=len(inst.queues[m]), slot_wait_s=waits.get(m, waits.get("", 0.0))))
+        if inst.pool == "cold":  # catalog models it would have to open: they join the rotation after its open slots
+            for m in inst.catalog:  # (the "" wait; without it an open was priced as if it could start at once)
+                if m not in inst.loaded:
+                    snap.models.append(pb.ModelState(model=m, loaded=False, slot_wait_s=waits.get("", 0.0)))
             if inst.pool == "cold" and costs.measured(m):  # each model's own costs, as the cold engine's ModelState.cost
                 mc = costs.snapshot(m)
                 snap.models[-1].cost.CopyFrom(pb.CostProfile(prefill_per_token=mc["prefill_per_token"], decode_step=mc["decode_step"],
@@ -262,6 +275,22 @@ class Simulation:
             snap.sessions.append(pb.SessionState(session_id=sid, model=m, committed_tokens=tokens,
                                                  state=pb.KV_DEVICE if where == "device" else pb.KV_HOST))
         return snap
+
+    def resident(self, inst: SimInstance, model: str) -> bool:
+        """Whether ``model`` is resident on ``inst`` in the sense of ``SimConfig.device_residency``. Pure read."""
+        if inst.pool == "hot" or not self.cfg.device_residency:
+            return model in inst.loaded
+        return model == inst.active or (inst.staging is not None and inst.staging[0] == model)
+
+    def _count_open(self, iid: str, model: str) -> None:
+        """§5.3's count on the workers' own state when the call reaches the chosen one: an open when the model is
+        not resident there, avoidable when another healthy instance has it resident (the router counts the same
+        on its view, which may be a heartbeat old). Mutates ``worker_opens``."""
+        if self.resident(self.instances[iid], model):
+            return
+        self.worker_opens["opens"] += 1
+        if any(j != iid and self.resident(i, model) and self._busy.get(j) != "moving" for j, i in self.instances.items()):
+            self.worker_opens["avoidable_opens"] += 1
 
     def _hook(self, c: SimCall) -> None:
         hook = pb.CompletionHook(
@@ -382,7 +411,8 @@ class Simulation:
             for iid, i in self.instances.items()
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]
-        return RunResult(self.cfg.name, calls, sct, self.gateway.metrics(), self._rounds, switches, self.clock.now(), wall,
+        router = {**self.gateway.metrics(), "worker_opens": dict(self.worker_opens)}
+        return RunResult(self.cfg.name, calls, sct, router, self._rounds, switches, self.clock.now(), wall,
                          self._decide_us, self._policy_us, self._snapshot_us, inst, self._trace)
 
 

@@ -78,7 +78,7 @@ def config(profile: Profile, lease: str, tau: float) -> SimConfig:
         raise ValueError(f"unknown lease policy {lease!r} ({' | '.join(ADAPTIVE)} | fixed | none)")
     if lease == "none":
         tau = 0.0
-    ml = int(profile.knobs.get("max_loaded", 1))
+    ml = 1  # the testbed as issue 14 measured it: one model per worker's rotation, rotation residency (not paper.router_config's, issue 48)
     specs = (InstanceSpec("tp4-0", "cold", ROUTER_MODELS, ROUTER_MODELS[:ml], ml), InstanceSpec("tp4-1", "cold", ROUTER_MODELS, ROUTER_MODELS[-ml:], ml))
     gib = {m: profile.model(m).weights_gib for m in ROUTER_MODELS}
     params = PolicyParams(policy="full", model_weights_gib=gib, lease_policy="adaptive" if lease.startswith("adaptive") else "fixed",

@@ -43,8 +43,10 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "switches": len(r.switches), "switch_paths": dict(paths),
         "sp_admitted": sp_adm, "sp_deferred": sp_def, "sp_admission_rate": sp_adm / (sp_adm + sp_def) if sp_adm + sp_def else float("nan"),
         "router": {k: rt.get(k) for k in ("decisions", "returns", "same_instance_returns", "lease_hits", "lease_expiries", "model_opens",
-                                           "model_switches", "avoidable_cold_opens", "same_instance_return_rate")},
-        "avoidable_opens": rt.get("avoidable_cold_opens", 0),
+                                           "model_switches", "avoidable_cold_opens", "same_instance_return_rate", "lease_eq2_denied")},
+        "avoidable_opens": rt.get("avoidable_cold_opens", 0),  # the router's count, on its view at the decision
+        "avoidable_opens_worker": (rt.get("worker_opens") or {}).get("avoidable_opens", 0),  # on the workers' state (cluster._count_open)
+        "opens_worker": (rt.get("worker_opens") or {}).get("opens", 0),
         "decide_p50_us": nearest_rank(r.decide_us, 50), "decide_p99_us": nearest_rank(r.decide_us, 99),
         "decide_p999_us": nearest_rank(r.decide_us, 99.9), "decide_max_us": max(r.decide_us, default=0.0),
         "policy_p50_us": nearest_rank(r.policy_us, 50), "policy_p99_us": nearest_rank(r.policy_us, 99),

@@ -664,6 +664,8 @@ class Gateway:
         self.lease_token_s += d.lease_held_s * d.lease_tokens
         if d.lease == "outweighed":
             self.stats["lease_outweighed"] += 1
+        elif d.lease == "eq2":  # honouring it would have opened a replica Eq. 2 rejects (policy._eq2_denies)
+            self.stats["lease_eq2_denied"] += 1
         if d.lease == "hit":
             self.stats["lease_hits"] += 1
         elif d.lease == "expired":
@@ -831,6 +833,7 @@ ACCOUNTING = (
     "lease_expiries",
     "leases_declined",
     "lease_outweighed",
+    "lease_eq2_denied",
     "model_opens",
     "model_switches",
     "avoidable_cold_opens",

@@ -45,6 +45,12 @@ where W is the predicted latency of r without activation (dR_req + C_KV), W_exis
 instances where m is resident and admissible, and demand_m the calls of m predicted over the control
 window (observed arrival rate * window + live leases of m).
 
+Eq. 2 gates every open, a lease's included: a lease whose instance no longer has the model resident (it
+switched away or closed it during the tool gap) is honoured only if Eq. 2 admits the open there (lease
+``eq2`` otherwise, and the call is placed by cost), since §3.3 opens a replica "only when the predicted demand
+benefit exceeds the opening cost" and Algorithm 1's lease check (live, healthy, prefix valid) does not look
+at model residency.
+
 Scaling (``InstanceIndex``): a decision ranks only instances that serve or could open the model, read from
 an index by served model that holds each instance's per-snapshot terms (queue pressure, memory capacity,
 HBM price mu, activation cost per model), so a decision allocates no per-instance state beyond its
@@ -272,6 +278,7 @@ class Decision:
     reason: str  # "lease" | "cost" | "least-pressure" | "sticky" | "round-robin" | "overload" | "no-instance"
     #             (the gateway rewrites a decision as "start-now" or "late": services/router/gateway.py)
     lease: str = "none"  # "none" | "hit" | "expired" | "unhealthy" | "prefix-invalid" | "outweighed" (adaptive)
+    #                      | "eq2" (honouring it would open a replica Eq. 2 rejects: ``_eq2_denies``)
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
     switches_model: bool = False  # ... must switch to a resident/staged model
@@ -793,9 +800,12 @@ def decide_full(state: PlacementState, now: float) -> Decision:
         inst = idx.by_id[state.lease.instance_id]
         mine = breakdown(inst, state, idx)
         p = state.params
-        if not p.lease_arithmetic or not _outweighed(state, idx, mine):
+        if mine.fresh_replica and _eq2_denies(state, idx, mine):
+            lease = "eq2"
+        elif not p.lease_arithmetic or not _outweighed(state, idx, mine):
             return _held(_finish(state, "lease", inst.instance_id, [mine], "hit", idx), state.lease, now)
-        lease = "outweighed"
+        else:
+            lease = "outweighed"
     # A lease that failed its check is discarded; placement continues as if there were none.
     judged = state.lease
     if lease != "none":
@@ -826,6 +836,19 @@ def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) 
     others = _eq2(rows, mus, state)
     best = min((c for c in others if not c.reject and c.instance_id != mine.instance_id), key=_rank_key, default=None)
     return best is not None and best.total < mine.total
+
+
+def _eq2_denies(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
+    """Eq. 2 at a lease hit whose instance no longer has the model resident (it switched to another model or
+    closed it since the lease was installed): honouring the lease opens a new replica there, and §3.3 opens one
+    "only when the predicted demand benefit exceeds the opening cost". The lease's prefix is at best
+    host-restorable there, which any host-tier instance restores as well (``host_prefix``), so the lease buys
+    no KV locality that would exempt the open. True when Eq. 2 rejects the leased instance against the
+    admissible resident replicas (none admissible: the gain is unbounded and the lease is honoured). Pure."""
+    rows, mus, _ = _rank(state, idx, shortlist=True)
+    gated = _eq2(rows, mus, state)
+    own = next((c for c in gated if c.instance_id == mine.instance_id), None)
+    return own is not None and own.reject == "eq2"
 
 
 def _held(d: Decision, lease: LeaseView | None, now: float) -> Decision:

@@ -259,6 +259,28 @@ def test_stale_snapshot_excluded_from_new_calls_but_lease_honoured():
     assert decide(PlacementState(req(), [a, b], lease=lease), now=1.5).instance_id == "a"
 
 
+def test_a_lease_that_would_open_a_replica_passes_eq2_first():
+    """Issue 48: Eq. 2 gates every open (§3.3), a lease's too. The leased cold instance switched away from the
+    model during the tool gap (not resident there now, the prefix only host-restorable) while another instance
+    has it active: honouring the lease opened a replica Eq. 2 rejects -- an avoidable open (§5.3's count) that
+    Algorithm 1's lease check (live, healthy, prefix valid) let through. The lease is dropped ("eq2") and the
+    call placed by cost; with no resident replica anywhere the gain is unbounded and the lease is honoured."""
+    leased = inst("a", models={"m": ModelRes()}, pool="cold", kv={("s", "m"): (KV_HOST, 800)}, snapshot_unix=5.0)
+    resident = inst("b", waiting=1)
+    lease = LeaseView("L1", "a", "m", 800, t_done_unix=1.0, t_exp_unix=9.0)
+    for p in (PolicyParams(lease_arithmetic=False), PolicyParams()):
+        d = decide(PlacementState(req(), [leased, resident], p, lease=lease), now=6.0)
+        assert (d.instance_id, d.lease, d.reason) == ("b", "eq2", "cost")
+        assert not d.opens_model and not d.avoidable_open
+        assert {c.instance_id: c.reject for c in d.costs}["a"] == "eq2"
+    d = decide(PlacementState(req(), [leased, inst("c", models={"m": ModelRes()}, pool="cold")], lease=lease), now=6.0)
+    assert (d.instance_id, d.lease, d.reason) == ("a", "hit", "lease") and d.opens_model and not d.avoidable_open
+    # A lease whose instance still has the model resident is not gated by Eq. 2 (no open).
+    still = inst("a", models={"m": ModelRes(loaded=True, active=True)}, kv={("s", "m"): (KV_DEVICE, 800)}, snapshot_unix=5.0)
+    d = decide(PlacementState(req(), [still, resident], PolicyParams(lease_arithmetic=False), lease=lease), now=6.0)
+    assert (d.instance_id, d.lease) == ("a", "hit")
+
+
 # ------------------------------------------------------------------------- pure policy: Eq. 2, overload
 
 

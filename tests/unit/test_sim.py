@@ -78,8 +78,9 @@ def test_profile_rejects_bad_input():
 
 # ------------------------------------------------------------------------- same decisions as real ones
 def _two_workers(record: bool, policy: str = "full") -> SimConfig:
-    cfg = paper.router_config(load(TP4), policy)
-    return SimConfig(cfg.name, cfg.profile, cfg.instances, slot=cfg.slot, params=cfg.params, tau_s=cfg.tau_s, record=record)
+    from dataclasses import replace
+
+    return replace(paper.router_config(load(TP4), policy), record=record)
 
 
 def _fresh_gateway(sim: Simulation, clock: ManualClock) -> tuple[Gateway, MemoryLeases]:
@@ -206,7 +207,7 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
         assert set(v) == {"sct_p50_s", "sct_p95_s", "ttft_p95_s"} and v["sct_p50_s"] > 0
     assert {"full", "least-pressure"} <= set(got["router"])
     for v in got["router"].values():
-        assert set(v) == {"avoidable_opens", "ttft_p95_s"}
+        assert set(v) == {"avoidable_opens", "avoidable_opens_worker", "ttft_p95_s"}
     assert got["paper"]["tp8"]["Round-only"]["sct_p50_s"] == 1000.0 and got["paper"]["router"]["least-pressure"]["avoidable_opens"] == 37
     assert set(got["tau_sweep"]) == {"0.0", "1.0"}
     assert got["comparison"]["of"] >= 10
