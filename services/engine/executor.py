@@ -605,6 +605,24 @@ class Engine:
                  "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
                  self.prefill_isa if pa is not None else "off (ATen flash)", "on" if self.decode_gemm else "off (oneDNN)")
 
+    def kernels(self) -> tuple[tuple[str, str], ...]:
+        """(kernel, what runs) for the heartbeat (issue 43): on a CPU each C++ kernel is ``on`` or ``off (<the
+        fallback> ...)`` with the build error when the extension did not build; on CUDA one ``device`` row.
+        Reads only."""
+        if self.device.type != "cpu":
+            return (("device", f"{self.device.type} (ATen / SDPA kernels)"),)
+        from services.engine.model.paged_attn import build_error
+
+        err = build_error()
+        why = f"; build failed: {err}" if err else ""
+        pa = self.model.prefill_attention is not None
+        return (
+            ("paged_decode", "on" if self.paged_decode else f"off (gather + SDPA{why})"),
+            ("fused_ops", "on" if self.fused_ops else f"off (eager ops{why})"),
+            ("prefill_attention", f"on ({self.prefill_isa})" if pa else f"off (ATen flash{why or '; not applicable to this CPU, dtype or head dim'})"),
+            ("decode_gemm", "on" if self.decode_gemm else f"off (oneDNN{why})"),
+        )
+
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
         CPU with AMX-BF16 or AVX-512 BF16 (the fastest it has) serving a bf16 model with head dim 64 (else ATen's flash kernel stays), or take it
@@ -711,6 +729,7 @@ class Engine:
             models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=costs),),
             sessions=tuple(sessions), profile=costs, host_kv=hk is not None,
             kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
+            kernels=self.kernels(),
         )
 
     def cost_stats(self) -> CostStats:
