@@ -213,6 +213,7 @@ class Engine:
         small_step_threads: int | None = None,
         prefill_attention: str = "auto",
         cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
+        max_model_len: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id or self.model_dir.name
@@ -226,7 +227,7 @@ class Engine:
         cfg = self.config
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
-        self.max_context = min(cfg.attention_span, self.num_pages * page_size)
+        self.max_context = min(cfg.attention_span, self.num_pages * page_size, max_model_len or cfg.attention_span)  # max_model_len: a cap
         # CPU kernels, each flag says whether it is on: model/paged_attn.py, fused_ops.py, prefill_attn.py
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
