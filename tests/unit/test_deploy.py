@@ -576,7 +576,9 @@ def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_i
     exported = set()
     for name, kind in [(m.name, m.kind) for m in CATALOG] + [(n, "vllm") for n in NAMES]:
         exported |= {name, name + "_total", name + "_bucket", name + "_sum", name + "_count"}
-    exported |= {"talaria_engine_kernel_on", "up", "scrape_samples_scraped"}
+    from talaria.vllm_metrics import TALARIA_NAMES
+
+    exported |= {*TALARIA_NAMES, "up", "scrape_samples_scraped"}
     for f in sorted((DEPLOY / "grafana" / "dashboards").glob("*.json")):
         d = json.loads(f.read_text())
         queries = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
