@@ -10,8 +10,33 @@ import signal
 import sys
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(value: str) -> str:
+    """argparse type: one of LOG_LEVELS (any case); anything else is a usage error (exit 2)."""
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid log level {value!r} (choose from {', '.join(LOG_LEVELS)})")
+    return value.lower()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (unix s), level, logger, message (+ exc when there is a traceback)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        out = {"time": round(record.created, 6), "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    """Configure the root logger (mutates logging's global state: level and one stderr handler)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
 def _load(args):
@@ -125,8 +150,34 @@ def cmd_serve(args) -> int:
     if not (path / "config.json").exists():
         print(f"talaria serve: {path} is not a checkpoint directory (no config.json); import one with 'talaria models import SRC'", file=sys.stderr)
         return 2
-    cfg = _load(args)
-    cfg = cfg.model_copy(update={"models_dir": str(path.parent), "synthesize_models": False, "engines": [EngineConfig(id="engine-0", models=[path.name])]})
+    from pydantic import ValidationError
+
+    cfg = _with_api_key(_load(args), args.api_key)
+    models_dir, name = path.parent, path.name
+    if args.served_model_name and args.served_model_name != path.name:
+        # the catalog name is the directory's name: serve the checkpoint through a link with the chosen name
+        from talaria.subjects import check_token
+
+        try:
+            name = check_token(args.served_model_name, "served model name")
+        except ValueError as e:
+            print(f"talaria serve: {e}", file=sys.stderr)
+            return 2
+        models_dir = Path(".talaria") / "served"
+        models_dir.mkdir(parents=True, exist_ok=True)
+        link = models_dir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(path, target_is_directory=True)
+    try:
+        engine = EngineConfig(id="engine-0", models=[name], device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    except ValidationError as e:
+        print(f"talaria serve: {e}", file=sys.stderr)
+        return 2
+    updates: dict = {"models_dir": str(models_dir.resolve()), "synthesize_models": False, "engines": [engine]}
+    if args.host:
+        updates["router"] = cfg.router.model_copy(update={"host": args.host})
+    cfg = cfg.model_copy(update=updates)
     return up(cfg, port=args.port)
 
 
@@ -138,7 +189,13 @@ def cmd_proto(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="talaria", description="Session-aware multi-model LLM serving for tool-using agents")
-    p.add_argument("--log-level", default=os.environ.get("TALARIA_LOG_LEVEL", "info"))
+    from talaria import __version__
+
+    p.add_argument("--version", action="version", version=f"talaria {__version__}")
+    p.add_argument("--log-level", type=_log_level, default=os.environ.get("TALARIA_LOG_LEVEL", "info"),
+                   help=f"{' | '.join(LOG_LEVELS)} (default $TALARIA_LOG_LEVEL or info; anything else is an error)")
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("TALARIA_LOG_FORMAT", "text"),
+                   help="text, or json: one JSON object per line (default $TALARIA_LOG_FORMAT or text)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start the whole local stack (embedded NATS, engines, router)")
@@ -151,7 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve one checkpoint directory (one hot engine + router)")
     sv.add_argument("path", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
     sv.add_argument("--config", help="stack config for everything but the engines")
+    sv.add_argument("--host", help="router bind address (overrides the config; default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="router HTTP port (overrides the config)")
+    sv.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="weights and KV dtype (default auto)")
+    sv.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
+    sv.add_argument("--max-model-len", type=int, help="longest context (prompt + output tokens) a call may use")
+    sv.add_argument("--api-key", default=os.environ.get("TALARIA_API_KEY"), help="require this API key (Bearer) for tenant 'default'; default $TALARIA_API_KEY; none = open API")
     sv.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="run one router process")
@@ -211,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
     return int(args.fn(args) or 0)
 
 

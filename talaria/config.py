@@ -57,6 +57,9 @@ class EngineConfig(_Strict):
     lone_prefill_tokens: int = Field(2048, ge=0, description="a step in which no sequence decodes (hot engines, and a cold engine's active model) may give its first prefill chunk up to this many tokens (chunking protects decoding sequences; with none, a long prompt takes fewer, larger steps: measured TTFT of a lone 2,048-token prompt 1.09-1.16x, 1,024 tokens 1.05-1.12x: python -m bench.lone_prefill_bench; services/engine/scheduler.py); 0 or <= max_num_batched_tokens = always max_num_batched_tokens")
     session_cache_entries: int = Field(256, ge=0)
     heartbeat_period_s: float = Field(0.5, gt=0)
+    max_model_len: int | None = Field(None, ge=16, description="hot engine: longest context (prompt + output tokens) a call may use; null: the model's own limit (and the KV pool's). A call over it is a 413 context_length_exceeded")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="HTTP port of the engine's own Prometheus /metrics (vLLM-named series of its calls and kernel status: talaria/vllm_metrics.py); 0 picks a free one; null: none (the router's /metrics has every engine's)")
+    metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (0.0.0.0 in containers)")
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
     requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None => every core the engine may run on")
@@ -108,6 +111,8 @@ class EngineConfig(_Strict):
             raise ValueError(f"hot engine {self.id!r} pins exactly one model, got {self.models}")
         if self.pool == "cold" and self.compile != "off":
             raise ValueError(f"cold engine {self.id!r}: compile is for hot engines (a cold model's weights move with its arena slot)")
+        if self.pool == "cold" and self.max_model_len is not None:
+            raise ValueError(f"cold engine {self.id!r}: max_model_len is for hot engines (a cold engine's models each keep their own context limit)")
         if self.pool == "cold" and self.packed_weights:
             raise ValueError(f"cold engine {self.id!r}: packed_weights is for hot engines (a cold model's weights are rewritten in place)")
         return self
@@ -197,7 +202,7 @@ class AuthConfig(_Strict):
     """Who may call the router (issue 17, ``services/router/auth.py``). No keys = an open router (it says so at start)."""
 
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
-    open_health: bool = Field(True, description="/health, /ready and /router/* answer without a key")
+    open_health: bool = Field(True, description="/health, /ready, /metrics (Prometheus) and /router/metrics answer without a key")
     resume_secret: str | None = Field(None, min_length=16, description="HMAC key of resume tokens, shared by router replicas; None = random per process")
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import os
 import socket
 import threading
@@ -149,6 +150,7 @@ class _SafeExporter(SpanExporter):
             return SpanExportResult.FAILURE
         if result == SpanExportResult.SUCCESS:
             self.stats.add("exported", len(spans))
+            EXPORT_ERRORS.rearm()
         else:
             self.stats.add("failed", len(spans), "export_failure")
         return result
@@ -388,6 +390,7 @@ def _setup(service: str, instance_id: str, cfg, namespace: str, span_exporter: S
     provider.add_span_processor(processor)
     # The SDK warns once per dropped span when the queue is full; one line is enough.
     logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(_OncePerMessage())
+    EXPORT_ERRORS.install()  # no collector listening: one warning, not an error per batch or interval
     meter = meter_provider.get_meter("talaria") if meter_provider is not None else NoOpMeter("talaria")
     return Telemetry(
         service,
@@ -401,6 +404,58 @@ def _setup(service: str, instance_id: str, cfg, namespace: str, span_exporter: S
         _processor=processor,
         timeout_s=cfg.export_timeout_s,
     )
+
+
+_EXPORT_ERROR = re.compile(r"\bexport(ing)?\b", re.I)  # "Failed to export", "while exporting" (not "Exporter ...")
+
+
+class _ExportErrorsOnce(logging.Filter):
+    """Turns the OpenTelemetry SDK's and exporters' export errors (one or more per batch and per metrics
+    interval, with tracebacks, while no collector listens) into one warning; the next error after an export
+    succeeded warns again. Other records pass. Mutates the records it lets through (message, no traceback)."""
+
+    LOGGERS = (
+        "opentelemetry.exporter.otlp.proto.grpc.exporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+        "opentelemetry.exporter.otlp.proto.http._common",
+        "opentelemetry.sdk.metrics._internal.export",
+        "opentelemetry.sdk._shared_internal",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._warned = False
+        self.suppressed = 0
+
+    def install(self) -> None:
+        """Attach to the exporters' loggers (idempotent; mutates those loggers' filter lists)."""
+        for name in self.LOGGERS:
+            lg = logging.getLogger(name)
+            if self not in lg.filters:
+                lg.addFilter(self)
+
+    def rearm(self) -> None:
+        self._warned = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not _EXPORT_ERROR.search(str(record.msg)):
+            return True
+        if self._warned:
+            self.suppressed += 1
+            return False
+        self._warned = True
+        first = (record.getMessage().strip().splitlines() or [""])[0]
+        exc = record.exc_info[1] if record.exc_info else None
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc is not None else first
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "trace/metric collector unreachable (%s); spans and metrics are dropped and counted (telemetry /summary "
+            "'export'), and further export errors are not logged until an export succeeds", (why[:300],), None, None)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+EXPORT_ERRORS = _ExportErrorsOnce()  # one per process: the exporters' loggers are process-wide
 
 
 class _OncePerMessage(logging.Filter):

@@ -192,6 +192,7 @@ class EngineStats:
     kv_restore_verify_failures: int = 0  # issue 14: restored pages that failed their checksum (recomputed), since start
     transfer_stream_bytes: int = 0  # issue 16 partial_layers: bytes the transfer scheduler streamed (weights)
     transfer_kv_bytes: int = 0  # ... and moved for KV restores under the kappa floor
+    kernels: tuple[tuple[str, str], ...] = ()  # issue 43: (kernel, what runs) -- see executor.Engine.kernels()
 
     @property
     def kv_usage(self) -> float:

@@ -616,7 +616,14 @@ class ColdEngine:
             host_kv=bool(self._host_kv), kv_restore_verify_failures=sum(hk.counters["restore_verify_failures"] for hk in list(self._host_kv.values())),
             staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
             slots=slots, transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
+            kernels=st.kernels if st is not None else self._any_kernels(),
         )
+
+    def _any_kernels(self) -> tuple[tuple[str, str], ...]:
+        """Kernels of any open shell (every shell is built with the same kernel modes). Reads only."""
+        for sh in list(self._shells.values()):
+            return sh.engine.kernels()
+        return ()
 
     def session_info(self, session_id: str) -> SessionInfo | None:
         """The session's KV in the active model's device cache, else in any model's host tier."""

@@ -214,6 +214,7 @@ class Engine:
         intra_op_threads: int | None = None,
         prefill_attention: str = "auto",
         cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
+        max_model_len: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id or self.model_dir.name
@@ -227,7 +228,7 @@ class Engine:
         cfg = self.config
         self.num_pages = self._kv_pages(num_pages, kv_cache, kv_cache_bytes, max_num_seqs)
         self.kv_cache = kv_cache if kv_cache is not None else allocate_kv_cache(cfg, self.num_pages, page_size, self.device, self.dtype)
-        self.max_context = min(cfg.attention_span, self.num_pages * page_size)
+        self.max_context = min(cfg.attention_span, self.num_pages * page_size, max_model_len or cfg.attention_span)  # max_model_len: a cap
         # CPU kernels, each flag says whether it is on: model/paged_attn.py, fused_ops.py, prefill_attn.py
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
@@ -616,6 +617,24 @@ class Engine:
                  "on" if self.paged_decode else "off (gather + SDPA)", "on" if self.fused_ops else "off (eager)",
                  self.prefill_isa if pa is not None else "off (ATen flash)", "on" if self.decode_gemm else "off (oneDNN)")
 
+    def kernels(self) -> tuple[tuple[str, str], ...]:
+        """(kernel, what runs) for the heartbeat (issue 43): on a CPU each C++ kernel is ``on`` or ``off (<the
+        fallback> ...)`` with the build error when the extension did not build; on CUDA one ``device`` row.
+        Reads only."""
+        if self.device.type != "cpu":
+            return (("device", f"{self.device.type} (ATen / SDPA kernels)"),)
+        from services.engine.model.paged_attn import build_error
+
+        err = build_error()
+        why = f"; build failed: {err}" if err else ""
+        pa = self.model.prefill_attention is not None
+        return (
+            ("paged_decode", "on" if self.paged_decode else f"off (gather + SDPA{why})"),
+            ("fused_ops", "on" if self.fused_ops else f"off (eager ops{why})"),
+            ("prefill_attention", f"on ({self.prefill_isa})" if pa else f"off (ATen flash{why or '; not applicable to this CPU, dtype or head dim'})"),
+            ("decode_gemm", "on" if self.decode_gemm else f"off (oneDNN{why})"),
+        )
+
     def _prefill_attention(self, mode: str) -> bool:
         """Give the model the CPU prefill attention kernel (``model/prefill_attn.py``) for ``mode`` ``auto`` on a
         CPU with AMX-BF16 or AVX-512 BF16 (the fastest it has) serving a bf16 model with head dim 64 (else ATen's flash kernel stays), or take it
@@ -723,6 +742,7 @@ class Engine:
                                max_token_bytes=getattr(self.tokenizer, "max_token_bytes", 0)),),
             sessions=tuple(sessions), profile=costs, host_kv=hk is not None,
             kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
+            kernels=self.kernels(),
         )
 
     def cost_stats(self) -> CostStats:

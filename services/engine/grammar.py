@@ -15,6 +15,15 @@ Kinds (wire ``Constraint.kind``):
 
 JSON is generated compactly with Python's default separators (``", "``, ``": "``), the form
 ``json.dumps`` and the chat templates write, so a constrained tool call re-renders to the same text.
+
+Strings are strict JSON (RFC 8259 §7/§8): no raw control character (U+0000-U+001F) and no UTF-16 surrogate
+inside a string, so every answer passes a strict ``json.loads`` and decodes to the characters the grammar
+counted. xgrammar's (0.2.x) free strings exclude controls but admit surrogates (invalid UTF-8, decoded to
+U+FFFD); a string with ``minLength``/``maxLength`` (an object key under ``propertyNames`` too) is compiled to a
+character rule ``[^"\\\r\n]`` that admits TAB and the other controls, and no escapes.
+:func:`strict_json_grammar` rewrites both to "a character that is not a control, quote, backslash or
+surrogate, or one escape" (an escape is one character of the decoded string, as ``minLength``/``maxLength``
+count). ``pattern`` and ``format`` strings go through xgrammar's JSON-string regex, which excludes controls.
 A schema xgrammar cannot compile, or that takes longer than ``COMPILE_TIMEOUT_S``, is a
 :class:`GrammarError` (the engine answers 400 naming the field).
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from typing import Any
 
@@ -91,14 +101,35 @@ class GrammarFactory:
 
         compiler = self._get_compiler()
         if kind == "json_object":
-            return compiler.compile_json_schema({"type": "object"}, any_whitespace=False, separators=SEPARATORS)
+            return compiler.compile_grammar(strict_json_grammar(xgr, {"type": "object"}))
         if kind == "json_schema":
             if len(json_schema) > MAX_SCHEMA_BYTES:
                 raise GrammarError(f"json_schema is larger than {MAX_SCHEMA_BYTES} bytes", "response_format")
-            return compiler.compile_json_schema(json_schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+            return compiler.compile_grammar(strict_json_grammar(xgr, json_schema))
         if kind == "tool_call":
             return compiler.compile_grammar(tool_call_grammar(xgr, tools, tool_choice, tool_format))
         raise GrammarError(f"unknown constraint kind {kind!r}", "response_format")
+
+
+# xgrammar's (0.2.x) printed character rules for strings, and their strict replacements. A free string's
+# character class excludes controls but not UTF-16 surrogates (U+D800-U+DFFF, which are not characters: their
+# UTF-8 form is invalid and decodes to U+FFFD, three per surrogate, breaking length bounds); a length-bounded
+# string's rule admits controls and no escapes.
+_FREE_STRING_CLASS = r'[^\0-\x1f\"\\\r\n]'
+_STRICT_CLASS = r'[^\0-\x1f\"\\\ud800-\udfff]'
+_LOOSE_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_ESCAPE_RULE = r'talaria_json_escape ::= ([\"\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])'
+
+
+def strict_json_grammar(xgr, schema: str | dict):
+    """xgrammar's grammar for ``schema`` (compact, Python's separators, strict mode) with every string
+    character rule strict (see the module note). Pure: returns a new ``xgr.Grammar``; raises what xgrammar
+    raises for a schema it cannot convert."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS, strict_mode=True))
+    ebnf = ebnf.replace(_FREE_STRING_CLASS, _STRICT_CLASS)
+    ebnf, n = _LOOSE_STRING_CHAR.subn(lambda m: f'{m.group(1)} ::= (({_STRICT_CLASS}) | ("\\\\" talaria_json_escape))', ebnf)
+    return xgr.Grammar.from_ebnf(ebnf + ("\n" + _ESCAPE_RULE + "\n" if n else ""))
 
 
 def call_schema(tool: dict, args_key: str) -> dict[str, Any]:
@@ -119,7 +150,7 @@ def tool_call_grammar(xgr, tools: list[dict], tool_choice: str, tool_format: str
     chosen = [t for t in tools if tool_choice in ("required", "") or t["function"]["name"] == tool_choice]
     if not chosen:
         raise GrammarError(f"tool_choice names no function in tools: {tool_choice!r}", "tool_choice")
-    objects = [xgr.Grammar.from_json_schema(json.dumps(call_schema(t, key)), any_whitespace=False, separators=SEPARATORS) for t in chosen]
+    objects = [strict_json_grammar(xgr, call_schema(t, key)) for t in chosen]
     body = objects[0] if len(objects) == 1 else xgr.Grammar.union(*objects)
     parts = [body]
     if before:

@@ -70,6 +70,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         prefill_attention=cfg.prefill_attention,
         cuda_graphs=cfg.cuda_graphs,
         cuda_graph_max_context=cfg.cuda_graph_max_context,
+        max_model_len=cfg.max_model_len,
     )
 
 

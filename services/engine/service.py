@@ -47,6 +47,7 @@ from talaria.natsutil import close_connection, connect
 from talaria.subjects import PROBE_GONE, PROBE_HEADER, Subjects
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
+from talaria.vllm_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class EngineService:
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
         self._ending: dict[str, str] = {}  # issue 14: session -> tenant, ended while a call of it was in flight
         self.retention = RetentionBook(time.time)  # router hints: evict by predicted return (issue 14 item 2)
+        self.serving_metrics = ServingMetrics()  # issue 43: this engine's vLLM-named /metrics (cfg.metrics_port)
+        self.metrics_server = None  # (WSGI server, thread) once run() started it
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model)
@@ -334,6 +337,7 @@ class EngineService:
             hook.hints.CopyFrom(call.hints)
         hook.session_ended = ended
         hook.kv_restore_verify_failures = self.engine.stats().kv_restore_verify_failures
+        self.serving_metrics.observe_hook(hook)
         assert self.nc is not None
         try:
             await self.nc.publish(self.subjects.completed(), hook.SerializeToString())
@@ -603,7 +607,21 @@ class EngineService:
             self.seq += 1
             seq = self.seq
         switches = self.engine.recent_switch_records(8)
-        return wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
+        snap = wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
+        self.serving_metrics.observe_snapshot(snap)
+        return snap
+
+    def start_metrics_server(self) -> int | None:
+        """Serve this engine's ``/metrics`` on ``cfg.metrics_port`` (a daemon thread; 0 = a free port) unless
+        it is None. Sets ``metrics_server``; returns the bound port."""
+        if self.cfg.metrics_port is None:
+            return None
+        from prometheus_client import start_http_server
+
+        self.metrics_server = start_http_server(self.cfg.metrics_port, addr=self.cfg.metrics_host, registry=self.serving_metrics.registry)
+        port = self.metrics_server[0].server_port
+        log.info("engine %s: Prometheus /metrics on %s:%d", self.cfg.id, self.cfg.metrics_host, port)
+        return port
 
 
     async def _deadlines(self) -> None:
@@ -678,6 +696,7 @@ class EngineService:
             lambda: self.snapshot().SerializeToString(), self.cfg.heartbeat_period_s,
         )
         await asyncio.to_thread(self._beat.start)
+        self.start_metrics_server()
         tasks = [asyncio.create_task(t) for t in (self._publisher(), self._deadlines(), self._requesters())]
         print(f"engine {self.cfg.id} serving {', '.join(self.cfg.models) if self.multi else self.model} on {self.cfg.device}", flush=True)
         try:
@@ -709,5 +728,8 @@ class EngineService:
         await close_connection(self.nc, subs)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.metrics_server is not None:
+            self.metrics_server[0].shutdown()
+            self.metrics_server[0].server_close()
         if self._own_telemetry:
             await asyncio.to_thread(self.telemetry.shutdown)  # bounded by telemetry.export_timeout_s

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import auth, resume
@@ -492,6 +493,7 @@ def _instance_health(reg, v) -> dict:
         "draining": v.snapshot.draining,
         "kv_usage": round(v.snapshot.kv_usage, 4),
         "models": [m.model for m in v.snapshot.models],
+        "kernels": {k.name: k.state for k in v.snapshot.kernels},  # issue 43: which kernels the engine runs
     }
 
 
@@ -510,6 +512,12 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     async def router_metrics() -> JSONResponse:
         """Placement accounting as JSON (avoidable cold opens, same-instance returns, lease hits/misses/expiries)."""
         return JSONResponse({"router": cfg.id, "sessions": len(state.sessions), "placement": state.gateway.metrics()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text: vLLM-named serving metrics of every engine this router hears
+        (``talaria/vllm_metrics.py``), labelled ``model_name`` and ``engine``."""
+        return Response(state.serving_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/router/decisions")
     async def router_decisions() -> JSONResponse:

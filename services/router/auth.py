@@ -32,9 +32,9 @@ from services.router.errors import APIError
 log = logging.getLogger(__name__)
 
 TENANT_SEP = "|"  # never in a tenant name (talaria.subjects.check_token), so "<tenant>|<session>" parses uniquely
-# open when ``open_health``: liveness, readiness and aggregate counters. ``/router/decisions`` is not among
+# open when ``open_health``: liveness, readiness and aggregate counters (``/metrics``: Prometheus scrapes it). ``/router/decisions`` is not among
 # them: it names sessions (of every tenant), so with keys configured it always needs one.
-OPEN_PATHS = ("/health", "/ready", "/router/metrics")
+OPEN_PATHS = ("/health", "/ready", "/router/metrics", "/metrics")
 
 
 def key_hash(key: str) -> str:

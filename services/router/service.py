@@ -31,6 +31,7 @@ from talaria import gctune, otel
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import Subjects
 from talaria.v1 import engine_pb2 as pb
+from talaria.vllm_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class RouterState:
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
     telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call (issue 7)
+    serving_metrics: ServingMetrics = field(default_factory=ServingMetrics)  # vLLM-named /metrics (issue 43)
     _bg: set = field(default_factory=set)  # fire-and-forget publish tasks
     _mux: InboxMux | None = None
 
@@ -85,6 +87,7 @@ class RouterState:
             self.counters["bad_heartbeat"] += 1
             return
         self.gateway.on_snapshot(snap)
+        self.serving_metrics.observe_snapshot(snap)
 
     async def on_completed(self, data: bytes) -> None:
         hook = pb.CompletionHook()
@@ -94,6 +97,7 @@ class RouterState:
             self.counters["bad_hook"] += 1
             return
         self.counters["hooks"] += 1
+        self.serving_metrics.observe_hook(hook)
         if hook.session_ended and hook.session_id:  # issue 14: every replica drops the leases (idempotent)
             await self.lease_store.drop_session(hook.session_id, [hook.model])
         lease = self.gateway.on_hook(hook)

@@ -226,6 +226,7 @@ class Collector:
                 "waiting": s.num_waiting,
                 "draining": s.draining,
                 "models": [x.model for x in s.models if x.active],
+                "kernels": {k.name: k.state for k in s.kernels},  # issue 43
             }
             if s.cold_scheduler:  # issue 16: per-token deadline attainment since the engine epoch began
                 self.instances[inst].update({

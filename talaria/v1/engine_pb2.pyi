@@ -433,7 +433,7 @@ class LearnedCost(_message.Message):
     def __init__(self, at: _Optional[int] = ..., seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class InstanceSnapshot(_message.Message):
-    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible", "deadline_attainment", "ttft_attainment", "gap_p99_s", "cold_scheduler", "transfer_stream_bytes", "transfer_kv_bytes", "host_kv")
+    __slots__ = ("schema_version", "instance_id", "pool", "epoch", "seq", "sent_unix", "heartbeat_period_s", "models", "sessions", "num_running", "num_waiting", "kv_usage", "kv_pages_total", "kv_pages_free", "staging_slack_bytes", "profile", "draining", "device", "tokens_generated", "prefix_hit_rate", "switches", "num_switches", "deadline_risk", "shortfall_s", "round_remaining_s", "rounds", "infeasible", "deadline_attainment", "ttft_attainment", "gap_p99_s", "cold_scheduler", "transfer_stream_bytes", "transfer_kv_bytes", "host_kv", "kernels")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +468,7 @@ class InstanceSnapshot(_message.Message):
     TRANSFER_STREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_KV_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     instance_id: str
     pool: Pool
@@ -502,7 +503,16 @@ class InstanceSnapshot(_message.Message):
     transfer_stream_bytes: int
     transfer_kv_bytes: int
     host_kv: bool
-    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ..., deadline_risk: _Optional[bool] = ..., shortfall_s: _Optional[float] = ..., round_remaining_s: _Optional[float] = ..., rounds: _Optional[int] = ..., infeasible: _Optional[_Iterable[str]] = ..., deadline_attainment: _Optional[float] = ..., ttft_attainment: _Optional[float] = ..., gap_p99_s: _Optional[float] = ..., cold_scheduler: _Optional[str] = ..., transfer_stream_bytes: _Optional[int] = ..., transfer_kv_bytes: _Optional[int] = ..., host_kv: _Optional[bool] = ...) -> None: ...
+    kernels: _containers.RepeatedCompositeFieldContainer[KernelState]
+    def __init__(self, schema_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., heartbeat_period_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., staging_slack_bytes: _Optional[int] = ..., profile: _Optional[_Union[CostProfile, _Mapping]] = ..., draining: _Optional[bool] = ..., device: _Optional[str] = ..., tokens_generated: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., num_switches: _Optional[int] = ..., deadline_risk: _Optional[bool] = ..., shortfall_s: _Optional[float] = ..., round_remaining_s: _Optional[float] = ..., rounds: _Optional[int] = ..., infeasible: _Optional[_Iterable[str]] = ..., deadline_attainment: _Optional[float] = ..., ttft_attainment: _Optional[float] = ..., gap_p99_s: _Optional[float] = ..., cold_scheduler: _Optional[str] = ..., transfer_stream_bytes: _Optional[int] = ..., transfer_kv_bytes: _Optional[int] = ..., host_kv: _Optional[bool] = ..., kernels: _Optional[_Iterable[_Union[KernelState, _Mapping]]] = ...) -> None: ...
+
+class KernelState(_message.Message):
+    __slots__ = ("name", "state")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class SwitchRecord(_message.Message):
     __slots__ = ("schema_version", "instance_id", "seq", "from_model", "to_model", "reason", "path", "started_unix", "total_seconds", "save_teardown_seconds", "open_weights_seconds", "restore_kv_shell_seconds", "restore_runtime_seconds", "publish_seconds", "weight_bytes", "staged_bytes", "host_bytes", "dirty_bytes", "d2d_seconds", "h2d_seconds", "kv_shell_reused", "runtime_reused")

@@ -49,3 +49,17 @@ def test_unparseable_file(tmp_path):
     p.write_text("router: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(p)
+
+
+def test_configuration_reference_matches_the_models(tmp_path, monkeypatch):
+    """docs/configuration.md is what talaria/config.py says (issue 43 item 7): a field added, removed or
+    re-described without regenerating it fails here; and the check itself notices a stale file."""
+    from talaria import config_doc
+
+    assert config_doc.main(["--check"]) == 0, "run: python -m talaria.config_doc"
+    for name in ("max_model_len", "metrics_port", "open_health", "api_keys"):
+        assert f"`{name}`" in config_doc.DOC.read_text()
+    stale = tmp_path / "configuration.md"
+    stale.write_text(config_doc.reference().replace("`max_model_len`", "`max_len`"))
+    monkeypatch.setattr(config_doc, "DOC", stale)
+    assert config_doc.main(["--check"]) == 1

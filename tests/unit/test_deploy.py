@@ -562,3 +562,36 @@ def test_nomad_routers_and_telemetry():
     ng = _labeled(njob["group"])["nats"]
     assert ng["count"] == 3 and ng["constraint"][0]["operator"] == "distinct_hosts"
     assert "js-enabled-only" in ng["service"][0]["check"][0]["path"]
+
+
+def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_instance():
+    """Issue 43: no panel reads a series nothing exports (the telemetry catalog, the router's/engines'
+    vLLM-named metrics, Prometheus' own per-target series), and the main dashboard has model/instance variables
+    its vLLM panels use; the router job is scraped."""
+    import re
+
+    from services.telemetry.metrics import CATALOG
+    from talaria.vllm_metrics import NAMES
+
+    exported = set()
+    for name, kind in [(m.name, m.kind) for m in CATALOG] + [(n, "vllm") for n in NAMES]:
+        exported |= {name, name + "_total", name + "_bucket", name + "_sum", name + "_count"}
+    from talaria.vllm_metrics import TALARIA_NAMES
+
+    exported |= {*TALARIA_NAMES, "up", "scrape_samples_scraped"}
+    for f in sorted((DEPLOY / "grafana" / "dashboards").glob("*.json")):
+        d = json.loads(f.read_text())
+        queries = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+        queries += [v["query"]["query"] if isinstance(v["query"], dict) else v["query"] for v in d.get("templating", {}).get("list", [])]
+        for q in queries:
+            q = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", q)  # selectors, ranges, strings
+            names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", q)) - {"sum", "by", "rate", "histogram_quantile", "max", "le",
+                                                                       "label_values", "model", "instance", "source", "kind",
+                                                                       "reason", "path", "phase", "type", "model_name", "engine", "job"}
+            assert names <= exported, (f.name, q, names - exported)
+    main = json.loads((DEPLOY / "grafana" / "dashboards" / "talaria-dashboard.json").read_text())
+    assert {v["name"] for v in main["templating"]["list"]} == {"model", "instance"}
+    vllm = [t["expr"] for p in main["panels"] for t in p.get("targets", []) if "vllm:" in t["expr"]]
+    assert vllm and all('model_name=~"$model"' in e for e in vllm)
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert {"talaria-telemetry", "talaria-router"} <= {j["job_name"] for j in prom["scrape_configs"]}

@@ -14,6 +14,7 @@ from services.engine.model.llama import RMSNorm, _rms_norm, apply_rope
 from services.engine.model.loader import allocate_kv_cache, load_model
 from services.engine.types import SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
+from tests.unit.kernel_fixtures import require_extension
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 EPS = 1e-5
@@ -21,10 +22,8 @@ EPS = 1e-5
 
 @pytest.fixture(scope="module")
 def ops() -> FusedOps:
-    o = load_fused_ops()
-    if o is None:
-        pytest.skip("CPU extension could not be built (no C++ compiler or ninja; see the warning)")
-    return o
+    require_extension()  # a failed build fails the module (tests/unit/kernel_fixtures.py)
+    return load_fused_ops()
 
 
 def _close(fused: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, exact: bool = False) -> None:

@@ -117,3 +117,108 @@ def test_slow_compile_is_a_bounded_grammar_error(tok, monkeypatch):
     with pytest.raises(GrammarError) as ei:
         fac.compile("json_schema", json.dumps(wide))
     assert ei.value.param == "response_format" and "did not compile" in str(ei.value)
+
+
+# ------------------------------------------------------------------ strict JSON strings (issue 43, item 8)
+# Every place a schema can put a string: free, length-bounded (xgrammar's loose character rule), an object key
+# under propertyNames, array items, additionalProperties values, pattern and format (xgrammar's regex path).
+STRING_SCHEMAS = {
+    "free": {"type": "string"},
+    "maxLength": {"type": "string", "maxLength": 8},
+    "minLength": {"type": "string", "minLength": 1},
+    "bounded": {"type": "string", "minLength": 2, "maxLength": 6},
+    "pattern": {"type": "string", "pattern": "^a.*"},
+    "items": {"type": "array", "items": {"type": "string", "maxLength": 5}},
+    "additional": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 5}},
+    "propertyNames": {"type": "object", "propertyNames": {"maxLength": 4}, "additionalProperties": {"type": "integer"}},
+}
+WRAP = {  # a document with the string in its place, given the string's JSON text
+    "free": lambda s: '{"v": %s}' % s, "maxLength": lambda s: '{"v": %s}' % s, "minLength": lambda s: '{"v": %s}' % s,
+    "bounded": lambda s: '{"v": %s}' % s, "pattern": lambda s: '{"v": %s}' % s, "items": lambda s: '{"v": [%s]}' % s,
+    "additional": lambda s: '{"v": {"k": %s}}' % s, "propertyNames": lambda s: '{"v": {%s: 1}}' % s,
+}
+
+
+def accepts(grammar, doc: str | bytes) -> bool:
+    """Whether ``grammar`` accepts the whole document (UTF-8 bytes, so invalid sequences can be offered)."""
+    from xgrammar.testing import _get_matcher_from_grammar
+
+    m = _get_matcher_from_grammar(grammar)
+    return m.accept_string(doc.encode() if isinstance(doc, str) else doc) and m.is_terminated()
+
+
+SURROGATE = b"\xed\xa8\x9b"  # U+DA1B in UTF-8 form: not a character; decodes to three U+FFFD
+
+
+@pytest.mark.parametrize("where", sorted(STRING_SCHEMAS))
+def test_strings_refuse_raw_control_characters_and_take_escapes(where):
+    """The compiled grammar accepts a string with an escaped TAB/newline/quote and refuses the same string
+    with a raw control character (which a strict ``json.loads`` rejects) or a surrogate, wherever the schema
+    puts it."""
+    import xgrammar as xgr
+
+    from services.engine.grammar import strict_json_grammar
+
+    g = strict_json_grammar(xgr, {"type": "object", "properties": {"v": STRING_SCHEMAS[where]}, "required": ["v"]})
+    wrap = WRAP[where]
+    assert accepts(g, wrap('"abc"')) and accepts(g, wrap('"a\u00e9c"'))
+    for raw in ("\t", "\n", "\r", "\x00", "\x01", "\x1f"):
+        assert not accepts(g, wrap(f'"a{raw}c"')), (where, raw)
+    if where != "pattern":  # the pattern decides itself which characters a string may hold
+        assert not accepts(g, wrap('"a%sc"').encode().replace(b"%s", SURROGATE)), where
+        for esc in ("\\t", "\\n", '\\"', "\\\\", "\\u0009"):
+            doc = wrap(f'"a{esc}c"')
+            assert accepts(g, doc), (where, esc)
+            json.loads(doc)
+
+
+def test_length_bounds_count_an_escape_as_one_character():
+    """minLength/maxLength count characters of the decoded string, as JSON Schema does."""
+    import xgrammar as xgr
+
+    from services.engine.grammar import strict_json_grammar
+
+    g = strict_json_grammar(xgr, {"type": "object", "properties": {"v": {"type": "string", "maxLength": 2}}, "required": ["v"]})
+    assert accepts(g, '{"v": "\\t\\n"}') and not accepts(g, '{"v": "\\t\\nx"}')
+
+
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 6}, "maxItems": 3},
+        "notes": {"type": "object", "propertyNames": {"maxLength": 5}, "additionalProperties": {"type": "string", "maxLength": 6}, "maxProperties": 2},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "tags", "notes", "days"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_random_weight_models_give_strict_json_over_many_seeds(synth_models, name):
+    """A real engine serving a random-weight model samples 48 json_schema answers at temperature 1.5 (one
+    seed each, one batch): every finished answer passes a strict ``json.loads`` and matches the schema. The
+    random weights put mass on control-character tokens, which the loose length-bounded rule let through."""
+    from services.engine.executor import Engine
+    from services.engine.types import EngineRequest, FinishReason
+
+    engine = Engine(synth_models[name], page_size=16, num_pages=512, max_num_seqs=48)
+    grammar = GrammarFactory(engine.tokenizer, engine.vocab_size, list(engine.eos_token_ids)).compile("json_schema", json.dumps(STRICT_SCHEMA))
+    prompt = engine.tokenizer.encode("Answer in JSON: where and for how long?")
+    texts, reasons = {}, {}
+    for seed in range(48):
+        rid = f"s{seed}"
+        engine.add_request(EngineRequest(rid, prompt, SamplingParams(temperature=1.5, seed=seed, max_tokens=160, grammar=grammar)))
+        texts[rid] = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] += out.new_text
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    finished = [rid for rid, r in reasons.items() if r == FinishReason.STOP]
+    assert len(finished) >= 40, reasons
+    for rid in finished:
+        obj = json.loads(texts[rid])  # strict: a raw control character in a string raises
+        assert set(obj) == {"city", "tags", "notes", "days"} and 1 <= obj["days"] <= 7, texts[rid]
+        assert len(obj["city"]) <= 12 and all(1 <= len(t) <= 6 for t in obj["tags"]), texts[rid]

@@ -136,6 +136,34 @@ def test_dead_otlp_endpoint_exports_nothing_and_shuts_down():
     assert tel.stats.exported == 0 and tel.stats.ended == 1000
 
 
+def test_collector_errors_are_one_warning_until_an_export_succeeds(caplog):
+    """Issue 43: with no collector every batch and metrics interval logged an error (with a traceback); now
+    the first is one warning naming the cause, the rest are counted, and a successful export re-arms it."""
+    import logging
+
+    otel.EXPORT_ERRORS.install()
+    otel.EXPORT_ERRORS.rearm()
+    grpc_log = logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter")
+    metrics_log = logging.getLogger("opentelemetry.sdk.metrics._internal.export")
+    before = otel.EXPORT_ERRORS.suppressed
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            grpc_log.error("Failed to export %s to %s, error code: %s", "traces", "localhost:4317", "UNAVAILABLE")
+            try:
+                raise ConnectionError("connection refused")
+            except ConnectionError:
+                metrics_log.exception("Exception while exporting metrics")
+        grpc_log.warning("Exporter already shutdown, ignoring call")  # not an export error: passes
+        otel._SafeExporter(InMemorySpanExporter(), otel.ExportStats()).export([])  # a success re-arms
+        metrics_log.error("Exception while exporting metrics")
+    otl = [r for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
+    assert [r.levelname for r in otl] == ["WARNING", "WARNING", "WARNING"], [r.getMessage() for r in otl]
+    assert "collector unreachable (Failed to export traces to localhost:4317" in otl[0].getMessage()
+    assert otl[0].exc_info is None and "already shutdown" in otl[1].getMessage()
+    assert "collector unreachable" in otl[2].getMessage()
+    assert otel.EXPORT_ERRORS.suppressed - before == 9
+
+
 def test_disabled_is_a_no_op():
     tel = otel.setup("x", "y", TelemetryConfig(enabled=False))
     assert not tel.enabled and tel.destination == "off"

@@ -1,5 +1,5 @@
 """The CPU paged decode attention kernel (services/engine/model/paged_attn.py) against gather + SDPA, and an
-engine with it against an engine without it (greedy tokens equal). Skips only if the extension cannot build."""
+engine with it against an engine without it (greedy tokens equal). A build failure fails (tests/unit/kernel_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from services.engine.executor import Engine
 from services.engine.model.paged_attn import load_kernel
 from services.engine.types import SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
+from tests.unit.kernel_fixtures import require_extension
 
 PAGE = 16
 LENS = (1, 15, 16, 17, 1000)
@@ -21,10 +22,8 @@ LENS = (1, 15, 16, 17, 1000)
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = load_kernel()  # the build (first run: tens of seconds) happens here, outside any timing
-    if k is None:
-        pytest.skip("paged decode attention extension could not be built (no C++ compiler or ninja; see the warning)")
-    return k
+    require_extension()  # the build (first run: tens of seconds) happens here, outside any timing; a failed build fails
+    return load_kernel()
 
 
 def _pool(lens, kvh, d, dtype, seed):

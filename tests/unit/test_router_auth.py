@@ -96,7 +96,7 @@ def test_rate_limited_key_gets_429_with_retry_after():
 @pytest.mark.parametrize("open_health", [True, False])
 def test_health_and_metrics_open_or_keyed_by_config(open_health):
     _, client = _app(open_health=open_health)
-    for path in ("/health", "/ready", "/router/metrics"):
+    for path in ("/health", "/ready", "/router/metrics", "/metrics"):
         r = client.get(path)
         assert (r.status_code != 401) == open_health, path
         assert client.get(path, headers=_bearer(KEY_A)).status_code != 401

@@ -174,10 +174,17 @@ def load_extension():
             try:
                 _state["module"] = _build()
             except Exception as e:  # no compiler, no ninja, a failed compile: the eager paths stay
+                _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
                 log.warning("CPU kernels unavailable (%s: %s); decode keeps gather + SDPA, layers keep eager ops",
                             type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
                 _state["module"] = None
         return _state["module"]
+
+
+def build_error() -> str:
+    """Why :func:`load_extension` returned ``None`` ("" if it has not been tried or it loaded). Reads only."""
+    with _lock:
+        return str(_state.get("error", ""))
 
 
 def load_kernel() -> PagedDecodeFn | None:
