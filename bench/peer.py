@@ -30,6 +30,11 @@ What is measured (issue 20 §1)
     ``agent-chat`` counts failed calls (``chat_failed_calls``; a failed call ends its session); in the other
     workloads a failed call fails the run.
 
+    What Talaria runs: ``--talaria-config FILE`` names the stack config the Talaria target was started with
+    (``talaria up --config FILE``; ``default`` = the embedded defaults ``talaria up`` ships); the report prints
+    its effective engine and kvstore settings (defaults filled in) and says when the host KV tier is off,
+    which is not what users of the default stack run.
+
     Token counts of the prompts are calibrated once on the Talaria target (``usage.prompt_tokens`` of a
     probe call, tokens per word); both targets get the very same texts.
 
@@ -260,13 +265,46 @@ async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
         rows.append({"metric": metric, "talaria": ours, "peer": theirs, "talaria_advantage": ratio})
     # greedy, same texts: two servers of the same checkpoint should produce the same completions
     agree = sum(x == y for x, y in zip(sorted(targets[0].texts[1:]), sorted(targets[1].texts))) / max(len(targets[1].texts), 1)
-    return {"bench": "peer", "talaria": {"url": a.talaria_url, "model": targets[0].model}, "peer": {"url": a.url, "model": a.model},
+    return {"bench": "peer", "talaria": {"url": a.talaria_url, "model": targets[0].model, "config": effective_config(a.talaria_config)},
+            "peer": {"url": a.url, "model": a.model},
             "repeats": a.repeats, "words_per_token": wpt, "rows": rows, "runs": runs, "identical_completions": agree}
+
+
+def effective_config(path: str | None) -> dict[str, Any] | None:
+    """The engine and kvstore settings of the stack config ``path`` with every default filled in (``default``:
+    the embedded defaults of ``talaria up``); None when not given. Adds ``host_kv_on`` per engine: its tier is
+    on only when the engine asks for it and the stack runs a kvstore."""
+    if not path:
+        return None
+    from talaria.config import StackConfig, load_config
+
+    cfg = StackConfig() if path == "default" else load_config(path)
+    engines = []
+    for e in cfg.engines:
+        d = e.model_dump(mode="json")
+        d["host_kv_on"] = bool(e.host_kv and cfg.kvstore.enabled)
+        engines.append(d)
+    return {"source": path, "engines": engines, "kvstore": cfg.kvstore.model_dump(mode="json", exclude={"auth_token"}),
+            "telemetry_enabled": cfg.telemetry.enabled}
+
+
+def render_config(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "Talaria's configuration: not given (--talaria-config FILE|default); the numbers may not be the default stack's"
+    keys = ("id", "pool", "models", "dtype", "torch_threads", "kv_cache_mb", "host_kv_on", "host_kv_write_policy", "omp_spin_count")
+    lines = [f"Talaria's effective configuration ({c['source']}): telemetry {'on' if c['telemetry_enabled'] else 'off'}, "
+             f"kvstore {'on' if c['kvstore']['enabled'] else 'OFF'}"]
+    for e in c["engines"]:
+        lines.append("  engine " + ", ".join(f"{k}={e.get(k)}" for k in keys))
+        if not e["host_kv_on"]:
+            lines.append("  NOTE: this engine's host KV tier is off -- not what the default stack (`talaria up`) runs")
+    return "\n".join(lines)
 
 
 def render(r: dict[str, Any]) -> str:
     head = (f"peer bench: Talaria {r['talaria']['model']} at {r['talaria']['url']} vs peer {r['peer']['model']} at "
-            f"{r['peer']['url']}; medians of {r['repeats']} interleaved repetitions; advantage > 1 = Talaria better")
+            f"{r['peer']['url']}; medians of {r['repeats']} interleaved repetitions; advantage > 1 = Talaria better\n"
+            + render_config(r["talaria"].get("config")))
     table = format_table(["metric", "talaria", "peer", "talaria advantage"],
                          [[x["metric"], x["talaria"], x["peer"], x["talaria_advantage"]] for x in r["rows"]])
     return f"{head}\n\n{table}\n\nidentical completions (greedy, sanity, not a gate): {r['identical_completions']:.0%}"
@@ -277,6 +315,8 @@ def add_args(p) -> None:
     p.add_argument("--model", required=True, help="the peer's served model name")
     p.add_argument("--talaria-url", default="http://127.0.0.1:8080/v1", help="Talaria's OpenAI base URL (default http://127.0.0.1:8080/v1)")
     p.add_argument("--talaria-model", default="", help="Talaria's model name (default: --model)")
+    p.add_argument("--talaria-config", default=None, metavar="FILE|default",
+                   help="the stack config Talaria was started with (`default`: talaria up's embedded defaults); its effective settings go into the report")
     p.add_argument("--workloads", nargs="+", default=["ttft", "decode", "agent"], choices=["ttft", "decode", "agent", "agent-chat"])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; medians are reported (default 3)")
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=[512, 2048], help="prompt tokens of the TTFT workload")

@@ -100,9 +100,7 @@ class ColdEngine:
             device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
             session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
-            prefill_attention=prefill_attention,
-            # shells are built on the executor thread at switches, whose count is not the configured one until
-            # its first step sets it: take it here, on the building thread (``build_cold_engine``)
+            prefill_attention=prefill_attention,  # shells are built on the executor thread: take the count here
             intra_op_threads=intra_op_threads if intra_op_threads is not None else torch.get_num_threads(),
         )
         self.clock = clock

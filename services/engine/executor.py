@@ -210,8 +210,7 @@ class Engine:
         compile_mode: str = "off",
         paged_decode: str = "auto",
         fused_ops: str = "auto",
-        small_step_threads: int | None = None,
-        intra_op_threads: int | None = None,
+        small_step_threads: int | None = None, intra_op_threads: int | None = None,
         prefill_attention: str = "auto",
         cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
         max_model_len: int | None = None,
@@ -233,12 +232,7 @@ class Engine:
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
         self._log_kernels()
-        # the team every step runs with (``_step_threads`` sets it on the stepping thread): the count asked for, else
-        # the constructing thread's (``build_engine`` sets the configured count there just before)
-        self.intra_op_threads = intra_op_threads if intra_op_threads is not None else torch.get_num_threads()
-        if self.intra_op_threads < 1:
-            raise ValueError(f"intra_op_threads must be >= 1, got {self.intra_op_threads}")
-        self.small_step_threads = self._small_threads(small_step_threads)
+        self.intra_op_threads, self.small_step_threads = self._threads(intra_op_threads), self._small_threads(small_step_threads)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on;
         # decode steps replayed as CUDA graphs (model/cuda_graphs.py): own weights and KV pool only
         self.compile_verdict = compile_model(self.model, self.kv_cache, self.device, compile_mode, max_num_batched_tokens)
@@ -352,8 +346,12 @@ class Engine:
             self._phases_scheduled(sched, t_sched)
             if not sched.is_empty:
                 t0 = time.perf_counter()
-                sampled = self._execute(sched)
-                self.scheduler.publish_computed(sched)  # the forward wrote them: calls sharing the prefix reuse them
+                try:
+                    sampled = self._execute(sched)
+                except BaseException:
+                    self.scheduler.forward_failed(sched)  # its pages are never published as a prefix
+                    raise
+                self.scheduler.forward_done()  # the KV it wrote may be published for calls sharing the prefix
                 self._record_timing(sched, time.perf_counter() - t0)
                 outputs += self._postprocess(sched, sampled)
             elif hk is not None and hk.num_restoring and not outputs:
@@ -431,6 +429,15 @@ class Engine:
         if n is not None and n < 1:
             raise ValueError(f"small_step_threads must be >= 1, got {n}")
         return n if self.device.type == "cpu" else None
+
+    @staticmethod
+    def _threads(n: int | None) -> int:
+        """The team every step runs with (``_step_threads`` sets it on the stepping thread): ``n``, else the
+        constructing thread's count (``build_engine`` sets the configured one there just before)."""
+        n = n if n is not None else torch.get_num_threads()
+        if n < 1:
+            raise ValueError(f"intra_op_threads must be >= 1, got {n}")
+        return n
 
     def _step_threads(self, tokens: int) -> None:
         """Give the stepping thread its own intra-op thread count: ``intra_op_threads``, or ``small_step_threads``

@@ -17,7 +17,8 @@ tokens and ``max_num_seqs`` running sequences.
    next step. No admission happens in a step that preempted.
    Prefix-aware admission (issue 42 item 2; the effect of vLLM's and SGLang's prefix caching on calls that
    arrive together): a running sequence's computed full prompt pages are published into the radix cache
-   after every forward (``publish_computed``), and a waiting sequence whose next uncached page is one that
+   (``_publish_running``, at the top of a schedule with calls waiting, once the executor said the last
+   forward completed: ``forward_done``; never those of a failed forward), and a waiting sequence whose next uncached page is one that
    a running sequence is still computing (same cumulative hash: same tokens up to there) is *deferred*:
    it stays waiting, later ones may be admitted, and it is admitted once those pages are published, with
    the shared prefix as a cache hit. Eight agent sessions that start together behind one system prompt
@@ -78,6 +79,9 @@ def _before(a: Sequence, b: Sequence) -> bool:
     return a.priority > b.priority or (a.priority == b.priority and a.queue_at < b.queue_at)
 
 
+NEVER_PUBLISH = 1 << 62  # num_published_pages of a sequence whose forward failed (forward_failed)
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, *, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, lone_prefill_tokens: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or lone_prefill_tokens < 0:
@@ -89,6 +93,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
+        self._forward_ok = False  # the last scheduled forward completed (forward_done): running KV is written
 
     # ---------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
@@ -115,6 +120,9 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         self.kv.finish_copies()  # the previous step's copies have run
+        if self.waiting and self._forward_ok:
+            self._publish_running()
+        self._forward_ok = False  # until the executor says this step's forward completed
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -198,17 +206,27 @@ class Scheduler:
             out.update(s.hashes[s.num_published_pages :])
         return out
 
-    def publish_computed(self, sched: SchedulerOutput) -> None:
-        """The executor ran ``sched``'s forward without error: publish every prefill chunk's newly computed
-        full pages (of the hashed tokens: the prompt, or prompt + generated for a preempted call) into the
-        radix cache. Mutates: the radix cache, ``num_published_pages`` of those sequences."""
-        P = self.kv.page_size
+    def forward_done(self) -> None:
+        """The executor ran the last scheduled forward without error: the KV of every running sequence's
+        ``num_computed_tokens`` is written. Mutates: the flag ``schedule`` publishes by."""
+        self._forward_ok = True
+
+    def forward_failed(self, sched: SchedulerOutput) -> None:
+        """The forward of ``sched`` raised: what it was to write cannot be trusted, so those sequences never
+        publish pages (their calls are failed). Mutates: their ``num_published_pages``."""
+        self._forward_ok = False
         for sc in sched.scheduled:
-            seq = sc.seq
-            if sc.is_decode or seq.status is not SequenceStatus.RUNNING:
-                continue
+            sc.seq.num_published_pages = NEVER_PUBLISH
+
+    def _publish_running(self) -> None:
+        """Publish every running sequence's computed full pages (of its hashed tokens: the prompt, or prompt +
+        generated for a preempted call) into the radix cache. Only at the top of a schedule with calls
+        waiting (nobody else could use them sooner) and after a forward that completed. Mutates: the radix
+        cache, ``num_published_pages``."""
+        P = self.kv.page_size
+        for seq in self.running:
             n = min(seq.num_computed_tokens // P, len(seq.hashes))
-            if n > seq.num_published_pages:
+            if seq.num_published_pages < n:
                 self.kv.publish(seq.hashes, seq.pages, n)
                 seq.num_published_pages = n
 

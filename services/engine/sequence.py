@@ -52,7 +52,7 @@ class Sequence:
         self.phases = None  # issue 12: talaria.attribution.PhaseClock, moved by the executor (exact time split)
         self.priority = 0  # issue 14 hint: waiting order (larger first, ties by arrival); see Scheduler.add
         self.queue_at = 0.0  # issue 14: arrival time minus the latency-sensitivity hint (order within a priority)
-        self.num_published_pages = 0  # full pages of ``hashes`` in the radix cache while it runs (Scheduler.publish_computed)
+        self.num_published_pages = 0  # full pages of ``hashes`` in the radix cache while it runs (Scheduler._publish_running)
 
     @property
     def num_tokens(self) -> int:

@@ -361,8 +361,16 @@ async def _probe_inproc(env: dict, monkeypatch, *args: str) -> tuple[int, dict]:
     buf = io.StringIO()
 
     def run() -> int:
-        with contextlib.redirect_stdout(buf):
-            return main(["--log-level", "error", "health", *args])
+        import logging
+
+        root = logging.getLogger()
+        level, handlers = root.level, list(root.handlers)
+        try:
+            with contextlib.redirect_stdout(buf):
+                return main(["--log-level", "error", "health", *args])
+        finally:  # the CLI configures the root logger for its process: give this one's back
+            root.handlers[:] = handlers
+            root.setLevel(level)
 
     rc = await asyncio.to_thread(run)
     return rc, json.loads(buf.getvalue().strip().splitlines()[-1])

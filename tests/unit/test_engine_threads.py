@@ -57,6 +57,7 @@ def test_spin_count_after_torch_was_imported_only_warns(monkeypatch, caplog):
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    caplog.set_level("WARNING", logger="services.engine.main")  # whatever level an earlier in-process CLI run left on the root
     omp_spin_count(123)
     assert "GOMP_SPINCOUNT" not in os.environ
     assert "not applied" in caplog.text

@@ -260,7 +260,7 @@ def test_lone_prefill_tokens_must_not_be_negative():
 def run_and_publish(s, token=7):
     """As the executor does: schedule, 'run' the forward, publish the computed pages, sample."""
     out = s.schedule()
-    s.publish_computed(out)
+    s.forward_done()
     for sc in out.scheduled:
         if sc.sample:
             sc.seq.append_token(token)
@@ -281,8 +281,9 @@ def test_a_call_sharing_a_prefix_being_computed_waits_for_it_and_reuses_it():
     out = run_and_publish(s)
     assert out.summary() == [("a", 14), ("c", 6)]
     assert b.status is SequenceStatus.WAITING and not b.pages
-    assert len(s.kv.radix) == 3 + 1  # a's three full pages and c's one, published after the forward
+    assert len(s.kv.radix) == 0  # published at the next schedule, while b waits
     out = run_and_publish(s)
+    assert len(s.kv.radix) >= 3
     assert out.summary() == [("a", 1), ("c", 1), ("b", 3)]
     assert b.num_cached_tokens == 12 and b.pages[:3] == a.pages[:3]
     assert s.kv.num_hit_tokens == 12
@@ -293,17 +294,27 @@ def test_a_deferred_call_is_not_held_by_a_preempted_or_finished_leader():
     a, b = seq("a", 14), seq("b", 13)  # b shares a's first three pages
     s.add(a)
     s.add(b)
-    out = s.schedule()  # a's forward fails: nothing is published
+    out = s.schedule()
     assert out.summary() == [("a", 14)] and b.status is SequenceStatus.WAITING
+    s.forward_failed(out)  # a's forward raised: nothing of it is ever published, and b no longer waits for it
+    out = s.schedule()
+    s.forward_done()
+    assert out.summary() == [("b", 13)] and b.num_cached_tokens == 0 and len(s.kv.radix) == 0  # computes it itself
     s.finish(a, cache=False)  # its call is failed
-    out = run_and_publish(s)
-    assert out.summary() == [("b", 13)] and b.num_cached_tokens == 0  # computes it itself
-    assert len(s.kv.radix) == 3
+    for sc in out.scheduled:
+        sc.seq.append_token(7)
+    s.schedule()
+    s.forward_done()
+    s.check_integrity()
+    s.add(seq("c", 13))  # a later call with b's prompt: b's pages are published as c waits, then reused
+    out = s.schedule()
+    assert len(s.kv.radix) == 3 and out.summary()[-1] == ("c", 1)  # c: 12 tokens hit, its last recomputed
 
 
 def test_without_publishing_the_scheduler_never_matches_unwritten_pages():
     """Pages of a step whose forward has not run (or failed) are never matched: they are not in the radix
-    cache until ``publish_computed``, and the call sharing them stays deferred meanwhile."""
+    cache until the executor said the forward completed (``forward_done``), and the call sharing them stays
+    deferred meanwhile."""
     s = make(num_pages=32, budget=64)
     a, b = seq("a", 14), seq("b", 13)
     s.add(a)

@@ -114,10 +114,7 @@ def ref(synth_models, specs):
 
 
 def test_interleaved_sessions_match_single_model_runs_with_sp(synth_models, specs, ref):
-    # ttft_s 2.5: at 2.0 the slot budget admitted one return (of six at 2.5-4.0) by a margin of clock ticks --
-    # every clock read advances this virtual clock, and publishing prefill pages as they are computed (issue 42)
-    # reads it once more per chunk, which deferred that one return on "budget"
-    ce, clock = make(synth_models, SlotPolicy(ttft_s=2.5, tpot_s=0.1, gamma=0.8))
+    ce, clock = make(synth_models, SlotPolicy(ttft_s=2.0, tpot_s=0.1, gamma=0.8))
     got, decisions = run_interleaved(ce, clock, specs)
     assert got == ref
     phases = {d.phase for d in decisions if d is not None}
