@@ -27,13 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable, TooLargeForBus
-from services.router.errors import APIError, CatchAll, unencodable, wire_field
+from services.router.errors import APIError, CatchAll, anthropic_path, unencodable, wire_field
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
 from services.router.leases import lease_key
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
 from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
 from services.router.openai_routes import make_router
+from services.router.anthropic_routes import anthropic_routes
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
@@ -548,6 +549,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app.post("/v1/completions")(api.completions)
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     app.include_router(session_routes(state))  # DELETE /v1/sessions/{id} (issue 14)
+    app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens (issue 44)
     return app
 
 
@@ -556,9 +558,9 @@ def _install_error_handlers(app: FastAPI, state) -> None:
     wire cannot carry that no field guard caught (400), anything else (500, connection kept)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_req: Request, e: APIError) -> Response:
+    async def _api_error(req: Request, e: APIError) -> Response:
         state.counters[f"error_{e.status}"] += 1
-        return e.response()
+        return e.response(anthropic_path(req.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(req: Request, e: StarletteHTTPException) -> Response:
@@ -569,14 +571,14 @@ def _install_error_handlers(app: FastAPI, state) -> None:
             err = APIError(405, f"method {req.method} is not allowed on {req.url.path}", code="method_not_allowed", headers=dict(e.headers or {}))
         else:
             err = APIError(e.status_code, str(e.detail), code=None, headers=dict(e.headers or {}))
-        return err.response()
+        return err.response(anthropic_path(req.url.path))
 
     @app.exception_handler(ValueError)
-    async def _unencodable(_req: Request, e: ValueError) -> Response:
+    async def _unencodable(req: Request, e: ValueError) -> Response:
         # the net under the per-field guards: a client value the wire could not carry is never a 500
         log.warning("request value not encodable (no field guard caught it): %s", unencodable(e))
         state.counters["error_400"] += 1
-        return APIError(400, f"a request value cannot be encoded: {unencodable(e)}", code="invalid_value").response()
+        return APIError(400, f"a request value cannot be encoded: {unencodable(e)}", code="invalid_value").response(anthropic_path(req.url.path))
 
     def _unexpected(e: Exception) -> None:
         log.error("unexpected router error", exc_info=e)
