@@ -92,6 +92,8 @@ def _cache_control(v: Any, param: str, tr: Translation) -> None:
         return
     if not isinstance(v, dict) or v.get("type") != "ephemeral" or set(v) - {"type", "ttl"}:
         raise bad("cache_control must be {\"type\": \"ephemeral\", \"ttl\"?: \"5m\" | \"1h\"}", param)
+    if not isinstance(v.get("ttl", "5m"), (str, int, float)):
+        raise bad("ttl must be a duration such as \"5m\" or \"1h\"", f"{param}.ttl")
     tr.ttls.append(parse_ttl(v.get("ttl", "5m"), f"{param}.ttl") or 300.0)
 
 
@@ -286,9 +288,12 @@ def to_chat(body: dict, count_only: bool = False) -> Translation:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
             raise bad("temperature must be within [0, 1]", "temperature")
         chat["temperature"] = t
-    for k in ("top_p", "top_k", "stream"):
-        if body.get(k) is not None:
-            chat[k] = body[k]
+    for k, kinds in (("top_p", (int, float)), ("top_k", (int,)), ("stream", (bool,))):
+        v = body.get(k)
+        if v is not None:  # the chat schema checks the ranges; the types are checked strictly here
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+                raise bad(f"{k} must be a {'boolean' if k == 'stream' else 'number'}", k)
+            chat[k] = v
     md = body.get("metadata")
     if md is not None:
         if not isinstance(md, dict):
