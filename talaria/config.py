@@ -213,6 +213,17 @@ class AuthConfig(_Strict):
         return self
 
 
+class ResponsesStoreConfig(_Strict):
+    """Stored Responses (issue 44, ``services/router/responses_store.py``): ``store: true`` / ``previous_response_id``."""
+
+    store: Literal["jetstream", "memory", "off"] = Field("jetstream", description="jetstream = shared by router replicas (memory if "
+                                                          "JetStream is unavailable); off = store and previous_response_id are a 400")
+    ttl_s: float = Field(3600.0, gt=0, le=30 * 86400, description="a stored response is kept this long")
+    max_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="jetstream: the bucket's size cap (full: new responses are not stored)")
+    max_entries: int = Field(10_000, ge=1, description="memory: responses kept (the least recently used goes first)")
+    max_response_bytes: int = Field(1024 * 1024, ge=1024, description="one stored record's cap (bigger: answered with store: false)")
+
+
 class RouterConfig(_Strict):
     id: str = "router-0"
     host: str = "127.0.0.1"
@@ -230,6 +241,7 @@ class RouterConfig(_Strict):
                                    "decisions); 0 = Python's defaults")
     placement: PlacementConfig = PlacementConfig()
     auth: AuthConfig = AuthConfig()
+    responses: ResponsesStoreConfig = ResponsesStoreConfig()
 
     @field_validator("id")
     @classmethod

@@ -37,6 +37,16 @@ def tenant_salt(salt: int, tenant: str) -> int:
     return int.from_bytes(d, "little") & _MASK63
 
 
+def cache_salt(salt: int, salt_text: str) -> int:
+    """Salt of the chains of calls that name ``salt_text`` as their ``cache_salt`` (issue 44, vLLM's meaning:
+    such calls share cached pages only with calls of the same salt), on top of ``salt`` (the tenant's: a
+    client's salt never reaches another tenant's chains). ``""`` keeps ``salt``."""
+    if not salt_text:
+        return salt
+    d = hashlib.blake2b(struct.pack("<q", salt) + salt_text.encode(), digest_size=8, person=b"talaria-csalt").digest()
+    return int.from_bytes(d, "little") & _MASK63
+
+
 def next_page_hash(prev: int, page_tokens: Sequence[int]) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<q", prev))

@@ -106,6 +106,10 @@ class Subjects:
     def lease_bucket(self) -> str:
         return f"{self.namespace}_{LEASE_BUCKET}"
 
+    def responses_bucket(self) -> str:
+        """Issue 44: the JetStream KV bucket of stored Responses."""
+        return f"{self.namespace}_responses"
+
     @staticmethod
     def instance_of(subject: str) -> str:
         """Instance id of an engine subject (``<ns>.engine.<instance>.<endpoint>``)."""

@@ -209,6 +209,23 @@ class Tokenizer:
         return IncrementalDecoder(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
+# Variables a chat template gets from the request itself: ``chat_template_kwargs`` may not set them (issue 44).
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"})
+
+
+def continue_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """vLLM's ``continue_final_message``: the rendered ``text`` cut right after the final message's content,
+    so the model continues that (assistant) message instead of starting a new turn. Raises ValueError when
+    the final message has no text content or the template did not render it verbatim."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content:
+        raise ValueError("continue_final_message needs a final message with text content")
+    at = text.rfind(content)
+    if at < 0:
+        raise ValueError("the chat template does not render the final message's content verbatim")
+    return text[: at + len(content)]
+
+
 def align_to_previous(tok: "Tokenizer", previous: Sequence[int] | None, text: str) -> list[int]:
     """Token ids of the rendered prompt ``text``, reusing ``previous`` (the session's last prompt + output)
     when their text is a prefix of ``text``.

@@ -72,7 +72,7 @@ from services.engine.types import EngineRequest, FinishReason, RequestOutput, Sa
 from talaria.attribution import Phase, PhaseClock, attribution_clock, phase_start
 from talaria.cost_curve import CostCurve
 from talaria.ewma import ewma
-from talaria.hashing import model_salt, tenant_salt
+from talaria.hashing import cache_salt, model_salt, tenant_salt
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024  # a cold engine's KV share of its arena when not configured
 log = logging.getLogger(__name__)
@@ -82,15 +82,18 @@ class StopStringBuffer:
     """Generated text with stop-string handling: ``feed`` returns the text that can be released.
 
     Text that could be the beginning of a stop string is held back (unless ``final``); when a stop string
-    completes, the text is truncated before it, the rest is dropped and ``hit`` is reported.
+    completes, the text is truncated before it (after it with ``include``: vLLM's
+    ``include_stop_str_in_output``), the rest is dropped, ``hit`` is reported and ``matched`` names it.
     """
 
-    __slots__ = ("stops", "text", "released")
+    __slots__ = ("stops", "text", "released", "include", "matched")
 
-    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, stops: tuple[str, ...] = (), include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
         self.text = ""
         self.released = 0
+        self.include = include
+        self.matched = ""
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
         self.text += delta
@@ -98,9 +101,10 @@ class StopStringBuffer:
         if self.stops:
             longest = max(len(s) for s in self.stops)
             search_from = max(0, start - longest + 1)
-            hits = [i for i in (text.find(s, search_from) for s in self.stops) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s, search_from), s) for s in self.stops) if i >= 0]
             if hits:
-                cut = max(min(hits), start)
+                at, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
+                cut = max(at + len(self.matched) if self.include else at, start)
                 self.text = text[:cut]
                 self.released = cut
                 return text[start:cut], True
@@ -377,8 +381,11 @@ class Engine:
             seq.trace_context = req.trace_context
             seq.phases = req.phases if req.phases is not None else PhaseClock(phase_start(req.arrival_time, self._clock, attribution_clock()))
             seq.priority, seq.queue_at = req.priority, req.arrival_time - req.latency_sensitivity_s
-            dec = self.tokenizer.incremental_decoder(req.prompt_token_ids)
-            self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(req.sampling.stop))
+            if req.cache_salt:  # issue 44: vLLM's cache_salt, within the tenant's chains
+                seq.salt = cache_salt(seq.salt, req.cache_salt)
+            sp = req.sampling
+            dec = self.tokenizer.incremental_decoder(req.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens)
+            self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(sp.stop, sp.include_stop_str_in_output))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
                 seq.phases.enter(Phase.RESTORE, attribution_clock())  # issue 12: restore (or its lookup) until it joins
@@ -542,10 +549,11 @@ class Engine:
             return self._finish(st, FinishReason.STOP, [tok], st.text.feed(st.decoder.flush(), final=True)[0])
         text, hit_stop = st.text.feed(st.decoder.step([tok]))
         if hit_stop:
-            return self._finish(st, FinishReason.STOP, [tok], text)
+            return replace(self._finish(st, FinishReason.STOP, [tok], text), stop_reason=st.text.matched)
         if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_context:
             more, hit_stop = st.text.feed(st.decoder.flush(), final=True)
-            return self._finish(st, FinishReason.STOP if hit_stop else FinishReason.LENGTH, [tok], text + more)
+            out = self._finish(st, FinishReason.STOP if hit_stop else FinishReason.LENGTH, [tok], text + more)
+            return replace(out, stop_reason=st.text.matched) if hit_stop else out
         return RequestOutput(seq.request_id, [tok], text)
 
     def _finish(self, st: _RequestState, reason: FinishReason, new_ids: list[int], text: str) -> RequestOutput:

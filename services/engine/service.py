@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.engine.streaming import ExecutorHold, coalesce_outputs, next_coalesced
-from talaria.tokenizer import SessionTokens, align_to_previous, chat_message_dict
+from talaria.tokenizer import RESERVED_TEMPLATE_VARS, SessionTokens, align_to_previous, chat_message_dict, continue_final_message
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
 from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
@@ -266,6 +266,7 @@ class EngineService:
             chunk.finished = True
             reason = o.finish_reason or FinishReason.STOP
             chunk.finish_reason = reason.value
+            chunk.stop_reason = o.stop_reason
             if o.error:
                 chunk.error.CopyFrom(cpb.Error(code="engine_error", message=o.error, http_status=500))
             if o.usage is not None:
@@ -452,11 +453,25 @@ class EngineService:
         if which == "messages":
             msgs = [chat_message_dict(m) for m in req.messages.messages]
             tools = json.loads(req.tools_json) if req.tools_json else None
+            opts = req.chat_template
             try:
-                text = rt.tokenizer.render_chat_template(msgs, tools=tools)
-                return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
+                kwargs = json.loads(opts.kwargs_json) if opts.kwargs_json else {}
+            except ValueError as e:
+                raise CallError(400, "invalid_value", f"chat_template_kwargs is not a JSON object: {e}", "chat_template_kwargs") from None
+            if not isinstance(kwargs, dict) or (reserved := set(kwargs) & RESERVED_TEMPLATE_VARS):
+                name = sorted(reserved)[0] if isinstance(kwargs, dict) else ""
+                raise CallError(400, "invalid_value", f"chat_template_kwargs may not set {name or 'a non-object'}: the request sets it", "chat_template_kwargs" + (f".{name}" if name else ""))
+            try:
+                text = rt.tokenizer.render_chat_template(msgs, tools=tools, add_generation_prompt=not opts.no_generation_prompt
+                                                         and not opts.continue_final_message, **kwargs)
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 raise CallError(400, "invalid_value", f"messages cannot be rendered by the chat template: {e}", "messages") from None
+            if opts.continue_final_message:
+                try:
+                    text = continue_final_message(text, msgs)
+                except ValueError as e:
+                    raise CallError(400, "invalid_value", str(e), "continue_final_message") from None
+            return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
         raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     def _fence(self, req: pb.GenerateRequest) -> CallError | None:
@@ -523,7 +538,7 @@ class EngineService:
         try:
             self.engine.add_request(EngineRequest(
                 rid, prompt, sampling, session_id=req.session_id, arrival_time=call.arrival, model=req.model, trace_context=trace_ctx,
-                tenant=req.tenant, priority=req.hints.priority if req.hints.has_priority else 0,
+                tenant=req.tenant, cache_salt=req.cache_salt, priority=req.hints.priority if req.hints.has_priority else 0,
                 latency_sensitivity_s=req.hints.latency_sensitivity_s, ttft_target_s=req.ttft_target_s, tpot_target_s=req.tpot_target_s,
             ))
         except ExecutorError as e:  # validation happens here, once (executor.validate_request)

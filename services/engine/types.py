@@ -39,6 +39,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int = -1  # -1 off; k >= 0: the sampled token's log-probability and the k most likely
+    skip_special_tokens: bool = False  # issue 44 (vLLM): the output text leaves out special tokens
+    include_stop_str_in_output: bool = False  # issue 44 (vLLM): a matched stop string ends the text (else cut)
 
     @property
     def shapes_logits(self) -> bool:
@@ -60,6 +62,7 @@ class EngineRequest:
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
     tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
+    cache_salt: str = ""  # issue 44 (vLLM's cache_salt): salts the prefix hashes further, within the tenant
     # issue 16: per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
     ttft_target_s: float = 0.0
     tpot_target_s: float = 0.0
@@ -94,3 +97,4 @@ class RequestOutput:
     error: str = ""
     logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])
     attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases, issue 12)
+    stop_reason: str = ""  # issue 44, on the final output: the stop string that ended it ("" = none)

@@ -49,6 +49,8 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
         min_p=sp.min_p,
         logit_bias=tuple(sorted(sp.logit_bias.items())),
         logprobs=min(sp.top_logprobs, 20) if sp.logprobs else -1,
+        skip_special_tokens=sp.skip_special_tokens,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
     )
 
 

@@ -28,13 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable, TooLargeForBus
-from services.router.errors import APIError, CatchAll, unencodable, wire_field
+from services.router.errors import APIError, CatchAll, anthropic_path, unencodable, wire_field
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
 from services.router.leases import lease_key
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
 from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
 from services.router.openai_routes import make_router
+from services.router.anthropic_routes import anthropic_routes
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from services.router.tracing import CallTrace, incoming_context
 from talaria.v1 import common_pb2 as cpb
@@ -120,6 +121,8 @@ class RouterAPI:
         auth.KeyRing.authorize_model(principal, req.model)
         _put(g, "session_id", auth.scope_session(principal.tenant, req.session_key(request.headers.get("x-session-id"))), "session_id")
         g.tenant = principal.tenant
+        if req.cache_salt:  # issue 44: vLLM's cache_salt, within the tenant (the engine salts the hashes)
+            _put(g, "cache_salt", req.cache_salt, "cache_salt")
         hints = req.hints().proto()  # issue 14: validated (400 naming the field), aliases resolved
         if hints is not None:
             g.hints.CopyFrom(hints)
@@ -293,7 +296,7 @@ class RouterAPI:
                 # a cancellation lost in a race with an arriving chunk cannot keep it reading to the end.
                 await call.cancel("client disconnected")
                 raise APIError(499, "client disconnected", code="client_disconnected")
-            content, reason, usage = collect.result()
+            content, reason, usage, stop_reason = collect.result()
             answered = True
         finally:
             for t in (collect, gone):
@@ -304,13 +307,13 @@ class RouterAPI:
             if not answered:
                 await call.close()
         try:
-            return self.answer(placed, req, rid, chat, created, content, reason, usage, out, lps)
+            return self.answer(placed, req, rid, chat, created, content, reason, usage, out, lps, stop_reason)
         except BaseException:
             await call.close()
             raise
 
     def answer(self, placed: Placed, req, rid: str, chat: bool, created: int, content: str, reason, usage,
-               out: ChatOutput | None, lps: Logprobs) -> Response:
+               out: ChatOutput | None, lps: Logprobs, stop_reason: str = "") -> Response:
         """The JSON body of a finished non-streaming call; the call is closed (its trace ended, its inbox
         unsubscribed) by a task that runs once this one yields, after the response is written (issue 20
         §5: per-call work off the answer's path). Mutates ``out`` and ``lps``."""
@@ -324,6 +327,7 @@ class RouterAPI:
             if out is not None
             else {"index": 0, "text": content, "finish_reason": reason, "logprobs": lps.take()}
         )
+        choice["stop_reason"] = _stop_reason(reason, stop_reason)
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
         headers = placed.headers()
         token = self.finished(call, usage)
@@ -343,10 +347,10 @@ class RouterAPI:
         view = self.state.registry.instances.get(call.instance_id)
         return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 
-    async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs) -> tuple[str, str | None, object]:
-        """Read a call to its end: (text, finish reason, usage); mutates ``lps`` (adds the chunks' logprobs).
-        Raises APIError on an engine error or loss."""
-        text, reason, usage = [], None, None
+    async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs) -> tuple[str, str | None, object, str]:
+        """Read a call to its end: (text, finish reason, usage, the stop string that ended it or ""); mutates
+        ``lps`` (adds the chunks' logprobs). Raises APIError on an engine error or loss."""
+        text, reason, usage, stop = [], None, None, ""
         try:
             async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
                 if c.HasField("error"):
@@ -354,11 +358,11 @@ class RouterAPI:
                 text.append(c.text)
                 lps.add(c.logprobs)
                 if c.finished:
-                    reason, usage = c.finish_reason, c.usage
+                    reason, usage, stop = c.finish_reason, c.usage, c.stop_reason
         except EngineUnavailable as e:
             self.state.counters["engine_lost_midcall"] += 1
             raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
-        return "".join(text), reason, usage
+        return "".join(text), reason, usage, stop
 
     async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive,
                   out: ChatOutput | None = None, lps: Logprobs | None = None) -> AsyncIterator[bytes]:
@@ -372,7 +376,7 @@ class RouterAPI:
                 d["resume_token"] = token  # issue 17: the streaming form of the X-Talaria-Resume-Token header
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
-        def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None) -> dict:
+        def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None, stop: str | None = None) -> dict:
             lp = lps.take() if lps is not None and (text or delta or reason) else None
             if chat:
                 delta = dict(delta or {})
@@ -380,8 +384,12 @@ class RouterAPI:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
-            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lp}
+                c = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
+            else:
+                c = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lp}
+            if stop is not None:
+                c["stop_reason"] = stop
+            return c
 
         try:
             if chat:
@@ -404,7 +412,7 @@ class RouterAPI:
                         deltas, reason = out.finish(reason)
                         for d in deltas:
                             yield event([choice(None, None, delta=d)])
-                    yield event([choice(None if chat else "", reason)], token=self.finished(call, c.usage))
+                    yield event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage))
                     if include_usage:
                         yield event([], _usage(c.usage))
             yield b"data: [DONE]\n\n"
@@ -437,6 +445,10 @@ class RouterAPI:
             msgs = req.messages_proto()
         g.messages.CopyFrom(msgs)
         _put(g, "tools_json", req.tools_json(), "tools")
+        opts = req.template_proto()  # issue 44: vLLM's chat-template options
+        if opts is not None:
+            with wire_field("chat_template_kwargs"):
+                g.chat_template.CopyFrom(opts)
         est = sum(len(m.content) for m in msgs.messages) // 4 + 8 * len(msgs.messages)
         # the early context check's lower bound counts the turns every chat template renders verbatim (an
         # assistant turn's reasoning may be dropped by the template, e.g. Qwen3's)
@@ -545,6 +557,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app.post("/v1/completions")(api.completions)
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     app.include_router(session_routes(state))  # DELETE /v1/sessions/{id} (issue 14)
+    app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens (issue 44)
     return app
 
 
@@ -553,9 +566,9 @@ def _install_error_handlers(app: FastAPI, state) -> None:
     wire cannot carry that no field guard caught (400), anything else (500, connection kept)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_req: Request, e: APIError) -> Response:
+    async def _api_error(req: Request, e: APIError) -> Response:
         state.counters[f"error_{e.status}"] += 1
-        return e.response()
+        return e.response(anthropic_path(req.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(req: Request, e: StarletteHTTPException) -> Response:
@@ -566,20 +579,25 @@ def _install_error_handlers(app: FastAPI, state) -> None:
             err = APIError(405, f"method {req.method} is not allowed on {req.url.path}", code="method_not_allowed", headers=dict(e.headers or {}))
         else:
             err = APIError(e.status_code, str(e.detail), code=None, headers=dict(e.headers or {}))
-        return err.response()
+        return err.response(anthropic_path(req.url.path))
 
     @app.exception_handler(ValueError)
-    async def _unencodable(_req: Request, e: ValueError) -> Response:
+    async def _unencodable(req: Request, e: ValueError) -> Response:
         # the net under the per-field guards: a client value the wire could not carry is never a 500
         log.warning("request value not encodable (no field guard caught it): %s", unencodable(e))
         state.counters["error_400"] += 1
-        return APIError(400, f"a request value cannot be encoded: {unencodable(e)}", code="invalid_value").response()
+        return APIError(400, f"a request value cannot be encoded: {unencodable(e)}", code="invalid_value").response(anthropic_path(req.url.path))
 
     def _unexpected(e: Exception) -> None:
         log.error("unexpected router error", exc_info=e)
         state.counters["error_500"] += 1
 
     app.add_middleware(CatchAll, on_error=_unexpected)
+
+
+def _stop_reason(finish_reason: str | None, stop: str) -> str | None:
+    """vLLM's ``stop_reason`` of a choice (issue 44): the stop string that ended the call, else None."""
+    return stop if finish_reason == "stop" and stop else None
 
 
 def _usage(u) -> dict:

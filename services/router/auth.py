@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.router.errors import APIError
+from services.router.errors import APIError, anthropic_path
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class KeyRing:
         if not self.enabled:
             return OPEN
         if not authorization:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", code="missing_api_key")
         scheme, _, key = authorization.strip().partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
@@ -150,17 +150,20 @@ class AuthMiddleware:
             return
         principal = OPEN
         if self.keyring.enabled and scope.get("path", "") not in self.open_paths:
-            auth = None
+            auth = api_key = None
             for k, v in scope.get("headers", ()):
                 if k == b"authorization":
                     auth = v.decode("latin-1")
-                    break
+                elif k == b"x-api-key":  # issue 44: Anthropic's clients send the key here
+                    api_key = v.decode("latin-1").strip()
+            if auth is None and api_key:
+                auth = f"Bearer {api_key}"
             try:
                 principal = self.keyring.authenticate(auth)
                 self.keyring.admit(principal)
             except APIError as e:
                 self.counters[f"auth_{e.status}"] += 1
-                await e.response()(scope, receive, send)
+                await e.response(anthropic_path(scope.get("path", "")))(scope, receive, send)
                 return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)

@@ -54,6 +54,7 @@ def merge_chunks(chunks: list[pb.TokenChunk]) -> pb.TokenChunk:
     out.seq = last.seq
     out.finished = last.finished
     out.finish_reason = last.finish_reason
+    out.stop_reason = last.stop_reason
     out.ttft_seconds = last.ttft_seconds
     for field in _LAST_MESSAGES:
         if last.HasField(field):

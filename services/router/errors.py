@@ -29,6 +29,18 @@ _TYPE_BY_STATUS = {
 }
 
 
+# Anthropic's error types by status (issue 44: /v1/messages answers in Anthropic's error shape)
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+                   499: "invalid_request_error", 503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """The routes that answer errors in Anthropic's shape (``/v1/messages``, ``/v1/messages/count_tokens``)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -48,9 +60,15 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> Response:
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``; the message names the field."""
+        msg = self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPE.get(self.status, "api_error"), "message": msg}}
+
+    def response(self, anthropic: bool = False) -> Response:
         # ASCII JSON: a message or param that quotes client text (a lone surrogate included) always encodes.
-        return Response(json.dumps(self.body()).encode(), status_code=self.status, headers=self.headers, media_type="application/json")
+        body = self.anthropic_body() if anthropic else self.body()
+        return Response(json.dumps(body).encode(), status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def unencodable(e: BaseException) -> str:

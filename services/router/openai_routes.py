@@ -4,7 +4,9 @@
 ``/v1/responses`` runs the app's own ``/v1/chat/completions`` handler in-process (same validation,
 placement, tool parsing, structured output) on the translated body (``responses_api.py``); a streaming
 chat response is consumed chunk by chunk and re-emitted as Responses events, and closing our stream closes
-the chat stream (which cancels the engine's work).
+the chat stream (which cancels the engine's work). Issue 44: ``store: true`` writes the response to the
+tenant-scoped store (``responses_store.py``), ``previous_response_id`` continues a stored one as the same
+session, ``GET`` / ``DELETE /v1/responses/{id}`` read and remove them (another tenant's id: 404).
 
 ``/tokenize`` and ``/detokenize`` use the model's tokenizer and chat template from the checkpoint directory
 under ``models_dir`` on the router's host (the same code the engine renders prompts with); a model with no
@@ -21,8 +23,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as StarletteRequest
 
-from services.router import responses_api
+from services.router import auth, responses_api
 from services.router.errors import APIError
+from services.router.responses_store import RESPONSE_ID
 from services.router.schemas import UINT32_MAX, _bad_string
 
 
@@ -99,12 +102,32 @@ def make_router(state, app: FastAPI) -> APIRouter:
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = await _body(request)
-        chat_body = responses_api.to_chat(body)
+        tenant = auth.principal_of(request).tenant
+        keep = await _chain(state, body, tenant)
+        history, session = (keep.previous["messages"], keep.previous["session"]) if keep.previous else (None, None)
+        if keep.store and session is None and not any(body.get(k) for k in _SESSION_KEYS):
+            session = "responses-" + keep.rid  # a stored chain is a session even when the client names none
+        chat_body = responses_api.to_chat(body, history, session)
+        keep.session = request.headers.get("x-session-id") or chat_body.get("session_id") or next((body[k] for k in _SESSION_KEYS if body.get(k)), "")
         inner = inner_request(request, "/v1/chat/completions", json.dumps(chat_body).encode())
         resp = await _endpoint(app, "/v1/chat/completions")(inner)
         if not isinstance(resp, StreamingResponse):
-            return JSONResponse(responses_api.from_chat(body, json.loads(resp.body)), headers=_talaria_headers(resp))
-        return StreamingResponse(_stream(body, resp), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_talaria_headers(resp)})
+            out = responses_api.from_chat(body, json.loads(resp.body), keep.rid)
+            await keep.save(body, chat_body, out)
+            return JSONResponse(out, headers=_talaria_headers(resp))
+        return StreamingResponse(_stream(body, resp, keep, chat_body), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_talaria_headers(resp)})
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> JSONResponse:
+        rec = await _stored(state, auth.principal_of(request).tenant, response_id)
+        return JSONResponse(rec["response"])
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> JSONResponse:
+        tenant = auth.principal_of(request).tenant
+        await _stored(state, tenant, response_id)
+        await state.responses.delete(tenant, response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -132,12 +155,60 @@ def make_router(state, app: FastAPI) -> APIRouter:
     return router
 
 
+_SESSION_KEYS = ("session_id", "prompt_cache_key", "user", "safety_identifier")  # the chat path's order, after the header
+
+
+class _Keep:
+    """Issue 44: one Responses call's storage: its id, whether it is stored, the record it continues, the
+    session it runs as. ``save`` writes the record (mutates the response's ``store`` when it could not)."""
+
+    def __init__(self, store, tenant: str, rid: str, keep: bool, previous: dict | None) -> None:
+        self.store, self.tenant, self.rid, self.keep, self.previous = store, tenant, rid, keep, previous
+        self.session = ""
+
+    async def save(self, body: dict, chat_body: dict, resp: dict) -> None:
+        if not self.keep:
+            return
+        rec = {"response": resp, "messages": responses_api.conversation(body, chat_body, resp), "session": self.session}
+        if not await self.store.put(self.tenant, self.rid, rec):
+            resp["store"] = False  # over the record cap, or the bucket is full: said, not hidden
+
+
+async def _chain(state, body: dict, tenant: str) -> _Keep:
+    """Validate ``store`` / ``previous_response_id`` and load the record a call continues (400 / 404 naming the field)."""
+    store = getattr(state, "responses", None)
+    keep = body.get("store")
+    if keep not in (None, False, True):
+        raise APIError(400, "'store' must be a boolean", code="invalid_value", param="store")
+    if keep and store is None:
+        raise APIError(400, "'store' is not available: the router's response store is off (router.responses.store)", code="unsupported_parameter", param="store")
+    prev_id = body.get("previous_response_id")
+    previous = None
+    if prev_id is not None:
+        if store is None:
+            raise APIError(400, "'previous_response_id' is not available: the router's response store is off", code="unsupported_parameter", param="previous_response_id")
+        if not isinstance(prev_id, str):
+            raise APIError(400, "'previous_response_id' must be a string", code="invalid_value", param="previous_response_id")
+        previous = await _stored(state, tenant, prev_id, "previous_response_id")
+    return _Keep(store, tenant, responses_api.new_id(), bool(keep), previous)
+
+
+async def _stored(state, tenant: str, response_id: str, param: str = "response_id") -> dict:
+    """The stored record of ``response_id`` for ``tenant``; 404 naming ``param`` when absent (another
+    tenant's, expired, deleted, never stored) or when the store is off."""
+    store = getattr(state, "responses", None)
+    rec = await store.get(tenant, response_id) if store is not None and RESPONSE_ID.match(response_id) else None
+    if rec is None:
+        raise APIError(404, f"no stored response '{response_id}'", code="response_not_found", param=param)
+    return rec
+
+
 def _talaria_headers(resp: Response) -> dict:
     return {k: v for k, v in resp.headers.items() if k.lower().startswith("x-talaria-")}
 
 
-async def _stream(body: dict, resp: StreamingResponse) -> AsyncIterator[bytes]:
-    tr = responses_api.StreamTranslator(body)
+async def _stream(body: dict, resp: StreamingResponse, keep: _Keep | None = None, chat_body: dict | None = None) -> AsyncIterator[bytes]:
+    tr = responses_api.StreamTranslator(body, keep.rid if keep is not None else None)
 
     def sse(ev: dict) -> bytes:
         return f"event: {ev['type']}\ndata: ".encode() + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
@@ -152,7 +223,10 @@ async def _stream(body: dict, resp: StreamingResponse) -> AsyncIterator[bytes]:
                 return
             for ev in tr.feed(chunk):
                 yield sse(ev)
-        for ev in tr.finish():
+        events = tr.finish()
+        if keep is not None and chat_body is not None:
+            await keep.save(body, chat_body, tr.resp)  # before the final event, which carries ``store``
+        for ev in events:
             yield sse(ev)
     finally:
         await chunks.aclose()

@@ -5,8 +5,9 @@ same validation, placement, tool parsing and structured output as ``/v1/chat/com
 output back into a ``response`` object, or, when streaming, chat chunks into Responses stream events
 (``response.created`` … ``response.output_text.delta`` / ``response.function_call_arguments.delta`` …
 ``response.completed``). Enough for the OpenAI Agents SDK's default model (``OpenAIResponsesModel``): text
-and function tools. Server-side state (``previous_response_id``, ``store``), built-in tools and reasoning
-items are 400 naming the field: there is no response store here.
+and function tools. Built-in tools and reasoning items are 400 naming the field. Server-side state
+(``store``, ``previous_response_id``; issue 44) is the route's (``openai_routes.py`` with
+``responses_store.py``): ``to_chat`` takes the stored conversation as ``history`` and the chain's session.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ _PASS = {"model": "model", "temperature": "temperature", "top_p": "top_p", "max_
          "session_id": "session_id", "top_k": "top_k", "seed": "seed"}
 # field -> predicate "nothing to do" (else 400 naming it)
 _NOOP = {
-    "store": lambda v: v in (None, False),
-    "previous_response_id": lambda v: v is None,
     "conversation": lambda v: v is None,
     "reasoning": lambda v: v is None or v == {} or (isinstance(v, dict) and all(x is None for x in v.values())),
     "truncation": lambda v: v in (None, "disabled"),
@@ -131,9 +130,11 @@ def _format(text: Any) -> dict | None:
     raise _bad(f"unknown text format {fmt.get('type')!r}", "text.format.type")
 
 
-def to_chat(body: dict) -> dict:
-    """A Responses request body -> a chat-completion request body. Raises :class:`APIError` 400."""
-    known = set(_PASS) | set(_NOOP) | {"input", "instructions", "tools", "tool_choice", "text"}
+def to_chat(body: dict, history: list[dict] | None = None, session: str | None = None) -> dict:
+    """A Responses request body -> a chat-completion request body: the instructions, then ``history`` (a
+    stored conversation in chat form, ``previous_response_id``), then the input; ``session`` (the chain's)
+    is its ``session_id``. Raises :class:`APIError` 400."""
+    known = set(_PASS) | set(_NOOP) | {"input", "instructions", "tools", "tool_choice", "text", "store", "previous_response_id"}
     for k in body:
         if k not in known:
             raise APIError(400, f"unrecognized request argument '{k}'", code="unknown_parameter", param=k)
@@ -141,7 +142,13 @@ def to_chat(body: dict) -> dict:
         if k in body and not ok(body[k]):
             raise APIError(400, f"'{k}' is not supported (no server-side response store or reasoning)", code="unsupported_parameter", param=k)
     chat: dict = {_PASS[k]: v for k, v in body.items() if k in _PASS and v is not None}
-    chat["messages"] = _messages(body)
+    msgs = _messages(body)
+    if history:
+        at = 1 if body.get("instructions") else 0
+        msgs[at:at] = history
+    chat["messages"] = msgs
+    if session:
+        chat["session_id"] = session
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -163,14 +170,35 @@ def _usage(u: dict | None) -> dict:
             "total_tokens": u.get("total_tokens", 0)}
 
 
+def conversation(body: dict, chat: dict, resp: dict) -> list[dict]:
+    """The conversation after ``resp`` in chat form, without the instructions (a continuation does not
+    inherit them): what a stored response keeps for ``previous_response_id``."""
+    msgs = list(chat["messages"][1:] if body.get("instructions") else chat["messages"])
+    turn: dict | None = None  # this response's assistant turn: its text, then its calls
+    for item in resp["output"]:
+        if item["type"] == "message":
+            turn = {"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])}
+            msgs.append(turn)
+        elif item["type"] == "function_call":
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                msgs.append(turn)
+            turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return msgs
+
+
+def new_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
 def _skeleton(body: dict, rid: str, created: int, status: str) -> dict:
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "model": body.get("model"),
         "output": [], "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
         "metadata": {}, "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None, "reasoning": None,
-        "store": False, "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "usage": None,
+        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+        "store": body.get("store") is True, "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "usage": None,
         "user": body.get("user"),
     }
 
@@ -192,9 +220,9 @@ def _finish(resp: dict, reason: str | None) -> None:
         resp["status"] = "completed"
 
 
-def from_chat(body: dict, chat: dict) -> dict:
-    """A non-streaming chat completion -> a ``response`` object."""
-    resp = _skeleton(body, "resp_" + uuid.uuid4().hex, int(time.time()), "completed")
+def from_chat(body: dict, chat: dict, rid: str | None = None) -> dict:
+    """A non-streaming chat completion -> a ``response`` object (id ``rid``, else a new one)."""
+    resp = _skeleton(body, rid or new_id(), int(time.time()), "completed")
     choice = chat["choices"][0]
     msg = choice["message"]
     if msg.get("content"):
@@ -211,8 +239,8 @@ class StreamTranslator:
 
     Mutates only itself: the response being built, the open message item and the open call items."""
 
-    def __init__(self, body: dict) -> None:
-        self.resp = _skeleton(body, "resp_" + uuid.uuid4().hex, int(time.time()), "in_progress")
+    def __init__(self, body: dict, rid: str | None = None) -> None:
+        self.resp = _skeleton(body, rid or new_id(), int(time.time()), "in_progress")
         self.seq = 0
         self.msg: dict | None = None  # open message item
         self.calls: dict[int, dict] = {}  # chat tool-call index -> open function_call item

@@ -9,14 +9,17 @@ Bounds the wire cannot carry are checked here, before any protobuf is built (iss
 token ids are ``uint32``, ``seed`` is ``int64``, and every string must be encodable as UTF-8 (a lone UTF-16
 surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 
-Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``ignore_eos`` (fixed-length
-replays), ``session_id``; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
+Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; issue 44: ``skip_special_tokens``,
+``include_stop_str_in_output``, ``cache_salt`` and, for chat, ``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; services/router/README.md); the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
 ``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (issue 14, ``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Callable, Literal
 
@@ -101,6 +104,10 @@ class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases 
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     session_id: str | None = None
+    # issue 44: vLLM's output options and cache salt (wire: SamplingParams / GenerateRequest.cache_salt)
+    skip_special_tokens: bool | None = None  # default: special tokens stay in the text (vLLM's default is true)
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("logit_bias")
     @classmethod
@@ -135,8 +142,14 @@ class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases 
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def session_key(self, header: str | None) -> str:
+        """The call's session: the ``X-Session-ID`` header, else ``session_id``, ``prompt_cache_key``, ``user``,
+        ``safety_identifier``. With a ``cache_salt`` the session is the salt's own (issue 44: a session's KV
+        is reused by session, so calls of another salt must not find it): ``<key>#salt-<digest>``."""
         key = header or self.session_id or getattr(self, "prompt_cache_key", None) or self.user
-        return (key or getattr(self, "safety_identifier", None) or "")[:256]
+        key = (key or getattr(self, "safety_identifier", None) or "")[:256]
+        if key and self.cache_salt:
+            key += "#salt-" + hashlib.sha256(self.cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return key
 
     def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
         """The honoured sampling fields as their wire message (``max_tokens`` resolved by the caller)."""
@@ -152,6 +165,8 @@ class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases 
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             stop_token_ids=self.stop_token_ids or [],
+            skip_special_tokens=bool(self.skip_special_tokens),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
         for k, b in (self.logit_bias or {}).items():
             sp.logit_bias[int(k)] = b
@@ -292,6 +307,10 @@ class ChatCompletionRequest(_Common):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
     moderation: Any = None
+    # issue 44: vLLM's chat-template options (wire: GenerateRequest.chat_template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -301,6 +320,33 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _template_options(self) -> "ChatCompletionRequest":
+        """vLLM's rules: ``continue_final_message`` ends the prompt inside the final message, so it cannot go
+        with an explicit ``add_generation_prompt: true``; it needs a final assistant message with text."""
+        from talaria.tokenizer import RESERVED_TEMPLATE_VARS  # the router imports the tokenizer lazily
+
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set '{reserved[0]}': the request itself sets it", code="invalid_value", param=f"chat_template_kwargs.{reserved[0]}")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true", code="invalid_value", param="continue_final_message")
+            last = self.messages[-1]
+            if last.role != "assistant" or not isinstance(last.content, (str, list)) or not last.text():
+                raise APIError(400, "continue_final_message needs a final assistant message with text content", code="invalid_value", param="continue_final_message")
+        return self
+
+    def template_proto(self) -> pb.ChatTemplateOptions | None:
+        """The chat-template options as their wire message; None when all are the defaults."""
+        if self.chat_template_kwargs is None and self.add_generation_prompt and not self.continue_final_message:
+            return None
+        return pb.ChatTemplateOptions(
+            kwargs_json=json.dumps(self.chat_template_kwargs, ensure_ascii=False) if self.chat_template_kwargs is not None else "",
+            no_generation_prompt=not self.add_generation_prompt or self.continue_final_message,
+            continue_final_message=self.continue_final_message,
+        )
 
     @model_validator(mode="after")
     def _tool_consistency(self) -> "ChatCompletionRequest":

@@ -20,6 +20,7 @@ from services.router.app import create_app
 from services.router.engine_client import InboxMux
 from services.router.gateway import Gateway, PoolSpec
 from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
+from services.router.responses_store import JetStreamResponses, MemoryResponses
 from services.router.policy import PolicyParams
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import Registry
@@ -44,6 +45,7 @@ class RouterState:
     sessions: SessionTable
     gateway: Gateway
     lease_store: MemoryLeases | JetStreamLeases
+    responses: MemoryResponses | JetStreamResponses | None = None  # issue 44: stored Responses (None = off)
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
     telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call (issue 7)
@@ -274,7 +276,14 @@ def make_state(cfg: StackConfig) -> RouterState:
         sessions=sessions,
         gateway=gateway,
         lease_store=MemoryLeases(table),
+        responses=memory_responses(cfg),
     )
+
+
+def memory_responses(cfg: StackConfig) -> MemoryResponses | None:
+    """The process-local response store (the jetstream one replaces it at start when configured), or None (off)."""
+    rc = cfg.router.responses
+    return None if rc.store == "off" else MemoryResponses(rc.ttl_s, rc.max_entries, rc.max_response_bytes)
 
 
 async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Future | None = None) -> None:
@@ -301,6 +310,15 @@ async def run_router(cfg: StackConfig, stop: asyncio.Event, ready: asyncio.Futur
             log.info("leases in JetStream bucket %s (tau %.2fs)", state.subjects.lease_bucket(), store.ttl_s)
         except Exception as e:  # noqa: BLE001 - no JetStream: leases stay local to this replica
             log.warning("JetStream lease bucket unavailable (%s); leases are local to this router", e)
+
+    rc = cfg.router.responses
+    if rc.store == "jetstream":
+        rstore = JetStreamResponses(state.nc, state.subjects.responses_bucket(), rc.ttl_s, rc.max_bytes, rc.max_response_bytes)
+        try:
+            await rstore.start()
+            state.responses = rstore
+        except Exception as e:  # noqa: BLE001 - no JetStream: stored responses stay in this replica
+            log.warning("JetStream responses bucket unavailable (%s); stored responses are local to this router", e)
 
     subs = [
         await state.nc.subscribe(state.subjects.all_heartbeats(), cb=on_heartbeat),

@@ -75,7 +75,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., has_content: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs", "skip_special_tokens", "include_stop_str_in_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -117,7 +119,9 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -154,7 +158,7 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., json_schema: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json", "ttft_target_s", "tpot_target_s", "hints", "end_session")
+    __slots__ = ("schema_version", "request_id", "session_id", "model", "text", "token_ids", "messages", "sampling", "stream", "prefix", "lease_id", "deadline_unix", "trace_context", "tenant", "resume_epoch", "tools_json", "ttft_target_s", "tpot_target_s", "hints", "end_session", "chat_template", "cache_salt")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +186,8 @@ class GenerateRequest(_message.Message):
     TPOT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
     END_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -202,7 +208,19 @@ class GenerateRequest(_message.Message):
     tpot_target_s: float
     hints: AgentCallHints
     end_session: bool
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., end_session: _Optional[bool] = ...) -> None: ...
+    chat_template: ChatTemplateOptions
+    cache_salt: str
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., prefix: _Optional[_Union[_common_pb2.PrefixHandle, _Mapping]] = ..., lease_id: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., resume_epoch: _Optional[int] = ..., tools_json: _Optional[str] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ..., hints: _Optional[_Union[AgentCallHints, _Mapping]] = ..., end_session: _Optional[bool] = ..., chat_template: _Optional[_Union[ChatTemplateOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class ChatTemplateOptions(_message.Message):
+    __slots__ = ("kwargs_json", "no_generation_prompt", "continue_final_message")
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    NO_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kwargs_json: str
+    no_generation_prompt: bool
+    continue_final_message: bool
+    def __init__(self, kwargs_json: _Optional[str] = ..., no_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class AgentCallHints(_message.Message):
     __slots__ = ("has_priority", "priority", "expected_output_tokens", "expected_tool_s", "cache_ttl_s", "latency_sensitivity_s")
@@ -233,7 +251,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs", "attribution")
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs", "stop_reason", "attribution")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +267,7 @@ class TokenChunk(_message.Message):
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
@@ -265,8 +284,9 @@ class TokenChunk(_message.Message):
     keepalive: bool
     tool_format: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    stop_reason: str
     attribution: _common_pb2.CallAttribution
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("schema_version", "request_id", "reason")

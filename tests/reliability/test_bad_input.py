@@ -102,7 +102,10 @@ texts = st.sampled_from(SURROGATES) | st.text(max_size=12)
 scalars = ints | texts | st.floats(allow_nan=True, allow_infinity=True) | st.booleans() | st.none()
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3), max_leaves=6)
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "user", "session_id", "n", "stream", "ignore_eos",
-          "logprobs", "stream_options", "max_completion_tokens", "messages", "model", "prompt", "echo", "suffix", "tools"]
+          "logprobs", "stream_options", "max_completion_tokens", "messages", "model", "prompt", "echo", "suffix", "tools",
+          # issue 44: vLLM's extensions
+          "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "cache_salt", "skip_special_tokens",
+          "include_stop_str_in_output", "min_p", "repetition_penalty"]
 
 
 @st.composite

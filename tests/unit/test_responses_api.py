@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.errors import APIError
-from services.router.responses_api import StreamTranslator, from_chat, to_chat
+from services.router.responses_api import StreamTranslator, conversation, from_chat, to_chat
 
 TOOL = {"type": "function", "name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {}}, "strict": True}
 
@@ -31,7 +31,7 @@ def test_agents_sdk_shaped_request_translates():
 
 @pytest.mark.parametrize(
     "extra,param",
-    [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    [({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
      ({"bogus": 1}, "bogus"), ({"input": [{"type": "reasoning"}]}, "input.0.type"), ({"reasoning": {"effort": "high"}}, "reasoning")],
 )
 def test_unsupported_responses_fields_are_400(extra, param):
@@ -70,3 +70,41 @@ def test_stream_translator_event_sequence():
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
     final = evs[-1]["response"]
     assert final["output"][1]["arguments"] == "{}" and final["usage"]["total_tokens"] == 5
+
+
+def test_a_stored_conversation_continues_as_history_and_keeps_its_session():
+    """Issue 44: ``previous_response_id`` -> the stored conversation goes after the (new) instructions."""
+    body = {"model": "m", "instructions": "Be brief.", "input": "Weather?", "tools": [TOOL]}
+    chat = to_chat(body)
+    resp = from_chat(body, {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": "Looking.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}}], "usage": {}}, rid="resp_" + "a" * 32)
+    conv = conversation(body, chat, resp)
+    assert conv == [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    nxt = {"model": "m", "instructions": "New rules.", "previous_response_id": resp["id"], "input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}
+    c2 = to_chat(nxt, history=conv, session="S")
+    assert [m["role"] for m in c2["messages"]] == ["system", "user", "assistant", "tool"] and c2["messages"][0]["content"] == "New rules."
+    assert c2["session_id"] == "S" and resp["id"] == "resp_" + "a" * 32
+
+
+async def _memory_store_bounds():
+    from services.router.responses_store import MemoryResponses
+
+    now = [0.0]
+    st = MemoryResponses(ttl_s=10.0, max_entries=2, max_response_bytes=200, clock=lambda: now[0])
+    rid = lambda i: "resp_" + f"{i:032x}"  # noqa: E731
+    assert await st.put("t", rid(1), {"x": 1}) and await st.put("t", rid(2), {"x": 2})
+    assert await st.get("u", rid(1)) is None  # another tenant's id is absent
+    assert await st.get("t", rid(1)) == {"x": 1}  # read: now the most recently used
+    assert await st.put("t", rid(3), {"x": 3}) and len(st) == 2
+    assert await st.get("t", rid(2)) is None and await st.get("t", rid(1)) == {"x": 1}  # the least recently used went
+    assert not await st.put("t", rid(4), {"x": "y" * 300})  # over the record cap: not stored
+    now[0] = 10.0
+    assert await st.get("t", rid(1)) is None and await st.get("t", rid(3)) is None  # expired
+    assert await st.put("t", rid(5), {}) and await st.delete("t", rid(5)) and not await st.delete("t", rid(5))
+
+
+def test_memory_response_store_is_bounded_tenant_scoped_and_expires():
+    import asyncio
+
+    asyncio.run(_memory_store_bounds())
