@@ -47,6 +47,7 @@ from services.engine.api import (  # noqa: F401 - the error classes are part of 
     UnknownModelError,
     UnsupportedOperationError,
 )
+from services.engine.intra_op import set_thread_count
 from services.engine.kv.manager import KVManager, cdiv
 from services.engine.kv.allocator import PageAllocator
 from services.engine.model.batch import AttnBatch, KVCache
@@ -456,12 +457,12 @@ class Engine:
         for themselves (their copies run single-threaded), so an executor thread that relied on the default ran
         every step with one thread (issue 42: the default stack's decode at 0.69x of the same stack with the
         host KV tier off). Once this thread has set its own count, others' calls no longer change it, so this
-        is one ``get_num_threads`` a step. Mutates torch's thread count for the calling thread only."""
+        is one ``get_num_threads`` a step (``intra_op.set_thread_count``). Mutates torch's thread count for the
+        calling thread (and the default of threads that never ran a parallel op)."""
         want = self.intra_op_threads
         if self.small_step_threads is not None and tokens <= SMALL_STEP_TOKENS:
             want = self.small_step_threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
+        set_thread_count(want)
 
     def _phases_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """Issue 12: move the phase clocks the schedule changed — preempted calls lose time from ``now`` until

@@ -72,6 +72,7 @@ from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_res
 from services.engine.kv.manager import RestoreReservation
 from services.engine.kv.write_back import WRITE_POLICIES, DirtySet
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
+from services.engine.intra_op import set_thread_count
 from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from talaria import otel
 from talaria.ewma import Ewma
@@ -436,9 +437,7 @@ class HostKV:
         return self._inflight
 
     def _run(self) -> None:
-        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
-        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
-        torch.set_num_threads(1)
+        set_thread_count(1)  # one OpenMP pool per process: the executor's (intra_op.py)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -702,9 +701,7 @@ class HostKV:
 
     # ---------------------------------------------------------------- restore: worker thread
     def _run_restores(self) -> None:
-        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
-        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
-        torch.set_num_threads(1)
+        set_thread_count(1)  # one OpenMP pool per process: the executor's (intra_op.py)
         while True:
             job = self._restore_jobs.get()
             if job is None:

@@ -132,3 +132,40 @@ def test_a_worker_setting_one_thread_does_not_shrink_the_executors_team(synth_mo
             Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, intra_op_threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_worker_keeps_its_one_thread_when_the_executor_sets_its_count_later():
+    """Issue 42: ATen initialises a thread's count at its first parallel op from the process-wide value, undoing
+    a ``set_num_threads(1)`` made before it. The host KV workers set 1 at start and ran their first copy after
+    the executor had set 2: each started a second OpenMP pool, libgomp throttled every barrier, and the default
+    stack's decode fell to 0.7x after its first checkpoints. ``intra_op.set_thread_count`` sticks; the plain
+    call does not (that half pins torch's behaviour, the reason the helper exists)."""
+    import torch
+
+    from services.engine.intra_op import set_thread_count
+
+    before = torch.get_num_threads()
+    try:
+        for setter, expect in ((set_thread_count, 1), (torch.set_num_threads, 2)):
+            started, go, seen = threading.Event(), threading.Event(), []
+
+            def worker(setter=setter, started=started, go=go, seen=seen) -> None:
+                setter(1)
+                started.set()
+                go.wait()
+                torch.ones(1 << 16).mul_(2)  # its first parallel op
+                seen.append(torch.get_num_threads())
+
+            w = threading.Thread(target=worker)
+            w.start()
+            started.wait()
+            ex = threading.Thread(target=set_thread_count, args=(2,))  # the executor's first step
+            ex.start()
+            ex.join()
+            go.set()
+            w.join()
+            assert seen == [expect], setter
+        with pytest.raises(ValueError):
+            set_thread_count(0)
+    finally:
+        torch.set_num_threads(before)

@@ -168,11 +168,9 @@ class TransferScheduler:
         return self.submit(TrafficClass.KV, chunks, "kv_restore")
 
     def _run(self) -> None:
-        import torch  # the worker's copies are torch copies; the queue above stays torch-free
+        from services.engine.intra_op import set_thread_count  # torch: the queue above stays torch-free
 
-        # one OpenMP pool per process: a second thread running parallel torch ops gets a pool of its own, and
-        # then every team barrier in the process sleeps and wakes instead of spinning (README, Threads)
-        torch.set_num_threads(1)
+        set_thread_count(1)  # one OpenMP pool per process: the executor's (intra_op.py)
         while True:
             with self._cv:
                 while not self.queue.pending() and not self._closed:
