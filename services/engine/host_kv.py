@@ -6,10 +6,13 @@ thread:
 
 * ``checkpoint(seq)`` when a call ends (before its pages are released into the caches): the full pages of
   its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them). Under
-  write-through a job is queued now; under write-back (the default, ``kv/write_back.py``) the session is
-  marked dirty and the job is queued by ``write_back`` when the pages are about to leave the device (the KV
+  write-through (the default, ``engines[].host_kv_write_policy: through``: another instance can restore the
+  session, and an engine killed after a call's end loses nothing committed) a job is queued now; under
+  write-back (``kv/write_back.py``) the session is marked dirty and the job is queued by ``write_back`` when the pages are about to leave the device (the KV
   manager's ``pressure_hook`` -> ``relieve_pressure``, the switch barrier ``drain``, the slot's end, a
-  retention hint expecting a late return); a session end drops it unwritten. A worker thread then reserves slabs in the store (gRPC), gathers the reserved pages from
+  retention hint expecting a late return); a session end drops it unwritten. A worker thread (one intra-op
+  thread, ``intra_op.set_thread_count``: a second OpenMP pool would throttle the executor's) then reserves
+  slabs in the store (gRPC), gathers the reserved pages from
   the device pool into a host staging buffer in page-first layout (the device->host copy), hands the pins
   back (through ``poll``), pushes the staging bytes into the store's slabs over Mooncake, and commits —
   the store publishes only after the copy completed.
