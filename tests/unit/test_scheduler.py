@@ -26,9 +26,12 @@ def seq(rid, n, start=0, session=""):
     return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=100), session)
 
 
-def run_step(s, token=7):
-    """Schedule, then 'sample' token for every sequence that asked; return the summary."""
+def run_step(s, token=7, forward_ok=False):
+    """Schedule, then 'sample' token for every sequence that asked; return the summary. ``forward_ok``: say the
+    forward completed, as the executor does (its pages may then be published for waiting calls)."""
     out = s.schedule()
+    if forward_ok:
+        s.forward_done()
     for sc in out.scheduled:
         if sc.sample:
             sc.seq.append_token(token)
@@ -258,14 +261,7 @@ def test_lone_prefill_tokens_must_not_be_negative():
 
 
 def run_and_publish(s, token=7):
-    """As the executor does: schedule, 'run' the forward, publish the computed pages, sample."""
-    out = s.schedule()
-    s.forward_done()
-    for sc in out.scheduled:
-        if sc.sample:
-            sc.seq.append_token(token)
-    s.check_integrity()
-    return out
+    return run_step(s, token, forward_ok=True)
 
 
 def test_a_call_sharing_a_prefix_being_computed_waits_for_it_and_reuses_it():
