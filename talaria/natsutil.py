@@ -255,3 +255,17 @@ async def close_connection(nc: NATS, subs=()) -> None:
         await nc.drain()
     except Exception as e:  # noqa: BLE001
         log.debug("nats drain during shutdown failed: %s", e)
+
+
+async def open_kv_bucket(nc: NATS, bucket: str, **create: object):
+    """The JetStream KV bucket ``bucket``, created with ``create`` (``history``, ``ttl``, ``description`` ...)
+    when it does not exist yet. Router replicas start together: one that loses the race to create it opens
+    the one another replica made. Mutates the server's streams only by that creation."""
+    js = nc.jetstream()
+    try:
+        return await js.key_value(bucket)
+    except Exception:  # noqa: BLE001 - not there yet (or raced with another replica creating it)
+        try:
+            return await js.create_key_value(bucket=bucket, **create)
+        except Exception:  # noqa: BLE001
+            return await js.key_value(bucket)

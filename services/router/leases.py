@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from services.router.policy import LeaseView
 from services.router.return_gap import lease_weight
+from talaria.natsutil import open_kv_bucket
 from talaria.v1 import router_pb2 as rpb
 
 log = logging.getLogger(__name__)
@@ -281,15 +282,8 @@ class JetStreamLeases:
         self.resyncs = 0
 
     async def start(self) -> None:
-        js = self.nc.jetstream()
-        try:
-            self.kv = await js.key_value(self.bucket)
-        except Exception:  # noqa: BLE001 - not there yet (or raced with another replica creating it)
-            try:
-                # max_age only sweeps old delete markers; leases expire by their own per-key TTL.
-                self.kv = await js.create_key_value(bucket=self.bucket, history=1, ttl=3600, description="Talaria soft reservations")
-            except Exception:  # noqa: BLE001
-                self.kv = await js.key_value(self.bucket)
+        # max_age only sweeps old delete markers; leases expire by their own per-key TTL.
+        self.kv = await open_kv_bucket(self.nc, self.bucket, history=1, ttl=3600, description="Talaria soft reservations")
         await self._watch(resync=False)
 
     async def _watch(self, resync: bool) -> None:

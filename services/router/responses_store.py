@@ -24,6 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from talaria.natsutil import open_kv_bucket
+
 log = logging.getLogger(__name__)
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
@@ -80,15 +82,8 @@ class JetStreamResponses:
         self.kv = None
 
     async def start(self) -> None:
-        js = self.nc.jetstream()
-        try:
-            self.kv = await js.key_value(self.bucket)
-        except Exception:  # noqa: BLE001 - not there yet (or raced with another replica creating it)
-            try:
-                self.kv = await js.create_key_value(bucket=self.bucket, history=1, ttl=self.ttl_s, max_bytes=self.max_bytes,
-                                                    max_value_size=self.max_response_bytes, description="Talaria stored responses")
-            except Exception:  # noqa: BLE001
-                self.kv = await js.key_value(self.bucket)
+        self.kv = await open_kv_bucket(self.nc, self.bucket, history=1, ttl=self.ttl_s, max_bytes=self.max_bytes,
+                                       max_value_size=self.max_response_bytes, description="Talaria stored responses")
 
     async def put(self, tenant: str, response_id: str, record: dict) -> bool:
         """Store ``record``; False when it is over the size cap or the bucket is full (logged)."""
