@@ -26,6 +26,19 @@ def dumps(body: dict) -> bytes:
     return json.dumps(body).encode()
 
 
+def post_generated(conn, figs, path: str, body: dict) -> tuple[int, bytes]:
+    """POST one generated body on the kept-alive connection ``conn``, counting the answer in ``figs``: a lost
+    connection, or a 5xx other than 503, fails with the figures so far. Returns (status, response body)."""
+    try:
+        status, _, data = conn.request("POST", path, dumps(body))
+    except OSError as e:
+        figs.add(None)
+        raise AssertionError(f"connection lost on {body!r}: {e}; {figs}") from None
+    figs.add(status, data)
+    assert status < 500 or status == 503, f"{status} for {body!r}: {data[:300]!r}; {figs}"
+    return status, data
+
+
 # Issue 18 item 2: each passes validation but overflows / cannot be encoded on the wire.
 UNENCODABLE = [
     (CHAT, chat_body(top_k=2**32), "top_k"),
@@ -146,13 +159,7 @@ def test_generated_bodies_never_5xx_keep_the_connection_and_spare_a_running_call
     @given(bodies())
     def one(pb):
         path, body = pb
-        try:
-            status, _, data = conn.request("POST", path, dumps(body))
-        except OSError as e:
-            figs.add(None)
-            raise AssertionError(f"connection lost on {body!r}: {e}; {figs}") from None
-        figs.add(status, data)
-        assert status < 500 or status == 503, f"{status} for {body!r}: {data[:300]!r}; {figs}"
+        post_generated(conn, figs, path, body)
         assert conn.reused, f"connection not kept after {body!r}; {figs}"
 
     try:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.reliability.conftest import MODEL, Figures, KeepAlive
-from tests.reliability.test_bad_input import dumps, values
+from tests.reliability.test_bad_input import dumps, post_generated, values
 
 pytestmark = pytest.mark.slow
 
@@ -103,13 +103,7 @@ def test_generated_anthropic_bodies_never_5xx_and_keep_the_connection(shared_sta
     @given(anthropic_bodies())
     def one(pb):
         path, body = pb
-        try:
-            status, _, data = conn.request("POST", path, dumps(body))
-        except OSError as e:
-            figs.add(None)
-            raise AssertionError(f"connection lost on {body!r}: {e}; {figs}") from None
-        figs.add(status, data)
-        assert status < 500 or status == 503, f"{status} for {body!r}: {data[:300]!r}; {figs}"
+        status, data = post_generated(conn, figs, path, body)
         if status >= 400:
             err = json.loads(data)
             assert err.get("type") == "error" and isinstance(err["error"].get("message"), str), f"not Anthropic's error shape: {data[:300]!r}"
