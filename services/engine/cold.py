@@ -101,7 +101,7 @@ class ColdEngine:
             max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
             session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
             prefill_attention=prefill_attention,  # shells are built on the executor thread: take the count here
-            intra_op_threads=intra_op_threads if intra_op_threads is not None else torch.get_num_threads(),
+            intra_op_threads=Engine._threads(intra_op_threads),
         )
         self.clock = clock
         self.rule = rule or IdleSwitchRule()

@@ -16,7 +16,7 @@ check-then-commit pairs to the scheduler:
   before the step's forward. The source page keeps an extra reference until ``finish_copies`` (called at
   the start of the next schedule), so it cannot be recycled before it is read.
 * ``publish`` inserts a running sequence's computed full pages into the radix cache as its prefill goes
-  (the scheduler calls it after each forward), so calls that share a prefix with a call still being
+  (the scheduler calls it while calls wait, once the executor said the last forward completed), so calls that share a prefix with a call still being
   prefilled reuse it instead of computing it again (issue 42 item 2).
 * ``can_append``/``append`` give a decoding sequence its next page; ``release`` ends a sequence: full
   computed pages go into the radix cache, and with a session id the committed tokens + pages become the
@@ -365,7 +365,7 @@ class KVManager:
         self.radix.unlock(locked_hashes)
 
     def publish(self, hashes: Sequence[int], pages: Sequence[int], n: int) -> None:
-        """A running sequence's first ``n`` full pages hold computed KV (a forward wrote them): insert the chain
+        """A running sequence's first ``n`` full pages hold computed KV (a completed forward wrote them): insert the chain
         into the radix cache now, not at its end, so calls sharing the prefix reuse it while it still runs.
         The sequence keeps its own references and never writes into a full computed page again, so the
         pages are as immutable as any cached page. Nodes already present keep their page. Mutates: the radix
