@@ -116,12 +116,15 @@ def test_session_second_call_is_prefix_hit_on_same_instance(client):
 
 def test_prefix_hit_gives_same_tokens_as_cold_run(client, stack):
     prompt = "A long shared system prompt about repositories and tests. " * 6
-    installed = httpx.get(f"{stack.api}/router/metrics", timeout=5).json()["placement"]["leases_installed"]
     raw_cold = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True})
-    # the session's lease comes with the engine's completion hook, which may reach the router after the HTTP
-    # answer: sent before it, the return is placed by cost alone (CI: on the other llama, 0 cached)
-    wait_until(lambda: httpx.get(f"{stack.api}/router/metrics", timeout=5).json()["placement"]["leases_installed"] > installed, timeout=10)
-    raw_warm = chat(client, prompt, session="sess-same-1", max_tokens=20, extra_body={"ignore_eos": True})
+    # the session's lease reaches the router with the engine's completion hook, which may come after the HTTP
+    # answer (fresh-ci: the return placed by cost on the other llama, 0 cached, twice in four runs); the answer's
+    # resume token carries the same lease, as an agent harness sends it back (services/router/resume.py)
+    token = raw_cold.headers.get("x-talaria-resume-token")
+    assert token
+    raw_warm = client.chat.completions.with_raw_response.create(
+        model=LLAMA, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0, extra_body={"ignore_eos": True},
+        extra_headers={"X-Session-ID": "sess-same-1", "X-Talaria-Resume-Token": token})
     cold, warm = raw_cold.parse(), raw_warm.parse()
     where = {k: (r.headers.get("x-talaria-instance"), r.headers.get("x-talaria-placement")) for k, r in (("cold", raw_cold), ("warm", raw_warm))}
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
