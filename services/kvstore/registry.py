@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from talaria.kv_layout import Family, Layout  # noqa: F401 - shared with the engine; re-exported here
+from talaria.return_prob import LogGapFit
 
 
 class LayoutError(ValueError):
@@ -80,6 +81,7 @@ class Block:
     children: int = 0  # indexed or reserved blocks whose parent is this one
     created: float = 0.0
     last_access: float = 0.0
+    read_last: bool = False  # the last access was a lookup (a write right after it is the same call's, not a return)
     hits: int = 0
     checksum: int | None = None  # issue 14: the writer's checksum of the page bytes, recorded at commit
     checksum_algo: str = ""
@@ -143,28 +145,52 @@ class LRU:
         return b.last_access
 
 
-@dataclass(frozen=True, slots=True)
 class ValuePerByte:
     """JointServe §3.2: avoided recovery per byte, ``p̂ · ĉ / s`` (lowest evicted first).
 
     ``ĉ``: recompute cost of the page, ``page_size · (1 + page_index · page_size / context_scale)``
     token-units (prefill of late tokens attends over more context), each token-unit weighted by the model's
     KV bytes per token: a model's prefill work per token grows with its KV width and layer count as its KV
-    bytes do, so a model with wider KV is neither cheaper to recompute nor worth less per byte (issue 18
-    item 7: pricing token-units per byte evicted the newest sessions of the model with the widest KV — 3x
-    the bytes — before older ones of the others). ``p̂``: reuse likelihood,
-    ``(1 + hits) · 2^(-age / half_life_s)``. ``s``: bytes held.
+    bytes do, so a model with wider KV is neither cheaper to recompute nor worth less per byte (pricing
+    token-units per byte evicted the newest sessions of the model with the widest KV — 3x the bytes — before
+    older ones of the others). ``s``: bytes held.
+
+    ``p̂``, the reuse likelihood: ``(1 + hits) · S(age)``, ``age`` the time since the page was last read or
+    written. ``S`` is the chance that a page idle this long is still going to be read: the survival
+    ``P(gap > age)`` of the re-access gaps this store observes (``observe_gap``, fed by the registry: one gap
+    per lookup of a stored chain, or per write of one not read since its last write, the idle time of its
+    deepest stored page, which is the session's own tail, so the samples are sessions' return gaps, not the
+    time between a call's restore and its own write), a log-normal fitted by ``talaria.return_prob.LogGapFit``.
+    Until ``LogGapFit.min_samples`` gaps were seen, ``S = 2^(-age / half_life_s)``. A fixed half-life misjudged
+    finished sessions: a session restored seven times and finished two minutes ago kept ``8 · 2^-2 = 2`` against
+    a new session's first page at 1, so under capacity pressure the store evicted the live sessions' newest
+    pages and kept the dead ones (their next call found 0 cached tokens). With the learned survival a page idle
+    far past the observed gaps is worth ~0 whatever its hits; among such pages the least recently used goes
+    first (a tiny ``2^(-age / half_life_s)`` term keeps the order).
     """
 
-    half_life_s: float = 60.0
-    context_scale: float = 8192.0
-    name: str = "value_per_byte"
+    name = "value_per_byte"
+
+    def __init__(self, half_life_s: float = 60.0, context_scale: float = 8192.0, gaps: LogGapFit | None = None) -> None:
+        self.half_life_s = half_life_s
+        self.context_scale = context_scale
+        self.gaps = gaps if gaps is not None else LogGapFit()
+
+    def observe_gap(self, gap_s: float) -> None:
+        """One observed re-access gap of a stored chain, seconds. Mutates ``gaps``."""
+        self.gaps.observe(gap_s)
+
+    def survival(self, age: float) -> float:
+        """The reuse factor ``S(age)`` of a page idle for ``age`` seconds. Pure read."""
+        prior = math.pow(2.0, -age / self.half_life_s)
+        if not self.gaps.ready:
+            return prior
+        return self.gaps.survival(age) + 1e-9 * prior
 
     def priority(self, b: Block, now: float) -> float:
         ps = b.layout.page_size
         cost = ps * (1.0 + b.page_index * ps / self.context_scale)
-        age = max(0.0, now - b.last_access)
-        p = (1 + b.hits) * math.pow(2.0, -age / self.half_life_s)
+        p = (1 + b.hits) * self.survival(max(0.0, now - b.last_access))
         bytes_per_token = b.layout.page_bytes / ps
         return p * cost * bytes_per_token / max(1, b.layout.page_bytes)
 
@@ -260,6 +286,7 @@ class HostKVRegistry:
         model, rank = layout.model, layout.tp_rank
         todo: list[int] = []  # page indices to reserve
         present = 0
+        deepest_idle: float | None = None  # idle time of the chain's last stored page: a re-access gap
         for i, h in enumerate(hashes):
             key = (model, rank, h)
             held = self._index.get(key) or self._pending.get(key)
@@ -268,11 +295,15 @@ class HostKVRegistry:
                     break  # same key, other layout: stale chain; do not extend it
                 present += 1
                 if held.state is BlockState.COMMITTED:
-                    held.last_access = now
+                    if not todo:
+                        deepest_idle = None if held.read_last else now - held.last_access
+                    held.last_access, held.read_last = now, False
                 continue
             if todo and todo[-1] != i - 1:
                 break  # a hole: pages after it would not be reachable from this chain anyway
             todo.append(i)
+        if deepest_idle is not None:
+            self._observe_gap(deepest_idle)
         per = self.slabs_for(layout.page_bytes)
         protect = {(model, rank, hashes[i]) for i in range(len(hashes))}
         fit = 0
@@ -373,8 +404,10 @@ class HostKVRegistry:
         if note == "layout_mismatch":
             c.stale_lookups += 1
         blocks = [self._index[(layout.model, layout.tp_rank, h)] for h in hashes[:n]]
+        if blocks:
+            self._observe_gap(now - blocks[-1].last_access)
         for b in blocks:
-            b.last_access = now
+            b.last_access, b.read_last = now, True
             b.hits += 1
         lease_id = 0
         if pin and blocks:
@@ -497,6 +530,12 @@ class HostKVRegistry:
             p.children += delta
 
     # ------------------------------------------------------------------ helpers
+    def _observe_gap(self, gap_s: float) -> None:
+        """Tell a policy that learns from re-access gaps (``ValuePerByte.observe_gap``) one of them."""
+        observe = getattr(self.policy, "observe_gap", None)
+        if observe is not None:
+            observe(gap_s)
+
     def _lease_len(self, lease_s: float) -> float:
         if lease_s <= 0:
             return self.default_lease_s

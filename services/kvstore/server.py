@@ -62,6 +62,14 @@ KV_LEASE = "talaria.kvstore.lease_id"
 KV_STORE = "talaria.kvstore.store_id"
 
 
+
+def _gap_note(policy: object) -> str:
+    """", re-access gap p50/p90 X/Y s (N seen)" for a policy that learns the gaps (``ValuePerByte``), else ""."""
+    gaps = getattr(policy, "gaps", None)
+    if gaps is None or not gaps.ready:
+        return ""
+    return f", re-access gap p50/p90 {gaps.quantile(0.5):.1f}/{gaps.quantile(0.9):.1f} s ({gaps.samples} seen)"
+
 class KvStoreServicer(pbg.KvStoreServicer):
     def __init__(
         self, registry: HostKVRegistry, data_plane: pb.DataPlane, *, max_pages: int, epoch: int,
@@ -283,8 +291,9 @@ class KvStoreServer:
                 s = self.servicer.stats()
                 log.info(
                     "occupancy %.1f%% (%d entries), hits %d / misses %d pages, restores %d, capacity misses %d, "
-                    "evictions %d, in %.1f MiB, out %.1f MiB", 100 * s.occupancy, s.entries, s.hit_pages,
+                    "evictions %d, in %.1f MiB, out %.1f MiB%s", 100 * s.occupancy, s.entries, s.hit_pages,
                     s.miss_pages, s.restores, s.capacity_miss_pages, s.evictions, s.bytes_in / 2**20, s.bytes_out / 2**20,
+                    _gap_note(self.registry.policy),
                 )
 
     def stop(self, grace: float = 1.0) -> None:

@@ -24,31 +24,13 @@ NATS loop and ``victim`` from the executor thread: a dict assignment/read under 
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-_SQRT2 = math.sqrt(2.0)
+from talaria.return_prob import lognormal_cdf, p_back_by
+
 AFTER_WINDOW_P = 0.5  # a return less likely than this within the window is "expected after it"
-
-
-def lognormal_cdf(mu: float, sigma: float, t: float) -> float:
-    """P(gap <= t) for a log-normal gap (``sigma`` > 0)."""
-    if t <= 0:
-        return 0.0
-    return 0.5 * math.erfc(-((math.log(t) - mu) / sigma) / _SQRT2)
-
-
-def p_back_by(mu: float, sigma: float, elapsed: float, t: float) -> float:
-    """P(gap <= t | gap > elapsed) for a log-normal gap: the chance a session away for ``elapsed`` seconds is
-    back by ``t`` (0 once the distribution's tail is spent). Shared by eviction here and the slot hold
-    (``slots/hold.py``)."""
-    f0 = lognormal_cdf(mu, sigma, elapsed)
-    tail = 1.0 - f0
-    if tail <= 1e-12:
-        return 0.0
-    return max(0.0, (lognormal_cdf(mu, sigma, t) - f0) / tail)
 
 
 @dataclass(frozen=True, slots=True)

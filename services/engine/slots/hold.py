@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from services.engine.kv.retention import lognormal_cdf, p_back_by
+from talaria.return_prob import lognormal_cdf, p_back_by
 
 from .types import ReturnView
 
