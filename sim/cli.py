@@ -1,4 +1,4 @@
-"""``talaria sim``: run | paper | scale | pools | leases | catalog | validate (see sim/README.md)."""
+"""``talaria sim``: run | paper | router-sweep | scale | pools | leases | catalog | validate (see sim/README.md)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def _paper(args) -> int:
                   output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else (),
                   router_start_gap_s=args.router_start_gap)
     print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
+    return 0
+
+
+def _router_sweep(args) -> int:
+    from .paper import router_sweep
+    from .profile import load
+
+    rows = router_sweep(load(args.router_profile), args.routers.split(), [float(g) for g in args.gaps.split(",")], args.seeds,
+                        say=lambda m: print(m, file=sys.stderr))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "router_sweep.json").write_text(json.dumps(rows, indent=2))
+    print(json.dumps(rows, indent=2) if args.json else f"{len(rows)} rows -> {Path(args.out) / 'router_sweep.json'}")
     return 0
 
 
@@ -123,6 +135,15 @@ def add_cli(sub) -> None:
                     "host KV, or is recomputed without it); default --no-park: D_fin drains them (Talaria §3.4, §4.2; see sim/README.md)")
     pp.add_argument("--json", action="store_true", help="print the whole summary")
     pp.set_defaults(fn=_paper)
+    rs = ps.add_parser("router-sweep", help="the paper's router testbed over offered loads x seeds: medians and paired ratios vs least-pressure")
+    rs.add_argument("--out", default="sim-router-sweep")
+    rs.add_argument("--router-profile", default=DEFAULT_TP4)
+    rs.add_argument("--routers", default="full full:lease_arithmetic=false",
+                    help="space-separated router variants: a policy, optionally ':field=value,...' PolicyParams overrides")
+    rs.add_argument("--gaps", default="2,3,4,6", help="seconds between session starts (offered load), comma-separated")
+    rs.add_argument("--seeds", type=int, default=10, help="task orders per load")
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(fn=_router_sweep)
     sc = ps.add_parser("scale", help="hot/cold cluster past one machine (placement decision cost, sim speed)")
     sc.add_argument("--out", default="sim-scale")
     sc.add_argument("--profile", default=DEFAULT_TP8)

@@ -260,3 +260,57 @@ def run_paper(out: Path, *, tp8_profile: str, router_profile: str, seed: int = 0
 
 def replace_knobs(profile: Profile, **kw: Any) -> Profile:
     return replace(profile, knobs={**profile.knobs, **kw})
+
+
+def _variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"full"`` or ``"full:lease_arithmetic=false,replica_penalty_s=5"``: a router policy and ``PolicyParams``
+    overrides (booleans, numbers); ValueError names an unknown field."""
+    pol, _, rest = spec.partition(":")
+    fields = set(PolicyParams.__dataclass_fields__)
+    kw: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        if k not in fields:
+            raise ValueError(f"{spec!r}: PolicyParams has no field {k!r}")
+        kw[k] = {"true": True, "false": False}.get(v.lower(), None)
+        if kw[k] is None:
+            kw[k] = float(v)
+    return pol, kw
+
+
+def router_sweep(profile: Profile, variants: list[str], gaps: list[float], seeds: int, say=print,
+                 baseline: str = "least-pressure") -> list[dict[str, Any]]:
+    """The §5.3 testbed over offered loads (``gaps``: seconds between session starts) and ``seeds`` task orders
+    per load, each router ``variants`` entry (``_variant``) beside ``baseline``: per load and variant the
+    medians over seeds of avoidable opens, TTFT p95, SCT p50/p95 and same-instance returns, and the baseline's
+    TTFT p95 over the variant's paired per seed (median and how many seeds the variant won). One task order is
+    120 calls, so a single seed's p95 is the 6th-worst call: the medians are what the testbed says."""
+    from statistics import median
+
+    rows = []
+    for gap in gaps:
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for seed in range(seeds):
+            for spec in [baseline, *variants]:
+                pol, kw = _variant(spec)
+                cfg = router_config(profile, pol)
+                if kw:
+                    cfg = replace(cfg, params=replace(cfg.params, **kw))
+                sessions = workload.router_subset(ROUTER_MODELS, seed=seed, output_scale=OUTPUT_SCALE, start_gap_s=gap)
+                runs.setdefault(spec, []).append(report.summarize(Simulation(cfg, sessions).run()))
+        base = runs[baseline]
+        for spec, ss in runs.items():
+            row = {
+                "start_gap_s": gap, "router": spec, "seeds": seeds,
+                "avoidable_opens": median(s["avoidable_opens"] for s in ss),
+                "ttft_p95_s": median(s["ttft_p95_s"] for s in ss),
+                "sct_p50_s": median(s["sct_p50_s"] for s in ss), "sct_p95_s": median(s["sct_p95_s"] for s in ss),
+                "same_instance_returns": median(s["router"]["same_instance_return_rate"] for s in ss),
+                "baseline_ttft_p95_over_this": median(b["ttft_p95_s"] / s["ttft_p95_s"] for b, s in zip(base, ss)),
+                "seeds_won_ttft_p95": sum(s["ttft_p95_s"] < b["ttft_p95_s"] for b, s in zip(base, ss)),
+            }
+            say(f"gap {gap:g} s {spec:40s} avoidable opens {row['avoidable_opens']:5.1f} TTFT p95 {row['ttft_p95_s']:6.2f} s "
+                f"({row['baseline_ttft_p95_over_this']:.2f}x vs {baseline}, won {row['seeds_won_ttft_p95']}/{seeds}) "
+                f"SCT p50/p95 {row['sct_p50_s']:.1f}/{row['sct_p95_s']:.1f} s same-instance returns {row['same_instance_returns']:.2f}")
+            rows.append(row)
+    return rows

@@ -599,3 +599,18 @@ def test_sim_validate_orders_only_what_the_real_run_resolves(tmp_path):
     assert resolved["sct_p50_s"] == [("A", "C"), ("B", "C")]  # A < B in every repetition, but only 2 % apart
     assert resolved["sct_p95_s"] == [("A", "C"), ("B", "C")]  # A vs B swapped in repetition 2
     assert measured(tmp_path, resolution=0.0)[1]["sct_p50_s"] == [("A", "B"), ("A", "C"), ("B", "C")]
+
+
+def test_router_sweep_pairs_each_variant_with_the_baseline_per_seed():
+    prof = load("profiles/paper-tp4-router.yaml")
+    rows = paper.router_sweep(prof, ["full", "full:lease_arithmetic=false"], [3.0], 2, say=lambda m: None)
+    assert [r["router"] for r in rows] == ["least-pressure", "full", "full:lease_arithmetic=false"]
+    base, full, plain = rows
+    assert base["baseline_ttft_p95_over_this"] == 1.0 and base["seeds_won_ttft_p95"] == 0
+    assert full["avoidable_opens"] < base["avoidable_opens"]  # the router testbed's point, medians over two task orders
+    assert plain["same_instance_returns"] > full["same_instance_returns"]  # leases honoured as Algorithm 1 does
+
+
+def test_router_sweep_names_an_unknown_knob():
+    with pytest.raises(ValueError, match="no field 'lease_magic'"):
+        paper._variant("full:lease_magic=true")
