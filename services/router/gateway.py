@@ -981,7 +981,7 @@ class Admission:
             return Step("reject", d, rev, status=429, code="overloaded", message=message, retry_after_s=max(1.0, d.retry_after_s))
 
         if o.mode != "queue":
-            return reject(f"all instances serving '{model}' are over their admission budget")
+            return reject(f"all instances serving '{model}' are over their admission budget{overload_reasons(d, gw.params.admission_budget_s)}")
         if self.queue_deadline is None:
             if gw.queued >= o.queue_max:
                 return reject(f"gateway queue for '{model}' is full ({o.queue_max} waiting)")
@@ -1027,3 +1027,22 @@ class Admission:
     def close(self) -> None:
         """Leave the gateway queue if still in it (idempotent)."""
         self._dequeue()
+
+
+def overload_reasons(d: Decision, budget_s: float, most: int = 3) -> str:
+    """" (engine-1: predicted TTFT 75.2 s over the 60 s budget; engine-2: KV memory, 240 pages needed)": why each
+    ranked instance refused the call, for the 429's message (at most ``most`` instances; "" when none was
+    ranked). Pure."""
+    parts = []
+    for c in d.costs:
+        if c.reject == "round-admission":
+            parts.append(f"{c.instance_id}: predicted TTFT {c.predicted_ttft_s:.1f} s over the {budget_s:g} s budget")
+        elif c.reject == "memory":
+            parts.append(f"{c.instance_id}: KV memory, {c.pages_needed} pages needed beyond what its running and queued calls hold")
+        elif c.reject == "eq2":
+            parts.append(f"{c.instance_id}: opening a replica there does not pay (Eq. 2)")
+    if not parts:
+        return ""
+    more = f"; {len(parts) - most} more" if len(parts) > most else ""
+    return " (" + "; ".join(parts[:most]) + more + ")"
+

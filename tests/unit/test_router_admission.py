@@ -58,6 +58,8 @@ def test_least_loaded_with_a_free_slot_starts_now_a_queue_ahead_does_not():
     step = gw.admission(gw.request("s2", "m", 4030, 16), OverloadPolicy("reject")).next()
     assert (step.kind, step.status, step.code) == ("reject", 429, "overloaded")
     assert step.retry_after_s >= 1.0 and gw.stats["overload_rejected"] == 1
+    # the message says why each instance refused it (an operator reading a 429 sees which check and by how much)
+    assert "a: predicted TTFT" in step.message and "b: predicted TTFT" in step.message and "over the 60 s budget" in step.message
 
 
 def test_in_flight_overlay_counts_against_the_free_slots():
@@ -214,3 +216,17 @@ def test_a_late_instance_is_not_chosen_over_a_fresh_one():
     gw.on_snapshot(snap("b", 1, clock, running=3))
     step = gw.admission(gw.request("s", "m", 100, 16), OverloadPolicy("reject")).next()
     assert (step.kind, step.decision.instance_id) == ("forward", "b") and step.decision.reason != "late"
+
+
+def test_overload_reasons_name_each_check():
+    from services.router.gateway import overload_reasons
+    from services.router.policy import Decision, cost_breakdown
+
+    def cb(iid, reject, ttft=0.0, pages=0):
+        return cost_breakdown(instance_id=iid, delta_r=1.0, c_kv=0.0, c_act=0.0, queue_s=1.0, kv_source="none", act="active",
+                              predicted_ttft_s=ttft, pages_needed=pages, reject=reject)
+
+    d = Decision(None, "full", "overload", costs=(cb("a", "round-admission", ttft=75.25), cb("b", "memory", pages=240), cb("c", "unhealthy")))
+    msg = overload_reasons(d, 60.0)
+    assert msg == " (a: predicted TTFT 75.2 s over the 60 s budget; b: KV memory, 240 pages needed beyond what its running and queued calls hold)"
+    assert overload_reasons(Decision(None, "full", "overload"), 60.0) == ""
