@@ -65,9 +65,13 @@ class RouterState:
         return self._mux
 
     def publish_call(self, rec) -> None:
-        """Send a CallRecord to the telemetry service without waiting for it (issue 7)."""
+        """Send a CallRecord to the telemetry service without waiting for it. A record that cannot be sent (no
+        NATS connection now, or the publish failed) is dropped and counted (``call_record_dropped`` /
+        ``call_record_failed`` in ``/health``'s counters): telemetry is best effort, but a gap in it is visible.
+        Mutates ``counters``."""
         nc = self.nc
         if nc is None or not nc.is_connected:
+            self.counters["call_record_dropped"] += 1
             return
         subject, data = self.subjects.router_calls(self.cfg.router.id), rec.SerializeToString()
 

@@ -55,15 +55,22 @@ class RecordWriter:
             with self._lock:
                 self._f.write(line)
                 self.lines += 1
-        except Exception:  # noqa: BLE001
-            self.errors += 1
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        """Count a failed write (``errors``, exported by ``Collector.tick`` as ``talaria_errors_total{kind="records_file_write"}`` and in
+        ``/summary``'s ``records_file_errors``) and log the first one: the records file silently losing lines is what this prevents."""
+        self.errors += 1
+        if self.errors == 1:
+            log.warning("telemetry records file %s: write failed (%s); further failures are counted, not logged", self.path, e)
 
     def flush(self) -> None:
         with self._lock:
             try:
                 self._f.flush()
-            except Exception:  # noqa: BLE001
-                self.errors += 1
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
 
     def close(self) -> None:
         with self._lock:
@@ -151,6 +158,7 @@ class Collector:
         self.metrics = Metrics()
         self.sessions = SessionTracker(idle_s)
         self.writer = writer
+        self._writer_errors_seen = 0  # writer.errors already counted in talaria_errors{kind="records_file_write"}
         self.record_heartbeats = record_heartbeats
         self.on_switch = on_switch  # callback(dict) for switch spans
         self.counts: dict[str, int] = {}
@@ -435,6 +443,10 @@ class Collector:
             self.metrics.in_flight.set(self.sessions.calls_in_flight)
         if self.writer is not None:
             self.writer.flush()
+            lost = self.writer.errors - self._writer_errors_seen
+            if lost > 0:  # failed writes of the records file, as an error kind the dashboards already show
+                self.metrics.errors.labels("records_file_write").inc(lost)
+                self._writer_errors_seen += lost
         return ended
 
     def summary(self) -> dict[str, Any]:
@@ -462,4 +474,5 @@ class Collector:
                     "recent": [r.as_dict() for r in finished[-50:]],
                 },
                 "records_file": str(self.writer.path) if self.writer is not None else None,
+                "records_file_errors": self.writer.errors if self.writer is not None else 0,
             }

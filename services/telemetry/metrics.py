@@ -58,7 +58,7 @@ CATALOG: tuple[MetricDoc, ...] = (
     MetricDoc("talaria_deadline_risk_events", "counter", ("instance",), "RoundSummary.deadline_risk", "rounds that reported deadline risk"),
     MetricDoc("talaria_token_deadline_tokens", "counter", ("instance", "token", "on_time"), "RoundSummary.token_deadlines (issue 16)", "tokens scored against per-token deadlines (token=first|later; on_time=true|false)"),
     MetricDoc("talaria_inter_token_gap_p99_seconds", "gauge", ("instance",), "RoundSummary.token_deadlines.gap_p99_s (issue 16)", "p99 inter-token gap of the latest round"),
-    MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records", "errors by kind"),
+    MetricDoc("talaria_errors", "counter", ("kind",), "CallRecord.error / CompletionHook.error / undecodable records / failed writes of the records file (records_file_write)", "errors by kind"),
     MetricDoc("talaria_switches", "counter", ("instance", "path"), "SwitchRecord", "model switches"),
     MetricDoc("talaria_telemetry_records", "counter", ("kind",), "every record received", "records observed by this service"),
     MetricDoc("talaria_host_store_lookups", "counter", ("store",), "KvStoreStatsRecord.stats.lookups", "prefix lookups answered by the host KV store"),

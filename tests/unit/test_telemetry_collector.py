@@ -229,3 +229,18 @@ def test_hook_and_call_record_attributions_feed_phase_seconds_and_session_sums()
         c.feed("call", end.SerializeToString(), now=2.1)
     (res,) = c.sessions.expire(3.0)
     assert res.attribution["placement_s"] == 0.05 and res.attribution["total_s"] == 1.1
+
+
+def test_a_failed_write_of_the_records_file_is_an_error_metric_and_in_the_summary(tmp_path, caplog):
+    w = RecordWriter(tmp_path / "records.jsonl")
+    c = Collector(idle_s=1.0, writer=w)
+    w._f.close()  # the file becomes unwritable (a full disk or a lost mount looks the same to the writer)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            w.write({"kind": "call", "x": 1})
+    assert w.errors == 3 and sum("write failed" in r.getMessage() for r in caplog.records) == 1  # logged once, counted always
+    c.tick(now=1000.0)  # flush fails too: 4
+    assert _v(_fams(c), "talaria_errors", "talaria_errors_total", kind="records_file_write") == 4
+    assert c.summary()["records_file_errors"] == 4
+    c.tick(now=1001.0)  # counted once: the next tick adds only new failures (its own flush)
+    assert _v(_fams(c), "talaria_errors", "talaria_errors_total", kind="records_file_write") == 5
