@@ -32,6 +32,10 @@ from talaria.subjects import PROBE_GONE, PROBE_HEADER, PROBE_LIVE, Subjects
 from talaria.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
+# A chunk still missing this long after the call's last one arrived is lost, not late: one engine publishes a
+# call's chunks in order on one connection, so NATS delivers them in order or not at all; the grace only covers
+# a publisher that interleaved two of them. The call then fails at once instead of at the silence timeout.
+LOST_CHUNK_GRACE_S = 1.0
 
 SCHEMA_VERSION = 1
 
@@ -263,6 +267,19 @@ class EngineCall:
                 if not alive():
                     raise EngineUnavailable(self.instance_id, f"engine {self.instance_id} is gone (no heartbeats, or NATS has no responders for it)", self.accepted is not None) from None
 
+    async def _late(self, missing: int, last: int, grace: float) -> pb.TokenChunk:
+        """The next chunk within ``grace`` seconds while chunk ``missing`` is absent and the call's last chunk
+        (``last``) already arrived; raises EngineUnavailable naming the lost chunk when none comes."""
+        try:
+            async with asyncio.timeout(grace):
+                chunk = await self._queue.get()
+        except TimeoutError:
+            raise EngineUnavailable(self.instance_id, f"chunk {missing} of the call to {self.instance_id} was lost on the bus (the "
+                                    f"call's last chunk, {last}, arrived and {grace:g}s passed)", True) from None
+        if chunk is None or chunk is _BUS_LOST:
+            raise self._ended(chunk)
+        return chunk
+
     async def wait_accepted(self, timeout: float, alive: Callable[[], bool]) -> pb.TokenChunk:
         """First chunk: ``accepted`` or a terminal error. Raises EngineUnavailable on silence."""
         chunk = await self._next(timeout, alive, "did not accept the call")
@@ -290,7 +307,12 @@ class EngineCall:
         pending: dict[int, pb.TokenChunk] = {}
         while not self.finished:
             if expected not in pending:
-                for chunk in [await self._next(idle_timeout, alive, "sent nothing"), *self._ready()]:
+                last = next((q for q, c in pending.items() if c.finished or c.HasField("error")), None)
+                if last is not None:  # the call's last chunk is here but not one before it: lost on the bus
+                    got = [await self._late(expected, last, min(idle_timeout, LOST_CHUNK_GRACE_S)), *self._ready()]
+                else:
+                    got = [await self._next(idle_timeout, alive, "sent nothing"), *self._ready()]
+                for chunk in got:
                     if chunk.keepalive:
                         self.keepalives += 1  # the engine holds the call (queued): it restarted the silence timer
                     else:

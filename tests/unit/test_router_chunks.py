@@ -98,3 +98,37 @@ def test_a_lost_bus_ends_the_call_after_the_chunks_already_here():
     with pytest.raises(EngineUnavailable) as e:
         asyncio.run(asyncio.wait_for(go(), 10))
     assert got == [[11]] and e.value.bus and e.value.accepted
+
+
+def test_a_chunk_lost_before_the_last_one_fails_the_call_at_once_not_at_the_silence_timeout():
+    import pytest
+
+    from services.router.engine_client import EngineUnavailable
+
+    call = _call()
+    for c in (_tok(1, 11), _tok(3, 13), _tok(4, 14, finished=True, finish_reason="length")):  # chunk 2 never arrives
+        call._queue.put_nowait(c)
+
+    async def go():
+        got = []
+        with pytest.raises(EngineUnavailable, match="chunk 2 of the call to e0 was lost") as ei:
+            async for c in call.chunks(60.0, lambda: True):  # the silence timeout the call used to wait out
+                got.append(list(c.token_ids))
+        return got, ei.value
+
+    got, err = asyncio.run(go())  # without the rule: "sent nothing within 60s", a minute later
+    assert got == [[11]] and err.accepted  # the tokens before the gap were delivered; the error is mid-stream
+
+
+def test_a_late_chunk_within_the_grace_is_still_taken_in_order():
+    call = _call()
+    for c in (_tok(1, 11), _tok(3, 13, finished=True, finish_reason="length")):
+        call._queue.put_nowait(c)
+    feeds = {1: [_tok(2, 12)]}  # arrives after the reader saw the gap (a publisher that interleaved two chunks)
+
+    def feed(c: EngineCall, n: int) -> None:
+        for x in feeds.get(n, []):
+            c._queue.put_nowait(x)
+
+    got = _read(call, feed)
+    assert [list(c.token_ids) for c in got] == [[11], [12, 13]] and got[-1].finished
