@@ -21,6 +21,30 @@ from talaria.ewma import Ewma
 _SQRT2 = math.sqrt(2.0)
 
 
+def normal_cdf(x: float) -> float:
+    """Standard normal CDF."""
+    return 0.5 * math.erfc(-x / _SQRT2)
+
+
+def normal_quantile(q: float) -> float:
+    """Standard normal quantile (Acklam's rational approximation, |error| < 1.2e-9)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError("quantile must be in (0, 1)")
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01, -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+    lo = 0.02425
+    if q < lo:
+        s = math.sqrt(-2 * math.log(q))
+        return (((((c[0] * s + c[1]) * s + c[2]) * s + c[3]) * s + c[4]) * s + c[5]) / ((((d[0] * s + d[1]) * s + d[2]) * s + d[3]) * s + 1)
+    if q > 1 - lo:
+        return -normal_quantile(1 - q)
+    r = q - 0.5
+    t = r * r
+    return (((((a[0] * t + a[1]) * t + a[2]) * t + a[3]) * t + a[4]) * t + a[5]) * r / (((((b[0] * t + b[1]) * t + b[2]) * t + b[3]) * t + b[4]) * t + 1)
+
+
 def lognormal_cdf(mu: float, sigma: float, t: float) -> float:
     """P(gap <= t) for a log-normal gap (``sigma`` > 0)."""
     if t <= 0:
@@ -80,12 +104,4 @@ class LogGapFit:
 
     def quantile(self, q: float) -> float:
         """The gap below which a fraction ``q`` of gaps fall (0 < q < 1), seconds."""
-        # inverse of erfc: bisection on the CDF is exact enough and keeps this dependency-free
-        lo, hi = self.mu - 10 * self.sigma, self.mu + 10 * self.sigma
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            if 0.5 * math.erfc(-((mid - self.mu) / self.sigma) / _SQRT2) < q:
-                lo = mid
-            else:
-                hi = mid
-        return math.exp(0.5 * (lo + hi))
+        return math.exp(self.mu + normal_quantile(q) * self.sigma)

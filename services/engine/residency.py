@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from talaria.ewma import ewma
+
 Kind = Literal["weights", "kv"]
 
 
@@ -313,16 +315,12 @@ class ReuseSignals:
     def observe_call(self, model: str, session: str, now: float) -> None:
         last = self._model_last.get(model)
         if last is not None and now > last:
-            r = 1.0 / (now - last)
-            old = self._model_rate.get(model)
-            self._model_rate[model] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+            self._model_rate[model] = ewma(self._model_rate.get(model), 1.0 / (now - last), self.alpha)
         self._model_last[model] = now
         if session:
             sl = self._sess_last.get(session)
             if sl is not None and now > sl:
-                g = now - sl
-                old = self._sess_gap.get(session)
-                self._sess_gap[session] = g if old is None else (1 - self.alpha) * old + self.alpha * g
+                self._sess_gap[session] = ewma(self._sess_gap.get(session), now - sl, self.alpha)
             self._sess_last[session] = now
 
     def session_ended(self, session: str, now: float) -> None:

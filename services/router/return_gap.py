@@ -68,33 +68,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from talaria.ewma import ewma
-
-_SQRT2 = math.sqrt(2.0)
-
-
-def _phi(x: float) -> float:
-    """Standard normal CDF."""
-    return 0.5 * math.erfc(-x / _SQRT2)
-
-
-def _z(q: float) -> float:
-    """Standard normal quantile (Acklam's rational approximation, |error| < 1.2e-9)."""
-    if not 0.0 < q < 1.0:
-        raise ValueError("quantile must be in (0, 1)")
-    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
-    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01, -1.328068155288572e01)
-    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
-    lo = 0.02425
-    if q < lo:
-        s = math.sqrt(-2 * math.log(q))
-        return (((((c[0] * s + c[1]) * s + c[2]) * s + c[3]) * s + c[4]) * s + c[5]) / ((((d[0] * s + d[1]) * s + d[2]) * s + d[3]) * s + 1)
-    if q > 1 - lo:
-        return -_z(1 - q)
-    r = q - 0.5
-    t = r * r
-    return (((((a[0] * t + a[1]) * t + a[2]) * t + a[3]) * t + a[4]) * t + a[5]) * r / (((((b[0] * t + b[1]) * t + b[2]) * t + b[3]) * t + b[4]) * t + 1)
-
+from talaria.return_prob import normal_cdf, normal_quantile
 
 @dataclass(frozen=True, slots=True)
 class GapParams:
@@ -126,13 +100,13 @@ class GapEstimate:
         return math.exp(self.mu)
 
     def quantile(self, q: float) -> float:
-        return math.exp(self.mu + _z(q) * self.sigma)
+        return math.exp(self.mu + normal_quantile(q) * self.sigma)
 
     def cdf(self, t: float) -> float:
         """P(gap <= t)."""
         if t <= 0:
             return 0.0
-        return _phi((math.log(t) - self.mu) / self.sigma)
+        return normal_cdf((math.log(t) - self.mu) / self.sigma)
 
     def p_within(self, start: float, end: float) -> float:
         """P(gap <= end | gap > start): the return still comes by ``end`` given it has not come by ``start``."""
@@ -149,7 +123,7 @@ class GapEstimate:
             return 0.0
         m, s = self.mu, self.sigma
         lw = math.log(window)
-        partial = math.exp(m + s * s / 2) * _phi((lw - m - s * s) / s)  # E[gap; gap < window]
+        partial = math.exp(m + s * s / 2) * normal_cdf((lw - m - s * s) / s)  # E[gap; gap < window]
         return partial + window * (1.0 - self.cdf(window))
 
 

@@ -14,11 +14,11 @@ from services.router.return_gap import (
     LeaseCosts,
     ResidencyBook,
     ReturnTracker,
-    _z,
     best_window,
     judge_lease,
     lease_weight,
 )
+from talaria.return_prob import normal_quantile as _z
 
 
 def test_normal_quantile_matches_known_values():
