@@ -12,7 +12,8 @@ surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; issue 44: ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``cache_salt`` and, for chat, ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; services/router/README.md); the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
+``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; docs/protocols.md), and OpenAI's
+``reasoning_effort`` through the model's template switch; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
 ``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (issue 14, ``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
@@ -66,7 +67,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metadata": (_empty, "metadata needs stored completions, which are not supported"),
     "store": (_false, "stored completions are not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported: no served model reasons"),
     "verbosity": (_absent, "verbosity is not supported"),
     "web_search_options": (_absent, "web search is not supported"),
     "prompt_cache_retention": (_absent, "prompt_cache_retention is not supported (retention is the engine's policy)"),
@@ -299,7 +299,9 @@ class ChatCompletionRequest(_Common):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    # issue 44: set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
+    # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     verbosity: str | None = None
     web_search_options: dict | None = None
     safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)
@@ -340,12 +342,13 @@ class ChatCompletionRequest(_Common):
 
     def template_proto(self) -> pb.ChatTemplateOptions | None:
         """The chat-template options as their wire message; None when all are the defaults."""
-        if self.chat_template_kwargs is None and self.add_generation_prompt and not self.continue_final_message:
+        if self.chat_template_kwargs is None and self.add_generation_prompt and not self.continue_final_message and self.reasoning_effort is None:
             return None
         return pb.ChatTemplateOptions(
             kwargs_json=json.dumps(self.chat_template_kwargs, ensure_ascii=False) if self.chat_template_kwargs is not None else "",
             no_generation_prompt=not self.add_generation_prompt or self.continue_final_message,
             continue_final_message=self.continue_final_message,
+            reasoning_effort=self.reasoning_effort or "",
         )
 
     @model_validator(mode="after")

@@ -1,0 +1,62 @@
+"""The ``<think>`` reasoning parser: whole outputs and every split of them into stream deltas."""
+
+import pytest
+
+from talaria.reasoning_parsers import (ContentDelta, ReasoningDelta, detect_format, effort_kwargs, make_parser,
+                                       prompt_opens_reasoning, split)
+
+CASES = [
+    # (output, prompt opens <think>, reasoning, content)
+    ("<think>Let me add.</think>\n\nIt is 4.", False, "Let me add.", "It is 4."),
+    ("\n<think>x</think>y", False, "x", "y"),
+    ("Just an answer.", False, "", "Just an answer."),
+    ("Let me see.</think>Answer", True, "Let me see.", "Answer"),
+    ("<think>\nrepeated open</think>A", True, "\nrepeated open", "A"),
+    ("never closed, cut by max_tokens", True, "never closed, cut by max_tokens", ""),
+    ("<think>never closed", False, "never closed", ""),
+    ("a < b </think> then <think> stays text", True, "a < b ", "then <think> stays text"),
+    ("", True, "", ""),
+    ("<thin", False, "", "<thin"),
+    ("r</thi", True, "r</thi", ""),
+    ("2 < 3", False, "", "2 < 3"),
+]
+
+
+@pytest.mark.parametrize("text,opens,reasoning,content", CASES)
+def test_whole_output(text, opens, reasoning, content):
+    assert split("think", text, opens) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text,opens,reasoning,content", CASES)
+def test_every_two_way_split_streams_the_same(text, opens, reasoning, content):
+    for cut in range(len(text) + 1):
+        p = make_parser("think", opens)
+        events = p.feed(text[:cut]) + p.feed(text[cut:]) + p.finish()
+        assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == reasoning, cut
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == content, cut
+        kinds = [type(e) for e in events if e.text]
+        assert kinds == sorted(kinds, key=lambda k: k is ContentDelta), "reasoning always comes before content"
+
+
+def test_one_character_at_a_time_releases_reasoning_before_the_close_arrives():
+    p = make_parser("think", prompt_opens=True)
+    out = []
+    for ch in "abc</think>de":
+        out += p.feed(ch)
+        if ch == "c":
+            assert p.reasoning == "abc" and p.in_reasoning  # released before the delimiter is seen
+    out += p.finish()
+    assert [type(e) for e in out] == [ReasoningDelta] * 3 + [ContentDelta] * 2
+
+
+def test_detection_prompt_and_switches():
+    assert detect_format("{{ '<think>' }}") == "think" and detect_format("plain {{ x }}") == ""
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", "think")
+    assert not prompt_opens_reasoning("<think>\n\n</think>\n\n", "think")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n", "think")
+    assert effort_kwargs("{% if enable_thinking is false %}", "none") == {"enable_thinking": False}
+    assert effort_kwargs("{% if enable_thinking is false %}", "low") == {"enable_thinking": True}
+    assert effort_kwargs("Reasoning: {{ reasoning_effort }}", "high") == {"reasoning_effort": "high"}
+    assert effort_kwargs("<think>{{ x }}", "high") is None
+    with pytest.raises(ValueError):
+        make_parser("nope")
