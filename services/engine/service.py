@@ -444,6 +444,8 @@ class EngineService:
         if effort not in reasoning_parsers.EFFORTS:
             raise CallError(400, "invalid_value", f"reasoning_effort must be one of {', '.join(reasoning_parsers.EFFORTS)}, got {effort!r}", "reasoning_effort")
         if not self.reasoning_format(req.model):
+            if effort == "none":
+                return {}  # no reasoning asked of a model that does not reason: nothing to switch
             raise CallError(400, "unsupported_parameter", f"model '{req.model}' has no reasoning parser: reasoning_effort cannot be honoured", "reasoning_effort")
         kw = reasoning_parsers.effort_kwargs(self._runtime(req.model).tokenizer.chat_template, effort)
         if kw is None:

@@ -110,7 +110,11 @@ def make_router(state, app: FastAPI) -> APIRouter:
         chat_body = responses_api.to_chat(body, history, session)
         keep.session = request.headers.get("x-session-id") or chat_body.get("session_id") or next((body[k] for k in _SESSION_KEYS if body.get(k)), "")
         inner = inner_request(request, "/v1/chat/completions", json.dumps(chat_body).encode())
-        resp = await _endpoint(app, "/v1/chat/completions")(inner)
+        try:
+            resp = await _endpoint(app, "/v1/chat/completions")(inner)
+        except APIError as e:  # the chat path's field names -> the request's own
+            e.param = responses_api.responses_param(e.param)
+            raise
         if not isinstance(resp, StreamingResponse):
             out = responses_api.from_chat(body, json.loads(resp.body), keep.rid)
             await keep.save(body, chat_body, out)
