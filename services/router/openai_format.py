@@ -27,7 +27,9 @@ class ChatOutput:
     the reasoning parser (``talaria/reasoning_parsers.py``); its reasoning streams as ``delta.reasoning_content``
     (vLLM's field) and only the answer goes on to the tool-call parser, so reasoning always precedes content
     and a ``<tool_call>`` inside the reasoning is not a call. ``reasoning_tokens`` counts the tokens of the
-    chunks that carried reasoning (a chunk that also starts the answer counts as reasoning).
+    chunks that carried reasoning; a chunk that ends the reasoning and starts the answer is split by
+    characters (exact when chunks are single tokens, as streamed; an estimate for a non-streaming call,
+    whose tokens after the first arrive as one chunk).
 
     Mutates only itself. With ``tool_format`` and ``reasoning_format`` empty the text passes through unchanged."""
 
@@ -82,8 +84,14 @@ class ChatOutput:
             return self._answer(text)
         before = self.reasoner.in_reasoning
         events = self.reasoner.feed(text)
-        if before or self.reasoner.in_reasoning or any(isinstance(e, reasoning_parsers.ReasoningDelta) for e in events):
-            self.reasoning_tokens += tokens
+        r = sum(len(e.text) for e in events if isinstance(e, reasoning_parsers.ReasoningDelta))
+        c = sum(len(e.text) for e in events if isinstance(e, reasoning_parsers.ContentDelta))
+        if before or self.reasoner.in_reasoning or r:
+            if not c:
+                self.reasoning_tokens += tokens
+            else:  # the piece ends the reasoning and starts the answer: its tokens split by characters
+                r += len(self.reasoner.CLOSE)
+                self.reasoning_tokens += round(tokens * r / (r + c))
         return self._split(events)
 
     def finish(self, reason: str) -> tuple[list[dict], str]:
