@@ -167,7 +167,7 @@ def to_chat(body: dict, history: list[dict] | None = None, session: str | None =
             raise APIError(400, f"unrecognized request argument '{k}'", code="unknown_parameter", param=k)
     for k, ok in _NOOP.items():
         if k in body and not ok(body[k]):
-            raise APIError(400, f"'{k}' is not supported (no server-side response store or reasoning)", code="unsupported_parameter", param=k)
+            raise APIError(400, f"'{k}' is not supported (docs/protocols.md)", code="unsupported_parameter", param=k)
     chat: dict = {_PASS[k]: v for k, v in body.items() if k in _PASS and v is not None}
     msgs = _messages(body)
     if history:
