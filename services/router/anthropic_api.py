@@ -26,9 +26,9 @@ Mapping (every field honoured or a 400 naming it, by its Anthropic name):
   a model that does not reason); a model with no reasoning parser or no switch is a 400 naming ``thinking``.
   ``budget_tokens`` is checked as Anthropic does (>= 1024, < ``max_tokens``) but is not a separate cap:
   ``max_tokens`` bounds thinking and text together. The reasoning comes back as a ``thinking`` block before
-  the text (streamed as ``thinking_delta``; ``signature`` is empty: nothing is signed); ``thinking`` /
-  ``redacted_thinking`` blocks sent back in assistant turns are accepted and not rendered (reasoning models'
-  templates drop earlier turns' reasoning).
+  the text (streamed as ``thinking_delta``; ``signature`` is empty: nothing is signed); ``thinking``
+  blocks sent back in assistant turns become the turn's ``reasoning_content`` for the chat template (which
+  renders or drops it, as the model was trained); ``redacted_thinking`` blocks are accepted (nothing to render).
 - usage: ``input_tokens`` = prompt tokens not read from cache, ``cache_read_input_tokens`` = the engine's
   cached tokens, ``cache_creation_input_tokens`` = 0 (nothing is billed for writing: every prompt is cached).
 """
@@ -154,13 +154,15 @@ def _message(m: Any, i: int, tr: Translation) -> None:
         raise bad("content must be a string or a list of content blocks", f"{param}.content")
     texts: list[str] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, b in enumerate(content):
         bp = f"{param}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
             texts.append(_text_block(b, bp, tr))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # an earlier turn's reasoning, sent back as Anthropic requires: not rendered (see above)
+            if kind == "thinking" and isinstance(b.get("thinking"), str):  # to the template (see above); redacted: nothing to render
+                thoughts.append(b["thinking"])
         elif kind == "tool_use" and role == "assistant":
             extra = set(b) - {"type", "id", "name", "input", "cache_control"}
             if extra or not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
@@ -183,6 +185,8 @@ def _message(m: Any, i: int, tr: Translation) -> None:
         msg: dict = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
         if calls:
             msg["tool_calls"] = calls
+        if thoughts:
+            msg["reasoning_content"] = "".join(thoughts)
         tr.add(msg, param)
     elif texts or not content:
         tr.add({"role": "user", "content": "".join(texts)}, param)

@@ -9,8 +9,8 @@ and function tools; built-in tools are 400 naming the field. Reasoning: ``reason
 the chat ``reasoning_effort`` (the model's template switch, else a 400 naming ``reasoning.effort``); the
 model's reasoning comes back as a ``reasoning`` output item before the message (``reasoning_text``
 content; no summaries: ``reasoning.summary`` other than ``auto`` is a 400), streamed as
-``response.reasoning_text.delta``; ``reasoning`` items in ``input`` are accepted and not rendered (the chat
-templates of reasoning models drop earlier turns' reasoning). Server-side state
+``response.reasoning_text.delta``; ``reasoning`` items in ``input`` become the next assistant turn's ``reasoning_content`` (the chat
+template renders or drops it). Server-side state
 (``store``, ``previous_response_id``; issue 44) is the route's (``openai_routes.py`` with
 ``responses_store.py``): ``to_chat`` takes the stored conversation as ``history`` and the chain's session.
 """
@@ -76,21 +76,33 @@ def _messages(body: dict) -> list[dict]:
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"unknown role {role!r}", f"{param}.role")
-            msgs.append({"role": "system" if role == "developer" else role, "content": _text(it.get("content", ""), f"{param}.content")})
+            text = _text(it.get("content", ""), f"{param}.content")
+            if role == "assistant" and msgs and _thought_only(msgs[-1]):
+                msgs[-1]["content"] = text  # the reasoning item before it was this turn's
+            else:
+                msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": it.get("call_id"), "type": "function", "function": {"name": it.get("name"), "arguments": it.get("arguments", "")}}
-            if msgs and msgs[-1]["role"] == "assistant":  # one assistant turn: its text then its calls
+            if msgs and msgs[-1]["role"] == "assistant":  # one assistant turn: its reasoning, its text, then its calls
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "reasoning":
-            continue  # a previous turn's reasoning: reasoning models' templates do not render it
+        elif kind == "reasoning":  # a previous turn's reasoning: the next assistant turn's reasoning_content
+            parts = it.get("content") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) if isinstance(parts, list) else ""
+            if text:
+                msgs.append({"role": "assistant", "content": None, "reasoning_content": text})
         elif kind == "function_call_output":
             out = it.get("output")
             msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": out if isinstance(out, str) else _text(out, f"{param}.output")})
         else:
             raise _bad(f"input items of type {kind!r} are not supported (text messages and function calls only)", f"{param}.type")
-    return msgs
+    return [m for m in msgs if not _thought_only(m)]  # reasoning no turn followed: nothing to render it with
+
+
+def _thought_only(m: dict) -> bool:
+    """An assistant turn so far holding only a reasoning item's text."""
+    return m["role"] == "assistant" and m.get("content") is None and not m.get("tool_calls") and "reasoning_content" in m
 
 
 def _tools(tools: Any) -> list[dict] | None:

@@ -242,6 +242,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning sent back (vLLM's field): to the template
     refusal: str | None = None
     audio: dict | None = None
     function_call: dict | None = None
@@ -256,6 +257,8 @@ class ChatMessage(BaseModel):
     def check_tool_turn(self, i: int) -> None:
         if self.tool_calls and self.role != "assistant":
             raise APIError(400, "only assistant messages carry tool_calls", code="invalid_value", param=f"messages.{i}.tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise APIError(400, "only assistant messages carry reasoning_content", code="invalid_value", param=f"messages.{i}.reasoning_content")
         if self.role == "tool" and not self.tool_call_id:
             raise APIError(400, "a tool message needs tool_call_id", code="missing_field", param=f"messages.{i}.tool_call_id")
 
@@ -267,6 +270,8 @@ class ChatMessage(BaseModel):
             m.tool_calls_json = json.dumps([c.model_dump() for c in self.tool_calls], ensure_ascii=False)
         if self.tool_call_id:
             m.tool_call_id = self.tool_call_id
+        if self.reasoning_content:
+            m.reasoning_content = self.reasoning_content
         return m
 
     def text(self) -> str:

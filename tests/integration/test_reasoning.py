@@ -14,7 +14,7 @@ import pytest
 from talaria.models.synth import SCRIPT_CONTENT, SCRIPT_REASONING, synthesize_scripted
 from tests.integration.conftest import client_for, engine, stack_config, start_stack
 
-THINK, PLAIN = "tiny-think", "tiny-qwen2"
+THINK, PLAIN, RAW = "tiny-think", "tiny-qwen2", "tiny-think-raw"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
@@ -23,7 +23,9 @@ def stack(synth_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("think-models")
     synthesize_scripted(out, tokenizer_json=(synth_models[PLAIN] / "tokenizer.json").read_text())
     (out / PLAIN).symlink_to(synth_models[PLAIN])
-    s = start_stack(stack_config(out, [engine("think-0", THINK), engine("plain-0", PLAIN)], max_tokens_limit=2048))
+    (out / RAW).symlink_to(out / THINK)  # the same checkpoint, configured not to be parsed for reasoning
+    engines = [engine("think-0", THINK), engine("plain-0", PLAIN), engine("raw-0", RAW, reasoning_parsers={RAW: "none"})]
+    s = start_stack(stack_config(out, engines, max_tokens_limit=2048))
     yield s
     s.stop()
 
@@ -110,3 +112,14 @@ def test_a_model_without_reasoning_is_a_400_naming_each_protocols_field(client, 
     # asking a model that does not reason not to reason needs nothing: served
     r = client.chat.completions.create(model=PLAIN, messages=MSGS, max_tokens=4, reasoning_effort="none")
     assert r.choices[0].message.reasoning_content is None if hasattr(r.choices[0].message, "reasoning_content") else True
+
+
+def test_the_reasoning_parser_is_per_model_configuration(client):
+    """``engines[].reasoning_parsers: {model: none}``: the same checkpoint's output comes back as it was generated,
+    and ``reasoning_effort`` is refused (nothing would parse the reasoning it asks for)."""
+    r = client.chat.completions.create(model=RAW, messages=MSGS, max_tokens=60, temperature=0)
+    assert r.choices[0].message.content == f"{SCRIPT_REASONING}</think>{SCRIPT_CONTENT}"
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=RAW, messages=MSGS, max_tokens=4, reasoning_effort="low")
+    assert ei.value.body["param"] == "reasoning_effort"

@@ -152,7 +152,7 @@ def test_thinking_becomes_reasoning_effort_and_comes_back_as_thinking_blocks():
     tr = to_chat(body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "A"}]},
         {"role": "user", "content": "more"}]))
-    assert [m.get("content") for m in tr.chat["messages"]] == ["q", "A", "more"]  # earlier reasoning is not rendered
+    assert [(m.get("content"), m.get("reasoning_content")) for m in tr.chat["messages"]] == [("q", None), ("A", "hmm"), ("more", None)]  # to the template
     assert tr.anthropic_param("reasoning_effort") == "thinking"
     chat = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "Hi", "reasoning_content": "think"}}], "usage": {}}
     assert [b["type"] for b in from_chat("m", chat)["content"]] == ["thinking", "text"]

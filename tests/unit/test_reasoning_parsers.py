@@ -60,3 +60,16 @@ def test_detection_prompt_and_switches():
     assert effort_kwargs("<think>{{ x }}", "high") is None
     with pytest.raises(ValueError):
         make_parser("nope")
+
+
+def test_an_assistant_turns_reasoning_content_reaches_the_template():
+    from services.router.errors import APIError
+    from services.router.schemas import ChatCompletionRequest, parse_request
+    from talaria.tokenizer import chat_message_dict
+
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}, {"role": "user", "content": "q2"}]})
+    assert [chat_message_dict(m).get("reasoning_content") for m in req.messages_proto().messages] == [None, "R", None]
+    with pytest.raises(APIError) as ei:
+        parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "q", "reasoning_content": "R"}]})
+    assert ei.value.param == "messages.0.reasoning_content"

@@ -112,9 +112,9 @@ def test_memory_response_store_is_bounded_tenant_scoped_and_expires():
 
 
 def test_reasoning_effort_and_reasoning_items():
-    chat = to_chat({"model": "m", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}, {"role": "user", "content": "hi"}],
+    chat = to_chat({"model": "m", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}, {"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "T"}]}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "more"}],
                     "reasoning": {"effort": "low", "summary": "auto"}})
-    assert chat["reasoning_effort"] == "low" and chat["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat["reasoning_effort"] == "low" and chat["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A", "reasoning_content": "T"}, {"role": "user", "content": "more"}]
     assert "reasoning_effort" not in to_chat({"model": "m", "input": "hi", "reasoning": {}})
     assert responses_param("reasoning_effort") == "reasoning.effort" and responses_param("messages") == "messages"
     out = from_chat({"model": "m"}, {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "A", "reasoning_content": "R"}}],
