@@ -24,7 +24,8 @@ Mapping (every field honoured or a 400 naming it, by its Anthropic name):
 - ``thinking``: ``{"type": "enabled", "budget_tokens": n}`` turns the model's reasoning on through its chat
   template's switch (chat ``reasoning_effort: medium``), ``{"type": "disabled"}`` off (``none``: a no-op for
   a model that does not reason); a model with no reasoning parser or no switch is a 400 naming ``thinking``.
-  ``budget_tokens`` is checked as Anthropic does (>= 1024, < ``max_tokens``) but is not a separate cap:
+  ``budget_tokens`` must be below ``max_tokens``, as Anthropic asks (its floor of 1024 is not imposed: a
+  router's ``max_tokens_limit`` may be lower), and is not a separate cap:
   ``max_tokens`` bounds thinking and text together. The reasoning comes back as a ``thinking`` block before
   the text (streamed as ``thinking_delta``; ``signature`` is empty: nothing is signed); ``thinking``
   blocks sent back in assistant turns become the turn's ``reasoning_content`` for the chat template (which
@@ -250,8 +251,8 @@ def _thinking(v: Any, max_tokens: int) -> str:
             raise bad("budget_tokens goes with type enabled", "thinking.budget_tokens")
         return "none"
     b = v.get("budget_tokens")
-    if not isinstance(b, int) or isinstance(b, bool) or not 1024 <= b < max_tokens:
-        raise bad("budget_tokens must be an integer >= 1024 and less than max_tokens", "thinking.budget_tokens")
+    if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < max_tokens:
+        raise bad("budget_tokens must be a positive integer less than max_tokens", "thinking.budget_tokens")
     return "medium"
 
 

@@ -77,7 +77,7 @@ def test_tool_choice_variants_and_prefill():
         ({"max_tokens": None}, "max_tokens"),
         ({"temperature": 1.2}, "temperature"),
         ({"thinking": {"type": "adaptive"}}, "thinking.type"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}, "max_tokens": 100}, "thinking.budget_tokens"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2000}, "max_tokens": 2000}, "thinking.budget_tokens"),
         ({"thinking": {"type": "disabled", "budget_tokens": 2000}}, "thinking.budget_tokens"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "x"}, "max_tokens": 4000}, "thinking.display"),
