@@ -104,6 +104,7 @@ def make_router(state, app: FastAPI) -> APIRouter:
         body = await _body(request)
         tenant = auth.principal_of(request).tenant
         keep = await _chain(state, body, tenant)
+        body = {**body, "store": keep.keep}  # the answer's ``store`` says what happened (absent: OpenAI's default)
         history, session = (keep.previous["messages"], keep.previous["session"]) if keep.previous else (None, None)
         if keep.store and session is None and not any(body.get(k) for k in _SESSION_KEYS):
             session = "responses-" + keep.rid  # a stored chain is a session even when the client names none
@@ -182,7 +183,9 @@ async def _chain(state, body: dict, tenant: str) -> _Keep:
     """Validate ``store`` / ``previous_response_id`` and load the record a call continues (400 / 404 naming the field)."""
     store = getattr(state, "responses", None)
     keep = body.get("store")
-    if keep not in (None, False, True):
+    if keep is None:  # OpenAI's default is to store (the Agents SDK's previous_response_id mode relies on it)
+        keep = store is not None
+    if keep not in (False, True):
         raise APIError(400, "'store' must be a boolean", code="invalid_value", param="store")
     if keep and store is None:
         raise APIError(400, "'store' is not available: the router's response store is off (router.responses.store)", code="unsupported_parameter", param="store")
