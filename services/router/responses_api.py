@@ -224,9 +224,16 @@ def conversation(body: dict, chat: dict, resp: dict) -> list[dict]:
     msgs = list(chat["messages"][1:] if body.get("instructions") else chat["messages"])
     turn: dict | None = None  # this response's assistant turn: its text, then its calls
     for item in resp["output"]:
-        if item["type"] == "message":
-            turn = {"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])}
+        if item["type"] == "reasoning":  # the turn's reasoning, for templates that render it
+            turn = {"role": "assistant", "content": None, "reasoning_content": "".join(p.get("text", "") for p in item.get("content") or [])}
             msgs.append(turn)
+        elif item["type"] == "message":
+            text = "".join(p.get("text", "") for p in item["content"])
+            if turn is not None and _thought_only(turn):
+                turn["content"] = text
+            else:
+                turn = {"role": "assistant", "content": text}
+                msgs.append(turn)
         elif item["type"] == "function_call":
             if turn is None:
                 turn = {"role": "assistant", "content": None}

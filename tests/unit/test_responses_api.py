@@ -131,3 +131,11 @@ def test_reasoning_effort_and_reasoning_items():
     assert [e["delta"] for e in ev if e["type"] == "response.reasoning_text.delta"] == ["R1", "R2"]
     done = ev[-1]["response"]["output"]
     assert [i["type"] for i in done] == ["reasoning", "message"] and done[0]["content"][0]["text"] == "R1R2"
+
+
+def test_a_stored_conversation_keeps_the_turns_reasoning():
+    resp = from_chat({"model": "m"}, {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": "A", "reasoning_content": "R",
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}], "usage": {}})
+    chat = to_chat({"model": "m", "input": "q"})
+    assert conversation({"model": "m", "input": "q"}, chat, resp)[1:] == [
+        {"role": "assistant", "content": "A", "reasoning_content": "R", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
