@@ -126,7 +126,10 @@ class ChatOutput:
 def chat_output(req, accepted) -> ChatOutput:
     """The output shaper of a chat request, from the engine's accepted chunk (its ``tool_format``,
     ``reasoning_format`` and ``reasoning_open``)."""
-    reasoning = {"reasoning_format": accepted.reasoning_format, "reasoning_open": accepted.reasoning_open}
+    # Structured output (tool_choice required/named, a JSON response_format) is enforced by a grammar from the
+    # first token, so such an output holds no reasoning and is not parsed for it
+    fmt = "" if req.constraint_proto().kind else accepted.reasoning_format
+    reasoning = {"reasoning_format": fmt, "reasoning_open": accepted.reasoning_open}
     if not req.tools_enabled():
         return ChatOutput(**reasoning)
     constrained = req.tool_choice not in (None, "auto")  # required / named: the grammar guarantees the format

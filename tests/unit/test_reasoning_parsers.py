@@ -73,3 +73,23 @@ def test_an_assistant_turns_reasoning_content_reaches_the_template():
     with pytest.raises(APIError) as ei:
         parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "q", "reasoning_content": "R"}]})
     assert ei.value.param == "messages.0.reasoning_content"
+
+
+def test_chat_output_splits_reasoning_before_tool_parsing_and_not_under_a_grammar():
+    from services.router.openai_format import chat_output
+    from services.router.schemas import ChatCompletionRequest, parse_request
+    from talaria.v1 import engine_pb2 as pb
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    accepted = pb.TokenChunk(tool_format="hermes", reasoning_format="think", reasoning_open=True)
+    auto = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "q"}], "tools": tools})
+    out = chat_output(auto, accepted)
+    deltas = out.feed("maybe <tool_call> here</think>", 5) + out.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 9)
+    deltas += out.finish("stop")[0]
+    assert out.reasoning == "maybe <tool_call> here" and [c["function"]["name"] for c in out.calls] == ["f"]
+    assert "reasoning_content" in deltas[0] and out.reasoning_tokens == 5 and out.message()["reasoning_content"] == out.reasoning
+    forced = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "q"}], "tools": tools, "tool_choice": "required"})
+    out = chat_output(forced, accepted)
+    out.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 9)
+    out.finish("stop")
+    assert out.reasoner is None and [c["function"]["name"] for c in out.calls] == ["f"]
