@@ -166,7 +166,7 @@ def split(fmt: str, text: str, prompt_opens: bool = False) -> tuple[str, str]:
 
 # Template switches for reasoning effort, in the order they are tried: the chat-template variable a
 # template reads, and the value it gets for a requested effort ("none" turns reasoning off).
-EFFORTS = ("none", "minimal", "low", "medium", "high")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's ReasoningEffort
 
 
 def effort_kwargs(chat_template: str | None, effort: str) -> dict | None:

@@ -130,7 +130,7 @@ def _tool_choice(tc: Any) -> Any:
     raise _bad("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
 
 
-_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _reasoning(v: Any) -> str | None:

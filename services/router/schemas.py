@@ -306,7 +306,7 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     # issue 44: set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
     # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: str | None = None
     web_search_options: dict | None = None
     safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)

@@ -76,7 +76,7 @@ def test_hostile_bodies_are_4xx_naming_the_field_and_keep_the_connection(shared_
         conn.close()
 
 
-reasoning = st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "max"]) | values,
+reasoning = st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"]) | values,
                                                 "summary": st.sampled_from(["auto", "concise", "detailed"]) | values, "generate_summary": values})
 RESPONSES_FIELDS = ["model", "input", "instructions", "store", "previous_response_id", "reasoning", "tools", "tool_choice", "text",
                     "max_output_tokens", "temperature", "top_p", "include", "metadata", "truncation", "background", "parallel_tool_calls"]
