@@ -146,6 +146,41 @@ class ThinkParser:
         return self._emit_content(text)
 
 
+class TokenCounter:
+    """Reasoning tokens of an output counted by token id, for a model whose ``<think>`` and ``</think>`` are
+    single tokens (Qwen3, DeepSeek-R1): from the start (``prompt_opens``) or a leading ``<think>`` up to and
+    including the first ``</think>``. Exact where the text parser's view of a merged chunk is not. Mutates
+    only itself."""
+
+    def __init__(self, open_id: int, close_id: int, prompt_opens: bool) -> None:
+        self.open_id, self.close_id = open_id, close_id
+        self.state = "reasoning" if prompt_opens else "start"
+        self.count = 0
+
+    def feed(self, ids) -> None:
+        for t in ids:
+            if self.state == "done":
+                return
+            if self.state == "start":
+                if t != self.open_id:
+                    self.state = "done"
+                    return
+                self.state = "reasoning"
+            self.count += 1
+            if t == self.close_id:
+                self.state = "done"
+
+
+def token_counter(fmt: str, token_to_id, prompt_opens: bool) -> TokenCounter | None:
+    """A :class:`TokenCounter` for ``fmt`` when its markers are single tokens of the vocabulary, else None."""
+    if fmt != "think":
+        return None
+    open_id, close_id = token_to_id(ThinkParser.OPEN), token_to_id(ThinkParser.CLOSE)
+    if open_id is None or close_id is None:
+        return None
+    return TokenCounter(open_id, close_id, prompt_opens)
+
+
 _PARSERS = {"think": ThinkParser}
 
 

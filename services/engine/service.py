@@ -82,6 +82,7 @@ class _Call:
     stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
     tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names (issue 14)
+    reasoning: reasoning_parsers.TokenCounter | None = None  # reasoning models: their reasoning tokens, by token id
     generated: int = 0
     flush_timer: bool = False  # a ``_flush_held`` timer is pending for ``held`` (streaming, stream_interval_ms)
 
@@ -258,6 +259,8 @@ class EngineService:
             self._add_logprobs(chunk, o.logprobs, call.model)
         if call.token_ids is not None:
             call.token_ids += o.new_token_ids
+        if call.reasoning is not None:
+            call.reasoning.feed(o.new_token_ids)
         if o.finished:
             del self._calls[o.request_id]
             self._hold.release(o.request_id)
@@ -273,6 +276,7 @@ class EngineService:
                 chunk.usage.CopyFrom(cpb.Usage(
                     prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens,
                     cached_tokens=o.usage.cached_tokens, restored_tokens=o.usage.restored_tokens,
+                    reasoning_tokens=call.reasoning.count if call.reasoning is not None else 0,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
             if o.attribution is not None:  # issue 12: the executor's phases; other_s = what they leave of our latency
@@ -583,6 +587,7 @@ class EngineService:
         if tool_format and req.session_id:
             call.tools = ToolWatch(tool_format)
         reasoning = self.reasoning_format(req.model) if req.WhichOneof("prompt") == "messages" else ""
+        call.reasoning = reasoning_parsers.token_counter(reasoning, self._runtime(req.model).tokenizer.token_to_id, opens)
         await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format,
                                              reasoning_format=reasoning, reasoning_open=opens))
 

@@ -327,7 +327,7 @@ class RouterAPI:
             else {"index": 0, "text": content, "finish_reason": reason, "logprobs": lps.take()}
         )
         choice["stop_reason"] = _stop_reason(reason, stop_reason)
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": reasoning_usage(_usage(usage), out)}
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": reasoning_usage(_usage(usage), out, usage.reasoning_tokens if usage is not None else 0)}
         headers = placed.headers()
         token = self.finished(call, usage)
         if token:
@@ -416,7 +416,7 @@ class RouterAPI:
                             yield event([choice(None, None, delta=d)])
                     yield event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage))
                     if include_usage:
-                        yield event([], reasoning_usage(_usage(c.usage), out))
+                        yield event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens))
             yield b"data: [DONE]\n\n"
         except EngineUnavailable as e:
             self.state.counters["engine_lost_midcall"] += 1

@@ -29,7 +29,8 @@ class ChatOutput:
     and a ``<tool_call>`` inside the reasoning is not a call. ``reasoning_tokens`` counts the tokens of the
     chunks that carried reasoning; a chunk that ends the reasoning and starts the answer is split by
     characters (exact when chunks are single tokens, as streamed; an estimate for a non-streaming call,
-    whose tokens after the first arrive as one chunk).
+    whose tokens after the first arrive as one chunk). The engine's count by token id, where the model's
+    markers are single tokens, replaces it (:func:`reasoning_usage`).
 
     Mutates only itself. With ``tool_format`` and ``reasoning_format`` empty the text passes through unchanged."""
 
@@ -136,10 +137,12 @@ def chat_output(req, accepted) -> ChatOutput:
     return ChatOutput(accepted.tool_format or "hermes", eager=constrained, parallel=req.parallel_tool_calls is not False, **reasoning)
 
 
-def reasoning_usage(usage: dict, out: ChatOutput | None) -> dict:
-    """``usage`` with OpenAI's ``completion_tokens_details.reasoning_tokens`` when the model reasons. Mutates ``usage``."""
+def reasoning_usage(usage: dict, out: ChatOutput | None, engine_count: int = 0) -> dict:
+    """``usage`` with OpenAI's ``completion_tokens_details.reasoning_tokens`` when the model reasons: the
+    engine's count by token id (``Usage.reasoning_tokens``) where it made one, else the chunks' count
+    (:class:`ChatOutput`). Mutates ``usage``."""
     if out is not None and out.reasoner is not None:
-        usage["completion_tokens_details"] = {"reasoning_tokens": out.reasoning_tokens}
+        usage["completion_tokens_details"] = {"reasoning_tokens": engine_count or out.reasoning_tokens}
     return usage
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from talaria.models.synth import SCRIPT_CONTENT, SCRIPT_REASONING, synthesize_scripted
+from talaria.tokenizer import Tokenizer
 from tests.integration.conftest import client_for, engine, stack_config, start_stack
 
 THINK, PLAIN, RAW = "tiny-think", "tiny-qwen2", "tiny-think-raw"
@@ -26,6 +27,7 @@ def stack(synth_models, tmp_path_factory):
     (out / RAW).symlink_to(out / THINK)  # the same checkpoint, configured not to be parsed for reasoning
     engines = [engine("think-0", THINK), engine("plain-0", PLAIN), engine("raw-0", RAW, reasoning_parsers={RAW: "none"})]
     s = start_stack(stack_config(out, engines, max_tokens_limit=2048))
+    s.reasoning_tokens = len(Tokenizer.from_dir(out / THINK).encode(SCRIPT_REASONING, add_special_tokens=False)) + 1  # and </think>
     yield s
     s.stop()
 
@@ -35,14 +37,14 @@ def client(stack) -> openai.OpenAI:
     return client_for(stack)
 
 
-def test_chat_returns_reasoning_then_content(client):
+def test_chat_returns_reasoning_then_content(client, stack):
     r = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0)
     m = r.choices[0].message
     assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (SCRIPT_REASONING, SCRIPT_CONTENT, "stop")
-    assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
+    assert r.usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens < r.usage.completion_tokens  # the engine's count by id
 
 
-def test_chat_stream_yields_reasoning_content_first_then_content(client):
+def test_chat_stream_yields_reasoning_content_first_then_content(client, stack):
     kinds, reasoning, content, usage = [], "", "", None
     for ch in client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True}):
         if ch.usage:
@@ -57,7 +59,7 @@ def test_chat_stream_yields_reasoning_content_first_then_content(client):
                 content += c.delta.content
     assert (reasoning, content) == (SCRIPT_REASONING, SCRIPT_CONTENT)
     assert kinds == sorted(kinds, key=lambda k: k == "content") and kinds.count("reasoning") > 1 and kinds.count("content") > 1
-    assert usage.completion_tokens_details.reasoning_tokens > 0
+    assert usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens
 
 
 @pytest.mark.parametrize("extra", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}])
@@ -73,7 +75,7 @@ def test_responses_reasoning_item_stream_and_not(client):
     r = client.responses.create(model=THINK, input="hi", instructions="Be brief.", max_output_tokens=60, temperature=0, reasoning={"effort": "low"})
     assert [i.type for i in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == SCRIPT_REASONING and r.output_text == SCRIPT_CONTENT
-    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    assert r.usage.output_tokens_details.reasoning_tokens > 0 and r.output[0].content[0].text == SCRIPT_REASONING
     events = list(client.responses.create(model=THINK, input="hi", instructions="Be brief.", max_output_tokens=60, temperature=0, stream=True))
     types = [e.type for e in events]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == SCRIPT_REASONING

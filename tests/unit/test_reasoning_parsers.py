@@ -93,3 +93,20 @@ def test_chat_output_splits_reasoning_before_tool_parsing_and_not_under_a_gramma
     out.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 9)
     out.finish("stop")
     assert out.reasoner is None and [c["function"]["name"] for c in out.calls] == ["f"]
+
+
+@pytest.mark.parametrize("ids,opens,count", [
+    ([7, 8, 101, 9], True, 3),  # reasoning 7, 8 then </think> (101), then the answer
+    ([100, 7, 101, 9, 101], False, 3),  # a leading <think> (100) opens it; a later </think> is the answer's
+    ([7, 8, 9], False, 0),  # no <think> at the start: no reasoning
+    ([7, 8], True, 2),  # never closed
+])
+def test_token_counter(ids, opens, count):
+    from talaria.reasoning_parsers import token_counter
+
+    vocab = {"<think>": 100, "</think>": 101}
+    c = token_counter("think", vocab.get, opens)
+    c.feed(ids[:1])
+    c.feed(ids[1:])
+    assert c.count == count
+    assert token_counter("think", {}.get, opens) is None and token_counter("", vocab.get, opens) is None
