@@ -304,7 +304,7 @@ class ChatCompletionRequest(_Common):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # issue 44: set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
+    # set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
     # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: str | None = None
