@@ -280,6 +280,8 @@ def chat_message_dict(m) -> dict[str, Any]:
         d["tool_calls"] = json.loads(m.tool_calls_json)
     if m.tool_call_id:
         d["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        d["reasoning_content"] = m.reasoning_content
     return d
 
 

@@ -41,7 +41,7 @@ from services.engine.tracing import CallTracer
 from services.engine.kv.retention import Hint, RetentionBook
 from services.engine.tool_watch import ToolWatch
 from services.engine.wire import SCHEMA_VERSION, CallError
-from talaria import call_hints, otel
+from talaria import call_hints, otel, reasoning_parsers
 from talaria.config import EngineConfig, StackConfig
 from talaria.natsutil import close_connection, connect
 from talaria.subjects import PROBE_GONE, PROBE_HEADER, Subjects
@@ -82,6 +82,7 @@ class _Call:
     stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
     tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names (issue 14)
+    reasoning: reasoning_parsers.TokenCounter | None = None  # reasoning models: their reasoning tokens, by token id
     generated: int = 0
     flush_timer: bool = False  # a ``_flush_held`` timer is pending for ``held`` (streaming, stream_interval_ms)
 
@@ -258,6 +259,8 @@ class EngineService:
             self._add_logprobs(chunk, o.logprobs, call.model)
         if call.token_ids is not None:
             call.token_ids += o.new_token_ids
+        if call.reasoning is not None:
+            call.reasoning.feed(o.new_token_ids)
         if o.finished:
             del self._calls[o.request_id]
             self._hold.release(o.request_id)
@@ -273,6 +276,7 @@ class EngineService:
                 chunk.usage.CopyFrom(cpb.Usage(
                     prompt_tokens=o.usage.prompt_tokens, completion_tokens=o.usage.completion_tokens,
                     cached_tokens=o.usage.cached_tokens, restored_tokens=o.usage.restored_tokens,
+                    reasoning_tokens=call.reasoning.count if call.reasoning is not None else 0,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
             if o.attribution is not None:  # issue 12: the executor's phases; other_s = what they leave of our latency
@@ -422,10 +426,36 @@ class EngineService:
         """Decode, tokenize and compile the call's constraint (runs on a worker thread; raises CallError).
         Range checks are the executor's (``validate_request``)."""
         sampling = wire.sampling_params(req.sampling)
-        prompt = self._tokenize(req)
+        prompt, opens = self._tokenize(req)
         if req.sampling.constraint.kind:
             sampling = dataclasses.replace(sampling, grammar=self._grammar(req))
-        return sampling, prompt
+        return sampling, prompt, opens
+
+    def reasoning_format(self, model: str) -> str:
+        """The reasoning format of ``model``'s output ("" = none): ``reasoning_parsers`` of this engine's
+        config names it per model, else it is detected from the chat template (talaria/reasoning_parsers.py)."""
+        fmt = self.cfg.reasoning_parsers.get(model)
+        if fmt is None:
+            return reasoning_parsers.detect_format(self._runtime(model).tokenizer.chat_template)
+        return "" if fmt == reasoning_parsers.NONE else fmt
+
+    def _effort_kwargs(self, req: pb.GenerateRequest) -> dict:
+        """The chat-template variables for the call's ``reasoning_effort`` ({} when not asked). Raises
+        CallError 400 naming the field when the model does not reason or its template has no switch."""
+        effort = req.chat_template.reasoning_effort
+        if not effort:
+            return {}
+        if effort not in reasoning_parsers.EFFORTS:
+            raise CallError(400, "invalid_value", f"reasoning_effort must be one of {', '.join(reasoning_parsers.EFFORTS)}, got {effort!r}", "reasoning_effort")
+        if not self.reasoning_format(req.model):
+            if effort == "none":
+                return {}  # no reasoning asked of a model that does not reason: nothing to switch
+            raise CallError(400, "unsupported_parameter", f"model '{req.model}' has no reasoning parser: reasoning_effort cannot be honoured", "reasoning_effort")
+        kw = reasoning_parsers.effort_kwargs(self._runtime(req.model).tokenizer.chat_template, effort)
+        if kw is None:
+            raise CallError(400, "unsupported_parameter", f"the chat template of model '{req.model}' has no reasoning switch "
+                            "(enable_thinking or reasoning_effort): reasoning_effort cannot be honoured", "reasoning_effort")
+        return kw
 
     def _grammar(self, req: pb.GenerateRequest):
         """Compile the call's structured-output constraint (bounded time; see grammar.py). Mutates the
@@ -443,13 +473,14 @@ class EngineService:
         except GrammarError as e:
             raise CallError(400, "invalid_value", str(e), e.param) from None
 
-    def _tokenize(self, req: pb.GenerateRequest) -> list[int]:
+    def _tokenize(self, req: pb.GenerateRequest) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether its text ends inside an unclosed reasoning block (chat only)."""
         which = req.WhichOneof("prompt")
         rt = self._runtime(req.model)
         if which == "text":
-            return rt.tokenizer.encode(req.text)
+            return rt.tokenizer.encode(req.text), False
         if which == "token_ids":
-            return list(req.token_ids.ids)  # the executor checks them against its vocabulary
+            return list(req.token_ids.ids), False  # the executor checks them against its vocabulary
         if which == "messages":
             msgs = [chat_message_dict(m) for m in req.messages.messages]
             tools = json.loads(req.tools_json) if req.tools_json else None
@@ -461,6 +492,7 @@ class EngineService:
             if not isinstance(kwargs, dict) or (reserved := set(kwargs) & RESERVED_TEMPLATE_VARS):
                 name = sorted(reserved)[0] if isinstance(kwargs, dict) else ""
                 raise CallError(400, "invalid_value", f"chat_template_kwargs may not set {name or 'a non-object'}: the request sets it", "chat_template_kwargs" + (f".{name}" if name else ""))
+            kwargs = {**self._effort_kwargs(req), **kwargs}  # explicit chat_template_kwargs win over reasoning_effort
             try:
                 text = rt.tokenizer.render_chat_template(msgs, tools=tools, add_generation_prompt=not opts.no_generation_prompt
                                                          and not opts.continue_final_message, **kwargs)
@@ -471,7 +503,8 @@ class EngineService:
                     text = continue_final_message(text, msgs)
                 except ValueError as e:
                     raise CallError(400, "invalid_value", str(e), "continue_final_message") from None
-            return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text)
+            opens = reasoning_parsers.prompt_opens_reasoning(text, self.reasoning_format(req.model))
+            return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text), opens
         raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     def _fence(self, req: pb.GenerateRequest) -> CallError | None:
@@ -507,7 +540,7 @@ class EngineService:
             # tokenizing text, rendering a chat template or compiling a grammar runs on a worker thread; a
             # token-id prompt without a constraint is decoded here (issue 20 §5: no thread hop per call)
             cheap = req.WhichOneof("prompt") == "token_ids" and not req.sampling.constraint.kind
-            sampling, prompt = self._intake(req) if cheap else await asyncio.to_thread(self._intake, req)
+            sampling, prompt, opens = self._intake(req) if cheap else await asyncio.to_thread(self._intake, req)
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
@@ -553,7 +586,10 @@ class EngineService:
         tool_format = self._runtime(req.model).tokenizer.tool_format if req.tools_json else ""
         if tool_format and req.session_id:
             call.tools = ToolWatch(tool_format)
-        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format))
+        reasoning = self.reasoning_format(req.model) if req.WhichOneof("prompt") == "messages" else ""
+        call.reasoning = reasoning_parsers.token_counter(reasoning, self._runtime(req.model).tokenizer.token_to_id, opens)
+        await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format,
+                                             reasoning_format=reasoning, reasoning_open=opens))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
         self.counters["errors"] += 1

@@ -21,6 +21,15 @@ Mapping (every field honoured or a 400 naming it, by its Anthropic name):
   call's ``cache_control`` hint (``hints.py``): an upper bound of the session's lease after the call.
 - The session: the ``X-Session-ID`` header (read by the chat handler) wins, else ``metadata.user_id``, else
   a hash of the system prompt and the first user turn (an agent loop's calls share both).
+- ``thinking``: ``{"type": "enabled", "budget_tokens": n}`` turns the model's reasoning on through its chat
+  template's switch (chat ``reasoning_effort: medium``), ``{"type": "disabled"}`` off (``none``: a no-op for
+  a model that does not reason); a model with no reasoning parser or no switch is a 400 naming ``thinking``.
+  ``budget_tokens`` must be below ``max_tokens``, as Anthropic asks (its floor of 1024 is not imposed: a
+  router's ``max_tokens_limit`` may be lower), and is not a separate cap:
+  ``max_tokens`` bounds thinking and text together. The reasoning comes back as a ``thinking`` block before
+  the text (streamed as ``thinking_delta``; ``signature`` is empty: nothing is signed); ``thinking``
+  blocks sent back in assistant turns become the turn's ``reasoning_content`` for the chat template (which
+  renders or drops it, as the model was trained); ``redacted_thinking`` blocks are accepted (nothing to render).
 - usage: ``input_tokens`` = prompt tokens not read from cache, ``cache_read_input_tokens`` = the engine's
   cached tokens, ``cache_creation_input_tokens`` = 0 (nothing is billed for writing: every prompt is cached).
 """
@@ -38,9 +47,8 @@ from services.router.hints import parse_ttl
 
 # Request fields: honoured, or accepted only with the value that needs nothing we lack (else 400 naming it).
 _FIELDS = {"model", "max_tokens", "messages", "system", "metadata", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-           "tools", "tool_choice", "cache_control"}
+           "tools", "tool_choice", "cache_control", "thinking"}
 _NOOP = {
-    "thinking": (lambda v: v is None or v == {"type": "disabled"}, "extended thinking is not supported: no served model reasons"),
     "service_tier": (lambda v: v in (None, "auto", "standard_only"), "only the standard service tier exists"),
     "container": (lambda v: v is None, "containers (code execution) are not supported"),
     "mcp_servers": (lambda v: not v, "MCP servers are not supported: send the tools themselves"),
@@ -84,7 +92,7 @@ class Translation:
             field = {"parameters": "input_schema"}.get(m.group(2), m.group(2))
             return f"tools.{m.group(1)}.{field}{m.group(3) or ''}"
         return {"stop": "stop_sequences", "session_id": "metadata.user_id", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
-                "continue_final_message": "messages", "max_completion_tokens": "max_tokens"}.get(param.split(".")[0], param)
+                "continue_final_message": "messages", "max_completion_tokens": "max_tokens", "reasoning_effort": "thinking"}.get(param.split(".")[0], param)
 
 
 def _cache_control(v: Any, param: str, tr: Translation) -> None:
@@ -147,11 +155,15 @@ def _message(m: Any, i: int, tr: Translation) -> None:
         raise bad("content must be a string or a list of content blocks", f"{param}.content")
     texts: list[str] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, b in enumerate(content):
         bp = f"{param}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
             texts.append(_text_block(b, bp, tr))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if kind == "thinking" and isinstance(b.get("thinking"), str):  # to the template (see above); redacted: nothing to render
+                thoughts.append(b["thinking"])
         elif kind == "tool_use" and role == "assistant":
             extra = set(b) - {"type", "id", "name", "input", "cache_control"}
             if extra or not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
@@ -174,6 +186,8 @@ def _message(m: Any, i: int, tr: Translation) -> None:
         msg: dict = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
         if calls:
             msg["tool_calls"] = calls
+        if thoughts:
+            msg["reasoning_content"] = "".join(thoughts)
         tr.add(msg, param)
     elif texts or not content:
         tr.add({"role": "user", "content": "".join(texts)}, param)
@@ -225,6 +239,23 @@ def _tool_choice(tc: Any, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
+def _thinking(v: Any, max_tokens: int) -> str:
+    """``thinking`` -> the chat ``reasoning_effort``. Raises 400 naming the field."""
+    if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
+        raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": n} or {\"type\": \"disabled\"}", "thinking.type")
+    extra = set(v) - {"type", "budget_tokens"}
+    if extra:
+        raise bad(f"unknown thinking field '{sorted(extra)[0]}'", f"thinking.{sorted(extra)[0]}", "unknown_parameter")
+    if v["type"] == "disabled":
+        if "budget_tokens" in v:
+            raise bad("budget_tokens goes with type enabled", "thinking.budget_tokens")
+        return "none"
+    b = v.get("budget_tokens")
+    if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < max_tokens:
+        raise bad("budget_tokens must be a positive integer less than max_tokens", "thinking.budget_tokens")
+    return "medium"
+
+
 def _session_of(chat: dict) -> str:
     """The session of last resort: a hash of the system prompt and the first user turn."""
     msgs = chat.get("messages", [])
@@ -268,6 +299,8 @@ def to_chat(body: dict, count_only: bool = False) -> Translation:
         chat["continue_final_message"] = True
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"], tr)
+    if body.get("thinking") is not None:
+        chat["reasoning_effort"] = _thinking(body["thinking"], chat.get("max_tokens", 1 << 62))
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], chat)
     _cache_control(body.get("cache_control"), "cache_control", tr)
@@ -348,6 +381,8 @@ def from_chat(model: str, chat: dict) -> dict:
     choice = chat["choices"][0]
     m = choice["message"]
     content: list[dict] = []
+    if m.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
     if m.get("content"):
         content.append({"type": "text", "text": m["content"]})
     for c in m.get("tool_calls") or []:
@@ -365,7 +400,7 @@ class StreamTranslator:
         self.model = model
         self.id = message_id()
         self.index = -1  # index of the open (or last) content block
-        self.open: str | None = None  # "text" | "tool_use" | None
+        self.open: str | None = None  # "thinking" | "text" | "tool_use" | None
         self.calls: dict[int, int] = {}  # chat tool-call index -> content block index
         self.reason: str | None = None
         self.stop: str | None = None
@@ -394,6 +429,10 @@ class StreamTranslator:
             self.usage = chunk["usage"]
         for c in chunk.get("choices") or []:
             d = c.get("delta") or {}
+            if d.get("reasoning_content"):
+                if self.open != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                out.append({"type": "content_block_delta", "index": self.index, "delta": {"type": "thinking_delta", "thinking": d["reasoning_content"]}})
             if d.get("content"):
                 if self.open != "text":
                     out += self._open({"type": "text", "text": ""})

@@ -51,8 +51,13 @@ def anthropic_routes(state, app: FastAPI) -> APIRouter:  # state: services.route
         tok = _tokenizer(state, model)
         msgs = tr.chat["messages"]
         cont = bool(tr.chat.get("continue_final_message"))
+        switch = {}
+        if tr.chat.get("reasoning_effort"):  # the prompt as the engine renders it: with the template's reasoning switch
+            from talaria.reasoning_parsers import effort_kwargs
+
+            switch = effort_kwargs(tok.chat_template, tr.chat["reasoning_effort"]) or {}
         try:
-            text = tok.render_chat_template(msgs, add_generation_prompt=not cont, tools=tr.chat.get("tools"))
+            text = tok.render_chat_template(msgs, add_generation_prompt=not cont, tools=tr.chat.get("tools"), **switch)
             if cont:
                 from talaria.tokenizer import continue_final_message
 

@@ -33,7 +33,7 @@ from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import OverloadPolicy, Step
 from services.router.leases import lease_key
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
-from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix
+from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix, reasoning_usage
 from services.router.openai_routes import make_router
 from services.router.anthropic_routes import anthropic_routes
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
@@ -272,7 +272,7 @@ class RouterAPI:
         view = self.state.registry.instances[call.instance_id]
         alive = lambda: self.state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
         rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
-        out = chat_output(req, placed.first.tool_format) if chat else None  # content vs tool_calls (issue 13)
+        out = chat_output(req, placed.first) if chat else None  # reasoning vs content vs tool_calls (issues 13, 44)
         lps = Logprobs(chat, g.sampling.logprobs)
         if g.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -284,7 +284,7 @@ class RouterAPI:
                        out: ChatOutput | None, lps: Logprobs) -> Response:
         """A non-streaming answer. A client that disconnects first cancels the engine work (issue 18 item 3)."""
         call, created = placed.call, int(time.time())
-        collect = asyncio.ensure_future(self.collect(call, alive, lps))
+        collect = asyncio.ensure_future(self.collect(call, alive, lps, out))
         gone = asyncio.ensure_future(_disconnected(request))
         answered = False
         try:
@@ -319,8 +319,7 @@ class RouterAPI:
         §5: per-call work off the answer's path). Mutates ``out`` and ``lps``."""
         call, model = placed.call, req.model
         content = echo_prefix(req) + content
-        if out is not None:
-            out.feed(content)
+        if out is not None:  # collect() fed it the chunks
             reason = out.finish(reason)[1]
         choice = (
             {"index": 0, "message": out.message(), "finish_reason": reason, "logprobs": lps.take()}
@@ -328,7 +327,7 @@ class RouterAPI:
             else {"index": 0, "text": content, "finish_reason": reason, "logprobs": lps.take()}
         )
         choice["stop_reason"] = _stop_reason(reason, stop_reason)
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": _usage(usage)}
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model, "choices": [choice], "usage": reasoning_usage(_usage(usage), out, usage.reasoning_tokens if usage is not None else 0)}
         headers = placed.headers()
         token = self.finished(call, usage)
         if token:
@@ -347,15 +346,18 @@ class RouterAPI:
         view = self.state.registry.instances.get(call.instance_id)
         return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
 
-    async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs) -> tuple[str, str | None, object, str]:
+    async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs, out: ChatOutput | None = None) -> tuple[str, str | None, object, str]:
         """Read a call to its end: (text, finish reason, usage, the stop string that ended it or ""); mutates
-        ``lps`` (adds the chunks' logprobs). Raises APIError on an engine error or loss."""
+        ``lps`` (adds the chunks' logprobs) and ``out`` (feeds it each chunk, so it counts reasoning tokens).
+        Raises APIError on an engine error or loss."""
         text, reason, usage, stop = [], None, None, ""
         try:
             async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
                 if c.HasField("error"):
                     raise APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
                 text.append(c.text)
+                if out is not None:
+                    out.feed(c.text, len(c.token_ids))
                 lps.add(c.logprobs)
                 if c.finished:
                     reason, usage, stop = c.finish_reason, c.usage, c.stop_reason
@@ -402,7 +404,7 @@ class RouterAPI:
                 if lps is not None:
                     lps.add(c.logprobs)
                 if c.text and out is not None:  # tool-call text becomes delta.tool_calls (issue 13)
-                    for d in out.feed(c.text):
+                    for d in out.feed(c.text, len(c.token_ids)):
                         yield event([choice(None, None, delta=d)])
                 elif c.text:
                     yield event([choice(c.text, None)])
@@ -414,7 +416,7 @@ class RouterAPI:
                             yield event([choice(None, None, delta=d)])
                     yield event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage))
                     if include_usage:
-                        yield event([], _usage(c.usage))
+                        yield event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens))
             yield b"data: [DONE]\n\n"
         except EngineUnavailable as e:
             self.state.counters["engine_lost_midcall"] += 1

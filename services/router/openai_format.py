@@ -16,18 +16,32 @@ complete and valid, so an invalid claimed call can still come back as plain text
 
 from __future__ import annotations
 
+from talaria import reasoning_parsers
 from talaria.tool_parsers import ArgumentsDelta, CallHeader, TextDelta, make_parser
 
 
 class ChatOutput:
-    """One choice's output. ``feed(text)`` -> list of ``delta`` dicts; ``finish(reason)`` -> (deltas, reason).
+    """One choice's output. ``feed(text, tokens)`` -> list of ``delta`` dicts; ``finish(reason)`` -> (deltas, reason).
 
-    Mutates only itself. With ``tool_format`` empty the text passes through unchanged."""
+    Reasoning (a model with a reasoning format, ``TokenChunk.reasoning_format``): the text first goes through
+    the reasoning parser (``talaria/reasoning_parsers.py``); its reasoning streams as ``delta.reasoning_content``
+    (vLLM's field) and only the answer goes on to the tool-call parser, so reasoning always precedes content
+    and a ``<tool_call>`` inside the reasoning is not a call. ``reasoning_tokens`` counts the tokens of the
+    chunks that carried reasoning; a chunk that ends the reasoning and starts the answer is split by
+    characters (exact when chunks are single tokens, as streamed; an estimate for a non-streaming call,
+    whose tokens after the first arrive as one chunk). The engine's count by token id, where the model's
+    markers are single tokens, replaces it (:func:`reasoning_usage`).
 
-    def __init__(self, tool_format: str = "", eager: bool = False, parallel: bool = True) -> None:
+    Mutates only itself. With ``tool_format`` and ``reasoning_format`` empty the text passes through unchanged."""
+
+    def __init__(self, tool_format: str = "", eager: bool = False, parallel: bool = True, reasoning_format: str = "",
+                 reasoning_open: bool = False) -> None:
         self.parser = make_parser(tool_format, eager=eager) if tool_format else None
+        self.reasoner = reasoning_parsers.make_parser(reasoning_format, reasoning_open) if reasoning_format else None
         self.parallel = parallel
         self.content = ""  # content released so far
+        self.reasoning = ""  # reasoning released so far
+        self.reasoning_tokens = 0
         self.calls: list[dict] = []  # finished OpenAI tool calls (non-streaming view)
 
     def _deltas(self, events) -> list[dict]:
@@ -47,7 +61,7 @@ class ChatOutput:
                 out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
         return out
 
-    def feed(self, text: str) -> list[dict]:
+    def _answer(self, text: str) -> list[dict]:
         if self.parser is None:
             if text:
                 self.content += text
@@ -55,10 +69,41 @@ class ChatOutput:
             return []
         return self._deltas(self.parser.feed(text))
 
+    def _split(self, events) -> list[dict]:
+        out: list[dict] = []
+        for e in events:
+            if isinstance(e, reasoning_parsers.ReasoningDelta):
+                self.reasoning += e.text
+                out.append({"reasoning_content": e.text})
+            else:
+                out += self._answer(e.text)
+        return out
+
+    def feed(self, text: str, tokens: int = 0) -> list[dict]:
+        """The deltas of the next piece of output (``tokens``: how many tokens it is, for usage)."""
+        if self.reasoner is None:
+            return self._answer(text)
+        before = self.reasoner.in_reasoning
+        events = self.reasoner.feed(text)
+        r = sum(len(e.text) for e in events if isinstance(e, reasoning_parsers.ReasoningDelta))
+        c = sum(len(e.text) for e in events if isinstance(e, reasoning_parsers.ContentDelta))
+        if before or self.reasoner.in_reasoning or r:
+            if not c:
+                self.reasoning_tokens += tokens
+            else:  # the piece ends the reasoning and starts the answer: its tokens split by characters
+                r += len(self.reasoner.CLOSE)
+                self.reasoning_tokens += round(tokens * r / (r + c))
+        return self._split(events)
+
     def finish(self, reason: str) -> tuple[list[dict], str]:
         """Close the output; returns the remaining deltas and the finish reason to report."""
+        held = self._split(self.reasoner.finish()) if self.reasoner is not None else []
         if self.parser is None:
-            return [], reason
+            return held, reason
+        deltas, reason = self._finish_calls(reason)
+        return held + deltas, reason
+
+    def _finish_calls(self, reason: str) -> tuple[list[dict], str]:
         res = self.parser.finish()
         if not res.tool_calls:  # plain text, or a claimed call that did not parse: the rest as text
             rest = self.parser.raw[len(self.content) :]
@@ -72,17 +117,33 @@ class ChatOutput:
     def message(self) -> dict:
         """The non-streaming ``message`` after :meth:`finish`."""
         msg: dict = {"role": "assistant", "content": self.content if (self.content or not self.calls) else None}
+        if self.reasoner is not None:
+            msg["reasoning_content"] = self.reasoning or None
         if self.calls:
             msg["tool_calls"] = self.calls
         return msg
 
 
-def chat_output(req, tool_format: str) -> ChatOutput:
-    """The output shaper of a chat request (``tool_format`` from the engine's accepted chunk)."""
+def chat_output(req, accepted) -> ChatOutput:
+    """The output shaper of a chat request, from the engine's accepted chunk (its ``tool_format``,
+    ``reasoning_format`` and ``reasoning_open``)."""
+    # Structured output (tool_choice required/named, a JSON response_format) is enforced by a grammar from the
+    # first token, so such an output holds no reasoning and is not parsed for it
+    fmt = "" if req.constraint_proto().kind else accepted.reasoning_format
+    reasoning = {"reasoning_format": fmt, "reasoning_open": accepted.reasoning_open}
     if not req.tools_enabled():
-        return ChatOutput()
+        return ChatOutput(**reasoning)
     constrained = req.tool_choice not in (None, "auto")  # required / named: the grammar guarantees the format
-    return ChatOutput(tool_format or "hermes", eager=constrained, parallel=req.parallel_tool_calls is not False)
+    return ChatOutput(accepted.tool_format or "hermes", eager=constrained, parallel=req.parallel_tool_calls is not False, **reasoning)
+
+
+def reasoning_usage(usage: dict, out: ChatOutput | None, engine_count: int = 0) -> dict:
+    """``usage`` with OpenAI's ``completion_tokens_details.reasoning_tokens`` when the model reasons: the
+    engine's count by token id (``Usage.reasoning_tokens``) where it made one, else the chunks' count
+    (:class:`ChatOutput`). Mutates ``usage``."""
+    if out is not None and out.reasoner is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": engine_count or out.reasoning_tokens}
+    return usage
 
 
 class Logprobs:

@@ -104,13 +104,18 @@ def make_router(state, app: FastAPI) -> APIRouter:
         body = await _body(request)
         tenant = auth.principal_of(request).tenant
         keep = await _chain(state, body, tenant)
+        body = {**body, "store": keep.keep}  # the answer's ``store`` says what happened (absent: OpenAI's default)
         history, session = (keep.previous["messages"], keep.previous["session"]) if keep.previous else (None, None)
         if keep.store and session is None and not any(body.get(k) for k in _SESSION_KEYS):
             session = "responses-" + keep.rid  # a stored chain is a session even when the client names none
         chat_body = responses_api.to_chat(body, history, session)
         keep.session = request.headers.get("x-session-id") or chat_body.get("session_id") or next((body[k] for k in _SESSION_KEYS if body.get(k)), "")
         inner = inner_request(request, "/v1/chat/completions", json.dumps(chat_body).encode())
-        resp = await _endpoint(app, "/v1/chat/completions")(inner)
+        try:
+            resp = await _endpoint(app, "/v1/chat/completions")(inner)
+        except APIError as e:  # the chat path's field names -> the request's own
+            e.param = responses_api.responses_param(e.param)
+            raise
         if not isinstance(resp, StreamingResponse):
             out = responses_api.from_chat(body, json.loads(resp.body), keep.rid)
             await keep.save(body, chat_body, out)
@@ -178,7 +183,9 @@ async def _chain(state, body: dict, tenant: str) -> _Keep:
     """Validate ``store`` / ``previous_response_id`` and load the record a call continues (400 / 404 naming the field)."""
     store = getattr(state, "responses", None)
     keep = body.get("store")
-    if keep not in (None, False, True):
+    if keep is None:  # OpenAI's default is to store (the Agents SDK's previous_response_id mode relies on it)
+        keep = store is not None
+    if keep not in (False, True):
         raise APIError(400, "'store' must be a boolean", code="invalid_value", param="store")
     if keep and store is None:
         raise APIError(400, "'store' is not available: the router's response store is off (router.responses.store)", code="unsupported_parameter", param="store")

@@ -5,7 +5,12 @@ same validation, placement, tool parsing and structured output as ``/v1/chat/com
 output back into a ``response`` object, or, when streaming, chat chunks into Responses stream events
 (``response.created`` … ``response.output_text.delta`` / ``response.function_call_arguments.delta`` …
 ``response.completed``). Enough for the OpenAI Agents SDK's default model (``OpenAIResponsesModel``): text
-and function tools. Built-in tools and reasoning items are 400 naming the field. Server-side state
+and function tools; built-in tools are 400 naming the field. Reasoning: ``reasoning.effort`` becomes
+the chat ``reasoning_effort`` (the model's template switch, else a 400 naming ``reasoning.effort``); the
+model's reasoning comes back as a ``reasoning`` output item before the message (``reasoning_text``
+content; no summaries: ``reasoning.summary`` other than ``auto`` is a 400), streamed as
+``response.reasoning_text.delta``; ``reasoning`` items in ``input`` become the next assistant turn's ``reasoning_content`` (the chat
+template renders or drops it). Server-side state
 (``store``, ``previous_response_id``; issue 44) is the route's (``openai_routes.py`` with
 ``responses_store.py``): ``to_chat`` takes the stored conversation as ``history`` and the chain's session.
 """
@@ -26,7 +31,6 @@ _PASS = {"model": "model", "temperature": "temperature", "top_p": "top_p", "max_
 # field -> predicate "nothing to do" (else 400 naming it)
 _NOOP = {
     "conversation": lambda v: v is None,
-    "reasoning": lambda v: v is None or v == {} or (isinstance(v, dict) and all(x is None for x in v.values())),
     "truncation": lambda v: v in (None, "disabled"),
     "include": lambda v: not v,
     "metadata": lambda v: not v,
@@ -72,19 +76,33 @@ def _messages(body: dict) -> list[dict]:
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"unknown role {role!r}", f"{param}.role")
-            msgs.append({"role": "system" if role == "developer" else role, "content": _text(it.get("content", ""), f"{param}.content")})
+            text = _text(it.get("content", ""), f"{param}.content")
+            if role == "assistant" and msgs and _thought_only(msgs[-1]):
+                msgs[-1]["content"] = text  # the reasoning item before it was this turn's
+            else:
+                msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": it.get("call_id"), "type": "function", "function": {"name": it.get("name"), "arguments": it.get("arguments", "")}}
-            if msgs and msgs[-1]["role"] == "assistant":  # one assistant turn: its text then its calls
+            if msgs and msgs[-1]["role"] == "assistant":  # one assistant turn: its reasoning, its text, then its calls
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # a previous turn's reasoning: the next assistant turn's reasoning_content
+            parts = it.get("content") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) if isinstance(parts, list) else ""
+            if text:
+                msgs.append({"role": "assistant", "content": None, "reasoning_content": text})
         elif kind == "function_call_output":
             out = it.get("output")
             msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": out if isinstance(out, str) else _text(out, f"{param}.output")})
         else:
             raise _bad(f"input items of type {kind!r} are not supported (text messages and function calls only)", f"{param}.type")
-    return msgs
+    return [m for m in msgs if not _thought_only(m)]  # reasoning no turn followed: nothing to render it with
+
+
+def _thought_only(m: dict) -> bool:
+    """An assistant turn so far holding only a reasoning item's text."""
+    return m["role"] == "assistant" and m.get("content") is None and not m.get("tool_calls") and "reasoning_content" in m
 
 
 def _tools(tools: Any) -> list[dict] | None:
@@ -112,6 +130,27 @@ def _tool_choice(tc: Any) -> Any:
     raise _bad("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
 
 
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _reasoning(v: Any) -> str | None:
+    """``reasoning`` -> the chat ``reasoning_effort`` (None: not asked). Raises 400 naming the field."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("reasoning must be an object", "reasoning")
+    extra = set(v) - {"effort", "summary", "generate_summary"}
+    if extra:
+        raise APIError(400, f"unrecognized request argument 'reasoning.{sorted(extra)[0]}'", code="unknown_parameter", param=f"reasoning.{sorted(extra)[0]}")
+    for k in ("summary", "generate_summary"):
+        if v.get(k) not in (None, "auto"):
+            raise APIError(400, "reasoning summaries are not supported (the reasoning itself comes back as reasoning_text)", code="unsupported_parameter", param=f"reasoning.{k}")
+    effort = v.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise _bad(f"reasoning.effort must be one of {', '.join(_EFFORTS)}", "reasoning.effort")
+    return effort
+
+
 def _format(text: Any) -> dict | None:
     if text is None:
         return None
@@ -134,13 +173,13 @@ def to_chat(body: dict, history: list[dict] | None = None, session: str | None =
     """A Responses request body -> a chat-completion request body: the instructions, then ``history`` (a
     stored conversation in chat form, ``previous_response_id``), then the input; ``session`` (the chain's)
     is its ``session_id``. Raises :class:`APIError` 400."""
-    known = set(_PASS) | set(_NOOP) | {"input", "instructions", "tools", "tool_choice", "text", "store", "previous_response_id"}
+    known = set(_PASS) | set(_NOOP) | {"input", "instructions", "tools", "tool_choice", "text", "store", "previous_response_id", "reasoning"}
     for k in body:
         if k not in known:
             raise APIError(400, f"unrecognized request argument '{k}'", code="unknown_parameter", param=k)
     for k, ok in _NOOP.items():
         if k in body and not ok(body[k]):
-            raise APIError(400, f"'{k}' is not supported (no server-side response store or reasoning)", code="unsupported_parameter", param=k)
+            raise APIError(400, f"'{k}' is not supported (docs/protocols.md)", code="unsupported_parameter", param=k)
     chat: dict = {_PASS[k]: v for k, v in body.items() if k in _PASS and v is not None}
     msgs = _messages(body)
     if history:
@@ -157,16 +196,25 @@ def to_chat(body: dict, history: list[dict] | None = None, session: str | None =
     rf = _format(body.get("text"))
     if rf is not None:
         chat["response_format"] = rf
+    effort = _reasoning(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat field name (from an error of the chat path) as the Responses field it came from."""
+    return "reasoning.effort" if param == "reasoning_effort" else param
 
 
 def _usage(u: dict | None) -> dict:
     u = u or {}
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"input_tokens": u.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": u.get("completion_tokens", 0), "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
             "total_tokens": u.get("total_tokens", 0)}
 
 
@@ -176,9 +224,16 @@ def conversation(body: dict, chat: dict, resp: dict) -> list[dict]:
     msgs = list(chat["messages"][1:] if body.get("instructions") else chat["messages"])
     turn: dict | None = None  # this response's assistant turn: its text, then its calls
     for item in resp["output"]:
-        if item["type"] == "message":
-            turn = {"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])}
+        if item["type"] == "reasoning":  # the turn's reasoning, for templates that render it
+            turn = {"role": "assistant", "content": None, "reasoning_content": "".join(p.get("text", "") for p in item.get("content") or [])}
             msgs.append(turn)
+        elif item["type"] == "message":
+            text = "".join(p.get("text", "") for p in item["content"])
+            if turn is not None and _thought_only(turn):
+                turn["content"] = text
+            else:
+                turn = {"role": "assistant", "content": text}
+                msgs.append(turn)
         elif item["type"] == "function_call":
             if turn is None:
                 turn = {"role": "assistant", "content": None}
@@ -197,7 +252,8 @@ def _skeleton(body: dict, rid: str, created: int, status: str) -> dict:
         "output": [], "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
         "metadata": {}, "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
+        "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None} if body.get("reasoning") else None,
         "store": body.get("store") is True, "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "usage": None,
         "user": body.get("user"),
     }
@@ -206,6 +262,11 @@ def _skeleton(body: dict, rid: str, created: int, status: str) -> dict:
 def _message_item(text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
@@ -225,6 +286,8 @@ def from_chat(body: dict, chat: dict, rid: str | None = None) -> dict:
     resp = _skeleton(body, rid or new_id(), int(time.time()), "completed")
     choice = chat["choices"][0]
     msg = choice["message"]
+    if msg.get("reasoning_content"):
+        resp["output"].append(_reasoning_item(msg["reasoning_content"]))
     if msg.get("content"):
         resp["output"].append(_message_item(msg["content"]))
     for call in msg.get("tool_calls") or []:
@@ -243,6 +306,7 @@ class StreamTranslator:
         self.resp = _skeleton(body, rid or new_id(), int(time.time()), "in_progress")
         self.seq = 0
         self.msg: dict | None = None  # open message item
+        self.thought: dict | None = None  # open reasoning item
         self.calls: dict[int, dict] = {}  # chat tool-call index -> open function_call item
         self.reason: str | None = None
 
@@ -262,6 +326,28 @@ class StreamTranslator:
         return [self._ev("response.output_item.added", output_index=idx, item={**self.msg, "content": []}),
                 self._ev("response.content_part.added", item_id=self.msg["id"], output_index=idx, content_index=0, part=part)]
 
+    def _reasoning_delta(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        if self.thought is None:
+            self.thought = _reasoning_item("", status="in_progress")
+            self.resp["output"].append(self.thought)
+            out.append(self._ev("response.output_item.added", output_index=len(self.resp["output"]) - 1, item={**self.thought, "content": []}))
+            part = {"type": "reasoning_text", "text": ""}
+            out.append(self._ev("response.content_part.added", item_id=self.thought["id"], output_index=len(self.resp["output"]) - 1, content_index=0, part=part))
+        self.thought["content"][0]["text"] += text
+        out.append(self._ev("response.reasoning_text.delta", item_id=self.thought["id"], output_index=self.resp["output"].index(self.thought), content_index=0, delta=text))
+        return out
+
+    def _close_reasoning(self) -> list[dict]:
+        if self.thought is None:
+            return []
+        r, self.thought = self.thought, None
+        idx = self.resp["output"].index(r)
+        r["status"] = "completed"
+        return [self._ev("response.reasoning_text.done", item_id=r["id"], output_index=idx, content_index=0, text=r["content"][0]["text"]),
+                self._ev("response.content_part.done", item_id=r["id"], output_index=idx, content_index=0, part=r["content"][0]),
+                self._ev("response.output_item.done", output_index=idx, item=r)]
+
     def _close_message(self) -> list[dict]:
         if self.msg is None:
             return []
@@ -279,7 +365,10 @@ class StreamTranslator:
             self.resp["usage"] = _usage(chunk["usage"])
         for c in chunk.get("choices") or []:
             d = c.get("delta") or {}
+            if d.get("reasoning_content"):
+                out += self._reasoning_delta(d["reasoning_content"])
             if d.get("content"):
+                out += self._close_reasoning()
                 if self.msg is None:
                     out += self._open_message()
                 self.msg["content"][0]["text"] += d["content"]
@@ -292,7 +381,7 @@ class StreamTranslator:
         return out
 
     def _call_delta(self, tc: dict) -> list[dict]:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         item = self.calls.get(tc["index"])
         if item is None:
             item = _call_item({"id": tc.get("id"), "function": {"name": tc["function"].get("name"), "arguments": ""}}, status="in_progress")
@@ -306,7 +395,7 @@ class StreamTranslator:
         return out
 
     def finish(self) -> list[dict]:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         for item in self.calls.values():
             idx = self.resp["output"].index(item)
             item["status"] = "completed"

@@ -12,7 +12,8 @@ surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; issue 44: ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``cache_salt`` and, for chat, ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; services/router/README.md); the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
+``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; docs/protocols.md), and OpenAI's
+``reasoning_effort`` through the model's template switch; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
 ``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (issue 14, ``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
@@ -66,7 +67,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metadata": (_empty, "metadata needs stored completions, which are not supported"),
     "store": (_false, "stored completions are not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported: no served model reasons"),
     "verbosity": (_absent, "verbosity is not supported"),
     "web_search_options": (_absent, "web search is not supported"),
     "prompt_cache_retention": (_absent, "prompt_cache_retention is not supported (retention is the engine's policy)"),
@@ -242,6 +242,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning sent back (vLLM's field): to the template
     refusal: str | None = None
     audio: dict | None = None
     function_call: dict | None = None
@@ -256,6 +257,8 @@ class ChatMessage(BaseModel):
     def check_tool_turn(self, i: int) -> None:
         if self.tool_calls and self.role != "assistant":
             raise APIError(400, "only assistant messages carry tool_calls", code="invalid_value", param=f"messages.{i}.tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise APIError(400, "only assistant messages carry reasoning_content", code="invalid_value", param=f"messages.{i}.reasoning_content")
         if self.role == "tool" and not self.tool_call_id:
             raise APIError(400, "a tool message needs tool_call_id", code="missing_field", param=f"messages.{i}.tool_call_id")
 
@@ -267,6 +270,8 @@ class ChatMessage(BaseModel):
             m.tool_calls_json = json.dumps([c.model_dump() for c in self.tool_calls], ensure_ascii=False)
         if self.tool_call_id:
             m.tool_call_id = self.tool_call_id
+        if self.reasoning_content:
+            m.reasoning_content = self.reasoning_content
         return m
 
     def text(self) -> str:
@@ -299,7 +304,9 @@ class ChatCompletionRequest(_Common):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    # set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
+    # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: str | None = None
     web_search_options: dict | None = None
     safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)
@@ -340,12 +347,13 @@ class ChatCompletionRequest(_Common):
 
     def template_proto(self) -> pb.ChatTemplateOptions | None:
         """The chat-template options as their wire message; None when all are the defaults."""
-        if self.chat_template_kwargs is None and self.add_generation_prompt and not self.continue_final_message:
+        if self.chat_template_kwargs is None and self.add_generation_prompt and not self.continue_final_message and self.reasoning_effort is None:
             return None
         return pb.ChatTemplateOptions(
             kwargs_json=json.dumps(self.chat_template_kwargs, ensure_ascii=False) if self.chat_template_kwargs is not None else "",
             no_generation_prompt=not self.add_generation_prompt or self.continue_final_message,
             continue_final_message=self.continue_final_message,
+            reasoning_effort=self.reasoning_effort or "",
         )
 
     @model_validator(mode="after")

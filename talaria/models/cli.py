@@ -8,8 +8,11 @@ import sys
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from .synth import synthesize
+    from .synth import synthesize, synthesize_scripted
 
+    if args.scripted:
+        print(synthesize_scripted(args.out, args.reasoning, args.content, seed=args.seed, name=args.scripted))
+        return 0
     paths = synthesize(args.out, seed=args.seed, names=args.only or None)
     for p in paths:
         print(p)
@@ -46,6 +49,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Each leaf parser sets ``fn`` (``fn(args) -> int`` exit code) via ``set_defaults``, the attribute
     ``talaria.cli.main`` dispatches on.
     """
+    from .synth import SCRIPT_CONTENT, SCRIPT_REASONING
+
     models = subparsers.add_parser("models", help="synthesize / list small test checkpoints")
     sub = models.add_subparsers(dest="models_command", required=True)
 
@@ -53,6 +58,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True, help="output directory (one subdirectory per model)")
     synth.add_argument("--seed", type=int, default=0, help="weights seed (same seed => identical files)")
     synth.add_argument("--only", nargs="+", metavar="NAME", help="synthesize only these models")
+    synth.add_argument("--scripted", metavar="NAME", help="instead: one reasoning model NAME (thinking chat template) whose greedy "
+                       "output is --reasoning, </think>, --content, end of turn (talaria/models/synth.py synthesize_scripted)")
+    synth.add_argument("--reasoning", default=SCRIPT_REASONING, help="--scripted: the reasoning text (each token at most once)")
+    synth.add_argument("--content", default=SCRIPT_CONTENT, help="--scripted: the answer text (each token at most once)")
     synth.set_defaults(fn=_cmd_synth)
 
     lst = sub.add_parser("list", help="list the models the synthesizer knows")

@@ -334,3 +334,99 @@ def synthesize(out_dir: str | Path, seed: int = 0, names: list[str] | tuple[str,
         save_file(make_weights(spec, seed), str(d / "model.safetensors"), metadata={"format": "pt"})
         written.append(d)
     return written
+
+
+# --------------------------------------------------------------------------------------- scripted models
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The default script (every token once with the synth tokenizer of any seed: the tokenizer does not depend on it).
+SCRIPT_REASONING, SCRIPT_CONTENT = "A greeting: reply in kind.", "Hello there, friend!"
+
+# A reasoning model's chat template (DeepSeek-R1 / newer Qwen style): the generation prompt opens the
+# reasoning, so the output starts inside it; ``enable_thinking: false`` (Qwen3's switch) closes it at once.
+THINK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('Unknown message role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think></think>' }}"
+    "{%- else %}{{- '<think>' }}{%- endif %}{%- endif %}"
+)
+
+SCRIPTED_SPEC = ModelSpec(
+    "tiny-think", "Qwen3ForCausalLM", "qwen3", 256, 2, 8, 4, 512,
+    head_dim=32, qk_norm=True, rope_theta=1000000.0,
+    extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2},
+    description="Qwen3 with a thinking template; greedy output follows a fixed token script",
+)
+
+
+def script_ids(tok, reasoning: str, content: str) -> list[int]:
+    """The scripted output as token ids: ``reasoning``, ``</think>``, ``content``, then ``<|im_end|>``.
+    Raises ValueError when a token repeats (the next token is a function of the current one only, so each
+    token may appear once)."""
+    ids = tok.encode(reasoning, add_special_tokens=False).ids + [tok.token_to_id(THINK_CLOSE)]
+    ids += tok.encode(content, add_special_tokens=False).ids + [IM_END_ID]
+    chain = [tok.token_to_id(THINK_OPEN)] + ids
+    seen: set[int] = set()
+    for t in chain[:-1]:
+        if t in seen:
+            raise ValueError(f"token {tok.id_to_token(t)!r} occurs twice in the script; reword it (each token once)")
+        seen.add(t)
+    return ids
+
+
+def scripted_weights(spec: ModelSpec, seed: int, vocab_size: int, chain: list[int], scale: float = 30.0) -> dict[str, Any]:
+    """Weights whose greedy decoding follows ``chain``: after token ``chain[i]`` comes ``chain[i + 1]``.
+
+    Design note: every layer's output projections (``o_proj``, ``down_proj``) are zero, so each layer adds
+    nothing and the final hidden state is the current token's embedding; with the final norm's weight 1 it is
+    ``n = E[t] / rms(E[t])``. ``lm_head`` row ``chain[i + 1]`` is ``scale * n_i / |n_i|`` (all other rows
+    zero), so token ``chain[i]``'s logits peak at ``chain[i + 1]`` by ``scale * sqrt(hidden)`` against
+    cross terms of random directions (~``scale * 3``): a margin no dtype or kernel changes."""
+    import torch
+
+    w = make_weights(spec, seed, vocab_size)
+    for name, t in w.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            t.zero_()
+    w["model.norm.weight"] = torch.ones(spec.hidden_size)
+    head = torch.zeros(vocab_size, spec.hidden_size)
+    emb = w["model.embed_tokens.weight"]
+    for src, dst in zip(chain, chain[1:]):
+        head[dst] = scale * emb[src] / emb[src].norm()
+    w["lm_head.weight"] = head
+    return w
+
+
+def synthesize_scripted(out_dir: str | Path, reasoning: str = SCRIPT_REASONING, content: str = SCRIPT_CONTENT, seed: int = 0, name: str = "tiny-think",
+                        tokenizer_json: str | None = None) -> Path:
+    """Write a reasoning model whose greedy output, after a prompt ending in ``<think>`` (its template's
+    generation prompt), is ``reasoning</think>content`` then end of turn; after ``<think></think>``
+    (``enable_thinking: false``) it is ``content``. ``tokenizer_json`` reuses a trained synth tokenizer
+    (else one is trained); ``<think>`` and ``</think>`` are added to it as tokens of their own, as Qwen3 has
+    them. Returns the checkpoint directory."""
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json) if tokenizer_json else train_tokenizer()
+    tok.add_tokens([AddedToken(THINK_OPEN, normalized=False, special=False), AddedToken(THINK_CLOSE, normalized=False, special=False)])
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    chain = [tok.token_to_id(THINK_OPEN)] + script_ids(tok, reasoning, content)
+    spec = SCRIPTED_SPEC if name == SCRIPTED_SPEC.name else ModelSpec(**{**SCRIPTED_SPEC.__dict__, "name": name})
+    d = Path(out_dir) / name
+    d.mkdir(parents=True, exist_ok=True)
+    _dump_json(d / "config.json", make_config(spec, vocab))
+    _dump_json(d / "generation_config.json", {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID})
+    (d / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    tcfg = _tokenizer_config()
+    tcfg["chat_template"] = THINK_TEMPLATE
+    for t in (THINK_OPEN, THINK_CLOSE):
+        tcfg["added_tokens_decoder"][str(tok.token_to_id(t))] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                                                  "single_word": False, "special": False}
+    _dump_json(d / "tokenizer_config.json", tcfg)
+    save_file(scripted_weights(spec, seed, vocab, chain), str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d

@@ -29,16 +29,18 @@ class PrefixHandle(_message.Message):
     def __init__(self, model: _Optional[str] = ..., committed_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., full_pages: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "restored_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "restored_tokens", "reasoning_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     restored_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+    reasoning_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class CallAttribution(_message.Message):
     __slots__ = ("router_queue_s", "placement_s", "engine_queue_s", "round_wait_s", "switch_wait_s", "restore_s", "prefill_s", "decode_s", "preemption_s", "other_s", "total_s")

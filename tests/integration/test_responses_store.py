@@ -61,15 +61,18 @@ def test_stored_chain_continues_as_one_session_and_is_tenant_scoped(stack):
 
 
 def test_streamed_responses_are_stored_too_and_unstored_ones_are_not(stack):
+    """``store`` absent is OpenAI's default, true; ``store: false`` is not stored."""
     a = client(stack, KEY_A)
     events = list(a.responses.create(model=MODEL, input="Say hi", max_output_tokens=3, temperature=0, store=True, stream=True))
     final = events[-1].response  # response.completed, or response.incomplete at max_output_tokens
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert final.store is True and a.responses.retrieve(final.id).output_text == final.output_text
-    plain = a.responses.create(model=MODEL, input="Say hi", max_output_tokens=2)
+    plain = a.responses.create(model=MODEL, input="Say hi", max_output_tokens=2, store=False)
     assert plain.store is False
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(plain.id)
+    default = a.responses.create(model=MODEL, input="Say hi", max_output_tokens=2)  # OpenAI's default: stored
+    assert default.store is True and a.responses.retrieve(default.id).id == default.id
 
 
 @pytest.mark.parametrize("kw,param,exc", [

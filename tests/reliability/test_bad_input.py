@@ -118,7 +118,7 @@ FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "user",
           "logprobs", "stream_options", "max_completion_tokens", "messages", "model", "prompt", "echo", "suffix", "tools",
           # issue 44: vLLM's extensions
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "cache_salt", "skip_special_tokens",
-          "include_stop_str_in_output", "min_p", "repetition_penalty"]
+          "include_stop_str_in_output", "min_p", "repetition_penalty", "reasoning_effort"]
 
 
 @st.composite

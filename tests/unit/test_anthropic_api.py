@@ -76,7 +76,11 @@ def test_tool_choice_variants_and_prefill():
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": None}, "max_tokens"),
         ({"temperature": 1.2}, "temperature"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking.type"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}, "max_tokens": 100}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2000}, "max_tokens": 2000}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "disabled", "budget_tokens": 2000}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "x"}, "max_tokens": 4000}, "thinking.display"),
         ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
         ({"bogus": 1}, "bogus"),
         ({"metadata": {"user_id": "u", "x": 1}}, "metadata.x"),
@@ -138,3 +142,25 @@ def test_stream_translator_event_sequence():
     assert [e["index"] for e in evs if "index" in e] == [0, 0, 0, 1, 1, 1, 1]
     assert "".join(e["delta"]["partial_json"] for e in evs if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta") == "{\"a\": 1}"
     assert evs[-2]["delta"]["stop_reason"] == "tool_use" and evs[-2]["usage"]["output_tokens"] == 2
+
+
+def test_thinking_becomes_reasoning_effort_and_comes_back_as_thinking_blocks():
+    on = to_chat(body(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048)).chat
+    off = to_chat(body(thinking={"type": "disabled"})).chat
+    assert on["reasoning_effort"] == "medium" and off["reasoning_effort"] == "none"
+    assert to_chat(body()).chat.get("reasoning_effort") is None
+    tr = to_chat(body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "A"}]},
+        {"role": "user", "content": "more"}]))
+    assert [(m.get("content"), m.get("reasoning_content")) for m in tr.chat["messages"]] == [("q", None), ("A", "hmm"), ("more", None)]  # to the template
+    assert tr.anthropic_param("reasoning_effort") == "thinking"
+    chat = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "Hi", "reasoning_content": "think"}}], "usage": {}}
+    assert [b["type"] for b in from_chat("m", chat)["content"]] == ["thinking", "text"]
+    st = StreamTranslator("m")
+    events = st.start()
+    for d in ({"reasoning_content": "a"}, {"reasoning_content": "b"}, {"content": "Hi"}):
+        events += st.feed({"choices": [{"delta": d, "finish_reason": None}]})
+    events += st.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + st.finish()
+    kinds = [(e["type"], (e.get("content_block") or e.get("delta") or {}).get("type")) for e in events]
+    assert kinds[1:6] == [("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"), ("content_block_delta", "thinking_delta"),
+                          ("content_block_stop", None), ("content_block_start", "text")]

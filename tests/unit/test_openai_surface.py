@@ -16,6 +16,7 @@ from services.router.errors import APIError
 from services.router.fanout import _sub_bodies, wants_fanout
 from services.router.openai_format import chat_output
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from talaria.v1 import engine_pb2 as pb
 
 MSG = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -34,7 +35,8 @@ def _wire(req, header=None) -> dict:
     if isinstance(req, ChatCompletionRequest):
         out["messages"] = req.messages_proto()
         out["tools_json"] = req.tools_json()
-        out["output"] = chat_output(req, "hermes")
+        out["output"] = chat_output(req, pb.TokenChunk(tool_format="hermes"))
+        out["template"] = req.template_proto()
     else:
         out["prompt"] = req.prompt
     return out
@@ -73,7 +75,7 @@ CHAT: dict[str, tuple[object, object]] = {
     "prediction": ({"type": "content", "content": "x"}, None),
     "metadata": ({"a": "b"}, None),
     "store": (True, None),
-    "reasoning_effort": ("high", None),
+    "reasoning_effort": ("high", lambda w: w["template"].reasoning_effort == "high"),  # the engine: 400 unless the model has a switch
     "verbosity": ("low", None),
     "web_search_options": ({}, None),
     "prompt_cache_retention": ("24h", None),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.errors import APIError
-from services.router.responses_api import StreamTranslator, conversation, from_chat, to_chat
+from services.router.responses_api import StreamTranslator, conversation, from_chat, responses_param, to_chat
 
 TOOL = {"type": "function", "name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {}}, "strict": True}
 
@@ -32,7 +32,8 @@ def test_agents_sdk_shaped_request_translates():
 @pytest.mark.parametrize(
     "extra,param",
     [({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-     ({"bogus": 1}, "bogus"), ({"input": [{"type": "reasoning"}]}, "input.0.type"), ({"reasoning": {"effort": "high"}}, "reasoning")],
+     ({"bogus": 1}, "bogus"), ({"input": [{"type": "image"}]}, "input.0.type"), ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"), ({"reasoning": {"effort": "low", "x": 1}}, "reasoning.x"), ({"reasoning": "high"}, "reasoning")],
 )
 def test_unsupported_responses_fields_are_400(extra, param):
     with pytest.raises(APIError) as ei:
@@ -108,3 +109,33 @@ def test_memory_response_store_is_bounded_tenant_scoped_and_expires():
     import asyncio
 
     asyncio.run(_memory_store_bounds())
+
+
+def test_reasoning_effort_and_reasoning_items():
+    chat = to_chat({"model": "m", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}, {"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "T"}]}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "more"}],
+                    "reasoning": {"effort": "low", "summary": "auto"}})
+    assert chat["reasoning_effort"] == "low" and chat["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A", "reasoning_content": "T"}, {"role": "user", "content": "more"}]
+    assert "reasoning_effort" not in to_chat({"model": "m", "input": "hi", "reasoning": {}})
+    assert responses_param("reasoning_effort") == "reasoning.effort" and responses_param("messages") == "messages"
+    out = from_chat({"model": "m"}, {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "A", "reasoning_content": "R"}}],
+                                     "usage": {"completion_tokens": 5, "completion_tokens_details": {"reasoning_tokens": 3}}})
+    assert [i["type"] for i in out["output"]] == ["reasoning", "message"] and out["output"][0]["content"][0]["text"] == "R"
+    assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+    st = StreamTranslator({"model": "m"})
+    ev = st.start()
+    for d in ({"reasoning_content": "R1"}, {"reasoning_content": "R2"}, {"content": "A"}):
+        ev += st.feed({"choices": [{"delta": d, "finish_reason": None}]})
+    ev += st.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + st.finish()
+    types = [e["type"] for e in ev]
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    assert [e["delta"] for e in ev if e["type"] == "response.reasoning_text.delta"] == ["R1", "R2"]
+    done = ev[-1]["response"]["output"]
+    assert [i["type"] for i in done] == ["reasoning", "message"] and done[0]["content"][0]["text"] == "R1R2"
+
+
+def test_a_stored_conversation_keeps_the_turns_reasoning():
+    resp = from_chat({"model": "m"}, {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": "A", "reasoning_content": "R",
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}], "usage": {}})
+    chat = to_chat({"model": "m", "input": "q"})
+    assert conversation({"model": "m", "input": "q"}, chat, resp)[1:] == [
+        {"role": "assistant", "content": "A", "reasoning_content": "R", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]

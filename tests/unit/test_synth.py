@@ -91,3 +91,27 @@ def test_cli_list_and_synth(tmp_path, capsys):
     assert main(["models", "synth", "--out", str(tmp_path), "--seed", "3", "--only", "tiny-mistral"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-mistral"]
     assert set(FILES) <= {p.name for p in (tmp_path / "tiny-mistral").iterdir()}
+
+
+def test_scripted_model_follows_its_script_and_its_thinking_switch(synth_models, tmp_path):
+    """Greedy decoding (Hugging Face's model, bf16) after the thinking template's generation prompt yields the
+    script; with ``enable_thinking: false`` only the answer. Also through the CLI's ``--scripted``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from talaria.cli import main
+    from talaria.models.synth import SCRIPT_CONTENT, SCRIPT_REASONING, script_ids
+    from talaria.tokenizer import Tokenizer
+
+    assert main(["models", "synth", "--out", str(tmp_path), "--scripted", "tiny-think"]) == 0
+    d = tmp_path / "tiny-think"
+    tok = Tokenizer.from_dir(d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+    for kw, want in (({}, f"{SCRIPT_REASONING}</think>{SCRIPT_CONTENT}<|im_end|>"), ({"enable_thinking": False}, f"{SCRIPT_CONTENT}<|im_end|>")):
+        ids = tok.encode(tok.render_chat_template(msgs, **kw), add_special_tokens=False)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        assert tok.decode(out[0, len(ids):].tolist()) == want, kw
+    with pytest.raises(ValueError, match="twice"):
+        import tokenizers
+
+        script_ids(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")), "a a a", "b")

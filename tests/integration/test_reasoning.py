@@ -1,0 +1,127 @@
+"""Reasoning end to end: a synthesized reasoning model (thinking chat template that opens ``<think>`` in the
+prompt; greedy output scripted to ``reasoning</think>answer``, ``talaria models synth --scripted``) through
+the whole stack with the official clients: ``reasoning_content`` then content in chat (stream and not),
+a reasoning item in ``/v1/responses``, a ``thinking`` block in ``/v1/messages``; ``reasoning_effort`` /
+``reasoning.effort`` / ``thinking`` through the template's ``enable_thinking`` switch; a model that does not
+reason answers 400 naming the field."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from talaria.models.synth import SCRIPT_CONTENT, SCRIPT_REASONING, synthesize_scripted
+from talaria.tokenizer import Tokenizer
+from tests.integration.conftest import client_for, engine, stack_config, start_stack
+
+THINK, PLAIN, RAW = "tiny-think", "tiny-qwen2", "tiny-think-raw"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def stack(synth_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("think-models")
+    synthesize_scripted(out, tokenizer_json=(synth_models[PLAIN] / "tokenizer.json").read_text())
+    (out / PLAIN).symlink_to(synth_models[PLAIN])
+    (out / RAW).symlink_to(out / THINK)  # the same checkpoint, configured not to be parsed for reasoning
+    engines = [engine("think-0", THINK), engine("plain-0", PLAIN), engine("raw-0", RAW, reasoning_parsers={RAW: "none"})]
+    s = start_stack(stack_config(out, engines, max_tokens_limit=2048))
+    s.reasoning_tokens = len(Tokenizer.from_dir(out / THINK).encode(SCRIPT_REASONING, add_special_tokens=False)) + 1  # and </think>
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(stack) -> openai.OpenAI:
+    return client_for(stack)
+
+
+def test_chat_returns_reasoning_then_content(client, stack):
+    r = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (SCRIPT_REASONING, SCRIPT_CONTENT, "stop")
+    assert r.usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens < r.usage.completion_tokens  # the engine's count by id
+
+
+def test_chat_stream_yields_reasoning_content_first_then_content(client, stack):
+    kinds, reasoning, content, usage = [], "", "", None
+    for ch in client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True}):
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            r = getattr(c.delta, "reasoning_content", None)
+            if r:
+                kinds.append("reasoning")
+                reasoning += r
+            if c.delta.content:
+                kinds.append("content")
+                content += c.delta.content
+    assert (reasoning, content) == (SCRIPT_REASONING, SCRIPT_CONTENT)
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and kinds.count("reasoning") > 1 and kinds.count("content") > 1
+    assert usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens
+
+
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_thinking_switched_off_answers_without_reasoning(client, extra):
+    r = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, extra_body=extra)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == (None, SCRIPT_CONTENT)
+    on = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, reasoning_effort="high")
+    assert on.choices[0].message.reasoning_content == SCRIPT_REASONING
+
+
+def test_responses_reasoning_item_stream_and_not(client):
+    r = client.responses.create(model=THINK, input="hi", instructions="Be brief.", max_output_tokens=60, temperature=0, reasoning={"effort": "low"})
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == SCRIPT_REASONING and r.output_text == SCRIPT_CONTENT
+    assert r.usage.output_tokens_details.reasoning_tokens > 0 and r.output[0].content[0].text == SCRIPT_REASONING
+    events = list(client.responses.create(model=THINK, input="hi", instructions="Be brief.", max_output_tokens=60, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == SCRIPT_REASONING
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    assert events[-1].response.output_text == SCRIPT_CONTENT
+    off = client.responses.create(model=THINK, input="hi", max_output_tokens=60, temperature=0, reasoning={"effort": "none"})
+    assert [i.type for i in off.output] == ["message"] and off.output_text == SCRIPT_CONTENT
+
+
+def test_messages_thinking_blocks_stream_and_not(stack):
+    c = anthropic.Anthropic(base_url=stack.api, api_key="unused", max_retries=0, timeout=60)
+    args = {"model": THINK, "max_tokens": 2048, "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}], "extra_body": {"temperature": 0}}
+    m = c.messages.create(**args, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [("thinking", SCRIPT_REASONING), ("text", SCRIPT_CONTENT)]
+    assert m.stop_reason == "end_turn"
+    with c.messages.stream(**args, thinking={"type": "enabled", "budget_tokens": 1024}) as s:
+        deltas = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert deltas == sorted(deltas, key=lambda t: t == "text_delta") and deltas[0] == "thinking_delta"
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == SCRIPT_REASONING
+    off = c.messages.create(**args, thinking={"type": "disabled"})
+    assert [(b.type, b.text) for b in off.content] == [("text", SCRIPT_CONTENT)]
+
+
+def test_a_model_without_reasoning_is_a_400_naming_each_protocols_field(client, stack):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=PLAIN, messages=MSGS, max_tokens=4, reasoning_effort="low")
+    assert ei.value.body["param"] == "reasoning_effort" and "reasoning" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model=PLAIN, input="hi", max_output_tokens=4, reasoning={"effort": "low"})
+    assert ei.value.body["param"] == "reasoning.effort"
+    c = anthropic.Anthropic(base_url=stack.api, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        c.messages.create(model=PLAIN, max_tokens=2048, messages=[{"role": "user", "content": "hi"}], thinking={"type": "enabled", "budget_tokens": 1024})
+    assert ei.value.body["error"]["message"].startswith("thinking")
+    # asking a model that does not reason not to reason needs nothing: served
+    r = client.chat.completions.create(model=PLAIN, messages=MSGS, max_tokens=4, reasoning_effort="none")
+    assert r.choices[0].message.reasoning_content is None if hasattr(r.choices[0].message, "reasoning_content") else True
+
+
+def test_the_reasoning_parser_is_per_model_configuration(client):
+    """``engines[].reasoning_parsers: {model: none}``: the same checkpoint's output comes back as it was generated,
+    and ``reasoning_effort`` is refused (nothing would parse the reasoning it asks for)."""
+    r = client.chat.completions.create(model=RAW, messages=MSGS, max_tokens=60, temperature=0)
+    assert r.choices[0].message.content == f"{SCRIPT_REASONING}</think>{SCRIPT_CONTENT}"
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=RAW, messages=MSGS, max_tokens=4, reasoning_effort="low")
+    assert ei.value.body["param"] == "reasoning_effort"
