@@ -106,7 +106,7 @@ def make_router(state, app: FastAPI) -> APIRouter:
         keep = await _chain(state, body, tenant)
         body = {**body, "store": keep.keep}  # the answer's ``store`` says what happened (absent: OpenAI's default)
         history, session = (keep.previous["messages"], keep.previous["session"]) if keep.previous else (None, None)
-        if keep.store and session is None and not any(body.get(k) for k in _SESSION_KEYS):
+        if keep.keep and session is None and not any(body.get(k) for k in _SESSION_KEYS):
             session = "responses-" + keep.rid  # a stored chain is a session even when the client names none
         chat_body = responses_api.to_chat(body, history, session)
         keep.session = request.headers.get("x-session-id") or chat_body.get("session_id") or next((body[k] for k in _SESSION_KEYS if body.get(k)), "")
