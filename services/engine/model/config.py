@@ -163,7 +163,7 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     top-level ``rope_theta`` + ``rope_scaling`` keys."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type form; all our layers are full attention
+        params = params["full_attention"]  # per-layer-type form: the full-attention layers' (a family with sliding layers parses their base itself, e.g. gemma3.py)
     legacy = raw.get("rope_scaling")
     theta = raw.get("rope_theta")
     src: dict[str, Any] = {}

@@ -25,8 +25,11 @@ What differs from Llama, each mirroring transformers' ``modeling_gemma3`` (the p
 * **GeGLU**: ``down(gelu_tanh(gate(x)) * up(x))``.
 * **Final logit softcapping** ``cap * tanh(logits / cap)`` when the config sets one (Gemma 3 does not).
 
-Reused from ``llama.py``: the fused / prepacked projections (``fuse_projections``, ``pack_weights``), the
-attention paths (``Attention.attend_all``: paged decode kernel, rows / packed / padded prefill) and RoPE.
+Reused from ``llama.py``: the fused / prepacked projections (``fuse_projections``, ``pack_weights``, with the
+decode-step GEMM), the attention paths (``Attention.attend_all``: the paged decode kernel -- AVX-512 body for
+head dim 256 -- rows / packed / padded prefill; the AMX prefill kernel is head dim 64 only, so prefill takes
+ATen's flash kernel) and RoPE. On a CPU the norms and GeGLU run as fused C++ ops in Gemma's rounding
+(``fused_ops.py``: ``gemma_rms_norm``, ``gelu_tanh_mul``; eager ones otherwise).
 The layers are not ``layer_in`` / ``layer_out``, so ``graph_layers`` is False: no torch.compile of the layer
 parts and no CUDA-graph decode (they run eagerly).
 
@@ -64,8 +67,12 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.ops: FusedOps | None = None  # the fused CPU op (fused_ops.py), set by Gemma3ForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.stride(-1) == 1:  # q/k norms get a column slice of the fused projection
+            if (out := self.ops.gemma_rms_norm(x.contiguous(), self.weight, self.eps)) is not None:
+                return out
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -85,8 +92,12 @@ class GeGLU(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-        gate, up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.down_packed, self.down_proj.weight, self.down_proj.bias)
+        gate_up = linear(x, self.gate_up_packed, self.gate_up_weight, self.gate_up_bias)
+        act = self.ops.gelu_tanh_mul(gate_up) if self.ops is not None else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        return linear(act, self.down_packed, self.down_proj.weight, self.down_proj.bias)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -148,11 +159,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.window = config.sliding_window if any(t == SLIDING for t in layer_types(config)) else None
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
-        """Fused RoPE for the attention modules (the norms and GeGLU stay eager: their rounding is Gemma's,
-        not the fused Llama ops'); mutates the attention modules' ``ops`` and ``self.fused_ops``."""
+        """The fused CPU ops (fused_ops.py) in Gemma's forms: RoPE for the attention modules, the ``(1 + w)``
+        norm for every norm, GELU-tanh * up for the MLPs (or take them away with None); mutates those modules'
+        ``ops`` and ``self.fused_ops``."""
         self.fused_ops = ops
         for m in self.modules():
-            if isinstance(m, Attention):
+            if isinstance(m, (Attention, GemmaRMSNorm, GeGLU)):
                 m.ops = ops
 
     @torch.inference_mode()
