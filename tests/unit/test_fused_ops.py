@@ -88,7 +88,11 @@ def test_gemma_norm_and_geglu_equal_eager(ops, dtype, rows, n):
     _close(fused, eager, dtype)
     gu = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
-    _close(ops.gelu_tanh_mul(gu), F.gelu(gate, approximate="tanh") * up, dtype)
+    fused, eager = ops.gelu_tanh_mul(gu), F.gelu(gate, approximate="tanh") * up
+    # std::tanh vs ATen's vectorized tanh: a few float ulps, times |up| up to ~16; in the saturated negative tail
+    # 1 + tanh cancels, so values below ~1e-5 differ relatively more (a bf16 step or so, absolutely tiny)
+    rtol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(fused.float(), eager.float(), rtol=rtol, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
