@@ -29,9 +29,10 @@ PROMPTS = [
     "The three primary colors are",
 ]
 N_NEW = 32
-# bf16 weights/activations/KV vs fp32 over every position x the whole vocabulary of PROMPTS[3]. Measured
-# (AVX512-BF16, 2026-12-06): see the assertion message; the bounds below leave headroom.
-BF16_MAX_ABS = 3.0
+# bf16 weights/activations/KV vs fp32 over every position x the whole vocabulary of PROMPTS[3] (logit units;
+# these logits span ~+-30). Measured (AVX512-BF16, packed bf16 linears, 2026-12-06): max 0.44, top-1 1.0; over
+# all five prompts max 0.72, top-1 >= 0.83 (one position of a 6-token prompt flips). Bounds leave headroom.
+BF16_MAX_ABS = 1.5
 BF16_TOP1 = 0.85
 
 pytestmark = pytest.mark.slow
