@@ -4,7 +4,9 @@ five prompts x 32 tokens, batched and one at a time (the second pass hits the pr
 512-token sliding window; bf16 logits are within the documented agreement of fp32 (BF16_MAX_ABS, top-1 over
 positions >= BF16_TOP1; bf16 greedy tokens are not required to equal fp32's, as for SmolLM2); a session whose
 device KV was flushed and restored from the host tier continues with the tokens of an uninterrupted one.
-Skipped, naming the package, when it is not installed (it is never a default dependency: Gemma terms)."""
+Skipped, naming the package, when it is not installed (it is never a default dependency: Gemma terms).
+Slow (marked): the float32 import runs once (~1 min on a quiet 2-core machine, 16 min measured under load 15),
+then the three tests take ~8 min under load (a 262k vocabulary and transformers' generate() as the reference)."""
 
 from __future__ import annotations
 
