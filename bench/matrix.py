@@ -175,8 +175,10 @@ def mechanisms() -> dict[str, str]:
     return {p.split(".")[-1]: ("knob present" if knob_missing(p, False) is None else "knob missing") for p in paths}
 
 
-def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int = 64) -> dict[str, Any]:
-    """Two cold-pool engines, each serving all of ``MODELS`` (real placement choices, real switches)."""
+def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int = 64,
+               engines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Two cold-pool engines, each serving all of ``MODELS`` (real placement choices, real switches); or, with
+    ``engines`` (the ``engines`` of a ``--stack`` config file), those engines, each with the mechanism knobs on."""
     from talaria.config import TelemetryConfig
 
     from talaria.config import EngineConfig
@@ -192,7 +194,7 @@ def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int 
         "synthesize_models": False,
         # every placement with its Eq. 1 breakdown, kept for the run's decisions.json (a few hundred bytes each)
         "router": {"port": 0, "placement": {"decisions_kept": 20000}},
-        "engines": [eng(0), eng(1)],
+        "engines": [eng(0), eng(1)] if engines is None else [{"heartbeat_period_s": 0.25, **e, **extra} for e in engines],
     }
     tf = TelemetryConfig.model_fields
     tel: dict[str, Any] = {}
@@ -314,7 +316,8 @@ def _read_records(path: Path, t0: float, t1: float) -> list[dict[str, Any]] | No
 
 
 # ----------------------------------------------------------------------------------- one config
-async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say, label: str = "") -> dict[str, Any]:
+async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say, label: str = "",
+                     engines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     import httpx
 
     from bench.replay import replay_http, warmup
@@ -326,7 +329,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
     cdir.mkdir(parents=True, exist_ok=True)
     records = cdir / "records.jsonl"
     records.unlink(missing_ok=True)
-    cfg_dict = apply_overrides(base_stack(models_dir, records), mc.overrides)
+    cfg_dict = apply_overrides(base_stack(models_dir, records, engines=engines), mc.overrides)
     (cdir / "stack.json").write_text(json.dumps(cfg_dict, indent=1))
     stack = LocalStack(parse_config(cfg_dict), say=lambda _m: None, quiet=True)
     t_up = time.monotonic()
@@ -425,18 +428,33 @@ def run_matrix(
     command: str = "",
     repeats: int = 1,
     say=print,
+    stack: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Run the matrix; ``repeats`` > 1 runs every configuration that many times, interleaved
     (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
     (``bench.report.combine_repeats``). With ``repeats`` = 1 the output is laid out as before
-    (``<out>/<configuration>``)."""
+    (``<out>/<configuration>``). ``stack``: a stack config file whose engines and models directory replace the
+    two synthesized cold engines (its missing models are imported from their packages, never synthesized)."""
     from bench.report import (ablations_table, baseline_names, combine_repeats, lease_comparison, lease_table, matrix_table, repeats_table,
                               write_matrix_report)
 
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
-    models_dir = ensure_models(models_dir, list(MODELS), say=say)
+    engines = None
+    if stack is not None:
+        from talaria.config import load_config
+        from talaria.models.importer import import_known
+
+        scfg = load_config(str(stack))
+        engines = [e.model_dump(include={"id", "pool", "models", "device", "dtype", "kv_cache_mb", "torch_threads"}) for e in scfg.engines]
+        models_dir = Path(models_dir or scfg.models_dir)
+        needed = sorted({m for e in scfg.engines for m in e.models if not (models_dir / m / "config.json").exists()})
+        left = import_known(needed, models_dir, say)
+        if left:
+            raise ValueError(f"{stack}: models {left} are neither under {models_dir} nor importable from a package")
+    else:
+        models_dir = ensure_models(models_dir, list(MODELS), say=say)
     w = workload if workload is not None else default_workload(quick)
     wpath = write_jsonl(w, out / "workload.jsonl")
     w = read_jsonl(wpath)  # every configuration replays exactly this file
@@ -475,7 +493,7 @@ def run_matrix(
         for pos, name in enumerate(order):
             row = dict(base_rows[name], position=pos + 1)
             say(f"{label}{name}: starting the stack ...")
-            row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label)))
+            row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label, engines=engines)))
             if row.get("status") != "ok":
                 say(f"{label}{name}: {row['status']}")
             done[name] = row
@@ -531,6 +549,7 @@ def main(args) -> int:
     rows = run_matrix(
         out, quick=args.quick, names=args.configs, workload=workload, models_dir=Path(args.models_dir) if args.models_dir else None,
         progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv), repeats=args.repeats,
+        stack=Path(args.stack) if args.stack else None,
     )
     ran = [r for r in rows if r.get("status") == "ok"]
     failed = sum(r["aggregate"]["calls_failed_total"] if "aggregate" in r else r["summary"]["calls_failed"] for r in ran)
@@ -550,4 +569,6 @@ def add_args(p) -> None:
                         "on a shared machine)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--stack", metavar="FILE", help="a stack config whose engines (and models_dir) replace the two synthesized "
+                   "cold engines, e.g. deploy/config/two-real-models.yaml with --two-model --models smollm2-135m-instruct gemma3-270m")
     add_workload_args(p)

@@ -595,7 +595,7 @@ class Engine:
         every step eagerly. Returns the graphs or None; capturing writes slot 0 of the (still empty) pool."""
         if mode not in ("auto", "off"):
             raise ValueError(f"cuda_graphs must be 'auto' or 'off', got {mode!r}")
-        if mode == "off" or self.device.type != "cuda" or not own or self.model.dense is not None:
+        if mode == "off" or self.device.type != "cuda" or not own or self.model.dense is not None or not self.model.graph_layers:
             return None
         return DecodeGraphs(self.model, self.kv_cache, max_batch=max_num_seqs,
                             max_context=min(max_context, self.max_context), say=log.info)

@@ -35,7 +35,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     out = args.out or os.environ.get("TALARIA_MODELS_DIR") or ".talaria/models"
     try:
-        path = import_model(args.src, out, name=args.name, gguf_file=args.gguf_file, force=args.force)
+        path = import_model(args.src, out, name=args.name, gguf_file=args.gguf_file, force=args.force, dtype=args.dtype)
     except ImportError_ as e:
         print(f"talaria models import: {e}", file=sys.stderr)
         return 2
@@ -68,11 +68,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     lst.set_defaults(fn=_cmd_list)
 
     imp = sub.add_parser("import", help="a GGUF file or Hugging Face checkpoint directory -> a served checkpoint")
-    imp.add_argument("src", help="a .gguf file, a directory with one, a Hugging Face checkpoint directory, or 'smollm2'")
+    imp.add_argument("src", help="a .gguf file, a directory with one, a Hugging Face checkpoint directory, or a known "
+                     "package's model: 'smollm2', 'gemma3-270m' (opt-in package, Gemma terms; the error says how to install it)")
     imp.add_argument("--out", help="models directory (default $TALARIA_MODELS_DIR or .talaria/models)")
     imp.add_argument("--name", help="served model name (default: from the source)")
     imp.add_argument("--gguf-file", help="which GGUF file of a directory holding several")
     imp.add_argument("--force", action="store_true", help="replace an existing checkpoint of that name")
+    imp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                     help="dtype of a GGUF's dequantized weights (float32: exactly the GGUF's values; default bfloat16)")
     imp.set_defaults(fn=_cmd_import)
     return models
 

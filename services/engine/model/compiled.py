@@ -155,6 +155,9 @@ def compile_model(model: LlamaForCausalLM, kv: KVCache, device: torch.device, mo
     model.dense = None
     if mode == "off":
         return "compile off"
+    if not model.graph_layers:  # other layers than layer_in / layer_out (e.g. Gemma 3): eager
+        say(f"compile {mode}: {model.config.architecture} layers run eagerly (not compiled)")
+        return f"compile off ({model.config.architecture} layers are not compiled)"
     t0 = time.perf_counter()
     say(f"compiling the layer graphs (torch.compile, inductor; compile={mode}) ...")
     compiled = CompiledDense()

@@ -1,8 +1,9 @@
 """Model configuration parsed from a Hugging Face ``config.json``.
 
 The fields every family shares are parsed here; the architecture-specific ones (``qkv_bias``, ``o_bias``,
-``qk_norm``, ``sliding_window``, ``context_cap``) come from the architecture's parser in the registry
-(``registry.py``; the Llama family's in ``llama_family.py``).
+``qk_norm``, ``sliding_window``, ``context_cap``, and Gemma 3's ``hidden_act``, ``layer_types``,
+``rope_local_theta``, ``attn_scale``, ``final_logit_softcapping``) come from the architecture's parser in the
+registry (``registry.py``; the Llama family's in ``llama_family.py``, Gemma 3's in ``gemma3.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     sliding_window: int | None = None  # applied to every layer by the model (keys within the last N positions)
     context_cap: int | None = None  # a limit the model cannot serve past (e.g. Qwen's per-layer window)
+    hidden_act: str = "silu"  # the MLP's gate activation ("silu", or "gelu_pytorch_tanh" for Gemma)
+    # per layer "sliding_attention" (keys within ``sliding_window``) or "full_attention"; empty: every layer
+    # the same (windowed iff ``sliding_window``), as the Llama family serves it
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers when it differs (Gemma 3); None: rope_theta
+    attn_scale: float | None = None  # softmax scale of attention scores; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -110,7 +118,7 @@ class ModelConfig:
         rope_theta, scaling = _parse_rope(raw)
 
         act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if "hidden_act" not in flags and act not in ("silu", "swish"):  # a family that parses its own activation says so
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
 
         eos = raw.get("eos_token_id")
@@ -155,7 +163,7 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     top-level ``rope_theta`` + ``rope_scaling`` keys."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type form; all our layers are full attention
+        params = params["full_attention"]  # per-layer-type form: the full-attention layers' (a family with sliding layers parses their base itself, e.g. gemma3.py)
     legacy = raw.get("rope_scaling")
     theta = raw.get("rope_theta")
     src: dict[str, Any] = {}

@@ -118,6 +118,52 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   });
 }
 
+// Gemma's norm, eager: (F.rms_norm(x.float()) * (1 + w.float())).to(T)  ->  round(x * rsqrt(mean(x^2) + eps) * (1 + w)),
+// one rounding (the weight is zero-centred and applied in float, unlike norm_row's w * round(norm)).
+template <typename T>
+void gemma_rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, float eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const T* xp = data<T>(x);
+  const T* wp = data<T>(w);
+  T* op = data<T>(out);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = xp + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = load(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) store(op + r * n + i, load(xr[i]) * inv * (1.f + load(wp[i])));
+    }
+  });
+}
+
+// eager: F.gelu(gate, approximate="tanh") * up with gate, up = gu.chunk(2, -1)
+//   ->  round(round(0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))) * u)   (Gemma's GeGLU)
+template <typename T>
+void gelu_tanh_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t two_i = gu.size(-1), inter = two_i / 2, rows = gu.numel() / two_i;
+  const T* gp = data<T>(gu);
+  T* op = data<T>(out);
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  at::parallel_for(0, rows, grain_rows(two_i), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gp + r * two_i;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = load(g[i]);
+        const float act = 0.5f * gv * (1.f + std::tanh(kBeta * (gv + kKappa * gv * gv * gv)));
+        store(o + i, round_to<T>(act) * load(u[i]));
+      }
+    }
+  });
+}
+
 // eager apply_rope: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T.
 // x [tokens, heads, D] (any token/head strides, unit stride in D); cos/sin [tokens, 1, D] -> out contiguous.
 template <typename T>
@@ -192,6 +238,28 @@ at::Tensor fused_silu_mul(at::Tensor gu) {
   at::Tensor out = at::empty(shape, gu.options());
   if (gu.numel() == 0) return out;
   TALARIA_DISPATCH(gu.scalar_type(), silu_mul_impl<scalar>(gu, out));
+  return out;
+}
+
+at::Tensor fused_gemma_rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  check_rows(x, "x");
+  check_rows(w, "weight");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "weight [N] for x [..., N]");
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  TALARIA_DISPATCH(x.scalar_type(), gemma_rms_norm_impl<scalar>(x, w, out, static_cast<float>(eps)));
+  return out;
+}
+
+at::Tensor fused_gelu_tanh_mul(at::Tensor gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "gate_up [..., 2 * I]");
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() /= 2;
+  at::Tensor out = at::empty(shape, gu.options());
+  if (gu.numel() == 0) return out;
+  TALARIA_DISPATCH(gu.scalar_type(), gelu_tanh_mul_impl<scalar>(gu, out));
   return out;
 }
 

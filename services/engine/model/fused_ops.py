@@ -9,7 +9,9 @@ paged-attention extension, ``paged_attn.load_extension``):
   then the weight); ``add_rms_norm(x, r, w)`` = ``(h, rms_norm(h, w))`` with ``h = x + r`` (the residual add
   before the post-attention norm);
 * ``silu_mul(gu)`` = ``F.silu(g) * u`` for ``g, u = gu.chunk(2, -1)`` (the fused gate/up projection's output);
-* ``rope(x, cos, sin)`` = ``llama.apply_rope``: ``x * cos + cat(-x2, x1) * sin``.
+* ``rope(x, cos, sin)`` = ``llama.apply_rope``: ``x * cos + cat(-x2, x1) * sin``;
+* Gemma 3's (``gemma3.py``): ``gemma_rms_norm(x, w)`` = ``(F.rms_norm(x.float()) * (1 + w.float())).to(x.dtype)``
+  (one rounding) and ``gelu_tanh_mul(gu)`` = ``F.gelu(g, approximate="tanh") * u``.
 
 Why: eager PyTorch runs each of these as 4-6 kernels with a temporary per kernel (a norm is a float copy,
 a square, a mean, an rsqrt, two multiplies and two casts), each a full pass over the activations, plus ~10 us
@@ -67,6 +69,18 @@ class FusedOps:
         if not self._ok(gate_up):
             return None
         return self._m.fused_silu_mul(gate_up)
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """Gemma's ``(F.rms_norm(x.float()) * (1 + w.float())).to(x.dtype)``: one rounding (gemma3.py)."""
+        if not self._ok(x, weight) or not hasattr(self._m, "fused_gemma_rms_norm"):
+            return None
+        return self._m.fused_gemma_rms_norm(x, weight, eps)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``F.gelu(g, approximate="tanh") * u`` for ``g, u = gate_up.chunk(2, -1)`` (Gemma's GeGLU)."""
+        if not self._ok(gate_up) or not hasattr(self._m, "fused_gelu_tanh_mul"):
+            return None
+        return self._m.fused_gelu_tanh_mul(gate_up)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         if (x.device.type != "cpu" or x.dtype not in _DTYPES or torch.compiler.is_compiling() or x.dim() != 3

@@ -128,6 +128,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rope_lookup(tables: dict, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, max_pos: int,
+                max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, 1, D]`` of ``inv_freq`` at ``positions`` (all ``<= max_pos``), gathered from the table
+    ``tables[(device, dtype)]`` of positions ``[0, n)``, built on first use and regrown (doubling) when a longer
+    context arrives (mutates ``tables``). float32 angles ``position * inv_freq``, as transformers computes them."""
+    key = (positions.device, dtype)
+    table = tables.get(key)
+    if table is None or table[0].shape[0] <= max_pos:
+        n = min(max(4096, 1 << max_pos.bit_length()), max(max_positions, max_pos + 1))
+        freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        table = tables[key] = (emb.cos().to(positions.device, dtype), emb.sin().to(positions.device, dtype))
+    cos, sin = table
+    return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -135,7 +151,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
@@ -600,6 +616,9 @@ class LlamaForCausalLM(nn.Module):
     # issue 16 (streaming hot-swap): when set, called with layer index l before layer l runs and with
     # num_hidden_layers before the final norm; it blocks until that layer group's weights are resident
     layer_gate = None
+    # whether the layers are ``layer_in`` / ``layer_out`` (what compiled.py compiles) and one plan serves every
+    # layer (what cuda_graphs.py captures); a family with other layers (gemma3.py) says False and runs eagerly
+    graph_layers = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -654,15 +673,7 @@ class LlamaForCausalLM(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, D]`` for ``positions`` (all ``<= max_pos``), gathered from a per-device/dtype table
         of positions ``[0, n)`` built on first use and regrown (doubling) when a longer context arrives."""
-        key = (positions.device, dtype)
-        table = self._rope_table.get(key)
-        if table is None or table[0].shape[0] <= max_pos:
-            n = min(max(4096, 1 << max_pos.bit_length()), max(self.config.max_position_embeddings, max_pos + 1))
-            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self._inv_freq_cpu[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            table = self._rope_table[key] = (emb.cos().to(positions.device, dtype), emb.sin().to(positions.device, dtype))
-        cos, sin = table
-        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+        return rope_lookup(self._rope_table, self._inv_freq_cpu, positions, dtype, max_pos, self.config.max_position_embeddings)
 
     @torch.inference_mode()
     def forward(

@@ -8,7 +8,8 @@
 // together against each K row, a max-subtracted softmax over the float score buffer (two passes: scores,
 // then weights), and the weighted V rows summed into G float accumulators; a task's chunks are then merged
 // (finish_task). K/V rows are taken in runs within one page (one block-table read per run) and the next
-// run's rows are prefetched. Two chunk bodies: AVX-512 intrinsics for head dim 64 (chunk_avx512_d64), and
+// run's rows are prefetched. Chunk bodies: AVX-512 intrinsics for head dim 64 (chunk_avx512_d64) and 256
+// (chunk_avx512_wide, Gemma 3), and
 // plain C++ loops the compiler vectorizes (OpenMP simd pragmas on the reductions, a polynomial exp) for
 // everything else, correct with or without -march=native and OpenMP (checked with -O2 alone).
 // Tasks are parallel with at::parallel_for, which needs -fopenmp to use torch's OpenMP threads (it links to
@@ -283,6 +284,78 @@ void chunk_avx512_d64(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accp + g * D + 16 * i, acc[g][i]);
 }
 
+// AVX-512 chunk for wider heads (D a multiple of 64: head dim 256 of Gemma 3), G known at compile time. The
+// G query rows do not fit in registers with their accumulators (G x D / 16 vectors), so per run of <= 16 K
+// rows each query row is loaded again (from L1) and scored as in chunk_avx512_d64 (16 dot-product vectors,
+// one transpose-add tree); the V sum runs per 64-dim quarter, its G x 4 accumulators loaded from and stored
+// back to the task's part once per run, each V row quarter converted once for all G heads.
+template <typename T, int NV> struct QWide;  // one query row of NV x 16 values
+template <int NV> struct QWide<float, NV> {
+  __m512 v[NV];
+  explicit QWide(const float* q) { for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(q + 16 * i); }
+  __m512 dot(const float* k) const {
+    __m512 a = _mm512_mul_ps(v[0], _mm512_loadu_ps(k));
+    for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(k + 16 * i), a);
+    return a;
+  }
+};
+#if defined(__AVX512BF16__)
+template <int NV> struct QWide<c10::BFloat16, NV> {
+  __m512bh v[NV / 2];
+  explicit QWide(const c10::BFloat16* q) { for (int i = 0; i < NV / 2; ++i) v[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i); }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < NV / 2; ++i) a = _mm512_dpbf16_ps(a, v[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+    return a;
+  }
+};
+#endif
+
+template <typename T, int G, int64_t D>
+void chunk_avx512_wide(const Shape& s, int64_t b, int64_t kh, int64_t j0, int64_t j1, const T* q, const T* k,
+                       const T* v, const int32_t* tables, float* part, std::vector<float>& buf) {
+  static_assert(D % 64 == 0, "whole 64-dim quarters");
+  using Q = QWide<T, static_cast<int>(D / 16)>;
+  const int64_t m = j1 - j0;
+  buf.resize(static_cast<size_t>(G * m + 16));
+  float* scores = buf.data();
+  const int32_t* table = tables + b * s.P;
+  const T* kh_base = k + kh * s.ks1;
+  auto krow = [&](int64_t slot) { return kh_base + slot * s.ks0; };
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  for_blocks(table, s.page_size, j0, j1, krow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1u);
+    for (int g = 0; g < G; ++g) {
+      const Q qg(q + b * s.qs0 + (kh * G + g) * s.qs1);
+      __m512 d[16];
+      for (int64_t r = 0; r < 16; ++r) d[r] = r < cnt ? qg.dot(krow(slot + r)) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + g * m + (j - j0), keep, _mm512_mul_ps(hsum16(d), scale));
+    }
+  });
+  float* accp = part + 2 * G;
+  softmax_weights(scores, G, m, part, part + G);
+  std::fill(accp, accp + G * D, 0.f);
+  const T* vh_base = v + kh * s.vs1;
+  auto vrow = [&](int64_t slot) { return vh_base + slot * s.vs0; };
+  for_blocks(table, s.page_size, j0, j1, vrow, D * sizeof(T), [&](int64_t j, int64_t slot, int64_t cnt) {
+    for (int64_t qd = 0; qd < D; qd += 64) {
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_loadu_ps(accp + g * D + qd + 16 * i);
+      for (int64_t r = 0; r < cnt; ++r) {
+        __m512 x[4];
+        vrow4(vrow(slot + r) + qd, x);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[g * m + (j - j0) + r]);
+          for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(w, x[i], acc[g][i]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(accp + g * D + qd + 16 * i, acc[g][i]);
+    }
+  });
+}
+
 // Every kv head of sequence b over keys [j0, j1), for a pool whose rows hold the KVH heads back to back
 // (strides ks1 = D, ks0 = KVH * D): each run's K rows, then its V rows, are read whole (the KVH heads one
 // after the other while the run is in cache) instead of one head's 128 bytes of each row per task. Out of
@@ -362,6 +435,7 @@ template <typename T, int G>
 struct Bodies {
   static constexpr ChunkFn<T> chunk = chunk_avx512_d64<T, G>;
   static constexpr AllHeadsFn<T> all = all_heads_avx512_d64<T, G>;
+  static constexpr ChunkFn<T> chunk256 = chunk_avx512_wide<T, G, 256>;
 };
 
 // get(Bodies<T, G>{}) for the call's G (1 .. 6), else nullptr.
@@ -385,9 +459,12 @@ ChunkFn<T> pick_chunk(const Shape& s) {
   if constexpr (kVecType<T>) {
     if (s.D == 64)
       if (const ChunkFn<T> f = for_group<T, ChunkFn<T>>(s.G, [](auto b) { return decltype(b)::chunk; })) return f;
+    if (s.D == 256)
+      if (const ChunkFn<T> f = for_group<T, ChunkFn<T>>(s.G, [](auto b) { return decltype(b)::chunk256; })) return f;
   }
 #endif
-  return s.D == 64 ? chunk_portable<T, 64> : s.D == 128 ? chunk_portable<T, 128> : chunk_portable<T, 0>;
+  return s.D == 64 ? chunk_portable<T, 64> : s.D == 128 ? chunk_portable<T, 128> : s.D == 256 ? chunk_portable<T, 256>
+                                                                                               : chunk_portable<T, 0>;
 }
 
 // The all-heads body where it applies (AVX-512 for T, head dim 64, G <= 6, heads back to back in each pool
@@ -596,6 +673,8 @@ at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor res, at::Tensor w, double eps);
 at::Tensor fused_silu_mul(at::Tensor gu);
 at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor fused_gemma_rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor fused_gelu_tanh_mul(at::Tensor gu);
 // the prefill attention of prefill_attn.cpp (AMX tiles or AVX-512 BF16)
 std::vector<std::string> prefill_attention_isas();
 bool prefill_attention_supported();
@@ -620,6 +699,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_silu_mul", &fused_silu_mul, "SiLU(gate) * up in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_rope", &fused_rope, "rotary embedding in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("fused_gemma_rms_norm", &fused_gemma_rms_norm, "Gemma's (1 + w) RMSNorm in one pass (fused_ops.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_gelu_tanh_mul", &fused_gelu_tanh_mul, "GELU-tanh(gate) * up in one pass (fused_ops.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_isas", &prefill_attention_isas,
         "instruction sets the prefill attention kernel can use in this process, fastest first (prefill_attn.cpp)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "any prefill attention ISA usable here (prefill_attn.cpp)");

@@ -27,6 +27,11 @@ Two refinements (issue 20, the agent sessions' long contexts):
   transpose-add tree instead of 16 horizontal sums; bf16 rows multiply as bf16 pairs with fp32 accumulation
   (the products are exact, as after a conversion); the G x 64 V accumulators stay in registers for the
   whole chunk. Other shapes and CPUs take the portable loops (same results up to rounding).
+* **Head dim 256** (Gemma 3: 4 query heads on 1 kv head, most layers windowed): an AVX-512 body of the same
+  scheme for wide heads (``chunk_avx512_wide``): the G query rows and their G x 16 V accumulators do not fit
+  in registers, so each run of <= 16 K rows re-loads the query rows from L1 and the V sum runs per 64-dim
+  quarter with its accumulators loaded from and stored to the task's part once per run. A window only moves
+  the first visible key (``visible``): a windowed layer reads its last ``window`` keys and nothing older.
 * **Split context** (flash-decoding's split-K, Dao et al., 2023): with fewer than two (sequence, kv head)
   tasks per thread (batch 1 with 3 kv heads on 2 threads left one thread idle a third of the time), each
   task's keys are split into chunks of at least 256 keys, ~4 tasks per thread; each chunk keeps its max

@@ -10,7 +10,8 @@ and ``loader.allocate_kv_cache`` / ``Engine`` (KV sizing) ask the registry; none
 A new family is one file under ``services/engine/model/`` that defines its module class (the forward
 contract of ``llama.LlamaForCausalLM``: flat batch + paged KV, see ``batch.py``) and calls
 :func:`register` at import, plus its module name in ``FAMILY_MODULES``. The Llama family (Llama,
-Mistral, Qwen2, Qwen3) registers itself in ``llama_family.py``.
+Mistral, Qwen2, Qwen3) registers itself in ``llama_family.py``; Gemma 3 (sandwich norms, sliding-window
+layers with their own RoPE base, GeGLU) in ``gemma3.py``.
 
 Mutates: only the module-level registry, at import of the family modules (``register``).
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from talaria.kv_layout import Family
 
-FAMILY_MODULES = ("services.engine.model.llama_family",)
+FAMILY_MODULES = ("services.engine.model.llama_family", "services.engine.model.gemma3")
 
 
 @dataclass(frozen=True, slots=True)
