@@ -178,7 +178,7 @@ job "talaria-routers" {
         destination     = "local/talaria.conf"
         left_delimiter  = "[["
         right_delimiter = "]]"
-        data            = replace(file("../nginx/nginx.conf.template"), "$${LB_PORT}", tostring(var.lb_port))
+        data            = replace(file("../nginx/nomad.conf.template"), "$${LB_PORT}", tostring(var.lb_port))
       }
 
       resources {
