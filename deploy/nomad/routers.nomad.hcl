@@ -101,6 +101,9 @@ job "talaria-routers" {
         NATS_URL            = var.nats_url
         TALARIA__ROUTER__ID = "router-${NOMAD_ALLOC_INDEX}"
         OTEL_SERVICE_NAME   = "talaria-router"
+        # secure by default: no API key (nomad var api_key) = the router refuses to start; an open API
+        # needs TALARIA_OPEN_API = "true" here, which the router logs as a warning
+        TALARIA__ROUTER__AUTH__REQUIRE_KEYS = "true"
       }
 
       template {
@@ -117,7 +120,9 @@ job "talaria-routers" {
         env         = true
         data        = <<-EOT
         {{ with nomadVar "nomad/jobs" }}TALARIA__NATS__USER={{ .nats_user }}
-        TALARIA__NATS__PASSWORD={{ .nats_password }}{{ end }}
+        TALARIA__NATS__PASSWORD={{ .nats_password }}
+        TALARIA_API_KEY={{ .api_key }}
+        TALARIA__ROUTER__AUTH__RESUME_SECRET={{ .resume_secret }}{{ end }}
         EOT
       }
 

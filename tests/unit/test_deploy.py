@@ -698,6 +698,24 @@ def test_nomad_routers_and_telemetry():
     assert "js-enabled-only" in ng["service"][0]["check"][0]["path"]
 
 
+def test_nomad_stacks_are_secure_by_default():
+    """NATS with users (auth.example.conf), every Talaria task with the NATS credentials, the kvstore and the
+    engines with the kvstore token, the routers with an API key and require_keys (open only by an explicit
+    TALARIA_OPEN_API) -- all from Nomad variables, never from the job files."""
+    nats = (NOMAD_DIR / "nats.nomad.hcl").read_text()
+    assert 'file("../nats/auth.example.conf")' in nats and "auth.none.conf" not in nats
+    for name in ("kvstore", "engines", "routers", "telemetry"):
+        text = (NOMAD_DIR / f"{name}.nomad.hcl").read_text()
+        assert "TALARIA__NATS__PASSWORD={{ .nats_password }}" in text, name
+    for name in ("kvstore", "engines"):
+        text = (NOMAD_DIR / f"{name}.nomad.hcl").read_text()
+        assert text.count("TALARIA__KVSTORE__AUTH_TOKEN={{ .kvstore_token }}") == text.count("TALARIA__NATS__PASSWORD="), name
+    routers = (NOMAD_DIR / "routers.nomad.hcl").read_text()
+    assert "TALARIA_API_KEY={{ .api_key }}" in routers and 'TALARIA__ROUTER__AUTH__REQUIRE_KEYS = "true"' in routers
+    assert "TALARIA_OPEN_API" not in routers.replace("needs TALARIA_OPEN_API", "")
+    assert "nginx/nomad.conf.template" in routers
+
+
 def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_instance():
     """Issue 43: no panel reads a series nothing exports (the telemetry catalog, the router's/engines'
     vLLM-named metrics, Prometheus' own per-target series), and the main dashboard has model/instance variables
