@@ -5,7 +5,8 @@ Every series carries ``model_name`` (the served model name, as vLLM labels it) a
 instance id; vLLM v1 labels its engine index the same way; ``instance`` is left to Prometheus, which sets it
 to the scrape target). The router's ``/metrics`` exports them for every engine it hears (heartbeats and
 completion hooks on NATS); an engine with ``metrics_port`` exports its own on its own ``/metrics``. Scrape one
-of the two per dashboard (the bundled ones read the router job): they count the same calls.
+of the two per dashboard: they count the same calls, and every router replica exports every engine (the
+bundled dashboards read the engines' own job, ``talaria-engine``, where each series exists once).
 
 | name | type | fed by |
 |---|---|---|

@@ -745,5 +745,9 @@ def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_i
     assert {v["name"] for v in main["templating"]["list"]} == {"model", "instance"}
     vllm = [t["expr"] for p in main["panels"] for t in p.get("targets", []) if "vllm:" in t["expr"]]
     assert vllm and all('model_name=~"$model"' in e for e in vllm)
+    # every router replica re-exports every engine's series: the panels read each engine's own job, where a
+    # call is counted once (a sum over the router job counts it once per router)
+    for e in vllm:
+        assert e.count("vllm:") == e.count('job="talaria-engine"'), e
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert {"talaria-telemetry", "talaria-router"} <= {j["job_name"] for j in prom["scrape_configs"]}
+    assert {"talaria-telemetry", "talaria-router", "talaria-engine"} <= {j["job_name"] for j in prom["scrape_configs"]}
