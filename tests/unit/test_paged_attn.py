@@ -274,3 +274,20 @@ def test_prebuilt_kernels_are_found_by_cpu_and_sources_not_by_place(tmp_path, mo
     assert pa._load_prebuilt() is None and not loaded
     monkeypatch.delenv(pa.KERNELS_DIR_ENV)
     assert pa._load_prebuilt() is None
+
+
+def test_kernels_build_cli_builds_a_prebuilt_or_refuses_a_foreign_march_for_the_cache(tmp_path, monkeypatch, capsys):
+    """`talaria kernels build --out DIR --march M` writes a prebuilt build (what the image does); without --out
+    only this CPU's native build makes sense (torch's cache serves this CPU), so another -march is a usage error."""
+    from services.engine.model import paged_attn as pa
+    from talaria import cli
+
+    calls = []
+    monkeypatch.setattr(pa, "build_prebuilt", lambda out, march: calls.append((out, march)) or out / "x.so")
+    assert cli.main(["kernels", "build", "--march", "x86-64-v3", "--out", str(tmp_path)]) == 0
+    assert calls == [(tmp_path, "x86-64-v3")]
+    assert "x86-64-v3" in capsys.readouterr().out
+    assert cli.main(["kernels", "build", "--march", "x86-64-v3"]) == 2
+    monkeypatch.setattr(pa, "load_extension", lambda: None)
+    monkeypatch.setattr(pa, "build_error", lambda: "RuntimeError: no compiler")
+    assert cli.main(["kernels", "build"]) == 1 and "no compiler" in capsys.readouterr().err
