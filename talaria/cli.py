@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -80,6 +81,13 @@ def cmd_router(args) -> int:
     from talaria.config import RouterConfig
 
     cfg = _with_api_key(_load(args), args.api_key)
+    if not cfg.router.auth.api_keys and cfg.router.auth.require_keys:
+        if not args.open_api:
+            print("talaria router: no API key and router.auth.require_keys is set: give --api-key / $TALARIA_API_KEY "
+                  "(or router.auth.api_keys), or --open-api / TALARIA_OPEN_API=true to serve anyone who can reach it",
+                  file=sys.stderr)
+            return 2
+        logging.getLogger("talaria.cli").warning("--open-api: the router serves without API keys (router.auth.require_keys overridden)")
     if args.port is not None or args.host is not None:
         r = cfg.router.model_dump()
         r.update({k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None})
@@ -181,6 +189,32 @@ def cmd_serve(args) -> int:
     return up(cfg, port=args.port)
 
 
+def cmd_kernels(args) -> int:
+    """Build the C++ CPU kernels ahead of time: into torch's extension cache for this CPU (what an engine's
+    first start would build), or with ``--out`` a prebuilt directory for ``--march`` (the image does both:
+    the baseline and the building CPU's ``native``; engines find it through $TALARIA_KERNELS_DIR)."""
+    import time
+
+    from services.engine.model import paged_attn
+
+    t0 = time.monotonic()
+    if args.out:
+        print(f"building the CPU kernels for -march={args.march} into {args.out} ...", flush=True)
+        so = paged_attn.build_prebuilt(Path(args.out), args.march)
+        print(f"CPU kernels ready in {time.monotonic() - t0:.0f}s: {so}", flush=True)
+        return 0
+    if args.march != "native":
+        print("talaria kernels build: --march other than native needs --out (the cache serves this CPU only)", file=sys.stderr)
+        return 2
+    print("building the CPU kernels for this CPU (-march=native; ~1-2 min on 2 cores, once per CPU and version) ...", flush=True)
+    module = paged_attn.load_extension()
+    if module is None:
+        print(f"CPU kernels unavailable: {paged_attn.build_error()} (engines run the portable paths)", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready ({paged_attn.variant()}) in {time.monotonic() - t0:.0f}s", flush=True)
+    return 0
+
+
 def cmd_proto(args) -> int:
     from talaria.protogen import generate
 
@@ -222,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host")
     r.add_argument("--port", type=int)
     r.add_argument("--api-key", default=os.environ.get("TALARIA_API_KEY"), help="require this API key (Bearer) for tenant 'default'; default $TALARIA_API_KEY; none = open API")
+    r.add_argument("--open-api", action="store_true", default=os.environ.get("TALARIA_OPEN_API", "").lower() in ("1", "true", "yes"),
+                   help="serve without API keys even where router.auth.require_keys is set (logged as a warning); default $TALARIA_OPEN_API")
     r.set_defaults(fn=cmd_router)
 
     e = sub.add_parser("engine", help="run one engine worker process")
@@ -243,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--port", type=int)
     t.add_argument("--records", help="append every record to this JSONL file (bench/report input)")
     t.set_defaults(fn=cmd_telemetry)
+
+    kn = sub.add_parser("kernels", help="the C++ CPU kernels (built ahead of time so no engine compiles at start)")
+    kns = kn.add_subparsers(dest="kernels_cmd", required=True)
+    kb = kns.add_parser("build", help="compile them now, with a progress line")
+    kb.add_argument("--march", default="native", help="native (this CPU; default) or a -march value such as x86-64-v3 (needs --out)")
+    kb.add_argument("--out", help="write a prebuilt build here (engines load it via $TALARIA_KERNELS_DIR) instead of torch's cache")
+    kb.set_defaults(fn=cmd_kernels)
 
     pr = sub.add_parser("proto", help="wire contracts")
     prs = pr.add_subparsers(dest="proto_cmd", required=True)

@@ -205,6 +205,8 @@ class AuthConfig(_Strict):
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     open_health: bool = Field(True, description="/health, /ready, /metrics (Prometheus) and /router/metrics answer without a key")
     resume_secret: str | None = Field(None, min_length=16, description="HMAC key of resume tokens, shared by router replicas; None = random per process")
+    require_keys: bool = Field(False, description="refuse to start without an API key (the compose and Nomad stacks set it); "
+                                                  "`talaria router --open-api` (or TALARIA_OPEN_API=true) overrides it with a warning")
 
     @model_validator(mode="after")
     def _unique_keys(self) -> "AuthConfig":

@@ -5,7 +5,8 @@ Every series carries ``model_name`` (the served model name, as vLLM labels it) a
 instance id; vLLM v1 labels its engine index the same way; ``instance`` is left to Prometheus, which sets it
 to the scrape target). The router's ``/metrics`` exports them for every engine it hears (heartbeats and
 completion hooks on NATS); an engine with ``metrics_port`` exports its own on its own ``/metrics``. Scrape one
-of the two per dashboard (the bundled ones read the router job): they count the same calls.
+of the two per dashboard: they count the same calls, and every router replica exports every engine (the
+bundled dashboards read the engines' own job, ``talaria-engine``, where each series exists once).
 
 | name | type | fed by |
 |---|---|---|
@@ -99,3 +100,39 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         """Prometheus text format 0.0.4."""
         return generate_latest(self.registry)
+
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def serve_metrics(exposition, host: str, port: int):
+    """Serve ``exposition()`` (bytes, text format 0.0.4) at ``GET /metrics`` from a daemon thread; returns
+    (server, thread) with the bound port in ``server.server_port``.
+
+    Why not ``prometheus_client.start_http_server``: it negotiates OpenMetrics with the scraper, and a Prometheus
+    2.x scraper (which does not offer UTF-8 names) gets every name "escaped" with underscores: ``vllm:...``
+    arrives as ``vllm_...`` and no vLLM dashboard finds it. The text format is always sent, as the router's
+    ``/metrics`` does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            body = exposition()
+            self.send_response(200)
+            self.send_header("Content-Type", TEXT_CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes every few seconds: not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return server, thread

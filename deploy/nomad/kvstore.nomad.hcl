@@ -110,7 +110,8 @@ job "talaria-kvstore" {
         env         = true
         data        = <<-EOT
         {{ with nomadVar "nomad/jobs" }}TALARIA__NATS__USER={{ .nats_user }}
-        TALARIA__NATS__PASSWORD={{ .nats_password }}{{ end }}
+        TALARIA__NATS__PASSWORD={{ .nats_password }}
+        TALARIA__KVSTORE__AUTH_TOKEN={{ .kvstore_token }}{{ end }}
         EOT
       }
 

@@ -101,6 +101,9 @@ job "talaria-routers" {
         NATS_URL            = var.nats_url
         TALARIA__ROUTER__ID = "router-${NOMAD_ALLOC_INDEX}"
         OTEL_SERVICE_NAME   = "talaria-router"
+        # secure by default: no API key (nomad var api_key) = the router refuses to start; an open API
+        # needs TALARIA_OPEN_API = "true" here, which the router logs as a warning
+        TALARIA__ROUTER__AUTH__REQUIRE_KEYS = "true"
       }
 
       template {
@@ -117,7 +120,9 @@ job "talaria-routers" {
         env         = true
         data        = <<-EOT
         {{ with nomadVar "nomad/jobs" }}TALARIA__NATS__USER={{ .nats_user }}
-        TALARIA__NATS__PASSWORD={{ .nats_password }}{{ end }}
+        TALARIA__NATS__PASSWORD={{ .nats_password }}
+        TALARIA_API_KEY={{ .api_key }}
+        TALARIA__ROUTER__AUTH__RESUME_SECRET={{ .resume_secret }}{{ end }}
         EOT
       }
 
@@ -178,7 +183,7 @@ job "talaria-routers" {
         destination     = "local/talaria.conf"
         left_delimiter  = "[["
         right_delimiter = "]]"
-        data            = replace(file("../nginx/nginx.conf.template"), "$${LB_PORT}", tostring(var.lb_port))
+        data            = replace(file("../nginx/nomad.conf.template"), "$${LB_PORT}", tostring(var.lb_port))
       }
 
       resources {

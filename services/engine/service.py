@@ -667,9 +667,9 @@ class EngineService:
         it is None. Sets ``metrics_server``; returns the bound port."""
         if self.cfg.metrics_port is None:
             return None
-        from prometheus_client import start_http_server
+        from talaria.vllm_metrics import serve_metrics
 
-        self.metrics_server = start_http_server(self.cfg.metrics_port, addr=self.cfg.metrics_host, registry=self.serving_metrics.registry)
+        self.metrics_server = serve_metrics(self.serving_metrics.exposition, self.cfg.metrics_host, self.cfg.metrics_port)
         port = self.metrics_server[0].server_port
         log.info("engine %s: Prometheus /metrics on %s:%d", self.cfg.id, self.cfg.metrics_host, port)
         return port

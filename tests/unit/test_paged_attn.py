@@ -252,3 +252,62 @@ def test_two_checkouts_of_the_same_sources_build_into_different_cache_directorie
     monkeypatch.setattr(pa, "_SOURCES", [tmp_path / "a" / p.name for p in pa._SOURCES])
     monkeypatch.setattr(pa, "_HEADERS", [tmp_path / "a" / p.name for p in pa._HEADERS])
     assert pa._source_tag() == a
+
+
+def test_prebuilt_kernels_are_found_by_cpu_and_sources_not_by_place(tmp_path, monkeypatch):
+    """An image builds the extension ahead of time (``talaria kernels build --out``) from a copy of the sources
+    and loads it from the installed ones: the prebuilt name hashes the sources' bytes and flags but not their
+    directory. At load, $TALARIA_KERNELS_DIR is searched for this CPU's native build first, then the baseline
+    build only where the CPU has the baseline's instruction set; nothing found means the JIT path."""
+    import shutil
+
+    from services.engine.model import paged_attn as pa
+
+    names = {m: pa.prebuilt_name(m) for m in ("native", pa.BASELINE_MARCH)}
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for p in (*pa._SOURCES, *pa._HEADERS):
+        shutil.copy(p, copy / p.name)
+    monkeypatch.setattr(pa, "_SOURCES", [copy / p.name for p in pa._SOURCES])
+    monkeypatch.setattr(pa, "_HEADERS", [copy / p.name for p in pa._HEADERS])
+    assert {m: pa.prebuilt_name(m) for m in names} == names  # another place, the same names
+    (copy / "cpu_math.h").write_text((copy / "cpu_math.h").read_text() + "\n// changed\n")
+    assert pa.prebuilt_name(pa.BASELINE_MARCH) != names[pa.BASELINE_MARCH]  # other sources, another build
+    monkeypatch.undo()
+
+    kdir = tmp_path / "kernels"
+    loaded = []
+    monkeypatch.setattr(pa, "_import_so", lambda name, so: loaded.append(name) or name)
+    monkeypatch.setenv(pa.KERNELS_DIR_ENV, str(kdir))
+    monkeypatch.setattr(pa, "_state", {})
+    assert pa._load_prebuilt() is None and not loaded  # an empty directory: JIT (or the fallbacks)
+    for m in names.values():
+        (kdir / m).mkdir(parents=True)
+        (kdir / m / f"{m}.so").write_bytes(b"")
+    assert pa._load_prebuilt() == names["native"] and pa._state["variant"] == "prebuilt native"
+    shutil.rmtree(kdir / names["native"])
+    monkeypatch.setattr(pa, "_cpu_flags_line", lambda: "flags\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe sse4_2 popcnt")
+    names = {m: pa.prebuilt_name(m) for m in ("native", pa.BASELINE_MARCH)}  # another CPU: another native name
+    assert pa._load_prebuilt() == names[pa.BASELINE_MARCH] and pa._state["variant"] == f"prebuilt {pa.BASELINE_MARCH}"
+    monkeypatch.setattr(pa, "_cpu_flags_line", lambda: "flags\t: fpu sse2 avx")  # below the baseline
+    loaded.clear()
+    assert pa._load_prebuilt() is None and not loaded
+    monkeypatch.delenv(pa.KERNELS_DIR_ENV)
+    assert pa._load_prebuilt() is None
+
+
+def test_kernels_build_cli_builds_a_prebuilt_or_refuses_a_foreign_march_for_the_cache(tmp_path, monkeypatch, capsys):
+    """`talaria kernels build --out DIR --march M` writes a prebuilt build (what the image does); without --out
+    only this CPU's native build makes sense (torch's cache serves this CPU), so another -march is a usage error."""
+    from services.engine.model import paged_attn as pa
+    from talaria import cli
+
+    calls = []
+    monkeypatch.setattr(pa, "build_prebuilt", lambda out, march: calls.append((out, march)) or out / "x.so")
+    assert cli.main(["kernels", "build", "--march", "x86-64-v3", "--out", str(tmp_path)]) == 0
+    assert calls == [(tmp_path, "x86-64-v3")]
+    assert "x86-64-v3" in capsys.readouterr().out
+    assert cli.main(["kernels", "build", "--march", "x86-64-v3"]) == 2
+    monkeypatch.setattr(pa, "load_extension", lambda: None)
+    monkeypatch.setattr(pa, "build_error", lambda: "RuntimeError: no compiler")
+    assert cli.main(["kernels", "build"]) == 1 and "no compiler" in capsys.readouterr().err

@@ -4,6 +4,9 @@ and the router's ``/metrics`` fed through its real NATS handlers (``on_heartbeat
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+
+import pytest
 
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -117,3 +120,31 @@ def test_engine_heartbeat_reports_its_kernels_to_router_health_and_its_own_metri
     assert s[("talaria_engine_kernel_on", (("engine", "e0"), ("kernel", "paged_decode")))] == float(built)
     assert s[("talaria_engine_kernel_on", (("engine", "e0"), ("kernel", "prefill_attention")))] == 0.0
     assert ("vllm:num_requests_running", (("engine", "e0"), ("model_name", "tiny-llama"))) in s
+
+
+def test_engine_metrics_port_keeps_vllm_names_for_a_prometheus_2_scraper():
+    """Prometheus 2.x asks for OpenMetrics without UTF-8 names; prometheus_client's own server then escapes
+    ``vllm:num_requests_running`` to ``vllm_num_requests_running`` (seen for real: deploy/check's Prometheus
+    had every engine series under underscore names). The engine's server always answers the text format."""
+    import urllib.request
+
+    from talaria.v1 import engine_pb2 as pb
+    from talaria.vllm_metrics import ServingMetrics, serve_metrics
+
+    m = ServingMetrics()
+    m.observe_snapshot(pb.InstanceSnapshot(instance_id="e0", models=[pb.ModelState(model="tiny-llama", num_running=2)]))
+    server, thread = serve_metrics(m.exposition, "127.0.0.1", 0)
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        req = urllib.request.Request(f"http://127.0.0.1:{server.server_port}/metrics", headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            ctype, text = r.headers["Content-Type"], r.read().decode()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/other", timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ctype.startswith("text/plain; version=0.0.4")
+    s = samples(text)
+    assert s[("vllm:num_requests_running", (("engine", "e0"), ("model_name", "tiny-llama")))] == 2.0
+    assert not any(name.startswith("vllm_") for name, _ in s)

@@ -68,7 +68,16 @@ serialized by a ``flock`` (:func:`_build_guard`), which also clears the lock fil
 (torch would otherwise wait on it forever). Needs a C++ compiler
 and ``ninja`` (the PyPI package, a runtime requirement: its ``bin`` directory is put on ``PATH`` for the
 build). If the build or load fails, one warning is logged and :func:`load_kernel` returns ``None``: the
-model keeps its gather + SDPA path (and its eager elementwise ops).
+model keeps its gather + SDPA path (and its eager elementwise ops). A JIT build that has no cached result logs
+one progress line first (a build is ~1-2 min on 2 cores: never silent).
+
+Prebuilt kernels (images, machines without a compiler): ``talaria kernels build --out DIR`` compiles the same
+extension ahead of time into ``DIR`` for the CPU baseline :data:`BASELINE_MARCH` and, with ``--march native``,
+for the building CPU. :func:`load_extension` first looks in ``$TALARIA_KERNELS_DIR`` (the image sets it) for a
+build for this exact CPU (``native``, tagged with the CPU's flag hash), then for the baseline when the CPU has
+its instruction set, and only then JIT-builds (which needs a compiler: a container has none, so it never
+compiles at start). The baseline build lacks the AVX-512 paths (prefill attention and the decode GEMM need
+AVX-512 BF16 and report ``off``); the paged decode kernel and the fused ops run on it.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -92,19 +102,91 @@ _HEADERS = [Path(__file__).with_name("cpu_math.h")]  # included by the sources: 
 # (GCC's default is 256 on AVX-512 CPUs: fused SiLU*up at 512 rows 465 -> 242 us, 2 threads). Part of the
 # cache name's hash, like the sources.
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+# The CPU baseline of prebuilt kernels (images): x86-64-v3 = AVX2, FMA, F16C, BMI1/2, MOVBE (Intel Haswell,
+# AMD Zen 1 and later). The flags /proc/cpuinfo must show for a baseline build to be loaded on a CPU.
+BASELINE_MARCH = "x86-64-v3"
+_BASELINE_CPU_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "sse4_2", "popcnt"})
+KERNELS_DIR_ENV = "TALARIA_KERNELS_DIR"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the loaded extension or None once tried
 
 PagedDecodeFn = Callable[..., torch.Tensor]
 
 
+def _cpu_flags_line() -> str:
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _cpu_tag() -> str:
     """A short hash of the CPU's feature flags (``-march=native`` code is only valid on such a CPU)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(_cpu_flags_line().encode()).hexdigest()[:8]
+
+
+def cpu_has_baseline() -> bool:
+    """Whether this CPU runs code built for :data:`BASELINE_MARCH` (its flags in ``/proc/cpuinfo``). Reads only."""
+    flags = set(_cpu_flags_line().partition(":")[2].split())
+    return _BASELINE_CPU_FLAGS <= flags
+
+
+def _cflags(march: str) -> list[str]:
+    return ["-O3", f"-march={march}", *_CFLAGS[2:]]
+
+
+def prebuilt_name(march: str) -> str:
+    """The module name of a prebuilt extension for ``march`` (``native``: tagged with this CPU's flag hash, valid
+    on such a CPU only): it carries a hash of the sources and flags but not of their directory, so a build made
+    at image build time is found by the same installed sources at run time."""
+    h = hashlib.sha1()
+    for p in (*_SOURCES, *_HEADERS):
+        h.update(p.read_bytes())
+    h.update(" ".join(_cflags(march)).encode())
+    variant = f"native_{_cpu_tag()}" if march == "native" else march.replace("-", "_")
+    return f"talaria_kernels_{variant}_{h.hexdigest()[:8]}"
+
+
+def build_prebuilt(out: Path, march: str = BASELINE_MARCH, verbose: bool = False) -> Path:
+    """Compile the extension for ``march`` into ``out/<prebuilt_name>/`` (creates it) and return the ``.so``
+    path. Needs a C++ compiler and ninja; raises on a failed build."""
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    name = prebuilt_name(march)
+    build_dir = Path(out) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_guard(build_dir):
+        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_cflags(march),
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+    return build_dir / f"{name}.so"
+
+
+def _import_so(name: str, so: Path):
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_prebuilt():
+    """The prebuilt extension from ``$TALARIA_KERNELS_DIR`` for this CPU (the ``native`` build made on a CPU
+    with the same flags, else the baseline build where the CPU has its instruction set), or ``None``. Sets
+    ``_state["variant"]``."""
+    kdir = os.environ.get(KERNELS_DIR_ENV)
+    if not kdir:
+        return None
+    marches = ["native"] + ([BASELINE_MARCH] if cpu_has_baseline() else [])
+    for march in marches:
+        name = prebuilt_name(march)
+        so = Path(kdir) / name / f"{name}.so"
+        if so.exists():
+            module = _import_so(name, so)
+            _state["variant"] = f"prebuilt {march}"
+            log.info("CPU kernels: prebuilt %s build from %s", march, so.parent)
+            return module
+    log.warning("no prebuilt CPU kernels in %s for this CPU (looked for: %s)", kdir, ", ".join(marches))
+    return None
 
 
 def _source_tag() -> str:
@@ -156,11 +238,21 @@ def _build_guard(build_dir: Path):
 
 
 def _build():
+    """The extension: a prebuilt one (:func:`_load_prebuilt`) or a JIT ``-march=native`` build in torch's
+    extension cache, announced by one progress line when there is no cached build to reuse."""
+    module = _load_prebuilt()
+    if module is not None:
+        return module
     from torch.utils import cpp_extension
 
     _ninja_on_path()
     name = f"talaria_paged_attn_{_cpu_tag()}_{_source_tag()}"
-    with _build_guard(Path(cpp_extension._get_build_directory(name, verbose=False))):
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    _state["variant"] = "jit native"
+    with _build_guard(build_dir):
+        if not (build_dir / f"{name}.so").exists():
+            log.warning("building the CPU kernels for this CPU (-march=native) into %s: once per CPU and version, "
+                        "~1-2 min on 2 cores (`talaria kernels build` does it ahead of time)", build_dir)
         return cpp_extension.load(
             name=name,
             sources=[str(p) for p in _SOURCES],
@@ -184,6 +276,13 @@ def load_extension():
                             type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
                 _state["module"] = None
         return _state["module"]
+
+
+def variant() -> str:
+    """Which build :func:`load_extension` loaded (``prebuilt native``, ``prebuilt x86-64-v3``, ``jit native``),
+    "" before it was tried or when it failed. Reads only."""
+    with _lock:
+        return str(_state.get("variant", "")) if _state.get("module") is not None else ""
 
 
 def build_error() -> str:
