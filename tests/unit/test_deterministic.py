@@ -168,3 +168,32 @@ def test_deterministic_is_refused_where_it_cannot_hold(synth_models):
     with pytest.raises(ValueError, match="paged decode kernel"):
         Engine(path, dtype="bfloat16", num_pages=64, deterministic=True, paged_decode="off")
     assert Engine(path, dtype="bfloat16", num_pages=64).model.split_keys == 0  # off by default
+
+
+def _page_bytes(e: Engine, pages: list[int]) -> list[torch.Tensor]:
+    P = e.page_size
+    rows = torch.tensor([p * P + i for p in pages for i in range(P)])
+    return [t.index_select(0, rows) for layer in range(len(e.kv_cache.k)) for t in (e.kv_cache.k[layer], e.kv_cache.v[layer])]
+
+
+def test_published_and_cached_pages_hold_the_bytes_a_lone_recomputation_writes(kernel, synth_models):
+    """KV state check, with the deterministic mode as the instrument (a page's bytes are then a function of the
+    tokens up to it): six calls behind one shared prefix, added together under a 32-token budget (the first
+    prefills in chunks and publishes its pages as it goes; the others wait for them and reuse them, see
+    scheduler.py), then each call's cached pages -- prompt and generated tokens -- are compared with those a
+    fresh engine writes running that call alone. A stale, partial or misplaced published page differs."""
+    path = synth_models["tiny-qwen2"]
+    e = Engine(path, dtype="bfloat16", page_size=16, num_pages=1024, max_num_batched_tokens=32, deterministic=True)
+    system, prompts, _ = _workload(e, 6)
+    outs = e.generate(prompts, GREEDY)
+    e.check_integrity()
+    assert e.stats().prefix_hit_rate > 0  # the shared prefix was reused
+    for p, out in zip(prompts, outs):
+        fresh = Engine(path, dtype="bfloat16", page_size=16, num_pages=256, deterministic=True)
+        assert fresh.generate([p], GREEDY)[0] == out
+        tokens = p + out
+        hashes = e.kv.extend_hashes([], tokens[:-1])  # the last token's KV is never written (not computed)
+        mine, theirs = e.kv.radix.match(hashes), fresh.kv.radix.match(hashes)
+        assert len(mine) == len(theirs) == len(hashes) >= len(system) // 16
+        for a, b in zip(_page_bytes(e, mine), _page_bytes(fresh, theirs)):
+            assert torch.equal(a, b)
