@@ -48,6 +48,17 @@ Design notes
   and model parameters are read-only (the RoPE cos/sin table is a cache filled on first use per
   device/dtype).
 * RoPE positions come from the caller (``positions``), never inferred from the cache.
+* Deterministic mode (``LlamaForCausalLM.split_keys`` > 0, set by ``Engine(deterministic=True)``): the plan is
+  one group, every query of the step -- decode token or prefill row -- a row of the paged decode kernel over
+  its own visible keys, split into fixed chunks of ``split_keys`` keys (``_invariant_group``). Each layout
+  above computes a query's softmax in an order set by the batch (the decode kernel's split by batch size and
+  threads; flash's key blocks, one call vs two merged by log-sum-exp after a cached prefix; masked packed or
+  padded calls), so a greedy call's tokens changed with what shared its steps and with its cache state. With
+  one per-query order they cannot: together with bf16 linears whose rows do not depend on the row count
+  (measured for oneDNN, the decode GEMM and ``F.linear``) and row-wise norms/RoPE/SiLU, a token's hidden state
+  is a function of the tokens before it only -- the same bits decoded or prefilled, alone or batched, with its
+  prefix cached, restored or recomputed. This is the batch-invariant approach of SGLang's deterministic
+  inference and vLLM's batch-invariant mode (fixed split sizes instead of ones chosen per batch).
 """
 
 from __future__ import annotations
@@ -397,7 +408,8 @@ class _Group:
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
     CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
-    context lengths [B], page_size, window or 0)``."""
+    context lengths [B], page_size, window or 0, split_keys: 0 = adaptive, > 0 = the fixed split of the
+    deterministic mode)``; in that mode the one group holds every query of the step, prefill rows included."""
 
     __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged", "rows")
 
