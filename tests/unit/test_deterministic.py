@@ -197,3 +197,17 @@ def test_published_and_cached_pages_hold_the_bytes_a_lone_recomputation_writes(k
         assert len(mine) == len(theirs) == len(hashes) >= len(system) // 16
         for a, b in zip(_page_bytes(e, mine), _page_bytes(fresh, theirs)):
             assert torch.equal(a, b)
+
+
+def test_a_cold_engine_gives_every_model_the_mode(kernel, synth_models):
+    """The cold pool's shells (one per model, bound onto the arena) take the mode too: after a switch away and
+    back, the same greedy tokens as a hot deterministic engine's, alone, for prompts batched together."""
+    from tests.unit.test_cold_engine import make_cold
+
+    ce = make_cold(synth_models, ("tiny-qwen2", "tiny-llama"), dtype=torch.bfloat16, page_size=16, deterministic=True)
+    hot = Engine(synth_models["tiny-qwen2"], dtype="bfloat16", page_size=16, num_pages=256, deterministic=True)
+    _, prompts, _ = _workload(hot, 3)
+    alone = [hot.generate([p], GREEDY)[0] for p in prompts]
+    ce.generate(prompts[:1], GREEDY, model="tiny-llama")
+    assert ce.generate(prompts, GREEDY, model="tiny-qwen2") == alone
+    assert ce.active == "tiny-qwen2"
