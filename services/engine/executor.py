@@ -618,11 +618,15 @@ class Engine:
         """Batch- and prefix-invariant numerics (config ``deterministic``): every attention query, prefill or
         decode, by the paged decode kernel in fixed chunks of ``DETERMINISTIC_SPLIT_KEYS`` keys
         (``llama._invariant_group``), so a greedy call's tokens do not depend on what shares its steps, on
-        whether its prefix was cached or restored, or on the thread count. The linears need nothing more in
-        bfloat16 (oneDNN's and the decode GEMM's rows do not depend on the row count, measured and tested);
-        float32 matmuls do (MKL picks other kernels by row count), so float32 is refused. Needs the CPU
-        kernel. Sets ``self.model.split_keys``; returns ``on``. Raises ValueError where it cannot hold."""
+        whether its prefix was cached or restored, or on the thread count; and a packed model's linears in tiles
+        of at most 16 rows through the decode GEMM (``PackedLinear.tiled``: its rows do not depend on the row
+        count, oneDNN's bf16 rows do at some shapes). float32 matmuls depend on the row count at every shape (MKL
+        picks other kernels by row count), so float32 is refused. Needs the CPU kernel. Sets
+        ``self.model.split_keys`` and every packed linear's ``tiled``; returns ``on``. Raises ValueError where it
+        cannot hold."""
         self.model.split_keys = 0
+        for p in self._packed_linears():
+            p.tiled = on
         if not on:
             return False
         if self.device.type != "cpu" or not self.paged_decode:
@@ -631,6 +635,17 @@ class Engine:
             raise ValueError(f"deterministic needs bfloat16 (float32 CPU matmuls change a row's sums with the row count); dtype is {self.dtype}")
         self.model.split_keys = DETERMINISTIC_SPLIT_KEYS
         return True
+
+    def _packed_linears(self) -> list:
+        """The model's prepacked linears (model/packed.py), none if it is not packed. Reads only."""
+        m = self.model
+        if not m.is_packed:
+            return []
+        out = [m.lm_head_packed]
+        for layer in m.model.layers:
+            out += [getattr(o, a) for o, a in ((layer.self_attn, "qkv_packed"), (layer.self_attn, "o_packed"))]
+            out += [getattr(layer.mlp, a) for a in ("gate_up_packed", "down_packed") if hasattr(layer.mlp, a)]
+        return [p for p in out if p is not None]
 
     def _pack(self, packed_weights: bool | None, own_model: bool, decode_gemm: str = "auto") -> None:
         """Prepack the CPU linears (model/packed.py; mutates the model): None = where measured to pay (bf16 on
