@@ -60,6 +60,9 @@ def add_cli(subparsers) -> None:
     e.add_argument("--device", default="cpu", help="torch device of both sides (default cpu; e.g. cuda:0)")
     e.add_argument("--compile", default="off", choices=["off", "auto", "on"],
                    help="our engine's compile mode (engine config `compile`; default off)")
+    e.add_argument("--deterministic", action="store_true",
+                   help="also run our engine in the deterministic mode (engine config `deterministic`), interleaved with the "
+                        "default one, and report its decode tok/s and batch prefill time against it (bf16 only)")
     e.set_defaults(fn=_engine)
 
     r = bs.add_parser("router", help="per-call latency: in-process Engine vs NATS to an engine process vs router HTTP API")

@@ -136,6 +136,7 @@ def run_engine_bench(
     dtype: str = "float32",
     device: str = "cpu",
     compile_mode: str = "off",
+    deterministic: bool = False,
     say=print,
 ) -> dict[str, Any]:
     import torch
@@ -166,6 +167,8 @@ def run_engine_bench(
         eager = None
         if engine.decode_graphs is not None:
             eager = Engine(path, cuda_graphs="off", **engine_kw)
+        # the deterministic mode (engine config ``deterministic``) measured against this default engine, interleaved
+        det = Engine(path, deterministic=True, **engine_kw) if deterministic else None
         transformers.utils.logging.disable_progress_bar()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
         vocab = engine.vocab_size
@@ -176,6 +179,9 @@ def run_engine_bench(
             _run_hf(hf, prompts, new_tokens)
             if eager is not None:
                 _run_ours(eager, prompts, new_tokens, f"ewarm{b}")
+            if det is not None:
+                _run_ours(det, prompts, new_tokens, f"dwarm{b}")
+            det_d, det_ratio, det_prefill, def_prefill, det_same = [], [], [], [], []
             ours_t, hf_t, ours_d, hf_d, ratio_t, ratio_d = [], [], [], [], [], []
             eager_d, graph_ratio, graph_same = [], [], []
             agree_seq, agree_tok = [], []
@@ -188,6 +194,13 @@ def run_engine_bench(
                     eager_d.append(_rates(e, b, new_tokens)[1])
                     graph_ratio.append(od / eager_d[-1])
                     graph_same.append(_agreement(o["tokens"], e["tokens"])[0])
+                if det is not None:
+                    d = _run_ours(det, prompts, new_tokens, f"d{b}r{rep}")
+                    det_d.append(_rates(d, b, new_tokens)[1])
+                    det_ratio.append(det_d[-1] / od)
+                    det_prefill.append(d["t_total"] - d["t_decode"])
+                    def_prefill.append(o["t_total"] - o["t_decode"])
+                    det_same.append(_agreement(o["tokens"], d["tokens"])[0])
                 ht, hd = _rates(h, b, new_tokens)
                 for xs, x in ((ours_t, ot), (hf_t, ht), (ours_d, od), (hf_d, hd), (ratio_t, ot / ht), (ratio_d, od / hd)):
                     xs.append(x)
@@ -207,6 +220,11 @@ def run_engine_bench(
                 "eager_decode_tok_s": median(eager_d) if eager_d else None,
                 "graphs_vs_eager": median(graph_ratio) if graph_ratio else None,
                 "graphs_identical_seqs": min(graph_same) if graph_same else None,
+                "det_decode_tok_s": median(det_d) if det_d else None,
+                "det_vs_default_decode": median(det_ratio) if det_ratio else None,
+                "det_prefill_s": median(det_prefill) if det_prefill else None,
+                "default_prefill_s": median(def_prefill) if def_prefill else None,
+                "det_identical_seqs": min(det_same) if det_same else None,
                 "runs": {"ours_tok_s": ours_t, "hf_tok_s": hf_t, "ours_decode_tok_s": ours_d, "hf_decode_tok_s": hf_d},
             }
             rows.append(row)
@@ -251,6 +269,11 @@ def render(result: dict[str, Any]) -> str:
         ["batch", "graphs decode tok/s", "eager decode tok/s", "graphs/eager", "identical seqs"],
         [[r["batch"], r["ours_decode_tok_s"], r["eager_decode_tok_s"], r["graphs_vs_eager"],
           f"{r['graphs_identical_seqs']:.0%}"] for r in graphs])
+    dets = [r for r in result["rows"] if r.get("det_decode_tok_s") is not None]
+    t3 += "" if not dets else "\n\ndeterministic mode vs the default engine (interleaved; prefill = time to every first token)\n" + format_table(
+        ["batch", "det decode tok/s", "default decode tok/s", "det/default", "det prefill s", "default prefill s", "identical seqs"],
+        [[r["batch"], r["det_decode_tok_s"], r["ours_decode_tok_s"], r["det_vs_default_decode"], r["det_prefill_s"],
+          r["default_prefill_s"], f"{r['det_identical_seqs']:.0%}"] for r in dets])
     return f"{head}\n\nthroughput (tok/s = generated tokens / wall time; end to end incl. prefill, and decode only)\n{t1}\n\ngreedy agreement ours vs HF (sanity, not a gate)\n{t2}{t3}"
 
 
@@ -267,5 +290,6 @@ def main(args) -> int:
         dtype=args.dtype,
         device=args.device,
         compile_mode=getattr(args, "compile", "off"),
+        deterministic=getattr(args, "deterministic", False),
     )
     return emit(result, render(result), args.json)

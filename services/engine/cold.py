@@ -87,7 +87,7 @@ class ColdEngine:
         residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
         paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
-        prefill_attention: str = "auto",
+        prefill_attention: str = "auto", deterministic: bool = False,
         intra_op_threads: int | None = None,  # every shell's team (Engine._step_threads); None: this thread's count now
     ) -> None:
         if not catalog:
@@ -100,7 +100,7 @@ class ColdEngine:
             device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
             session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
-            prefill_attention=prefill_attention,  # shells are built on the executor thread: take the count here
+            prefill_attention=prefill_attention, deterministic=deterministic,  # shells are built on the executor thread: take the count here
             intra_op_threads=Engine._threads(intra_op_threads),
         )
         self.clock = clock

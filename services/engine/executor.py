@@ -183,6 +183,7 @@ def run_to_completion(
 
 
 SMALL_STEP_TOKENS = 64  # a step this small is decode (or a tiny prefill): see Engine._step_threads
+DETERMINISTIC_SPLIT_KEYS = 256  # deterministic mode: keys per chunk of the fixed attention split (paged_attn.cpp Split; a multiple of 16)
 
 class Engine:
     """One model's runtime: scheduler, KV manager, model and sampler, driven by :meth:`step`.
@@ -219,6 +220,7 @@ class Engine:
         prefill_attention: str = "auto",
         cuda_graphs: str = "auto", cuda_graph_max_context: int = DEFAULT_GRAPH_CONTEXT,
         max_model_len: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id or self.model_dir.name
@@ -236,6 +238,7 @@ class Engine:
         # CPU kernels, each flag says whether it is on: model/paged_attn.py, fused_ops.py, prefill_attn.py
         self.paged_decode, self.fused_ops, self.prefill_attention = (
             self._paged_decode(paged_decode), self._fused_ops(fused_ops), self._prefill_attention(prefill_attention))
+        self.deterministic = self._deterministic(deterministic)
         self._log_kernels()
         self.intra_op_threads, self.small_step_threads = self._threads(intra_op_threads), self._small_threads(small_step_threads)
         # compiled layer parts (model/compiled.py): off / auto (kept where a start-up measurement shows they pay) / on;
@@ -585,6 +588,7 @@ class Engine:
         and the new model's kernel attributes; the caller holds no step in flight."""
         model.paged_decode = self.model.paged_decode
         model.prefill_attention = self.model.prefill_attention
+        model.split_keys = self.model.split_keys
         model.use_fused_ops(self.model.fused_ops)
         self.model = model
         self.decode_graphs = None  # captured against the old weights
@@ -609,6 +613,39 @@ class Engine:
         kernel = load_kernel() if mode == "auto" and self.device.type == "cpu" else None
         self.model.paged_decode = kernel
         return kernel is not None
+
+    def _deterministic(self, on: bool) -> bool:
+        """Batch- and prefix-invariant numerics (config ``deterministic``): every attention query, prefill or
+        decode, by the paged decode kernel in fixed chunks of ``DETERMINISTIC_SPLIT_KEYS`` keys
+        (``llama._invariant_group``), so a greedy call's tokens do not depend on what shares its steps, on
+        whether its prefix was cached or restored, or on the thread count; and a packed model's linears in tiles
+        of at most 16 rows through the decode GEMM (``PackedLinear.tiled``: its rows do not depend on the row
+        count, oneDNN's bf16 rows do at some shapes). float32 matmuls depend on the row count at every shape (MKL
+        picks other kernels by row count), so float32 is refused. Needs the CPU kernel. Sets
+        ``self.model.split_keys`` and every packed linear's ``tiled``; returns ``on``. Raises ValueError where it
+        cannot hold."""
+        self.model.split_keys = 0
+        for p in self._packed_linears():
+            p.tiled = on
+        if not on:
+            return False
+        if self.device.type != "cpu" or not self.paged_decode:
+            raise ValueError("deterministic needs a CPU engine with the paged decode kernel (paged_decode: auto, and it must build)")
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"deterministic needs bfloat16 (float32 CPU matmuls change a row's sums with the row count); dtype is {self.dtype}")
+        self.model.split_keys = DETERMINISTIC_SPLIT_KEYS
+        return True
+
+    def _packed_linears(self) -> list:
+        """The model's prepacked linears (model/packed.py), none if it is not packed. Reads only."""
+        m = self.model
+        if not m.is_packed:
+            return []
+        out = [m.lm_head_packed]
+        for layer in m.model.layers:
+            out += [getattr(o, a) for o, a in ((layer.self_attn, "qkv_packed"), (layer.self_attn, "o_packed"))]
+            out += [getattr(layer.mlp, a) for a in ("gate_up_packed", "down_packed") if hasattr(layer.mlp, a)]
+        return [p for p in out if p is not None]
 
     def _pack(self, packed_weights: bool | None, own_model: bool, decode_gemm: str = "auto") -> None:
         """Prepack the CPU linears (model/packed.py; mutates the model): None = where measured to pay (bf16 on

@@ -71,6 +71,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
         cuda_graphs=cfg.cuda_graphs,
         cuda_graph_max_context=cfg.cuda_graph_max_context,
         max_model_len=cfg.max_model_len,
+        deterministic=cfg.deterministic,
     )
 
 
@@ -123,6 +124,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         small_step_threads=cfg.small_step_threads,
         intra_op_threads=torch_threads(cfg),
         prefill_attention=cfg.prefill_attention,
+        deterministic=cfg.deterministic,
     )
 
 

@@ -39,7 +39,21 @@ def test_engine_bench_smoke(synth_models, tmp_path, capsys):
             assert _positive(row[k]), (k, row[k])
         assert 0.0 <= row["identical_seqs"] <= 1.0 and 0.0 <= row["identical_tokens"] <= 1.0
     text = render(res)
-    assert "ours/HF" in text and "identical seqs" in text
+    assert "ours/HF" in text and "identical seqs" in text and "deterministic mode" not in text
+
+
+def test_engine_bench_deterministic_rows(synth_models):
+    """``--deterministic``: the mode measured against the default engine in the same run (bf16 only)."""
+    from bench.engine_bench import render, run_engine_bench
+
+    models_dir = synth_models["tiny-llama"].parent
+    res = run_engine_bench(models_dir, model="tiny-llama", batches=(2,), prompt_len=8, new_tokens=4, repeats=1,
+                           dtype="bfloat16", deterministic=True, say=lambda _m: None)
+    (row,) = res["rows"]
+    for k in ("det_decode_tok_s", "det_vs_default_decode", "det_prefill_s", "default_prefill_s"):
+        assert _positive(row[k]), (k, row[k])
+    assert 0.0 <= row["det_identical_seqs"] <= 1.0
+    assert "deterministic mode vs the default engine" in render(res)
 
 
 @pytest.mark.slow

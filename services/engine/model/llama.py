@@ -48,6 +48,17 @@ Design notes
   and model parameters are read-only (the RoPE cos/sin table is a cache filled on first use per
   device/dtype).
 * RoPE positions come from the caller (``positions``), never inferred from the cache.
+* Deterministic mode (``LlamaForCausalLM.split_keys`` > 0, set by ``Engine(deterministic=True)``): the plan is
+  one group, every query of the step -- decode token or prefill row -- a row of the paged decode kernel over
+  its own visible keys, split into fixed chunks of ``split_keys`` keys (``_invariant_group``). Each layout
+  above computes a query's softmax in an order set by the batch (the decode kernel's split by batch size and
+  threads; flash's key blocks, one call vs two merged by log-sum-exp after a cached prefix; masked packed or
+  padded calls), so a greedy call's tokens changed with what shared its steps and with its cache state. With
+  one per-query order they cannot: together with bf16 linears whose rows do not depend on the row count
+  (the decode GEMM in 16-row tiles: ``PackedLinear.tiled``) and row-wise norms/RoPE/SiLU, a token's hidden state
+  is a function of the tokens before it only -- the same bits alone or batched, with its prompt prefix cached,
+  restored or recomputed, decoded or prefilled (with a packed engine's linears tiled: engine README). This is the batch-invariant approach of SGLang's deterministic
+  inference and vLLM's batch-invariant mode (fixed split sizes instead of ones chosen per batch).
 """
 
 from __future__ import annotations
@@ -256,8 +267,8 @@ class Attention(nn.Module):
             return kernel(q, layer_k, layer_v, g.slots, q_lens, lens, self.scale)
         if g.kind == "decode":
             if g.paged is not None:  # CPU kernel over the pool in place (paged_attn.py); no gather, no mask
-                kernel, tables, lens, page_size, window = g.paged
-                return kernel(q, layer_k, layer_v, tables, lens, page_size, self.scale, window)
+                kernel, tables, lens, page_size, window, split = g.paged
+                return kernel(q, layer_k, layer_v, tables, lens, page_size, self.scale, window, split)
             B, L = g.slots.shape
             kc = layer_k.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
             vc = layer_v.index_select(0, g.slots.view(-1)).view(B, L, KVH, D).transpose(1, 2).to(q.dtype)
@@ -413,7 +424,8 @@ class _Group:
     indices of the group's queries; ``q_src``/``out_pos`` (padded only): the flat query behind each padded
     row, and the padded rows holding the real queries in ``q_index`` order. ``paged`` (decode with the
     CPU kernel only; ``slots``/``mask`` are then None): ``(kernel, int32 block tables [B, pages], int32
-    context lengths [B], page_size, window or 0)``."""
+    context lengths [B], page_size, window or 0, split_keys: 0 = adaptive, > 0 = the fixed split of the
+    deterministic mode)``; in that mode the one group holds every query of the step, prefill rows included."""
 
     __slots__ = ("kind", "q_index", "slots", "mask", "q_src", "out_pos", "paged", "rows")
 
@@ -438,7 +450,7 @@ class _AttnPlan:
     __slots__ = ("slot_mapping", "groups", "single")
 
     def __init__(self, batch: AttnBatch, page_size: int, num_tokens: int, device: torch.device,
-                 window: int | None = None, decode_kernel=None, prefill_kernel=None) -> None:
+                 window: int | None = None, decode_kernel=None, prefill_kernel=None, split_keys: int = 0) -> None:
         cu = batch.cu_q
         B = batch.num_seqs
         if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != num_tokens:
@@ -453,6 +465,10 @@ class _AttnPlan:
             if len(batch.block_tables[i]) * page_size < ctx[i]:
                 raise ValueError(f"sequence {i}: {len(batch.block_tables[i])} pages cannot hold {ctx[i]} tokens")
         self.slot_mapping = batch.slot_mapping.to(device=device, dtype=torch.long)
+        if split_keys and decode_kernel is not None:  # deterministic: every query a row of the decode kernel
+            self.groups = [_invariant_group(q_lens, ctx, batch.block_tables, page_size, device, window, decode_kernel, split_keys)]
+            self.single = self.groups[0]
+            return
         dec = [i for i in range(B) if q_lens[i] == 1]
         pre = [i for i in range(B) if q_lens[i] > 1]
         self.groups = [_decode_group(dec, cu, ctx, batch.block_tables, page_size, device, window, decode_kernel)] if dec else []
@@ -493,7 +509,7 @@ def _decode_group(rows, cu, ctx, tables, page_size, device, window=None, kernel=
     if kernel is not None:  # int32 block tables [B, pages needed] (pad page 0, never read) + lengths
         width = -(-max(lens) // page_size)
         table = torch.tensor([pad_table(tables[i], width) for i in rows], dtype=torch.int32)
-        paged = (kernel, table, torch.tensor(lens, dtype=torch.int32), page_size, window or 0)
+        paged = (kernel, table, torch.tensor(lens, dtype=torch.int32), page_size, window or 0, 0)
         return _Group("decode", q_index, None, None, paged=paged)
     slots = _page_slots([tables[i] for i in rows], lens, page_size, device)
     L = slots.shape[1]
@@ -507,6 +523,27 @@ def _decode_group(rows, cu, ctx, tables, page_size, device, window=None, kernel=
             mask &= k >= n - window
         mask = mask[:, None, None, :]
     return _Group("decode", q_index, slots, mask)
+
+
+def _invariant_group(q_lens, ctx, tables, page_size, device, window, kernel, split_keys) -> _Group:
+    """Every query of the flat batch, in order, as one row of the paged decode kernel: the query at position
+    ``p`` of sequence ``i`` attends keys ``[0, p]`` (or its window) read in place through ``tables[i]``, in
+    fixed chunks of ``split_keys`` keys (``paged_attn.cpp``, ``Split``). A query's attention then depends only
+    on its own position and keys: the same bits in a decode step or a prefill chunk, after a cached prefix or
+    not, beside any other sequences, with any thread count (the deterministic mode, see the module notes).
+    The KV of the step's own tokens is written before attention (``attend_all``), so a chunk's causal part is
+    in the pool. Costs a read of the context per query (no reuse across a chunk's queries, as flash has)."""
+    T = sum(q_lens)
+    width = -(-max(ctx) // page_size)
+    table = torch.empty((T, width), dtype=torch.int32)
+    lens = torch.empty(T, dtype=torch.int32)
+    r = 0
+    for i, (n_q, n) in enumerate(zip(q_lens, ctx)):
+        table[r : r + n_q] = torch.tensor(pad_table(tables[i], width), dtype=torch.int32)
+        lens[r : r + n_q] = torch.arange(n - n_q + 1, n + 1, dtype=torch.int32)
+        r += n_q
+    q_index = torch.arange(T, dtype=torch.long, device=device)
+    return _Group("decode", q_index, None, None, paged=(kernel, table, lens, page_size, window or 0, split_keys))
 
 
 MAX_ROW_CALLS = 8  # a "rows" group: at most this many sequences (each costs 1-2 flash calls per layer)
@@ -638,6 +675,9 @@ class LlamaForCausalLM(nn.Module):
         # ``prefill_attention``); None = ATen's flash kernel. Used only with a bf16 pool and head dim 64.
         self.prefill_attention = None
         self.fused_ops: FusedOps | None = None  # fused elementwise CPU ops (fused_ops.py); None = eager ops
+        # deterministic mode (set by the engine, config ``deterministic``): > 0 = every query's attention by the
+        # paged decode kernel in fixed chunks of this many keys (``_invariant_group``); needs ``paged_decode``
+        self.split_keys = 0
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Give every norm, attention and MLP the fused CPU ops (or take them away with None); mutates those
@@ -701,7 +741,7 @@ class LlamaForCausalLM(nn.Module):
         # the plan is built in the call: run_planned's frame is its only holder, so it is freed before the
         # activations (measured: held here, 5x the page faults per prefill, tests/unit/test_allocator_tuning.py)
         return self.run_planned(input_ids, positions, _AttnPlan(batch, kv.page_size, input_ids.shape[0], dev,
-                                self.config.sliding_window, kernel, prefill), kv, max_pos)
+                                self.config.sliding_window, kernel, prefill, self.split_keys), kv, max_pos)
 
     def run_planned(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: "_AttnPlan", kv: KVCache,
                     max_pos: int) -> torch.Tensor:

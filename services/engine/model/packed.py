@@ -37,7 +37,7 @@ class PackedLinear:
 
     ``x`` may have any leading shape; the weight/bias are copies (not views of the parameters)."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features", "gemm", "small", "small_bias")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "gemm", "small", "small_bias", "tiled")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 8, gemm=None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -46,12 +46,20 @@ class PackedLinear:
         self.small = gemm.pack(weight) if gemm is not None else None
         self.gemm = gemm if self.small is not None else None
         self.small_bias = None if bias is None or self.small is None else bias.detach().float().contiguous().clone()
+        # deterministic mode (Engine._deterministic): every call in tiles of at most gemm.max_rows rows through the
+        # decode kernel, whose rows do not depend on the row count; oneDNN's bf16 rows do at some shapes (K = 1,536:
+        # 13 of 116 rows differ from one-row calls), so a token decoded and the same token prefilled would differ
+        self.tiled = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inside a torch.compile graph: the opaque kernel as one extern call
             return torch.ops.talaria.packed_linear(x, self.weight, self.bias, self.out_features)
         if self.gemm is not None and x.numel() <= self.gemm.max_rows * self.in_features and x.dtype == torch.bfloat16:
             return self.gemm(x, self.small, self.out_features, self.small_bias)
+        if self.tiled and self.gemm is not None and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, self.in_features)
+            out = torch.cat([self.gemm(t, self.small, self.out_features, self.small_bias) for t in rows.split(self.gemm.max_rows)])
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 

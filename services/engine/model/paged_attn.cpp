@@ -101,6 +101,7 @@ inline void for_blocks(const int32_t* table, int64_t page_size, int64_t start, i
 
 struct Shape {
   int64_t B, H, KVH, G, D, P, page_size, window;
+  int64_t split_keys = 0;  // 0: split_of's adaptive split; > 0: fixed chunks of this many keys (Split)
   int64_t qs0, qs1, os0, os1, ks0, ks1, vs0, vs1;
   float scale;
 };
@@ -493,12 +494,18 @@ inline int64_t split_of(int64_t tasks, int threads) {
 // How a call's keys are split over tasks (flash-decoding's split over the context): per sequence b, its keys
 // are nchunks[b] chunks (at least kMinChunk keys each, at most `want`) and its tasks are first[b] ..
 // first[b + 1] - 1, `per_chunk` tasks a chunk (the kv heads, for per-head tasks; 1 for all-heads tasks).
+// With `fixed` > 0 (the deterministic split, a multiple of kBlock) chunk c is keys [j0 + c * fixed, j0 + (c + 1) *
+// fixed) of the visible ones, whatever the batch and the thread count: a query's chunks, and so the order of its
+// sums and of their merge, depend only on its own visible keys (batch-invariant decode attention).
 struct Split {
   std::vector<int64_t> nchunks, first;
-  Split(const Shape& s, const int32_t* lens, int64_t want, int64_t per_chunk) : nchunks(s.B), first(s.B + 1, 0) {
+  int64_t fixed;
+  Split(const Shape& s, const int32_t* lens, int64_t want, int64_t per_chunk, int64_t fixed_keys = 0)
+      : nchunks(s.B), first(s.B + 1, 0), fixed(fixed_keys) {
     for (int64_t b = 0; b < s.B; ++b) {
       const auto [j0, j1] = visible(s, lens, b);
-      nchunks[b] = std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
+      nchunks[b] = fixed > 0 ? std::max<int64_t>(1, (j1 - j0 + fixed - 1) / fixed)
+                             : std::max<int64_t>(1, std::min(want, (j1 - j0) / kMinChunk));
       first[b + 1] = first[b] + nchunks[b] * per_chunk;
     }
   }
@@ -508,6 +515,7 @@ struct Split {
   std::pair<int64_t, int64_t> bounds(const Shape& s, const int32_t* lens, int64_t b, int64_t c) const {
     const int64_t C = nchunks[b];
     const auto [j0, j1] = visible(s, lens, b);
+    if (fixed > 0) return {j0 + c * fixed, std::min(j1, j0 + (c + 1) * fixed)};
     const int64_t m = j1 - j0;
     return {j0 + (c == 0 ? 0 : m * c / C / kBlock * kBlock), c + 1 == C ? j1 : j0 + m * (c + 1) / C / kBlock * kBlock};
   }
@@ -550,7 +558,7 @@ void finish_task(const Shape& s, const float* p0, int64_t C, int64_t PF, int64_t
 template <typename T>
 void run_all_heads(const Shape& s, AllHeadsFn<T> all, const T* qp, const T* kp, const T* vp, const int32_t* tp,
                    const int32_t* lp, T* op) {
-  const Split sp(s, lp, split_of(s.B, at::get_num_threads()), 1);
+  const Split sp(s, lp, split_of(s.B, at::get_num_threads()), 1, s.split_keys);
   const int64_t PF = part_floats(s), TF = s.KVH * PF;  // floats of one task's parts
   std::vector<float> parts(static_cast<size_t>(sp.tasks() * TF));
   at::parallel_for(0, sp.tasks(), 1, [&](int64_t lo, int64_t hi) {
@@ -586,7 +594,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     return;
   }
   const ChunkFn<T> chunk = pick_chunk<T>(s);
-  const Split sp(s, lp, split_of(s.B * s.KVH, at::get_num_threads()), s.KVH);
+  const Split sp(s, lp, split_of(s.B * s.KVH, at::get_num_threads()), s.KVH, s.split_keys);
   const int64_t PF = part_floats(s);
   if (sp.tasks() == s.B * s.KVH) {  // no split: each task finishes its own output (one parallel region)
     at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t lo, int64_t hi) {
@@ -634,7 +642,8 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t page
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                  at::Tensor context_lens, int64_t page_size, double scale, int64_t window) {
+                                  at::Tensor context_lens, int64_t page_size, double scale, int64_t window,
+                                  int64_t split_keys) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [B,H,D], pools [S,KVH,D]");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
@@ -642,6 +651,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables and lengths");
   TORCH_CHECK(page_size > 0 && window >= 0, "page_size > 0, window >= 0");
+  TORCH_CHECK(split_keys >= 0 && split_keys % kBlock == 0, "split_keys must be 0 (adaptive) or a multiple of ", kBlock);
   if (q.stride(2) != 1) q = q.contiguous();
   if (k_pool.stride(2) != 1) k_pool = k_pool.contiguous();
   if (v_pool.stride(2) != 1) v_pool = v_pool.contiguous();
@@ -654,7 +664,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == s.B && context_lens.numel() == s.B,
               "block_tables [B, pages] and context_lens [B]");
   check_tables(block_tables, context_lens, page_size, k_pool.size(0));
-  s.G = s.H / s.KVH; s.P = block_tables.size(1); s.page_size = page_size; s.window = window;
+  s.G = s.H / s.KVH; s.P = block_tables.size(1); s.page_size = page_size; s.window = window; s.split_keys = split_keys;
   s.scale = static_cast<float>(scale);
   at::Tensor out = at::empty({s.B, s.H, s.D}, q.options());
   s.qs0 = q.stride(0); s.qs1 = q.stride(1); s.os0 = out.stride(0); s.os1 = out.stride(1);
@@ -693,6 +703,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gemm", &decode_gemm, "y = x W^T + b for a decode step's few rows (decode_gemm.cpp)", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, in place over the pool)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("page_size"), py::arg("scale"), py::arg("window"), py::arg("split_keys") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm in one pass (fused_ops.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm in one pass (fused_ops.cpp)",

@@ -59,6 +59,10 @@ SmolLM2 bf16 decode step at ~2,000-token contexts 26.9 -> 24.1 ms (batch 1), 61.
   against ~350 us to read its K/V at 32 GB/s, and out of cache the two add up rather than overlap.
   Other layouts (padded rows) keep the per-head tasks (both tested, ``tests/unit/test_paged_attn.py``).
 
+* **Fixed split** (``split_keys`` > 0, the engine's deterministic mode): chunk ``c`` of a query is its visible
+  keys ``[j0 + c * split_keys, j0 + (c + 1) * split_keys)``, whatever the batch size and the thread count, so a
+  query's sums and their merge happen in one order that depends on its own keys only (batch- and
+  thread-invariant; ``llama._invariant_group`` runs prefill rows through it too). ``0`` keeps the adaptive split.
 Build: JIT with ``torch.utils.cpp_extension.load`` on first use (:func:`load_extension`; the same
 extension carries the fused elementwise ops of ``fused_ops.cpp``, see ``fused_ops.py``), cached in torch's
 extension directory (a rebuild only when a source or the flags change). ``-O3 -march=native``; the extension
@@ -298,12 +302,14 @@ def load_kernel() -> PagedDecodeFn | None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, page_size: int, scale: float, window: int = 0) -> torch.Tensor:
+                           context_lens: torch.Tensor, page_size: int, scale: float, window: int = 0,
+                           split_keys: int = 0) -> torch.Tensor:
     """``[B, H, D]`` decode attention of ``q`` (one token per sequence) over the paged pools ``[S, KVH, D]``
     through ``block_tables`` (int32 ``[B, pages]``) and ``context_lens`` (int32 ``[B]``); ``window`` > 0
-    shows only the last ``window`` keys. Output in ``q``'s dtype; reads only, writes nothing but the result.
-    Raises ``RuntimeError`` if the kernel cannot be built."""
+    shows only the last ``window`` keys; ``split_keys`` > 0 (a multiple of 16) splits every query's keys into
+    fixed chunks of that many (batch- and thread-invariant results), 0 adaptively. Output in ``q``'s dtype;
+    reads only, writes nothing but the result. Raises ``RuntimeError`` if the kernel cannot be built."""
     kernel = load_kernel()
     if kernel is None:
         raise RuntimeError("paged decode attention kernel unavailable (see the warning logged)")
-    return kernel(q, k_pool, v_pool, block_tables, context_lens, page_size, scale, window)
+    return kernel(q, k_pool, v_pool, block_tables, context_lens, page_size, scale, window, split_keys)
