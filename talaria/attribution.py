@@ -1,4 +1,4 @@
-"""Call-level time attribution (issue 12): where one call's latency went, shared by engine, router, telemetry
+"""Call-level time attribution: where one call's latency went, shared by engine, router, telemetry
 and bench.
 
 Design NOTE. Attribution is *recorded*, not estimated. The engine gives every call a :class:`PhaseClock`

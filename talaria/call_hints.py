@@ -1,4 +1,4 @@
-"""Per-call agent hints (issue 14 item 4): span attribute names shared by the router and the engine.
+"""Per-call agent hints: span attribute names shared by the router and the engine.
 
 The router validates the hints at the edge (``services/router/hints.py``) and sends them as
 ``GenerateRequest.hints`` (``AgentCallHints``); the engine echoes them in its ``CompletionHook`` so that every

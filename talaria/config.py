@@ -39,7 +39,7 @@ class NatsConfig(_Strict):
     tls_key_file: str | None = None
     connect_timeout_s: float = 5.0
     max_reconnect_attempts: int = -1  # forever
-    ping_interval_s: float = Field(5.0, gt=0, description="client PING period; a server that answers none of max_outstanding_pings + 1 in a row is declared gone (issue 47: bounds how long a silent bus goes unnoticed; nats-py's own default is 120 s)")
+    ping_interval_s: float = Field(5.0, gt=0, description="client PING period; a server that answers none of max_outstanding_pings + 1 in a row is declared gone (bounds how long a silent bus goes unnoticed; nats-py's own default is 120 s)")
     max_outstanding_pings: int = Field(2, ge=1, description="unanswered PINGs tolerated; a silent server is noticed within ping_interval_s x (this + 1) (default 15 s)")
 
 
@@ -62,9 +62,9 @@ class EngineConfig(_Strict):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="HTTP port of the engine's own Prometheus /metrics (vLLM-named series of its calls and kernel status: talaria/vllm_metrics.py); 0 picks a free one; null: none (the router's /metrics has every engine's)")
     metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (0.0.0.0 in containers)")
     max_queue: int = Field(256, ge=1, description="waiting calls beyond which the engine answers 429")
-    requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted (issue 18 item 3)")
+    requester_probe_s: float = Field(2.0, gt=0, description="calls at least this old probe their reply inbox this often; no responders = requester gone, the call is aborted")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None => every core the engine may run on")
-    stream_interval_ms: float = Field(0.0, ge=0, le=10_000, description="streaming calls: after the first token (sent at once), tokens wait up to this long and go out as one message; the finished chunk is never held; 0 = one message per step (issue 20 §5)")
+    stream_interval_ms: float = Field(0.0, ge=0, le=10_000, description="streaming calls: after the first token (sent at once), tokens wait up to this long and go out as one message; the finished chunk is never held; 0 = one message per step")
     compile: Literal["off", "auto", "on"] = Field("off", description="hot engine: torch.compile (inductor) each layer's pure math at start (services/engine/model/compiled.py; a warm-up of ~10-70 s on a CPU, cached on disk); auto = keep it only if a start-up measurement of a decode and a prefill step shows it >= 5% faster; off (default) = eager (measured here with exact outputs: compiled 0.82x of eager in bf16, 0.93x in fp32; the linears it cannot speed up are 70-80% of a decode step)")
     tune_allocator: bool = Field(True, description="engine process: glibc malloc set to keep step-sized activations in the heap (services/engine/allocator_tuning.py; measured 108K -> 0 page faults per 2,048-token prefill); false = the C library defaults")
     paged_decode: Literal["auto", "off"] = Field("auto", description="CPU engine (hot, and every model of a cold one): decode attention by the paged kernel (services/engine/model/paged_attn.py, a C++ extension built on first use and cached; reads K/V in place through the block tables) instead of gather + SDPA; auto = use it when it builds (else one warning and gather + SDPA), off = gather + SDPA")
@@ -90,13 +90,13 @@ class EngineConfig(_Strict):
     # off = the Round-only baseline
     slot_scheduler: bool = Field(True, description="cold: rounds/slots with SP (services/engine/slots); false = the simple switch-when-idle rule")
     sp: bool = Field(True, description="cold: session-prefill admission of returning sessions mid-slot")
-    sp_gain_check: bool = Field(True, description="cold: admit a session-prefill call only when the round wait it saves exceeds the delay it imposes on other models' waiting calls (issue 12); false = SP whenever it fits")
+    sp_gain_check: bool = Field(True, description="cold: admit a session-prefill call only when the round wait it saves exceeds the delay it imposes on other models' waiting calls; false = SP whenever it fits")
     sp_new_sessions: bool = Field(False, description="cold: session-prefill also admits, mid-slot, calls of the active model that have no usable prefix (a new session, an evicted one), by the same budget, memory and gain checks; false (default, the paper's rule) = such calls wait for their model's next slot. Off by default: its gain check sees only the calls waiting now, and in a constructed regime (slow prefill, new sessions of another model arriving just after) it loses to no SP (services/engine/slots/admission.py)")
     return_hold: bool = Field(True, description="cold: when the active model's slot has nothing left to run but sessions the router expects back soon (its leases' retention hints), hold the slot open for them if the round wait they save exceeds the delay to other models' waiting calls (services/engine/slots/hold.py); needs sp; false = close the slot at once")
     slot_ttft_s: float = Field(2.0, gt=0, description="cold: T_TTFT target; rounds are bounded by slot_gamma * slot_ttft_s (Eq. 5)")
     slot_tpot_s: float = Field(0.1, gt=0, description="cold: T_TPOT target for protected decode (Eq. 4)")
     slot_gamma: float = Field(0.8, gt=0, lt=1, description="cold: round-bound admission margin gamma < 1")
-    # issue 16 ablation switches (JointServe §3-4, Aegaeon); all off = Talaria's own cold pool
+    # ablation switches of the cold pool's JointServe / Aegaeon mechanisms (JointServe §3-4, Aegaeon); all off = Talaria's own cold pool
     token_deadlines: bool = Field(False, description="cold: schedule at token granularity against per-token deadlines (slot_ttft_s first token, slot_tpot_s later tokens; services/engine/slots/deadlines.py) instead of rounds")
     unified_residency: bool = Field(False, description="cold: one device budget for weight layer groups and session KV prefixes, chosen by recovery work avoided (services/engine/residency.py)")
     partial_layers: bool = Field(False, description="cold: keep a startup prefix of layer groups resident and stream the rest during prefill (JointServe §4.4)")
@@ -132,10 +132,10 @@ class PlacementConfig(_Strict):
         "fixed", description="fixed = the paper's tau (lease_ttl_s) for every call (the default until adaptive is measured on the "
         "real stack: in the simulator it matches the best fixed tau of each workload with less KV held, see "
         "services/router/README.md); adaptive = lease window from the predicted return gap per (model, tool), installed only "
-        "when it pays (services/router/return_gap.py, issue 14)"
+        "when it pays (services/router/return_gap.py)"
     )
     lease_arithmetic: bool = Field(True, description="honour a lease at the return only when it saves more than it delays the call "
-                                   "(Eq. 1 against the best other instance, issue 12 item 3); adaptive leases are also installed only when "
+                                   "(Eq. 1 against the best other instance); adaptive leases are also installed only when "
                                    "their expected saving beats the queueing they impose; false = every lease installed and honoured "
                                    "(Algorithm 1 as published)")
     gap_prior_median_s: float = Field(1.0, gt=0, description="adaptive leases: cold-start median return gap (before a (model, tool) has returns)")
@@ -147,22 +147,22 @@ class PlacementConfig(_Strict):
                               "until its window ends, as a fixed tau does -- mini-swe-agent's SCT p50 0.971x [0.935-1.008] of the "
                               "decaying charge's, paired over 36 seeds (services/router/README.md). The engine's retention and hold decay either way")
     slot_wait: bool = Field(True, description="Eq. 1 on a cold instance adds the wait for the model's slot that the engine's round "
-                            "scheduler predicts (ModelState.slot_wait_s, issue 12); false = the bare switch / open cost")
+                            "scheduler predicts (ModelState.slot_wait_s); false = the bare switch / open cost")
     charge_imposed: bool = Field(True, description="Eq. 1's dR_req also charges the delay a call imposes on the batch it joins on an "
                                  "instance where its model is active: its decode slows their steps by the learned decode-by-batch slope "
-                                 "(and, with imposed_prefill, its prefill stalls each running call; issue 12); false = the call's own latency only")
+                                 "(and, with imposed_prefill, its prefill stalls each running call); false = the call's own latency only")
     queue_learned: bool = Field(False, description="Eq. 1's queue term (calls ahead x a mean call, leases at admission_unit, running calls "
                                 "at running_weight) is scaled per instance by the ratio of the engine queue measured for the calls placed "
                                 "there (completion hooks' attribution) to the queue it predicted for them (services/router/profiles.py "
-                                "QueueBook, issue 12); false = the configured weights as they are")
+                                "QueueBook); false = the configured weights as they are")
     imposed_prefill: bool = Field(False, description="with charge_imposed: also charge the stall the call's prefill imposes on each "
-                                  "running call (default: only the decode slowdown; issue 12, see bench/README.md)")
+                                  "running call (default: only the decode slowdown; see bench/README.md)")
     retention_learned_gap: bool = Field(False, description="a fixed-tau lease's retention hint to the engine carries the return-gap "
                                         "distribution the router learned for (model, tool), so the engine's slot hold and session-KV "
                                         "eviction weigh the return by it instead of taking it as certain within tau; placement keeps "
-                                        "the lease's cliff (issue 12; adaptive leases always carry theirs)")
+                                        "the lease's cliff (adaptive leases always carry theirs)")
     intent_prefetch: bool = Field(True, description="on a tool-call intent / hook, ask the instance predicted to serve the session's next "
-                                  "call on another model to open it ahead (CONTROL_OPEN_MODEL; issue 14 item 3)")
+                                  "call on another model to open it ahead (CONTROL_OPEN_MODEL)")
     admission_unit: float = Field(1.0, ge=0, description="queue slots a live lease charges against its instance")
     admission_budget_s: float = Field(60.0, gt=0, description="round-admission check: predicted TTFT must stay under this")
     hbm_reserve_fraction: float = Field(0.0, ge=0, lt=1, description="memory check: KV fraction kept free")
@@ -187,7 +187,7 @@ class PlacementConfig(_Strict):
 
 
 class ApiKeyConfig(_Strict):
-    """One API key (issue 17): only its SHA-256 is stored; the key itself never appears in config or logs."""
+    """One API key: only its SHA-256 is stored; the key itself never appears in config or logs."""
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key (`printf %s KEY | sha256sum`)")
     tenant: str = Field(description="tenant the key acts for; scopes sessions, leases and KV")
@@ -201,7 +201,7 @@ class ApiKeyConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Who may call the router (issue 17, ``services/router/auth.py``). No keys = an open router (it says so at start)."""
+    """Who may call the router (``services/router/auth.py``). No keys = an open router (it says so at start)."""
 
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     open_health: bool = Field(True, description="/health, /ready, /metrics (Prometheus) and /router/metrics answer without a key")
@@ -218,7 +218,7 @@ class AuthConfig(_Strict):
 
 
 class ResponsesStoreConfig(_Strict):
-    """Stored Responses (issue 44, ``services/router/responses_store.py``): ``store: true`` / ``previous_response_id``."""
+    """Stored Responses (``services/router/responses_store.py``): ``store: true`` / ``previous_response_id``."""
 
     store: Literal["jetstream", "memory", "off"] = Field("jetstream", description="jetstream = shared by router replicas (memory if "
                                                           "JetStream is unavailable); off = store and previous_response_id are a 400")
@@ -254,7 +254,7 @@ class RouterConfig(_Strict):
 
 
 class TelemetryConfig(_Strict):
-    """OpenTelemetry export of every service, and the telemetry service (issue 7; ``talaria/otel.py``,
+    """OpenTelemetry export of every service, and the telemetry service (``talaria/otel.py``,
     ``services/telemetry``). The standard ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``
     environment variables override ``otlp_endpoint`` / ``otlp_protocol``."""
 
@@ -293,7 +293,7 @@ class KvStoreConfig(_Strict):
     retry_after_s: float = Field(2.0, gt=0, description="engine waits this long after a failure before using the store again")
     restore_per_token_s: float = Field(2e-6, ge=0, description="prior restore cost until the engine has measured one")
     stats_log_s: float = Field(30.0, ge=0, description="log occupancy/hits/bytes every this many seconds; 0 = never")
-    # who may call the store (issue 17): a shared bearer token and/or mutual TLS; none set = open (loopback only)
+    # who may call the store: a shared bearer token and/or mutual TLS; none set = open (loopback only)
     auth_token: str | None = Field(None, min_length=16, description="engines send it as gRPC metadata; others are refused (UNAUTHENTICATED)")
     tls_cert_file: str | None = Field(None, description="server: its certificate; engines: their client certificate (mTLS)")
     tls_key_file: str | None = None

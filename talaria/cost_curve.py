@@ -1,4 +1,4 @@
-"""Learned cost curves (issue 12 #2): a cost that depends on a size — prefill seconds per token by context
+"""Learned cost curves: a cost that depends on a size — prefill seconds per token by context
 length, decode-step seconds by batch size — learned from measured steps, a cold-start prior only until then.
 
 Design NOTE. Talaria §3.3/§3.4 price calls with profiled costs; one scalar per instance hides that a token

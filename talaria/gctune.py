@@ -1,4 +1,4 @@
-"""Garbage-collector settings for a latency-sensitive service process (the router; issue 15).
+"""Garbage-collector settings for a latency-sensitive service process (the router).
 
 Design note
 -----------

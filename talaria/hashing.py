@@ -24,7 +24,7 @@ def model_salt(model_id: str, revision: str = "") -> int:
 
 
 def tenant_salt(salt: int, tenant: str) -> int:
-    """Salt of ``tenant``'s hash chains for a model whose salt is ``salt`` (issue 17).
+    """Salt of ``tenant``'s hash chains for a model whose salt is ``salt``.
 
     Derived on the server from the tenant the router authenticated, never from anything a client sends
     (a client-chosen salt lets a client join another's chain). Tenant ``""`` (no API keys) keeps ``salt``,
@@ -38,7 +38,7 @@ def tenant_salt(salt: int, tenant: str) -> int:
 
 
 def cache_salt(salt: int, salt_text: str) -> int:
-    """Salt of the chains of calls that name ``salt_text`` as their ``cache_salt`` (issue 44, vLLM's meaning:
+    """Salt of the chains of calls that name ``salt_text`` as their ``cache_salt`` (vLLM's meaning:
     such calls share cached pages only with calls of the same salt), on top of ``salt`` (the tenant's: a
     client's salt never reaches another tenant's chains). ``""`` keeps ``salt``."""
     if not salt_text:

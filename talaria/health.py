@@ -61,7 +61,7 @@ async def engine_heartbeat(cfg: StackConfig, engine_id: str, url: str, timeout: 
             "running": snap.num_running,
             "waiting": snap.num_waiting,
             "models": [m.model for m in snap.models if m.loaded],
-            "kernels": {k.name: k.state for k in snap.kernels},  # issue 43: which kernels the engine runs
+            "kernels": {k.name: k.state for k in snap.kernels},  # which kernels the engine runs
             "waited_s": round(time.monotonic() - t0, 3),
         }
         if snap.draining and not allow_draining:

@@ -90,7 +90,7 @@ def auth_url(url: str, user: str, password: str) -> str:
 class EmbeddedNats:
     """A ``nats-server -js`` child process on a free loopback port with a temporary store directory.
 
-    With ``user``/``password`` (issue 17: ``LocalStack`` generates them per stack) the server refuses every
+    With ``user``/``password`` (``LocalStack`` generates them per stack) the server refuses every
     connection without them. The password never touches disk: the server's config file (mode 0600, in a
     private temporary directory) names the environment variable the server process reads it from.
     ``start()`` blocks until the server listens; ``stop()`` sends SIGTERM, waits, and removes the store

@@ -474,7 +474,7 @@ class _OncePerMessage(logging.Filter):
 # ------------------------------------------------------------------------------------------ helpers
 def placement_attributes(decision) -> dict[str, Any]:
     """Span attributes of a placement decision: reason, chosen instance, candidate loads and — when the
-    decision carries them (issue 6's ``policy.Decision``) — lease outcome and the chosen cost breakdown.
+    decision carries them (``policy.Decision``) — lease outcome and the chosen cost breakdown.
     Works with any decision object (attributes read with ``getattr``)."""
     attrs: dict[str, Any] = {"talaria.placement.reason": str(getattr(decision, "reason", ""))}
     inst = getattr(decision, "instance_id", None)

@@ -10,7 +10,7 @@ Layout (``<ns>`` is the deployment namespace, default ``talaria``; tests use a f
     <ns>.engine.<instance>.switch      switch records    (cold pool)
     <ns>.engine.<instance>.retention   RetentionHint (router -> engine: predicted return gap of a session)
     <ns>.hook.completed                CompletionHook
-    <ns>.hook.intent                   ToolIntent (a tool-call header seen mid-stream; issue 14)
+    <ns>.hook.intent                   ToolIntent (a tool-call header seen mid-stream)
     <ns>.router.<router>.calls         CallRecord (call placed / ended; read by the telemetry service)
     <ns>.kvstore.<store>.stats         KvStoreStatsRecord (periodic; read by the telemetry service)
     <ns>.inbox.<router>.<id>           reply inboxes of one router process (one subscription to
@@ -107,7 +107,7 @@ class Subjects:
         return f"{self.namespace}_{LEASE_BUCKET}"
 
     def responses_bucket(self) -> str:
-        """Issue 44: the JetStream KV bucket of stored Responses."""
+        """The JetStream KV bucket of stored Responses."""
         return f"{self.namespace}_responses"
 
     @staticmethod

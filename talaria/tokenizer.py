@@ -109,7 +109,7 @@ class Tokenizer:
     @property
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of input text one token can stand for, so a text of ``b`` bytes is
-        at least ``b // max_token_bytes`` tokens (the router's early context check, issue 47): the longest
+        at least ``b // max_token_bytes`` tokens (the router's early context check): the longest
         vocabulary entry (added tokens included) in UTF-8 bytes -- a byte-level entry's characters stand for
         one byte each, a SentencePiece ``▁`` or ``<0xNN>`` for one -- times 4 when the tokenizer normalizes its
         input (NFC / NFKC composition and case folding shrink no input by more than that). Computed once."""
@@ -209,7 +209,7 @@ class Tokenizer:
         return IncrementalDecoder(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
-# Variables a chat template gets from the request itself: ``chat_template_kwargs`` may not set them (issue 44).
+# Variables a chat template gets from the request itself: ``chat_template_kwargs`` may not set them.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"})
 
 
@@ -233,7 +233,7 @@ def align_to_previous(tok: "Tokenizer", previous: Sequence[int] | None, text: st
     Why: a model's output is not always the canonical tokenization of its text (a grammar-constrained call,
     or a sampled split of a word), so re-tokenizing the history would diverge from the KV the session holds
     right after the previous prompt. Keeping the generated ids makes the next prompt a prefix extension of
-    what the model produced (issue 13), and the tokens are exactly the ones the KV was computed for."""
+    what the model produced, and the tokens are exactly the ones the KV was computed for."""
     if previous:
         prev_text = tok.decode(previous)
         if prev_text and text.startswith(prev_text) and "\ufffd" not in prev_text:
@@ -263,7 +263,7 @@ class SessionTokens:
         return list(ids) if ids is not None else None
 
     def pop(self, session_id: str, model: str) -> list[int] | None:
-        """Forget the session (every model); returns its ids for ``model`` (issue 14: the session ended)."""
+        """Forget the session (every model); returns its ids for ``model`` (the session ended)."""
         ids = self.get(session_id, model)
         for key in [k for k in self._d if k[0] == session_id]:
             del self._d[key]

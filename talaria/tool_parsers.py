@@ -4,7 +4,7 @@ Design note. Pure, incremental state machines (no I/O, no tokenizer): ``feed(del
 streams and returns events as soon as they are certain; ``finish()`` closes the stream. Where a format
 marks a call with a header (Hermes/Qwen ``<tool_call>``, Mistral ``[TOOL_CALLS]``, Llama-3
 ``<|python_tag|>``) the parser knows "a tool call has started" the moment the header's last character
-arrives (``in_call`` / :class:`CallStarted`) — the signal a later scheduler hook (issue 14) needs. Text that
+arrives (``in_call`` / :class:`CallStarted`) — the signal a later scheduler hook needs. Text that
 could be the beginning of a header is held back until it cannot be.
 
 Formats (chosen by the model's chat template, see :func:`detect_format`):

@@ -102,15 +102,15 @@ class LocalStack:
         self.telemetry_url: str | None = None  # /metrics, /summary of the telemetry service (None: not started)
         self.nats_url: str | None = None  # with the generated credentials in it (in-process clients; never print it)
         self._plain_nats_url: str | None = None
-        self.secret_env: dict[str, str] = {}  # per-stack secrets for the children (issue 17), never on disk
+        self.secret_env: dict[str, str] = {}  # per-stack secrets for the children, never on disk
         self._workdir: str | None = None  # private 0700 dir holding stack.json; created on first write
-        self.cfg_path: Path | None = None  # the config children read (no secrets: those travel as env, issue 17)
+        self.cfg_path: Path | None = None  # the config children read (no secrets: those travel as env)
 
     def _write_config(self) -> None:
         """Write ``self.cfg`` to ``cfg_path`` (mutates: creates the private work dir on first use).
 
         The file holds the whole config, NATS credentials included: it is created readable by the owner only
-        (0600, in a 0700 ``mkdtemp`` directory) and ``stop()`` removes the directory (issue 18 item 12)."""
+        (0600, in a 0700 ``mkdtemp`` directory) and ``stop()`` removes the directory."""
         if self._workdir is None or not os.path.isdir(self._workdir):
             self._workdir = tempfile.mkdtemp(prefix="talaria-up-")
             self.cfg_path = Path(self._workdir) / "stack.json"
@@ -149,7 +149,7 @@ class LocalStack:
         return {**os.environ, "NATS_URL": self._plain_nats_url, "PYTHONUNBUFFERED": "1", **self.secret_env}
 
     def _stack_secrets(self, embedded: bool) -> dict[str, str]:
-        """Issue 17: credentials generated for this stack, handed to the children as ``TALARIA__*``
+        """Credentials generated for this stack, handed to the children as ``TALARIA__*``
         environment overrides (never written to stack.json or logged): the embedded NATS user's password,
         the kvstore token engines present, the routers' resume-token key. Configured values are kept."""
         cfg, env = self.cfg, {}

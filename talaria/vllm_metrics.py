@@ -1,5 +1,5 @@
 """Serving metrics under vLLM's Prometheus names, so dashboards, alerts and autoscalers written for vLLM read a
-Talaria stack unchanged (issue 43).
+Talaria stack unchanged.
 
 Every series carries ``model_name`` (the served model name, as vLLM labels it) and ``engine`` (the Talaria
 instance id; vLLM v1 labels its engine index the same way; ``instance`` is left to Prometheus, which sets it
@@ -20,7 +20,7 @@ bundled dashboards read the engines' own job, ``talaria-engine``, where each ser
 | ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` | counter (tokens) | prompt tokens / ``usage.cached_tokens`` (device or host KV) |
 
 Beside them ``talaria_engine_kernel_on{engine, kernel}`` (1: the compute kernel runs, 0: its fallback;
-``InstanceSnapshot.kernels``, issue 43).
+``InstanceSnapshot.kernels``).
 
 A hook with an error counts its tokens but no latency and no success. The class owns its registry (no global
 state); the instruments are thread-safe (the engine feeds them from its heartbeat thread and its loop).

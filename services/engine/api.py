@@ -132,7 +132,7 @@ class ModelStats:
     num_running: int
     num_waiting: int
     slot_wait_s: float = 0.0  # cold pool with rounds: predicted seconds until this model can take a call (0: its slot admits now)
-    profile: CostStats | None = None  # this model's own measured costs (None: not measured here yet; issue 12)
+    profile: CostStats | None = None  # this model's own measured costs (None: not measured here yet)
     max_token_bytes: int = 0  # the tokenizer's bound on text bytes per token (Tokenizer.max_token_bytes; 0: unknown)
 
 
@@ -145,7 +145,7 @@ class CostStats:
     decode_step: float = 0.0
     restore_per_token: float = 0.0
     switch_by_path: Mapping[Any, float] = field(default_factory=dict)
-    prefill_by_context: tuple[tuple[int, float, int], ...] = ()  # issue 12 #2: learned curve (at, seconds, samples)
+    prefill_by_context: tuple[tuple[int, float, int], ...] = ()  # learned curve (at, seconds, samples)
     decode_by_batch: tuple[tuple[int, float, int], ...] = ()
 
 
@@ -158,11 +158,11 @@ class SlotStats:
     round_remaining_s: float
     infeasible: tuple[str, ...]
     rounds: int = 0
-    mode: str = "rounds"  # "rounds" | "token_deadlines" (issue 16): the cold-pool scheduler in force
+    mode: str = "rounds"  # "rounds" | "token_deadlines": the cold-pool scheduler in force
     attainment: float = 1.0  # per-token deadlines met since the epoch began (tracked in both modes)
     ttft_attainment: float = 1.0  # first tokens within their TTFT target
     gap_p99_s: float = 0.0  # p99 inter-token gap
-    slot_wait_s: tuple[tuple[str, float], ...] = ()  # issue 12: (model, predicted s until its switch starts); "" = any other
+    slot_wait_s: tuple[tuple[str, float], ...] = ()  # (model, predicted s until its switch starts); "" = any other
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +189,10 @@ class EngineStats:
     staging_slack_bytes: int = 0
     num_switches: int = 0
     slots: SlotStats | None = None
-    kv_restore_verify_failures: int = 0  # issue 14: restored pages that failed their checksum (recomputed), since start
-    transfer_stream_bytes: int = 0  # issue 16 partial_layers: bytes the transfer scheduler streamed (weights)
+    kv_restore_verify_failures: int = 0  # restored pages that failed their checksum (recomputed), since start
+    transfer_stream_bytes: int = 0  # partial_layers: bytes the transfer scheduler streamed (weights)
     transfer_kv_bytes: int = 0  # ... and moved for KV restores under the kappa floor
-    kernels: tuple[tuple[str, str], ...] = ()  # issue 43: (kernel, what runs) -- see executor.Engine.kernels()
+    kernels: tuple[tuple[str, str], ...] = ()  # (kernel, what runs) -- see executor.Engine.kernels()
 
     @property
     def kv_usage(self) -> float:
@@ -231,11 +231,11 @@ class Executor(Protocol):
     def flush_cache(self) -> int: ...
 
     def end_session(self, session_id: str, tenant: str = "", token_ids: Sequence[int] = ()) -> int:
-        """Issue 14: drop the session's device entry and the radix pages only it holds, and release its kvstore
+        """Drop the session's device entry and the radix pages only it holds, and release its kvstore
         entries (shared prefixes stay). ``token_ids``: its tokens when no device entry remains. Returns pages freed."""
 
     def attach_retention(self, book) -> None:
-        """Session caches evict by predicted return (``kv.retention.RetentionBook``; issue 14)."""
+        """Session caches evict by predicted return (``kv.retention.RetentionBook``)."""
 
     def open_model(self, model: str) -> None:
         """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""

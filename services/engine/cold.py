@@ -84,8 +84,8 @@ class ColdEngine:
         clock: Callable[[], float] = time.monotonic,
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
-        residency: Any = None,  # issue 16: a cold_residency.ResidencyDriver (unified_residency)
-        partial_layers: bool = False, transfer: Any = None,  # issue 16: streaming hot-swap, its transfer scheduler
+        residency: Any = None,  # a cold_residency.ResidencyDriver (unified_residency)
+        partial_layers: bool = False, transfer: Any = None,  # streaming hot-swap, its transfer scheduler
         paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
         prefill_attention: str = "auto", deterministic: bool = False,
         intra_op_threads: int | None = None,  # every shell's team (Engine._step_threads); None: this thread's count now
@@ -119,13 +119,13 @@ class ColdEngine:
         self.substrate = MemorySubstrate(self.arena, self.bank, page_size=page_size, staging=staging, staging_max_fraction=staging_max_fraction)
         # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
         self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
-        self.streamer = self._make_streamer(transfer) if partial_layers else None  # issue 16: streaming hot-swap
+        self.streamer = self._make_streamer(transfer) if partial_layers else None  # streaming hot-swap
         self.protocol = SwitchProtocol(self.substrate, self, before_kv_release=())
         self.protocol.before_kv_release = self.before_kv_release  # the same list: callers may append later
         self._shells: dict[str, _Shell] = {}
         self._fresh_shell: str | None = None
         self._host_kv_factory: Callable[[Engine], Any] | None = None
-        self._retention = None  # kv.retention.RetentionBook shared by every model's session cache (issue 14)
+        self._retention = None  # kv.retention.RetentionBook shared by every model's session cache
         self._host_kv: dict[str, Any] = {}  # model -> its HostKV tier (outlives shell rebuilds)
         self.loaded: list[str] = []
         for m in self.catalog:
@@ -284,9 +284,9 @@ class ColdEngine:
             hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
         # write-back (kv/write_back.py): while another model has queued calls the next switch takes this
-        # model's KV off the device, so a call ending now is written back at once (issue 14 item 2)
+        # model's KV off the device, so a call ending now is written back at once
         hk.leaving_soon = lambda m=model: any(q for k, q in self._queues.items() if k != m)
-        if self.streamer is not None:  # issue 16: restores share the one transfer scheduler (κ-floor)
+        if self.streamer is not None:  # restores share the one transfer scheduler (κ-floor)
             hk.channel = self.streamer.transfer
 
     def _drain_host_kv(self, model: str) -> None:
@@ -388,7 +388,7 @@ class ColdEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
         now = attribution_clock()
         for req in new:
-            # issue 12: received -> here is engine queue; in the per-model queue it waits for its round
+            # received -> here is engine queue; in the per-model queue it waits for its round
             req.phases = PhaseClock(phase_start(req.arrival_time, self.clock, now))
             req.phases.enter(Phase.ROUND_WAIT, now)
             self._queues.setdefault(req.model, deque()).append(req)
@@ -421,7 +421,7 @@ class ColdEngine:
         if self.streamer is not None and self.streamer.gate is not None and not self.streamer.gate.done():
             self._staging_busy = True  # the channel is streaming the active model's groups: no prefetch now
             return
-        if self.residency is not None:  # issue 16: a unified residency plan decides what stays staged
+        if self.residency is not None:  # a unified residency plan decides what stays staged
             self._staging_busy = self.residency.step(self, self.clock())
             return
         if not self.staging_pays():
@@ -433,7 +433,7 @@ class ColdEngine:
         self._staging_busy = self.substrate.staging_pending(target)
 
     def staging_pays(self) -> bool:
-        """Whether D2D staging of the next model still pays, from the measured switch costs (issue 12: a
+        """Whether D2D staging of the next model still pays, from the measured switch costs (a
         mechanism that costs more than it saves is not used). On a GPU the stager's copies are asynchronous
         DMA beside the compute: staging costs no step time and pays whenever a staged switch is faster. On a
         CPU the stager's copies run on the serving cores and move the same bytes a host-only switch moves, so
@@ -453,7 +453,7 @@ class ColdEngine:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
         waiting = [r.phases for q in self._queues.values() for r in q]
-        enter_all(waiting, Phase.SWITCH_WAIT, attribution_clock)  # issue 12: every queued call waits for the switch
+        enter_all(waiting, Phase.SWITCH_WAIT, attribution_clock)  # every queued call waits for the switch
         rec = self.protocol.run(src, target, reason)
         if self.streamer is not None:  # later layer groups are still streaming: gate the forward on them
             self.streamer.attach(target, self._shells[target].engine.model)
@@ -565,7 +565,7 @@ class ColdEngine:
     def _model_costs(self, model: str) -> CostStats | None:
         """The model's own measured costs (its shell's executor and host tier; any thread), None while it
         has measured nothing here: the models of one cold instance differ in size, so the router prices a
-        call with its model's costs, not the active model's (issue 12). Pure read."""
+        call with its model's costs, not the active model's. Pure read."""
         sh = self._shells.get(model)
         if sh is None:
             return None
@@ -642,7 +642,7 @@ class ColdEngine:
             return freed
 
     def end_session(self, session_id: str, tenant: str = "", token_ids=()) -> int:
-        """Issue 14: the active model's engine ends the session (an inactive model's device KV is gone already)."""
+        """The active model's engine ends the session (an inactive model's device KV is gone already)."""
         with self._step_lock:
             freed = self._shells[self.active].engine.end_session(session_id, tenant, token_ids) if self.active is not None else 0
             self._refresh_gauges()

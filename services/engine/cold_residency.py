@@ -1,4 +1,4 @@
-"""Carrying out unified residency plans on the cold engine (issue 16, JointServe §3, §4.2).
+"""Carrying out unified residency plans on the cold engine (JointServe §3, §4.2).
 
 ``residency.py`` is the pure policy; this module (outside it, like ``slotted.py`` for ``slots/``) is the only
 one that reads the engine for it and executes its plans:

@@ -144,7 +144,7 @@ def validate_request(req: EngineRequest, max_context: int, vocab_size: int) -> N
         raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
     if any(not 0 <= t < vocab_size for t, _ in sp.logit_bias):
         raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary (size {vocab_size})", "logit_bias")
-    for name in ("ttft_target_s", "tpot_target_s"):  # issue 16: per-call token deadline hints (0 = configured)
+    for name in ("ttft_target_s", "tpot_target_s"):  # per-call token deadline hints (0 = configured)
         v = getattr(req, name)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 3600.0):
             raise InvalidRequestError(f"{name} must be a number of seconds within [0, 3600], got {v!r}", name)
@@ -264,16 +264,14 @@ class Engine:
         self._session_info: dict[str, SessionInfo] = {}  # guarded by _stats_lock
         self._stats_lock = threading.Lock()
         self._gen_ids = itertools.count()
-        self.num_tokens_generated = 0
-        self.num_steps = 0
-        self._prefill_per_token = 0.0
-        self._decode_step = 0.0
-        # issue 12 #2: prefill seconds per token by context position, decode-step seconds by batch size
+        self.num_tokens_generated = self.num_steps = 0
+        self._prefill_per_token = self._decode_step = 0.0
+        # prefill seconds per token by context position, decode-step seconds by batch size
         self.prefill_curve = CostCurve(0.0)
         self.decode_curve = CostCurve(0.0)
         self.step_samples: deque[tuple[str, float, float]] = deque(maxlen=256)  # (curve, size, seconds) fed
         self.host_kv = None  # host KV tier (host_kv.HostKV), see attach_host_kv
-        self.session_chains = SessionChains()  # issue 14: the hash chains each session left (end_session)
+        self.session_chains = SessionChains()  # the hash chains each session left (end_session)
 
 
     # ------------------------------------------------------------------ the catalog (of one model)
@@ -381,18 +379,18 @@ class Engine:
             aborts, self._pending_aborts = self._pending_aborts, []
         for req in new:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, req.session_id)
-            seq.salt = tenant_salt(self.salt, req.tenant)  # issue 17: tenants never share a hash chain
+            seq.salt = tenant_salt(self.salt, req.tenant)  # tenants never share a hash chain
             seq.trace_context = req.trace_context
             seq.phases = req.phases if req.phases is not None else PhaseClock(phase_start(req.arrival_time, self._clock, attribution_clock()))
             seq.priority, seq.queue_at = req.priority, req.arrival_time - req.latency_sensitivity_s
-            if req.cache_salt:  # issue 44: vLLM's cache_salt, within the tenant's chains
+            if req.cache_salt:  # vLLM's cache_salt, within the tenant's chains
                 seq.salt = cache_salt(seq.salt, req.cache_salt)
             sp = req.sampling
             dec = self.tokenizer.incremental_decoder(req.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens)
             self._requests[req.request_id] = _RequestState(seq, dec, StopStringBuffer(sp.stop, sp.include_stop_str_in_output))
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
             if self.host_kv is not None:
-                seq.phases.enter(Phase.RESTORE, attribution_clock())  # issue 12: restore (or its lookup) until it joins
+                seq.phases.enter(Phase.RESTORE, attribution_clock())  # restore (or its lookup) until it joins
                 if self.host_kv.begin_restore(seq):
                     continue  # its prefix is being restored off this thread; it joins the batch when its pages are in
                 seq.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())
@@ -458,7 +456,7 @@ class Engine:
         Why every step and not once at start-up: ``torch.set_num_threads`` on one thread also sets the default
         of every thread that never called it. The host KV tier's and the transfer scheduler's workers set 1
         for themselves (their copies run single-threaded), so an executor thread that relied on the default ran
-        every step with one thread (issue 42: the default stack's decode at 0.69x of the same stack with the
+        every step with one thread (the default stack's decode at 0.69x of the same stack with the
         host KV tier off). Once this thread has set its own count, others' calls no longer change it, so this
         is one ``get_num_threads`` a step (``intra_op.set_thread_count``). Mutates torch's thread count for the
         calling thread (and the default of threads that never ran a parallel op)."""
@@ -468,7 +466,7 @@ class Engine:
         set_thread_count(want)
 
     def _phases_scheduled(self, sched: SchedulerOutput, now: float) -> None:
-        """Issue 12: move the phase clocks the schedule changed — preempted calls lose time from ``now`` until
+        """Move the phase clocks the schedule changed — preempted calls lose time from ``now`` until
         they have recomputed what they had (their next token); newly admitted ones start their prefill.
         Mutates: the scheduled and preempted sequences' ``phases``."""
         for rid in sched.preempted:
@@ -506,7 +504,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """One token per row; a row whose sampling fails gets its exception instead, so one sequence's bad
-        parameters end that sequence only (issue 18). The batched call is tried first; only when it fails
+        parameters end that sequence only. The batched call is tried first; only when it fails
         are the rows sampled one by one (each request's generator draws once either way)."""
         try:
             return list(self.sampler.sample(logits, [s.request_id for s in seqs], [s.sampling for s in seqs]))
@@ -523,7 +521,7 @@ class Engine:
     # ------------------------------------------------------------------ postprocess
     def _postprocess(self, sched: SchedulerOutput, sampled: list[int | Exception]) -> list[RequestOutput]:
         """Per sampled sequence: append, detokenize, stop checks. A failure in any of these (or in its
-        sampling) ends that sequence with an error output; the others are unaffected (issue 18)."""
+        sampling) ends that sequence with an error output; the others are unaffected."""
         outputs: list[RequestOutput] = []
         seqs = [sc.seq for sc in sched.scheduled if sc.sample]
         now = attribution_clock()
@@ -671,7 +669,7 @@ class Engine:
                  self.prefill_isa if pa is not None else "off (ATen flash)", "on" if self.decode_gemm else "off (oneDNN)")
 
     def kernels(self) -> tuple[tuple[str, str], ...]:
-        """(kernel, what runs) for the heartbeat (issue 43): on a CPU each C++ kernel is ``on`` or ``off (<the
+        """(kernel, what runs) for the heartbeat: on a CPU each C++ kernel is ``on`` or ``off (<the
         fallback> ...)`` with the build error when the extension did not build; on CUDA one ``device`` row.
         Reads only."""
         if self.device.type != "cpu":
@@ -749,7 +747,7 @@ class Engine:
         self._record_curves(sched, dt)
 
     def _record_curves(self, sched: SchedulerOutput, dt: float) -> None:
-        """Issue 12 #2: a decode-only step measures the decode step at its batch size; a step that prefills
+        """A decode-only step measures the decode step at its batch size; a step that prefills
         measures the prefill cost per token at the token-weighted mean position of its prefill chunks, after
         the decode share predicted for its decodes. Mutates: the curves and ``step_samples``."""
         decodes = sum(1 for sc in sched.scheduled if sc.is_decode)
@@ -823,7 +821,7 @@ class Engine:
             self.kv.pressure_hook = host_kv.relieve_pressure if host_kv is not None else None
 
     def attach_retention(self, book) -> None:
-        """Evict session entries by predicted return (``kv.retention.RetentionBook``, issue 14)."""
+        """Evict session entries by predicted return (``kv.retention.RetentionBook``)."""
         with self._step_lock:
             self.kv.sessions.retention = book
 
@@ -850,7 +848,7 @@ class Engine:
             return self.kv.flush()
 
     def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Issue 14: the session ended. Drops its session-cache entry and the radix pages of its chains (every
+        """The session ended. Drops its session-cache entry and the radix pages of its chains (every
         branch its calls left, ``session_chains``) that nothing else extends (shared prefixes stay), and queues
         the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry
         is gone already. Idempotent. Returns pages freed."""

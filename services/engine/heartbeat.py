@@ -1,6 +1,6 @@
 """The heartbeat publisher: the instance snapshot every period, on a path model compute cannot starve.
 
-Design (issue 18 #9, issue 12 #4): a router declares an instance unhealthy after missed heartbeats, so a
+Design: a router declares an instance unhealthy after missed heartbeats, so a
 heartbeat must say "alive" whenever the process is, however long a step runs or however busy the service's
 event loop is with token chunks, tokenization and control work. The publisher therefore has its own thread,
 its own asyncio loop and its own NATS connection; it shares nothing with the executor thread or the service

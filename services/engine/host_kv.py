@@ -44,7 +44,7 @@ dropped and restores skipped, so calls recompute and produce the same tokens, an
 dead store. A store restart is noticed by its epoch changing: everything known about the old one is
 forgotten.
 
-Tracing (issue 7): a restore is a span ``talaria.engine.kv_restore`` (tokens, pages, bytes, seconds, decision
+Tracing: a restore is a span ``talaria.engine.kv_restore`` (tokens, pages, bytes, seconds, decision
 restore | recompute) and a checkpoint a span ``talaria.engine.kv_checkpoint``, both children of the call's
 engine span (``seq.trace_context``). The checkpoint runs on the worker after the call may have ended, so the
 call's context is captured when the job is queued. Store RPCs run inside these spans, and the client sends
@@ -121,7 +121,7 @@ class _Job:
     hashes: list[int]
     trace_context: Any = None  # the finishing call's context (its span may have ended by the time the job runs)
     queued_ns: int = 0
-    release: list[list[int]] | None = None  # issue 14: not a checkpoint but a session end (chains to release)
+    release: list[list[int]] | None = None  # not a checkpoint but a session end (chains to release)
     gathered: threading.Event | None = None  # set once its pins are handed back (or the job ended)
     # the switch barrier's copy (``release_device``): the job's pages gathered into host memory by the executor
     # thread, so the device pages could go before the worker reached the job; ``owned``: the worker is copying
@@ -208,7 +208,7 @@ class HostKV:
         self.staging_pages = staging_bytes // self.page_bytes
         self.retry_after_s = retry_after_s
         self.restore_per_token = Ewma(restore_per_token_prior)
-        self.channel = None  # issue 16: a transfer scheduler the restore copies go through (see _scatter)
+        self.channel = None  # a transfer scheduler the restore copies go through (see _scatter)
         self.restore_overhead = Ewma(0.0)
         self.prefill_prior = prefill_per_token_prior
         self.index = StoreIndex()  # what the current store epoch holds (the KV manager's HostIndex port)
@@ -344,7 +344,7 @@ class HostKV:
                 self.counters["dirty_dropped"] += 1
 
     def _hinted_write_backs(self) -> None:
-        """Issue 14 item 2: a dirty session whose retention hint expects its return after the lease window
+        """A dirty session whose retention hint expects its return after the lease window
         (``RetentionBook.value`` -1) is written back at once (it may leave the device). Checked when new
         hints arrived."""
         book = self.engine.kv.sessions.retention
@@ -497,7 +497,7 @@ class HostKV:
                     dst = self._pages_view(self._ckpt_buf, len(part))
                     idx = torch.tensor([b.page_index for b in part], dtype=torch.int64)
                     torch.index_select(copy, 0, idx, out=dst)
-                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # issue 14: of the bytes written
+                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # of the bytes written
                 if i + self.staging_pages >= len(blocks) and copy is None:
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
@@ -551,7 +551,7 @@ class HostKV:
             torch.cuda.current_stream().synchronize()
 
     def _scatter(self, pages: list[int]) -> None:
-        """Restore staging -> device pool pages. With a ``channel`` (issue 16: the cold engine's transfer
+        """Restore staging -> device pool pages. With a ``channel`` (the cold engine's transfer
         scheduler under ``partial_layers``) each layer's copy is a chunk of one ``KV`` transfer, so a weight
         stream cannot starve it (κ-floor); this thread waits for it."""
         kvc = self.engine.kv_cache
@@ -796,7 +796,7 @@ class HostKV:
                 part = blocks[i : i + self.staging_pages]
                 read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
                 read += len(part)
-                good = self._verify(part)  # issue 14: before the pages are published
+                good = self._verify(part)  # before the pages are published
                 self._scatter(pages[i : i + good])
                 landed += good
                 if good < len(part):  # the rest is recomputed: never published (adopt_restore drops it)
@@ -825,7 +825,7 @@ class HostKV:
         self._post(job, "publish")
 
     def _verify(self, part) -> int:
-        """Issue 14: check the received pages of ``part`` (in the restore staging buffer) against the store's
+        """Check the received pages of ``part`` (in the restore staging buffer) against the store's
         checksums. Returns the verified prefix length; a mismatch is counted, and the bad page's chain (it and
         everything extending it) is released in the store so it is never served again."""
         good, unverified = verify_pages(self._restore_buf.numpy(), self.page_bytes, part)
@@ -843,7 +843,7 @@ class HostKV:
             self.index.discard([part[good].prefix_hash])
         return good
 
-    # ---------------------------------------------------------------- session end (issue 14 item 4)
+    # ---------------------------------------------------------------- session end
     def release_session(self, session_id: str, chains: list[list[int]]) -> None:
         """Queue the release of an ended session's chains (newest first) in the store, after its queued
         checkpoints, on the worker: the pages nothing else extends are dropped (``Release`` with

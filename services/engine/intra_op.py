@@ -1,4 +1,4 @@
-"""torch's intra-op thread count, per thread, without its two traps (issue 42).
+"""torch's intra-op thread count, per thread, without its two traps.
 
 The engine process should hold one OpenMP (libgomp) pool: the executor thread's team. Every other thread that
 runs torch copies (the host KV tier's workers, the transfer scheduler) runs them single-threaded, because a

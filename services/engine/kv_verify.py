@@ -1,4 +1,4 @@
-"""Verified restore (issue 14 item 5): a checksum per checkpointed page, checked before a restore publishes it.
+"""Verified restore: a checksum per checkpointed page, checked before a restore publishes it.
 
 Design. No anchor system verifies host KV (vLLM and SGLang users report silent KV corruption around tool calls:
 vllm#31210, sglang#39830); Talaria §4.3 only requires that a restored prefix give the same tokens as

@@ -37,7 +37,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
     if cfg.device.startswith("cpu"):
         # build (or load from torch's extension cache) the CPU kernels now, before the engine is ready: built
         # lazily they would land in the first model's first activation, and the cold engine would learn a
-        # one-time compile (~1 min on 2 cores) as its switch cost (issue 12: every policy priced a switch at
+        # one-time compile (~1 min on 2 cores) as its switch cost (every policy priced a switch at
         # a minute until enough real switches washed it out)
         from services.engine.model.paged_attn import load_extension
 
@@ -88,7 +88,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         from services.engine.slotted import SlottedColdEngine, policy_from_config
 
         cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
-    if cfg.unified_residency:  # issue 16: one device budget for staged layer groups and session KV prefixes
+    if cfg.unified_residency:  # one device budget for staged layer groups and session KV prefixes
         from services.engine.cold_residency import ResidencyDriver
 
         extra["residency"] = ResidencyDriver(chunks_per_step=cfg.staging_chunks_per_step)

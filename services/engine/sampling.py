@@ -26,7 +26,7 @@ logits, before penalties, grammar masks and temperature), for the sampled token 
 kept until the executor collects them with :meth:`Sampler.pop_logprobs`.
 
 Temperatures below ``MIN_TEMPERATURE`` are greedy: dividing logits by 1e-45 overflows to inf/nan, which
-would fail the whole batch's draw (issue 18 item 1).
+would fail the whole batch's draw.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ tokens and ``max_num_seqs`` running sequences.
    later: its prompt + generated tokens are prefilled again, which yields the next token exactly as a
    decode would).
 2. Then prefill chunks: running sequences with a partial prefill continue, then waiting sequences are
-   admitted FCFS (issue 14: in priority order first — a call's ``priority`` hint queues it ahead of waiting
+   admitted FCFS (in priority order first — a call's ``priority`` hint queues it ahead of waiting
    calls of lower priority, never ahead of a preempted one; equal priorities keep arrival order). Admission is check-then-commit against the block manager: prefix match (session entry or
    radix), pages for the whole remaining prompt (evicting caches if needed, never preempting), then
    commit. A sequence whose prefill does not fit the remaining token budget gets a chunk and continues
    next step. No admission happens in a step that preempted.
-   Prefix-aware admission (issue 42 item 2; the effect of vLLM's and SGLang's prefix caching on calls that
+   Prefix-aware admission (the effect of vLLM's and SGLang's prefix caching on calls that
    arrive together): a running sequence's computed full prompt pages are published into the radix cache
    (``_publish_running``, at the top of a schedule with calls waiting, once the executor said the last
    forward completed: ``forward_done``; never those of a failed forward), and a waiting sequence whose next uncached page is one that
@@ -75,7 +75,7 @@ class SchedulerOutput:
 
 
 def _before(a: Sequence, b: Sequence) -> bool:
-    """``a`` is admitted before ``b`` (issue 14 hints): higher priority, then earlier effective arrival."""
+    """``a`` is admitted before ``b`` (call hints): higher priority, then earlier effective arrival."""
     return a.priority > b.priority or (a.priority == b.priority and a.queue_at < b.queue_at)
 
 
@@ -98,7 +98,7 @@ class Scheduler:
     # ---------------------------------------------------------------- intake
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` behind every waiting sequence that goes first: a higher ``priority``, or the same one
-        and an earlier ``queue_at`` (issue 14 hints; no hints = FCFS), and never ahead of a preempted one (they
+        and an earlier ``queue_at`` (call hints; no hints = FCFS), and never ahead of a preempted one (they
         resume first). Mutates ``waiting``."""
         seq.status = SequenceStatus.WAITING
         i = len(self.waiting)

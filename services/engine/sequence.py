@@ -49,9 +49,9 @@ class Sequence:
         self.num_restored_tokens = 0  # prompt tokens restored from the host KV store at admission
         self.salt: int | None = None  # start of this sequence's hash chain; None = the KV manager's (model) salt
         self.kv_hold: list[int] = []  # radix path of a host restore, locked until admission (KVManager.adopt_restore)
-        self.phases = None  # issue 12: talaria.attribution.PhaseClock, moved by the executor (exact time split)
-        self.priority = 0  # issue 14 hint: waiting order (larger first, ties by arrival); see Scheduler.add
-        self.queue_at = 0.0  # issue 14: arrival time minus the latency-sensitivity hint (order within a priority)
+        self.phases = None  # talaria.attribution.PhaseClock, moved by the executor (exact time split)
+        self.priority = 0  # call hint: waiting order (larger first, ties by arrival); see Scheduler.add
+        self.queue_at = 0.0  # arrival time minus the latency-sensitivity hint (order within a priority)
         self.num_published_pages = 0  # full pages of ``hashes`` in the radix cache while it runs (Scheduler._publish_running)
 
     @property

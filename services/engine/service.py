@@ -73,15 +73,15 @@ class _Call:
     first_token_ns: int = 0
     span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by CallTracer.trace)
     last_sent: float = 0.0  # monotonic time of the last chunk published on the reply inbox (keepalives)
-    token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment (issue 13)
+    token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment
     lease_id: str = ""  # the lease the router honoured for this call
     believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
     tenant: str = ""
-    hints: object = None  # issue 14: the call's AgentCallHints (echoed in the hook), or None
-    end_session: bool = False  # issue 14: X-Session-End: the session ends with this call
+    hints: object = None  # the call's AgentCallHints (echoed in the hook), or None
+    end_session: bool = False  # X-Session-End: the session ends with this call
     stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
-    tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names (issue 14)
+    tools: ToolWatch | None = None  # calls that offered tools: tool-call header / names
     reasoning: reasoning_parsers.TokenCounter | None = None  # reasoning models: their reasoning tokens, by token id
     generated: int = 0
     flush_timer: bool = False  # a ``_flush_held`` timer is pending for ``held`` (streaming, stream_interval_ms)
@@ -116,19 +116,19 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"calls": 0, "errors": 0, "aborted": 0, "step_failures": 0, "coalesced_steps": 0}
-        self._hold = ExecutorHold()  # non-streaming calls' outputs merged on the executor thread (issue 20 §5)
+        self._hold = ExecutorHold()  # non-streaming calls' outputs merged on the executor thread
         self.rounds_closed = 0  # slot scheduler rounds published on .round
         self.multi = cfg.pool == "cold"  # a cold engine serves several catalog models
-        # Tracing (issue 7): set up in run() unless injected; step start times let a call's span split
+        # Tracing: set up in run() unless injected; step start times let a call's span split
         # queueing (until the first step after intake) from prefill (until the first token).
         self._own_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
         self.tracer = CallTracer(self.telemetry, cfg.id, cfg.pool)
-        self._grammars: dict = {}  # model -> GrammarFactory (structured output, issue 13)
+        self._grammars: dict = {}  # model -> GrammarFactory (structured output)
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
-        self._ending: dict[str, str] = {}  # issue 14: session -> tenant, ended while a call of it was in flight
-        self.retention = RetentionBook(time.time)  # router hints: evict by predicted return (issue 14 item 2)
-        self.serving_metrics = ServingMetrics()  # issue 43: this engine's vLLM-named /metrics (cfg.metrics_port)
+        self._ending: dict[str, str] = {}  # session -> tenant, ended while a call of it was in flight
+        self.retention = RetentionBook(time.time)  # router hints: evict by predicted return
+        self.serving_metrics = ServingMetrics()  # this engine's vLLM-named /metrics (cfg.metrics_port)
         self.metrics_server = None  # (WSGI server, thread) once run() started it
 
     def _serves(self, model: str) -> bool:
@@ -234,7 +234,7 @@ class EngineService:
             self._publish_intent(call)  # as the header streams, even when the tokens below are held
         timer = not (o.new_token_ids or o.new_text or o.finished)  # ``_flush_held``'s output: send what is held
         if call.first_token_at and not o.finished and (not call.stream or (now < call.last_sent + self.stream_interval_s and not timer)):
-            # issue 20 §5: a non-streaming call's reader wants the whole answer, so after its first token
+            # a non-streaming call's reader wants the whole answer, so after its first token
             # (sent at once: TTFT stays observable) its outputs are merged and go out with the finished
             # one -- two token messages per call instead of one per token; keepalives cover the silence.
             # A streaming call with ``stream_interval_ms`` holds its tokens until that long after its last
@@ -279,12 +279,12 @@ class EngineService:
                     reasoning_tokens=call.reasoning.count if call.reasoning is not None else 0,
                 ))
             chunk.ttft_seconds = (call.first_token_at - call.arrival) if call.first_token_at else 0.0
-            if o.attribution is not None:  # issue 12: the executor's phases; other_s = what they leave of our latency
+            if o.attribution is not None:  # the executor's phases; other_s = what they leave of our latency
                 chunk.attribution.CopyFrom(o.attribution.explained(max(0.0, time.monotonic() - call.arrival)).to_proto())
         sent_ns = time.time_ns() if o.finished else 0  # the call's end, as its spans record it
         await self._send(call, chunk)
         if o.finished:
-            # the call's spans and hook are built after the finished chunk is on the wire (issue 20 §5: per-call
+            # the call's spans and hook are built after the finished chunk is on the wire (per-call
             # work off the token path): a task that runs once the NATS flusher has written the chunk; the
             # hook still follows the chunk on this connection
             self._spawn(self._after_call(call, chunk, o.usage.restored_tokens if o.usage is not None else 0, sent_ns))
@@ -349,7 +349,7 @@ class EngineService:
         except Exception as e:  # noqa: BLE001
             log.warning("completion hook for %s not published: %s", call.request_id, e)
 
-    # ---------------------------------------------------------------- session end (issue 14 item 4)
+    # ---------------------------------------------------------------- session end
     async def _end_after(self, call: _Call) -> bool:
         """At a call's end: end its session when the call carried ``end_session`` or the session was ended
         (CONTROL_END_SESSION) while it ran, unless another call of the session still runs (that one ends it).
@@ -382,8 +382,7 @@ class EngineService:
         await self._end_now(req.session_id, req.tenant, req.model or self.model)
 
     def _publish_intent(self, call: _Call) -> None:
-        """A tool-call header streamed (``ToolWatch``): tell the routers now, before the call ends (issue 14
-        item 3). Fire and forget; mutates nothing."""
+        """A tool-call header streamed (``ToolWatch``): tell the routers now, before the call ends. Fire and forget; mutates nothing."""
         assert call.tools is not None and self.nc is not None
         intent = pb.ToolIntent(
             schema_version=SCHEMA_VERSION, request_id=call.request_id, session_id=call.session_id, model=call.model,
@@ -508,7 +507,7 @@ class EngineService:
         raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     def _fence(self, req: pb.GenerateRequest) -> CallError | None:
-        """Issue 17 fencing: a call placed on a lease (resume token) names the epoch of the engine that
+        """Fencing: a call placed on a lease (resume token) names the epoch of the engine that
         served the session; after a restart this engine no longer holds that KV, so it refuses the call and
         the router places it again without the lease. Mutates ``counters`` when it refuses."""
         if not req.resume_epoch or req.resume_epoch == self.epoch:
@@ -538,13 +537,13 @@ class EngineService:
             return await self._reject(msg.reply, rid, CallError(409, "duplicate_request", f"request id {rid} is already in flight"))
         try:
             # tokenizing text, rendering a chat template or compiling a grammar runs on a worker thread; a
-            # token-id prompt without a constraint is decoded here (issue 20 §5: no thread hop per call)
+            # token-id prompt without a constraint is decoded here (no thread hop per call)
             cheap = req.WhichOneof("prompt") == "token_ids" and not req.sampling.constraint.kind
             sampling, prompt, opens = self._intake(req) if cheap else await asyncio.to_thread(self._intake, req)
         except CallError as e:
             return await self._reject(msg.reply, rid, e)
         if len(self._calls) >= self.cfg.max_queue + self.cfg.max_num_seqs:
-            # a call that can never fit is 413 even now: a client retrying a 429 would loop forever (issue 18 #4)
+            # a call that can never fit is 413 even now: a client retrying a 429 would loop forever
             limit = self._runtime(req.model).max_context
             err = (CallError(413, "context_length_exceeded", str(ContextLengthError(len(prompt), sampling.max_tokens, limit, req.model)), "prompt")
                    if len(prompt) + sampling.max_tokens > limit else
@@ -687,7 +686,7 @@ class EngineService:
     async def _keepalives(self) -> None:
         """A ``keepalive`` chunk (no seq, no tokens) to every accepted call silent for a heartbeat period
         (queued, or waiting for its model's slot), so the router's silence timeout only fires for a silent
-        engine (issue 18 item 14). Mutates each such call's ``last_sent``."""
+        engine. Mutates each such call's ``last_sent``."""
         assert self.nc is not None
         quiet = time.monotonic() - self.cfg.heartbeat_period_s
         for call in list(self._calls.values()):
@@ -703,7 +702,7 @@ class EngineService:
     async def _requesters(self) -> None:
         """Abort calls whose requester is gone (its router died, or it dropped the call without a cancel):
         every ``requester_probe_s`` each call at least that old probes its reply inbox with a request;
-        NATS answers "no responders" when nobody subscribes to it any more (issue 18 #3)."""
+        NATS answers "no responders" when nobody subscribes to it any more."""
         while True:
             await asyncio.sleep(self.requester_probe_s)
             now = time.monotonic()

@@ -1,4 +1,4 @@
-"""Which hash chains a session's calls left behind (issue 14 item 4: the end of a session releases them).
+"""Which hash chains a session's calls left behind (the end of a session releases them).
 
 A session's calls do not always extend one another: a chat template that closes the user turn differently, a
 rewritten history or a tool turn re-rendered makes call k+1's prompt diverge from call k's committed tokens at

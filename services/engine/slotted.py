@@ -186,7 +186,7 @@ class SlottedColdEngine(ColdEngine):
         with self._intake_lock:
             idle = not self._live
         st = self.slots.status(self.clock(), idle=idle)
-        dl = self.deadlines.totals()  # per-token deadlines, scored in both modes (issue 16)
+        dl = self.deadlines.totals()  # per-token deadlines, scored in both modes
         self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]),
                                     int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s,
                                     tuple((st.get("slot_wait_s") or {}).items()))
@@ -233,7 +233,7 @@ class SlottedColdEngine(ColdEngine):
 
 def _prefill_shape(eng, before: dict[str, int]) -> tuple[int, float]:
     """Prefill tokens the shell's last step computed for its running sequences and their token-weighted mean
-    position (issue 12: the prefill cost is learned by context). ``before``: computed tokens per request id
+    position (the prefill cost is learned by context). ``before``: computed tokens per request id
     before the step. A one-token advance of a known sequence is its decode, as in ``_timed_step``."""
     tokens, weighted = 0, 0.0
     for s in eng.scheduler.running:

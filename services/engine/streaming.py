@@ -1,7 +1,7 @@
 """The token path from the executor thread to NATS: fold the step outputs that are ready into one
 message per call.
 
-Design NOTE (issue 20 §5). The executor thread hands each step's outputs to the asyncio loop through a
+Design NOTE. The executor thread hands each step's outputs to the asyncio loop through a
 queue; one publisher task turns them into ``TokenChunk`` messages. When the publisher keeps up, every
 step becomes one message per call (lowest latency). When it lags (the loop was busy with other calls,
 or steps are faster than NATS round trips), several steps are waiting: :func:`next_coalesced` takes all

@@ -1,4 +1,4 @@
-"""Partial-layer residency and streaming hot-swap for the cold engine (JointServe §4.4; issue 16,
+"""Partial-layer residency and streaming hot-swap for the cold engine (JointServe §4.4,
 ``partial_layers``).
 
 Design NOTE.

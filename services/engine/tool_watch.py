@@ -1,4 +1,4 @@
-"""Tool calls seen by the engine as its output streams (issue 14 items 1 and 3).
+"""Tool calls seen by the engine as its output streams.
 
 Design note (JointServe's intent prefetch: act on the caller's streamed tool-call header, before the call
 ends). The engine runs the same pure incremental parser the router uses to shape OpenAI output

@@ -1,4 +1,4 @@
-"""Call tracing of the engine (issue 7): the spans and metrics of one finished call, written after the fact.
+"""Call tracing of the engine: the spans and metrics of one finished call, written after the fact.
 
 A call's ``talaria.engine.call`` span (child of the router's span) is opened by the service at arrival so that
 work on other threads (host KV restore and checkpoint, kvstore RPCs) can be its children; :meth:`CallTracer.trace`

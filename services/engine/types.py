@@ -11,7 +11,7 @@ from enum import Enum
 
 
 # Temperatures below this sample greedily: dividing logits by a denormal temperature overflows to inf/nan
-# (issue 18: ``temperature=1e-45`` crashed the sampler), and any temperature this small is argmax anyway.
+# (``temperature=1e-45`` crashed the sampler), and any temperature this small is argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
 
 
@@ -39,8 +39,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int = -1  # -1 off; k >= 0: the sampled token's log-probability and the k most likely
-    skip_special_tokens: bool = False  # issue 44 (vLLM): the output text leaves out special tokens
-    include_stop_str_in_output: bool = False  # issue 44 (vLLM): a matched stop string ends the text (else cut)
+    skip_special_tokens: bool = False  # vLLM's: the output text leaves out special tokens
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string ends the text (else cut)
 
     @property
     def shapes_logits(self) -> bool:
@@ -61,14 +61,14 @@ class EngineRequest:
     arrival_time: float = 0.0
     model: str = ""  # catalog model of the call (a cold engine serves several; a hot engine ignores it)
     trace_context: object = None  # OpenTelemetry context of the call (its engine span): parent of host-KV spans
-    tenant: str = ""  # issue 17: the router-authenticated tenant; its prefix hashes get their own salt
-    cache_salt: str = ""  # issue 44 (vLLM's cache_salt): salts the prefix hashes further, within the tenant
-    # issue 16: per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
+    tenant: str = ""  # the router-authenticated tenant; its prefix hashes get their own salt
+    cache_salt: str = ""  # vLLM's cache_salt: salts the prefix hashes further, within the tenant
+    # per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
     ttft_target_s: float = 0.0
     tpot_target_s: float = 0.0
-    phases: object = None  # issue 12: the call's talaria.attribution.PhaseClock (set by the engine at intake)
-    priority: int = 0  # issue 14 hint: larger = admitted earlier among waiting calls (ties: arrival order)
-    latency_sensitivity_s: float = 0.0  # issue 14 (Dynamo's hint): queue as if arrived this much earlier
+    phases: object = None  # the call's talaria.attribution.PhaseClock (set by the engine at intake)
+    priority: int = 0  # call hint: larger = admitted earlier among waiting calls (ties: arrival order)
+    latency_sensitivity_s: float = 0.0  # Dynamo's hint: queue as if arrived this much earlier
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,5 +96,5 @@ class RequestOutput:
     usage: Usage | None = None  # set on the final output
     error: str = ""
     logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])
-    attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases, issue 12)
-    stop_reason: str = ""  # issue 44, on the final output: the stop string that ended it ("" = none)
+    attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases)
+    stop_reason: str = ""  # vLLM's, on the final output: the stop string that ended it ("" = none)

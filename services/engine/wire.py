@@ -140,7 +140,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
             session_id=s.session_id, model=s.model or model, committed_tokens=s.committed_tokens,
             state=_KV_STATE[s.where], last_use_unix=s.last_use_unix,
         ))
-    for name, state in st.kernels:  # issue 43: which kernels run (router /health, telemetry, talaria health)
+    for name, state in st.kernels:  # which kernels run (router /health, telemetry, talaria health)
         snap.kernels.add(name=name, state=state)
     snap.host_kv = bool(st.host_kv)  # restores what the shared kvstore holds, whoever wrote it (router: host_prefix)
     snap.profile.CopyFrom(cost_profile(st.profile, with_restore=st.host_kv, with_switches=True))

@@ -1,4 +1,4 @@
-"""Who may call the kvstore (issue 17): a shared bearer token and/or mutual TLS, from ``KvStoreConfig``.
+"""Who may call the kvstore: a shared bearer token and/or mutual TLS, from ``KvStoreConfig``.
 
 Design note. The store holds every tenant's KV and hands out pool addresses; only engines of the stack may
 use it. Two mechanisms, either or both by config: ``auth_token`` — each control RPC carries

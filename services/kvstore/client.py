@@ -47,7 +47,7 @@ class KvStoreClient:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         """``auth_token`` / ``credentials`` (TLS, ``auth.channel_credentials``): how this client proves it is
-        an engine of the stack (issue 17)."""
+        an engine of the stack."""
         self.address = address
         self.timeout_s = timeout_s
         self._auth = call_metadata(auth_token)
@@ -93,7 +93,7 @@ class KvStoreClient:
     def commit(
         self, lease_id: int, block_ids: Sequence[int], abort: bool = False, checksums: Sequence[int] = (), checksum_algo: str = "",
     ) -> pb.CommitReply:
-        """``checksums``: one per block id (issue 14), recorded by the store and returned by lookups."""
+        """``checksums``: one per block id, recorded by the store and returned by lookups."""
         return self._call(self._stub.Commit, pb.CommitRequest(
             lease_id=lease_id, block_ids=list(block_ids), abort=abort, checksums=list(checksums), checksum_algo=checksum_algo,
         ))
@@ -110,7 +110,7 @@ class KvStoreClient:
     def release(
         self, model: str, tp_rank: int = 0, hashes: Sequence[int] = (), all_of_model: bool = False, leaves_only: bool = False,
     ) -> pb.ReleaseReply:
-        """``leaves_only`` (issue 14): ``hashes`` is one chain; drop it from the end while nothing extends it."""
+        """``leaves_only``: ``hashes`` is one chain; drop it from the end while nothing extends it."""
         return self._call(self._stub.Release, pb.ReleaseRequest(
             model=model, tp_rank=tp_rank, hashes=list(hashes), all_of_model=all_of_model, leaves_only=leaves_only,
         ))

@@ -83,7 +83,7 @@ class Block:
     last_access: float = 0.0
     read_last: bool = False  # the last access was a lookup (a write right after it is the same call's, not a return)
     hits: int = 0
-    checksum: int | None = None  # issue 14: the writer's checksum of the page bytes, recorded at commit
+    checksum: int | None = None  # the writer's checksum of the page bytes, recorded at commit
     checksum_algo: str = ""
 
     @property
@@ -107,7 +107,7 @@ class BlockView:
     prefix_hash: int
     page_index: int
     extents: tuple[Extent, ...]
-    checksum: int | None = None  # issue 14: recorded at commit (None: committed without one, or not yet)
+    checksum: int | None = None  # recorded at commit (None: committed without one, or not yet)
     checksum_algo: str = ""
 
 
@@ -339,7 +339,7 @@ class HostKVRegistry:
 
         Returns ``(committed, aborted)``. Unknown ids (expired lease, other lease) are ignored.
         A committed block whose parent is missing from the index stays unreachable and is freed.
-        ``checksums`` (issue 14): one per ``block_ids`` entry, or empty; recorded with each block and returned
+        ``checksums``: one per ``block_ids`` entry, or empty; recorded with each block and returned
         by lookups, so a reader can verify the bytes it received. Raises ValueError on a length mismatch.
         """
         if checksums and len(checksums) != len(block_ids):
@@ -463,7 +463,7 @@ class HostKVRegistry:
         return len(victims)
 
     def release_leaves(self, model: str, tp_rank: int, hashes: Sequence[int]) -> int:
-        """Issue 14 (a session ends): ``hashes`` is one chain, page 0 first. Unindex its pages from the last
+        """A session ended: ``hashes`` is one chain, page 0 first. Unindex its pages from the last
         backwards while each is an indexed leaf (no other chain extends it), so prefixes other sessions share
         stay. Pinned pages are freed on unpin. Returns blocks unindexed."""
         n = 0

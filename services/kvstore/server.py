@@ -11,7 +11,7 @@ RESOURCE_EXHAUSTED         more hashes/block ids than ``max_request_pages``, or 
 INTERNAL                   an undecodable message (gRPC's own deserialization failure)
 =========================  =========================================================================
 
-Auth (issue 17, ``auth.py``): with ``auth_token`` every control RPC needs ``authorization: Bearer <token>``
+Auth (``auth.py``): with ``auth_token`` every control RPC needs ``authorization: Bearer <token>``
 metadata (else UNAUTHENTICATED); with ``tls_*`` files the port is TLS, mutual when a CA is given.
 
 Telemetry: ``Stats`` answers occupancy, hits, misses, restores, capacity misses, evictions and bytes
@@ -197,7 +197,7 @@ class KvStoreServicer(pbg.KvStoreServicer):
             if req.leaves_only and req.all_of_model:
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "leaves_only names one chain: not with all_of_model")
             with self.lock:
-                if req.leaves_only:  # issue 14: a session ended; shared prefixes stay
+                if req.leaves_only:  # a session ended; shared prefixes stay
                     n = self.registry.release_leaves(req.model, req.tp_rank, list(req.hashes))
                 else:
                     n = self.registry.release(req.model, req.tp_rank, list(req.hashes), req.all_of_model)
@@ -247,7 +247,7 @@ class KvStoreServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
-            interceptors=server_interceptors(cfg),  # issue 17: only authenticated engines (services/kvstore/auth.py)
+            interceptors=server_interceptors(cfg),  # only authenticated engines (services/kvstore/auth.py)
         )
         pbg.add_KvStoreServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()

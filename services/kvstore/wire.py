@@ -48,6 +48,6 @@ def block_to_pb(b: BlockView) -> pb.Block:
         block_id=b.block_id, prefix_hash=b.prefix_hash, page_index=b.page_index,
         segments=[pb.Segment(offset=e.offset, length=e.length) for e in b.extents],
     )
-    if b.checksum is not None:  # issue 14: recorded at commit
+    if b.checksum is not None:  # recorded at commit
         m.has_checksum, m.checksum, m.checksum_algo = True, b.checksum, b.checksum_algo
     return m

@@ -1,4 +1,4 @@
-"""Anthropic Messages API <-> chat completions: pure translation, no I/O (issue 44 item 1).
+"""Anthropic Messages API <-> chat completions: pure translation, no I/O.
 
 ``/v1/messages`` is served like ``/v1/responses``: the request becomes a chat-completion body, so it gets
 exactly the chat path's validation, placement, session KV, tool parsing and constrained decoding

@@ -1,4 +1,4 @@
-"""The Anthropic Messages endpoints (issue 44), registered on the router app with one ``include_router`` line:
+"""The Anthropic Messages endpoints, registered on the router app with one ``include_router`` line:
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 ``/v1/messages`` runs the app's own ``/v1/chat/completions`` handler in-process on the translated body

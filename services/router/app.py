@@ -72,7 +72,7 @@ class Placed:
         return h
 
 
-# Issue 14: a harness whose model does not emit parseable tool calls (a replay of recorded calls, plain
+# a harness whose model does not emit parseable tool calls (a replay of recorded calls, plain
 # completions) names the tool the call's output invokes; the router keys the session's lease by it as if the
 # engine had parsed it (``Gateway.declare_tool``; a parsed tool call in the hook wins).
 TOOL_HEADER = "X-Talaria-Tool"
@@ -88,7 +88,7 @@ class RouterAPI:
         self.cfg = state.cfg.router
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
-        self.resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing (issue 17)
+        self.resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing
         self._closing: set[asyncio.Task] = set()  # calls being closed after their stream ended (close_soon)
 
     # ------------------------------------------------------------------------------ parse / encode
@@ -117,22 +117,22 @@ class RouterAPI:
             sp = req.sampling_proto(max_tokens)
         g = pb.GenerateRequest(schema_version=SCHEMA_VERSION, request_id=uuid.uuid4().hex, stream=req.stream, sampling=sp)
         _put(g, "model", req.model)
-        principal = auth.principal_of(request)  # API key -> tenant (issue 17); the key may not use every model
+        principal = auth.principal_of(request)  # API key -> tenant; the key may not use every model
         auth.KeyRing.authorize_model(principal, req.model)
         _put(g, "session_id", auth.scope_session(principal.tenant, req.session_key(request.headers.get("x-session-id"))), "session_id")
         g.tenant = principal.tenant
-        if req.cache_salt:  # issue 44: vLLM's cache_salt, within the tenant (the engine salts the hashes)
+        if req.cache_salt:  # vLLM's cache_salt, within the tenant (the engine salts the hashes)
             _put(g, "cache_salt", req.cache_salt, "cache_salt")
-        hints = req.hints().proto()  # issue 14: validated (400 naming the field), aliases resolved
+        hints = req.hints().proto()  # validated (400 naming the field), aliases resolved
         if hints is not None:
             g.hints.CopyFrom(hints)
-        g.ttft_target_s, g.tpot_target_s = req.ttft_target_s or 0.0, req.tpot_target_s or 0.0  # issue 16 (validated)
+        g.ttft_target_s, g.tpot_target_s = req.ttft_target_s or 0.0, req.tpot_target_s or 0.0  # per-call token deadlines (validated)
         g.end_session = session_end_header(request.headers.get(SESSION_END_HEADER), g.session_id)
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
         self.resumes.apply(request.headers.get(resume.HEADER), g, self.state.gateway)  # a valid token's lease -> table
         tool = request.headers.get(TOOL_HEADER)
-        if tool is not None:  # issue 14: the tool this call's output invokes, for outputs the engine cannot parse
+        if tool is not None:  # the tool this call's output invokes, for outputs the engine cannot parse
             if not TOOL_NAME.fullmatch(tool):
                 raise APIError(400, f"{TOOL_HEADER} must be 1-64 characters of letters, digits, '_', '-', '.'", code="invalid_value", param=TOOL_HEADER)
             if g.session_id:
@@ -170,7 +170,7 @@ class RouterAPI:
     async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None,
                          text_bytes: int = 0, param: str = "prompt") -> Placed:
         """Admit, place and forward; a forward the engine does not accept is retried elsewhere. ``trace``
-        records the call's router queue time and when it was forwarded (issue 12 attribution). ``text_bytes``:
+        records the call's router queue time and when it was forwarded (attribution). ``text_bytes``:
         UTF-8 bytes of prompt text the engine tokenizes verbatim (the early context check's lower bound);
         ``param``: the field an over-context 413 names."""
         gw = self.state.gateway
@@ -206,7 +206,7 @@ class RouterAPI:
 
     async def forward(self, g: pb.GenerateRequest, step: Step, lease_id: str, epoch: int, adm) -> Placed | None:
         """Send the call to the decision's instance; None (and ``adm.failed``/``adm.fenced``) when it did not
-        accept. ``epoch``: the engine epoch of the consumed lease, checked by the engine (fencing, issue 17)."""
+        accept. ``epoch``: the engine epoch of the consumed lease, checked by the engine (fencing)."""
         state, d = self.state, step.decision
         assert d is not None and d.instance_id is not None
         inst = d.instance_id
@@ -224,14 +224,14 @@ class RouterAPI:
         try:
             await call.start()
             first = await call.wait_accepted(self.cfg.accept_timeout_s, lambda: state.registry.alive(view))
-        except TooLargeForBus as e:  # about the message, not the engine: no health change, no retry (issue 47)
+        except TooLargeForBus as e:  # about the message, not the engine: no health change, no retry
             await call.close()
             state.gateway.call_ended(g.request_id, inst)  # never sent: out of the in-flight overlay
             state.counters["too_large_for_bus"] += 1
             raise APIError(413, str(e), code="request_too_large") from None
         except EngineUnavailable as e:
             await call.close()
-            if e.bus:  # the router's own NATS connection: every instance is as unreachable (issue 47)
+            if e.bus:  # the router's own NATS connection: every instance is as unreachable
                 state.gateway.call_ended(g.request_id, inst)
                 state.counters["bus_unavailable"] += 1
                 raise APIError(503, f"the message bus is unavailable: {e}", code="engine_unavailable", headers={"Retry-After": "1"}) from None
@@ -272,7 +272,7 @@ class RouterAPI:
         view = self.state.registry.instances[call.instance_id]
         alive = lambda: self.state.registry.alive(view)  # noqa: E731 - in-flight calls survive draining
         rid = ("chatcmpl-" if chat else "cmpl-") + g.request_id
-        out = chat_output(req, placed.first) if chat else None  # reasoning vs content vs tool_calls (issues 13, 44)
+        out = chat_output(req, placed.first) if chat else None  # reasoning vs content vs tool_calls
         lps = Logprobs(chat, g.sampling.logprobs)
         if g.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -282,7 +282,7 @@ class RouterAPI:
 
     async def complete(self, request: Request, placed: Placed, req, rid: str, chat: bool, alive: Callable[[], bool],
                        out: ChatOutput | None, lps: Logprobs) -> Response:
-        """A non-streaming answer. A client that disconnects first cancels the engine work (issue 18 item 3)."""
+        """A non-streaming answer. A client that disconnects first cancels the engine work."""
         call, created = placed.call, int(time.time())
         collect = asyncio.ensure_future(self.collect(call, alive, lps, out))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -315,8 +315,7 @@ class RouterAPI:
     def answer(self, placed: Placed, req, rid: str, chat: bool, created: int, content: str, reason, usage,
                out: ChatOutput | None, lps: Logprobs, stop_reason: str = "") -> Response:
         """The JSON body of a finished non-streaming call; the call is closed (its trace ended, its inbox
-        unsubscribed) by a task that runs once this one yields, after the response is written (issue 20
-        §5: per-call work off the answer's path). Mutates ``out`` and ``lps``."""
+        unsubscribed) by a task that runs once this one yields, after the response is written (per-call work off the answer's path). Mutates ``out`` and ``lps``."""
         call, model = placed.call, req.model
         content = echo_prefix(req) + content
         if out is not None:  # collect() fed it the chunks
@@ -337,8 +336,7 @@ class RouterAPI:
 
     def finished(self, call: EngineCall, usage) -> str | None:
         """A call's finished chunk arrived: record where the session's KV now is (the engine's completion hook
-        confirms it later; a return that arrives first must still find it), then the signed resume token
-        (issue 17), or None. Mutates the session table."""
+        confirms it later; a return that arrives first must still find it), then the signed resume token, or None. Mutates the session table."""
         g = call.req
         keep = g.session_id and not g.end_session and usage is not None and usage.prompt_tokens > 0
         tokens = usage.prompt_tokens + usage.completion_tokens if keep else 0
@@ -375,7 +373,7 @@ class RouterAPI:
             if usage is not None:
                 d["usage"] = usage
             if token:
-                d["resume_token"] = token  # issue 17: the streaming form of the X-Talaria-Resume-Token header
+                d["resume_token"] = token  # the streaming form of the X-Talaria-Resume-Token header
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
         def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None, stop: str | None = None) -> dict:
@@ -403,7 +401,7 @@ class RouterAPI:
                     break
                 if lps is not None:
                     lps.add(c.logprobs)
-                if c.text and out is not None:  # tool-call text becomes delta.tool_calls (issue 13)
+                if c.text and out is not None:  # tool-call text becomes delta.tool_calls
                     for d in out.feed(c.text, len(c.token_ids)):
                         yield event([choice(None, None, delta=d)])
                 elif c.text:
@@ -427,7 +425,7 @@ class RouterAPI:
             if not call.finished:
                 self.state.counters["client_disconnect"] += 1
                 await call.cancel("client disconnected")
-            self.close_soon(call)  # after the stream's last write (issue 20 §5)
+            self.close_soon(call)  # after the stream's last write
 
     def close_soon(self, call: EngineCall) -> None:
         """Close ``call`` (end its trace, unsubscribe its inbox) in a task of its own, held in ``_closing``
@@ -447,7 +445,7 @@ class RouterAPI:
             msgs = req.messages_proto()
         g.messages.CopyFrom(msgs)
         _put(g, "tools_json", req.tools_json(), "tools")
-        opts = req.template_proto()  # issue 44: vLLM's chat-template options
+        opts = req.template_proto()  # vLLM's chat-template options
         if opts is not None:
             with wire_field("chat_template_kwargs"):
                 g.chat_template.CopyFrom(opts)
@@ -507,7 +505,7 @@ def _instance_health(reg, v) -> dict:
         "draining": v.snapshot.draining,
         "kv_usage": round(v.snapshot.kv_usage, 4),
         "models": [m.model for m in v.snapshot.models],
-        "kernels": {k.name: k.state for k in v.snapshot.kernels},  # issue 43: which kernels the engine runs
+        "kernels": {k.name: k.state for k in v.snapshot.kernels},  # which kernels the engine runs
     }
 
 
@@ -515,7 +513,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app = FastAPI(title="Talaria router", docs_url=None, redoc_url=None, openapi_url=None)
     api = RouterAPI(state)
     cfg = api.cfg
-    auth.install(app, state)  # API keys, tenants, rate limits (issue 17)
+    auth.install(app, state)  # API keys, tenants, rate limits
     _install_error_handlers(app, state)
 
     @app.get("/health")
@@ -558,8 +556,8 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
-    app.include_router(session_routes(state))  # DELETE /v1/sessions/{id} (issue 14)
-    app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens (issue 44)
+    app.include_router(session_routes(state))  # DELETE /v1/sessions/{id}
+    app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens
     return app
 
 
@@ -598,7 +596,7 @@ def _install_error_handlers(app: FastAPI, state) -> None:
 
 
 def _stop_reason(finish_reason: str | None, stop: str) -> str | None:
-    """vLLM's ``stop_reason`` of a choice (issue 44): the stop string that ended the call, else None."""
+    """vLLM's ``stop_reason`` of a choice: the stop string that ended the call, else None."""
     return stop if finish_reason == "stop" and stop else None
 
 

@@ -1,4 +1,4 @@
-"""Who may call the router, and as whom (issue 17): API keys, tenants, model allow-lists, per-key rate limits.
+"""Who may call the router, and as whom: API keys, tenants, model allow-lists, per-key rate limits.
 
 Design note. Keys are bearer secrets like OpenAI's (``Authorization: Bearer <key>``). The config stores only
 their SHA-256 (``router.auth.api_keys[].sha256``); a presented key is hashed and looked up, so the key itself
@@ -154,7 +154,7 @@ class AuthMiddleware:
             for k, v in scope.get("headers", ()):
                 if k == b"authorization":
                     auth = v.decode("latin-1")
-                elif k == b"x-api-key":  # issue 44: Anthropic's clients send the key here
+                elif k == b"x-api-key":  # Anthropic's clients send the key here
                     api_key = v.decode("latin-1").strip()
             if auth is None and api_key:
                 auth = f"Bearer {api_key}"

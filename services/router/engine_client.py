@@ -5,12 +5,12 @@ sends for a call it holds in its queue, counts: only a silent engine times out),
 as soon as the registry declares the instance gone (``alive()``), so a dead engine costs a bounded wait,
 never a hang.
 
-Token path (issue 20 §5): a reader that lags (its HTTP writes or the event loop were busy) does not pay
+Token path: a reader that lags (its HTTP writes or the event loop were busy) does not pay
 per token: :meth:`EngineCall.chunks` takes every chunk already queued and, when several are next in order,
 yields them merged into one (:func:`merge_chunks`), so the caller encodes one JSON / SSE event for them.
 Nothing waits for more tokens; a reader that keeps up sees the engine's chunks unchanged.
 
-Reply inboxes (issue 20 §5): a router process subscribes once to ``<ns>.inbox.<router>.*``
+Reply inboxes: a router process subscribes once to ``<ns>.inbox.<router>.*``
 (:class:`InboxMux`) and hands each call's chunks to it by the inbox's last token, instead of a subscription
 per call. A per-call subscription cost a SUB and an UNSUB through the server on every call, one more write
 from the router and a nats-py reader task created and cancelled per call. The engine's liveness probe of
@@ -73,7 +73,7 @@ _LAST_MESSAGES = tuple(f.name for f in pb.TokenChunk.DESCRIPTOR.fields if f.mess
 class EngineUnavailable(Exception):
     """The engine did not accept or stopped answering; ``accepted`` says whether it had started. ``bus``: the
     cause is the router's own NATS connection (down, or lost while the call was in flight), not the engine,
-    so the instance's health must not change (issue 47)."""
+    so the instance's health must not change."""
 
     def __init__(self, instance_id: str, message: str, accepted: bool, bus: bool = False):
         super().__init__(message)
@@ -84,7 +84,7 @@ class EngineUnavailable(Exception):
 
 class TooLargeForBus(Exception):
     """The call's wire message is over the NATS server's ``max_payload``: it can never be sent, to any
-    instance (a 413 naming the limit, never a health change; issue 47)."""
+    instance (a 413 naming the limit, never a health change)."""
 
     def __init__(self, size: int, limit: int):
         super().__init__(f"the request is {size} bytes on the message bus, over its limit of {limit} bytes (NATS max_payload)")
@@ -221,7 +221,7 @@ class EngineCall:
         size = wire_size(payload, headers)
         if limit > 0 and size > limit:
             raise TooLargeForBus(size, limit)
-        # No flush round trip (issue 20 §5: a PING/PONG through the server on every call's path); a
+        # No flush round trip (a PING/PONG through the server on every call's path); a
         # connection that is down now (NATS restarting) is refused here instead of by a flush timeout.
         try:
             if not self.nc.is_connected:

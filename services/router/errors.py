@@ -29,7 +29,7 @@ _TYPE_BY_STATUS = {
 }
 
 
-# Anthropic's error types by status (issue 44: /v1/messages answers in Anthropic's error shape)
+# Anthropic's error types by status (/v1/messages answers in Anthropic's error shape)
 _ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                    405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
                    499: "invalid_request_error", 503: "overloaded_error", 529: "overloaded_error"}

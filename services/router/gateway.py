@@ -17,7 +17,7 @@ session for the same model), ``same_instance_returns``, ``moved_returns``, ``lea
 ``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
 (the chosen instance had to open the model while another healthy instance had it resident).
 
-Tool-aware leases (issue 14 item 1, ``lease_policy: adaptive``; the arithmetic in ``return_gap.py``): a
+Tool-aware leases (``lease_policy: adaptive``; the arithmetic in ``return_gap.py``): a
 hook's tool (its first parsed tool call) keys the return-gap predictor; the lease window is the predicted
 gap's capped quantile; a lease whose expected saving is below the queueing it imposes is not installed
 (``leases_declined``); live leases weigh on their instance by their decaying value; a return whose leased
@@ -99,7 +99,7 @@ class Gateway:
         self.profiles = profiles or ProfileBook()
         self.shapes = shapes or ShapeBook()
         self.demand = demand or DemandMeter()
-        self.queues = QueueBook()  # issue 12: measured / predicted queueing per instance (``queue_learned``)
+        self.queues = QueueBook()  # measured / predicted queueing per instance (``queue_learned``)
         self._queue_pred: OrderedDict[str, tuple[str, float]] = OrderedDict()  # call -> (instance, Eq. 1 queue predicted, unscaled)
         self.tau_s = tau_s
         self.pools = dict(pools or {})
@@ -180,7 +180,7 @@ class Gateway:
     def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
         """Update the session table from a completion hook; returns the lease to install (or None)."""
         self.stats["hooks"] += 1
-        # issue 12: the finished call is no longer queue ahead of anyone (its session's return included)
+        # the finished call is no longer queue ahead of anyone (its session's return included)
         self.registry.completed(hook.instance_id, hook.request_id, hook.finish_unix or self.wall())
         pred = self._queue_pred.pop(hook.request_id, None)
         if pred is not None and pred[0] == hook.instance_id and hook.HasField("attribution") and not hook.HasField("error"):
@@ -190,7 +190,7 @@ class Gateway:
             self.shapes.observe(hook.model, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
         if not hook.session_id:
             return None
-        if hook.session_ended:  # issue 14: no lease; forget the session (the service drops its leases)
+        if hook.session_ended:  # no lease; forget the session (the service drops its leases)
             self.end_session(hook.session_id)
             return None
         if hook.HasField("error"):
@@ -275,7 +275,7 @@ class Gateway:
             self._declared.popitem(last=False)
 
     def on_intent(self, intent: pb.ToolIntent) -> rpb.Lease | None:
-        """A tool-call header streamed (issue 14 item 3): with adaptive leases and no lease yet, install one
+        """A tool-call header streamed: with adaptive leases and no lease yet, install one
         now, sized for the tool, over the KV the call holds so far (``early``; the hook's lease replaces it).
         Returns the lease to install, or None."""
         self.stats["intents"] += 1
@@ -301,7 +301,7 @@ class Gateway:
 
     def prefetch_target(self, session_id: str, model: str, tool: str, prompt_tokens: int, min_share: float = 0.6,
                         min_seen: int = 3) -> tuple[str, str] | None:
-        """Intent prefetch (issue 14 item 3): when the session's next call is predicted (``NextModelBook``,
+        """Intent prefetch: when the session's next call is predicted (``NextModelBook``,
         share >= ``min_share`` over >= ``min_seen`` returns) to go to *another* model, the (instance, model)
         that placement would choose for it now, if that instance would have to switch to or open the model:
         the caller asks it to open the model ahead (``CONTROL_OPEN_MODEL``). None otherwise. Decides
@@ -442,7 +442,7 @@ class Gateway:
         self.work["states_built"] += 1
         return st
 
-    # Design note (issue 15: "placement decision < 1 ms p99 at 1,000 instances, state refresh included"). The
+    # Design note ("placement decision < 1 ms p99 at 1,000 instances, state refresh included"). The
     # states a decision reads are kept current by events, not rebuilt per decision: a snapshot's instance (and
     # whatever else the registry's change feed holds) is rebuilt when the snapshot arrives (``_absorb``, on the
     # heartbeat path), so a decision rebuilds only what changed since: forwards and completions, live-lease
@@ -579,13 +579,12 @@ class Gateway:
 
     def lease_tau(self, hook: pb.CompletionHook, tau: float) -> float:
         """The lease length after a call: ``tau`` (the fixed Talaria §3.3 tau, or the adaptive window, which
-        already took the caller's ``expected_tool_s`` hint), capped by the caller's ``cache_ttl_s`` hint
-        (issue 14). Pure."""
+        already took the caller's ``expected_tool_s`` hint), capped by the caller's ``cache_ttl_s`` hint. Pure."""
         ttl = hook.hints.cache_ttl_s if hook.HasField("hints") else 0.0
         return min(tau, ttl) if ttl > 0 else tau
 
     def end_session(self, session_id: str) -> list[str]:
-        """Issue 14: forget a session (table entry and local leases). Returns the instances known to hold it
+        """Forget a session (table entry and local leases). Returns the instances known to hold it
         (last and first instance, lease instances); empty when unknown. Mutates the session and lease tables."""
         holders: list[str] = []
         entry = self.sessions.forget(session_id)
@@ -604,7 +603,7 @@ class Gateway:
         return [st for iid, st in self._cur.items() if iid not in skip]
 
     def request(self, session_id: str, model: str, prompt_tokens: int, max_tokens: int, expected_output_tokens: int = 0) -> CallRequest:
-        """The call as the policy sees it. ``expected_output_tokens`` (issue 14 hint, 0 = none) replaces the
+        """The call as the policy sees it. ``expected_output_tokens`` (a call hint, 0 = none) replaces the
         model's learned decode length in the call's pressure estimate (``expected_decode``, Eq. 1 dR_req)."""
         decode = float(expected_output_tokens) if expected_output_tokens else self.shapes.shape(model).decode_tokens
         return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), decode))
@@ -743,7 +742,7 @@ class Gateway:
         return (text_bytes // b, b) if b > 0 and text_bytes > 0 else (0, 0)
 
     def start_now(self, req: CallRequest, d: Decision, over_context: bool) -> Decision | None:
-        """Overload fallback (issue 18 item 5): the least loaded live candidate if it can start the call now
+        """Overload fallback: the least loaded live candidate if it can start the call now
         (nothing queued ahead of it, a free decode slot), or (``over_context``) regardless of load, so the
         engine's exact tokenizer answers 413. Returns the rewritten decision (reason ``start-now``) or None.
         Pure: reads the states the last ``decide`` built."""
@@ -850,14 +849,14 @@ ACCOUNTING = (
 # ------------------------------------------------------------------------------------------ admission
 #
 # Design note (Talaria §3.3 "predictive overload controls rather than hard TTFT guarantees", Algorithm 1
-# lines 20-22 "invoke the configured gateway overload policy"; issue 18 items 4-5). The policy's
+# lines 20-22 "invoke the configured gateway overload policy"). The policy's
 # round-admission and memory checks are *predictions*; a prediction never turns away work that can start
 # now. When ``decide`` finds no admissible candidate ("overload"):
 #   0. A token-id prompt is counted exactly: over the context (prompt + max_tokens, the engine's rule) it is
 #      413 ``context_length_exceeded`` at once, busy or not. A text prompt whose *lower bound* (its text
 #      bytes over the tokenizer's most bytes per token, ``prompt_floor``) is already over is the same 413,
 #      never forwarded: tokenizing megabytes is itself seconds of an engine's time, and a message over the
-#      bus's ``max_payload`` could not be sent anyway (issue 47).
+#      bus's ``max_payload`` could not be sent anyway.
 #   1. A call whose prompt estimate is over the model's context is forwarded to the least loaded live
 #      candidate, whatever its load: the engine tokenizes exactly and answers 413 ``context_length_exceeded``
 #      (a 429 would make a retrying client loop forever).
@@ -1015,7 +1014,7 @@ class Admission:
         self.attempts = max(0, self.attempts - 1)
 
     def fenced(self, instance_id: str) -> None:
-        """The instance refused the call's lease as from an older engine epoch (issue 17 fencing; nothing ran):
+        """The instance refused the call's lease as from an older engine epoch (fencing; nothing ran):
         the lease is spent, so the next step places the call again without it, that instance included."""
         self.tried.discard(instance_id)
 

@@ -1,4 +1,4 @@
-"""Per-call agent hints (issue 14 item 4): validation at the edge, Dynamo aliases, the wire message.
+"""Per-call agent hints: validation at the edge, Dynamo aliases, the wire message.
 
 Design (Dynamo's agent hints, ``nvext.agent_hints`` / ``nvext.cache_control``; Continuum's per-tool-call KV
 TTL): an agent harness knows things the server can only guess — how urgent a call is, how long its answer
@@ -15,7 +15,7 @@ tokens`` (1..2^32-1)                                     tokens in ``dR_req`` (E
 ``expected_tool_s``     —                                carried to the hook for the lease predictor (branch
 (0..86400)                                               ``lease``: ``Gateway.lease_tau`` is the hook)
 ``ttft_target_s`` /     —                                per-token deadlines of a cold pool with ``token_deadlines``
-``tpot_target_s``                                        (issue 16: GenerateRequest; the engine's targets if absent)
+``tpot_target_s``                                        (GenerateRequest; the engine's targets if absent)
 (0..3600]
 ``cache_ttl_s``         ``nvext.cache_control.ttl`` or   upper bound of the session's lease after this call
 (0..86400]              ``cache_control.ttl`` ("300",    (``Gateway.lease_tau``)
@@ -86,7 +86,7 @@ class HintFields(BaseModel):
     expected_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     expected_tool_s: float | None = Field(None, ge=0.0, le=MAX_HINT_S)
     cache_ttl_s: float | None = Field(None, gt=0.0, le=MAX_HINT_S)
-    # issue 16: per-call token deadline targets for a cold pool scheduling by token deadlines (Aegaeon); they go
+    # per-call token deadline targets for a cold pool scheduling by token deadlines (Aegaeon); they go
     # to GenerateRequest.ttft_target_s / tpot_target_s (the engine's configured slot_ttft_s / slot_tpot_s if absent)
     ttft_target_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     tpot_target_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)

@@ -63,7 +63,7 @@ class _Entry:
     counted: bool = False  # in the live counts (alive as of the table's last ``now``)
 
 
-# Design note (issue 15, "placement decision under 1 ms p99 at 1,000 instances"). The live counts per instance
+# Design note ("placement decision under 1 ms p99 at 1,000 instances"). The live counts per instance
 # and per model are kept incrementally instead of scanning every lease per decision (10,000 sessions leave
 # ~10,000 leases in the table): an entry is counted while ``now < t_exp`` for the latest ``now`` asked about; a
 # heap of (t_exp, seq, entry) uncounts entries as the clock passes their expiry; upsert/remove/prune/drop
@@ -206,7 +206,7 @@ class LeaseTable:
         return self._live_model.get(model, 0)
 
     def drop_session(self, session_id: str) -> list[LeaseView]:
-        """Remove every lease of a session (all models; issue 14: it ended). Returns them."""
+        """Remove every lease of a session (all models; it ended). Returns them."""
         gone = [(k, e.view) for k, e in self._by_key.items() if e.lease.session_id == session_id]
         for k, _ in gone:
             self._drop(k)
@@ -261,7 +261,7 @@ class MemoryLeases:
         self.consume_now(session_id, model, revision)
 
     async def drop_session(self, session_id: str, models=()) -> int:
-        """Issue 14: the session ended; remove its leases. Returns how many."""
+        """The session ended; remove its leases. Returns how many."""
         return len(self.table.drop_session(session_id))
 
 
@@ -298,7 +298,7 @@ class JetStreamLeases:
 
     async def resync(self, timeout: float = 5.0) -> bool:
         """Rebuild the mirror from the bucket now (call after a NATS reconnect: the old watcher can lag for
-        tens of seconds, issue 18 item 8). Replaces the watcher; keys no longer in the bucket leave the
+        tens of seconds). Replaces the watcher; keys no longer in the bucket leave the
         table (mutates it). Returns whether the bucket's values arrived within ``timeout``."""
         await self._stop_watch()
         self.resyncs += 1
@@ -417,7 +417,7 @@ class JetStreamLeases:
         await self.consume(session_id, model, revision)
 
     async def drop_session(self, session_id: str, models=()) -> int:
-        """Issue 14: the session ended; delete its leases from the bucket (every replica's mirror follows) and
+        """The session ended; delete its leases from the bucket (every replica's mirror follows) and
         the table: the keys this mirror knows plus those of ``models`` (a lease installed by a peer that the
         watcher has not delivered yet). Unconditional and idempotent: any replica may do it, several may.
         Returns keys deleted."""

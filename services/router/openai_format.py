@@ -3,7 +3,7 @@
 Where tool calls are parsed: here, in the router, on the text the engine streams. The engine names the
 model's tool-call format on its ``accepted`` chunk (``TokenChunk.tool_format``, from the chat template), and
 the router runs the matching pure incremental parser from ``talaria/tool_parsers.py``. The same parser
-objects can run inside the engine when the scheduler needs to know of a tool call as it streams (issue 14):
+objects can run inside the engine when the scheduler needs to know of a tool call as it streams:
 they hold no router state.
 
 Streaming follows OpenAI: text as ``delta.content``; a call as ``delta.tool_calls[{index, id, type,

@@ -4,7 +4,7 @@
 ``/v1/responses`` runs the app's own ``/v1/chat/completions`` handler in-process (same validation,
 placement, tool parsing, structured output) on the translated body (``responses_api.py``); a streaming
 chat response is consumed chunk by chunk and re-emitted as Responses events, and closing our stream closes
-the chat stream (which cancels the engine's work). Issue 44: ``store: true`` writes the response to the
+the chat stream (which cancels the engine's work). ``store: true`` writes the response to the
 tenant-scoped store (``responses_store.py``), ``previous_response_id`` continues a stored one as the same
 session, ``GET`` / ``DELETE /v1/responses/{id}`` read and remove them (another tenant's id: 404).
 
@@ -164,7 +164,7 @@ _SESSION_KEYS = ("session_id", "prompt_cache_key", "user", "safety_identifier") 
 
 
 class _Keep:
-    """Issue 44: one Responses call's storage: its id, whether it is stored, the record it continues, the
+    """One Responses call's storage: its id, whether it is stored, the record it continues, the
     session it runs as. ``save`` writes the record (mutates the response's ``store`` when it could not)."""
 
     def __init__(self, store, tenant: str, rid: str, keep: bool, previous: dict | None) -> None:

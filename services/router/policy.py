@@ -31,7 +31,7 @@ Cost of a call r on instance i (Eq. 1), in seconds, each term charged exactly on
 it are r's own latency, and ``imposed`` is the rest of the work r introduces: the latency it adds to the
 calls already running there. Without it, a return follows its device-resident prefix onto a busy instance
 whenever that is cheapest *for itself*, and the decode batches pile up on the instances holding KV (the
-two-model workload of issue 12: 90 ms of decode per call against 69 for a least-pressure router that only
+two-model workload of 90 ms of decode per call against 69 for a least-pressure router that only
 balances). Charging the externality is the classic marginal-cost rule of load balancing: the sum of all
 calls' latencies, not r's alone, is what a placement changes.
 
@@ -96,7 +96,7 @@ class PolicyParams:
     retry_after_s: float = 1.0
     replica_shortlist: int = 16  # replica-opening candidates ranked per decision (0 = all; see module doc)
     lease_policy: str = "fixed"  # "adaptive": windows from the predicted return gap (return_gap.py)
-    lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed; issue 12 #3)
+    lease_arithmetic: bool = True  # a lease is honoured only when it saves more than it delays (adaptive: also installed)
     lease_decay: bool = False  # adaptive: True = a live lease weighs on its instance by its decaying value; False = in full until it expires
     slot_wait: bool = True  # a cold instance's predicted wait for the model's slot is part of its activation cost
     retention_learned_gap: bool = False  # a fixed-tau lease's retention hint carries the learned gap (engine hold/eviction weigh by it)
@@ -124,7 +124,7 @@ class Profile:
     switch_s: float  # resident but inactive model -> active
     staged_switch_s: float  # staged (partly pre-loaded) model -> active
     open_s: float  # model not resident -> active
-    # issue 12 #2: learned curves (talaria.cost_curve) from the heartbeat; None = the scalars above price it
+    # learned curves (talaria.cost_curve) from the heartbeat; None = the scalars above price it
     prefill_by_context: CostCurve | None = None  # prefill seconds per token by context position
     decode_by_batch: CostCurve | None = None  # decode-step seconds by batch size
 
@@ -145,7 +145,7 @@ class ModelRes:
     active: bool = False  # currently serving (hot: always)
     staged: bool = False  # weights (partly) pre-staged for a switch
     wait_s: float = 0.0  # cold instance with rounds: predicted seconds until the switch into this model starts (engine-reported)
-    # issue 12: this model's own measured costs on the instance (its peers' for the same model where it has
+    # this model's own measured costs on the instance (its peers' for the same model where it has
     # measured none); None: the instance's profile prices it. Switch costs are always the instance's.
     profile: Profile | None = None
 
@@ -335,7 +335,7 @@ def host_prefix(state: PlacementState, idx: InstanceIndex | None = None) -> int:
     the host KV store and no longer on its device (``KV_HOST``), 0 if none. The store is one registry for
     the cluster (``services/kvstore``): any instance with a host tier on it (``InstanceState.host_kv``, from
     its heartbeat) restores that prefix as the instance that wrote it would, so placement prices it
-    as a restore there, not a recompute (issue 12: the two-model sessions' leases pinned returns to the
+    as a restore there, not a recompute (the two-model sessions' leases pinned returns to the
     instance that had checkpointed them, which had switched models meanwhile, while the least-pressure
     router restored them on an idle instance). Device-only copies are not counted: a write-back tier or a
     checkpoint still in flight may not have them in the store yet. Pure (reads ``idx`` when given)."""
@@ -377,7 +377,7 @@ def activation(inst: InstanceState, model: str) -> tuple[str, float]:
     res = inst.models[model]
     if res.active:  # 0 while its slot admits calls mid-way; a draining slot quotes its model's next slot
         return "active", res.wait_s
-    # a cold instance serving other models first: the call also waits for this model's slot (issue 12)
+    # a cold instance serving other models first: the call also waits for this model's slot
     if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
         return "switch", inst.profile.staged_switch_s + res.wait_s
     if res.loaded:
@@ -419,7 +419,7 @@ def _eq1(e: _Entry, pressure: float | None, kv_source: str, prefix: int, c_kv: f
             c_kv = prefix * ppt if prefix > 0 else 0.0
         queue_s = (s_suf * ppt + s_dec * ds) * pressure
         suffix_s = max(1, prompt_tokens - prefix) * ppt
-    else:  # issue 12: prefill priced by the learned per-context curve
+    else:  # prefill priced by the learned per-context curve
         if c_kv is None:
             c_kv = curve.prefill_s(prefix, prefix) if prefix > 0 else 0.0
         queue_s = (curve.prefill_s(s_suf, s_prompt) + s_dec * ds) * pressure
@@ -518,7 +518,7 @@ class _Entry(NamedTuple):
     act: str
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
-    curve: Profile | None  # the profile when it has learned curves (issue 12), else None: the scalars price
+    curve: Profile | None  # the profile when it has learned curves, else None: the scalars price
     joins: int  # calls whose prefill stall is charged (running + forwarded since the snapshot); 0: none or not charged
     slowdown: float  # seconds per decode step imposed on the running + forwarded calls together (their count x the per-sequence slope)
     prof: Profile  # the costs of this model on this instance (``model_profile``)
@@ -542,7 +542,7 @@ def model_profile(inst: InstanceState, model: str) -> Profile:
     """The costs a call of ``model`` is priced with on ``inst``: the model's own (``ModelRes.profile``), else
     the instance's. A cold instance time-shares models of different sizes; its instance profile is the
     active model's, so pricing every model with it priced a 7B call on an instance holding a 0.5B one at the
-    0.5B's speed (issue 12). Pure."""
+    0.5B's speed. Pure."""
     res = inst.models.get(model)
     return res.profile if res is not None and res.profile is not None else inst.profile
 
@@ -820,7 +820,7 @@ def decide_full(state: PlacementState, now: float) -> Decision:
 
 
 def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) -> bool:
-    """Issue 12 item 3 at the return: the lease delays the call more than its resident prefix saves, i.e.
+    """The lease arithmetic at the return: the lease delays the call more than its resident prefix saves, i.e.
     another admissible instance has a lower Eq. 1 total than the leased one (its own lease not charged there):
     Eq. 1 already prices what the call pays on each instance *now* -- the device prefix against a restore or
     a recompute, the other's wait for its model's slot, both queues. The measured residency saving of a lease

@@ -47,7 +47,7 @@ ACTIVATION_PATHS: dict[str, tuple[SwitchPath, ...]] = {
 }
 
 
-# Design note (issue 12 #2, "cold-start priors only until measured"; the brief: "costs that policies use are
+# Design note ("cold-start priors only until measured"; the brief: "costs that policies use are
 # measured and learned, never left at defaults"). An instance that has not yet measured a cost borrows it from
 # its *peers* -- instances of the same peer group (same pool, device and served models, so the same work on the
 # same kind of hardware) that have measured it: the median of their EWMAs for a scalar, the most-sampled peer's
@@ -62,7 +62,7 @@ class ProfileBook:
         self.defaults = defaults
         self.alpha = alpha
         self._v: dict[str, dict[str, float]] = {}
-        self._curves: dict[str, tuple[CostCurve | None, CostCurve | None]] = {}  # issue 12: (prefill, decode)
+        self._curves: dict[str, tuple[CostCurve | None, CostCurve | None]] = {}  # (prefill, decode)
         self._group: dict[str, tuple] = {}  # instance -> peer group (pool, device, served models)
         # per peer group, kept sorted as members' values change (a lookup never scans the fleet, see the note):
         self._sorted: dict[tuple, dict[str, list[float]]] = {}  # metric -> the members' EWMAs, ascending
@@ -105,7 +105,7 @@ class ProfileBook:
             self._curves.pop(key, None)
             self._group.pop(key, None)
 
-    # Per-model costs (issue 12): a cold instance serves models of different sizes and its instance profile is
+    # Per-model costs: a cold instance serves models of different sizes and its instance profile is
     # the active model's. Each model's own costs (``ModelState.cost``) are kept under a key of their own whose
     # peer group is the instance's plus the model, so an instance that has not run a model yet borrows that
     # model's costs from its peers, never another model's.
@@ -298,7 +298,7 @@ class DemandMeter:
 
 
 class QueueBook:
-    """How far Eq. 1's queue term is from the queueing the engines measure (issue 12 #2: costs learned from
+    """How far Eq. 1's queue term is from the queueing the engines measure (costs learned from
     reality). Pure state: no clock, no I/O; mutated only by ``observe`` / ``forget``.
 
     Design note. ``policy.queue_pressure`` counts the calls ahead of a new one in mean calls: waiting and

@@ -1,7 +1,7 @@
 """Instance registry: the router's view of engine instances, built from heartbeats (InstanceSnapshot).
 
 Health that tells slow from dead (Talaria §4.1: "an instance that misses heartbeats is excluded from new
-non-reserved placements"; issue 12 item 4, issue 18 item 9). Per instance, from the silence since its last
+non-reserved placements"). Per instance, from the silence since its last
 snapshot and what the router learned otherwise:
 
 * ``ok`` — heartbeats on time: takes new calls.
@@ -21,7 +21,7 @@ non-reserved calls until fresh telemetry arrives. ``sweep`` reports every state 
 
 In-flight overlay (§4.1): calls this router forwarded are stamped with the wall time; a snapshot sent
 after a forward already counts that call, so only forwards newer than the snapshot stay in the overlay.
-Completions correct it the other way (issue 12: a session's return must not queue behind its own finished
+Completions correct it the other way (a session's return must not queue behind its own finished
 call): a completion hook removes its call from the overlay when no snapshot has counted it yet, and when the
 last snapshot was sent before the call finished (it still counts the call as running) the call is kept in
 ``done`` until a snapshot sent after its finish arrives; ``running`` is the snapshot's count less those.

@@ -11,7 +11,7 @@ model's reasoning comes back as a ``reasoning`` output item before the message (
 content; no summaries: ``reasoning.summary`` other than ``auto`` is a 400), streamed as
 ``response.reasoning_text.delta``; ``reasoning`` items in ``input`` become the next assistant turn's ``reasoning_content`` (the chat
 template renders or drops it). Server-side state
-(``store``, ``previous_response_id``; issue 44) is the route's (``openai_routes.py`` with
+(``store``, ``previous_response_id``) is the route's (``openai_routes.py`` with
 ``responses_store.py``): ``to_chat`` takes the stored conversation as ``history`` and the chain's session.
 """
 

@@ -1,4 +1,4 @@
-"""Stored Responses (issue 44 item 3): ``store: true`` keeps a response, tenant-scoped and bounded, so that
+"""Stored Responses: ``store: true`` keeps a response, tenant-scoped and bounded, so that
 ``previous_response_id`` can continue its conversation (as the same session) and ``GET`` / ``DELETE
 /v1/responses/{id}`` can read or remove it.
 

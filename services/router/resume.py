@@ -1,4 +1,4 @@
-"""Signed resume tokens (issue 17): a lease the client carries, that any router replica can honour alone.
+"""Signed resume tokens: a lease the client carries, that any router replica can honour alone.
 
 Design note. A lease (Talaria §3.3, §4.1: ``(session, model, instance, prefix, t_exp)``) normally reaches
 the other router replicas through the shared JetStream bucket (``leases.py``); when that store is slow or

@@ -1,6 +1,6 @@
 """Tool-aware leases: predicting when a session returns, sizing its lease, and deciding whether a lease pays.
 
-Design note (issue 14 item 1, issue 12 item 3). Talaria §3.3 installs a lease of fixed length tau after
+Design note. Talaria §3.3 installs a lease of fixed length tau after
 every call and names an adaptive tau as future work; Continuum sets a KV time-to-live per tool call from
 the reload cost and the queueing it causes; SGLang reverted a hard TTL pin because pinned memory wedged
 the server, and keeps retention *soft and decaying*. Here:
@@ -338,7 +338,7 @@ def judge_lease(est: GapEstimate, window_s: float, costs: LeaseCosts) -> LeaseJu
 
 class NextModelBook:
     """Which model a session calls next after a call of ``(model, tool)``, learned from observed returns
-    (counts). Feeds intent prefetch (issue 14 item 3): an agent's final answer is followed by the user
+    (counts). Feeds intent prefetch: an agent's final answer is followed by the user
     simulator's model, a tool call by the agent again. Mutates only itself."""
 
     def __init__(self) -> None:

@@ -5,16 +5,16 @@ either honoured (carried to the engine on the wire, or acted on by the router) o
 it when it carries a value we cannot honour (:data:`UNSUPPORTED`). Fields the OpenAI API does not know and
 that are not one of our extensions are rejected too (``extra="forbid"``): nothing is ever ignored silently.
 
-Bounds the wire cannot carry are checked here, before any protobuf is built (issue 18 item 2): ``top_k`` and
+Bounds the wire cannot carry are checked here, before any protobuf is built: ``top_k`` and
 token ids are ``uint32``, ``seed`` is ``int64``, and every string must be encodable as UTF-8 (a lone UTF-16
 surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 
 Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; issue 44: ``skip_special_tokens``,
+``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``cache_salt`` and, for chat, ``chat_template_kwargs``,
 ``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; docs/protocols.md), and OpenAI's
 ``reasoning_effort`` through the model's template switch; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
-``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (issue 14, ``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
+``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
 """
 
@@ -57,7 +57,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
     "suffix": (_absent, "suffix (insertion) is not supported"),
     "n": (lambda v: v in (None, 1), "n > 1 is served by services/router/fanout.py before parsing"),
-    # structured output / tools (issue 13)
+    # structured output / tools
     # OpenAI platform features with no equivalent here
     "functions": (_empty, "functions/function_call are deprecated and not supported; use tools"),
     "function_call": (_absent, "functions/function_call are deprecated and not supported; use tools"),
@@ -81,7 +81,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # obfuscation pads deltas on OpenAI's side; none here (accepted, no-op by definition)
 
 
-class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases (services/router/hints.py)
+class _Common(HintFields):  # per-call hints and their Dynamo aliases (services/router/hints.py)
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
@@ -104,7 +104,7 @@ class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases 
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     session_id: str | None = None
-    # issue 44: vLLM's output options and cache salt (wire: SamplingParams / GenerateRequest.cache_salt)
+    # vLLM's output options and cache salt (wire: SamplingParams / GenerateRequest.cache_salt)
     skip_special_tokens: bool | None = None  # default: special tokens stay in the text (vLLM's default is true)
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
@@ -143,7 +143,7 @@ class _Common(HintFields):  # issue 14: per-call hints and their Dynamo aliases 
 
     def session_key(self, header: str | None) -> str:
         """The call's session: the ``X-Session-ID`` header, else ``session_id``, ``prompt_cache_key``, ``user``,
-        ``safety_identifier``. With a ``cache_salt`` the session is the salt's own (issue 44: a session's KV
+        ``safety_identifier``. With a ``cache_salt`` the session is the salt's own (a session's KV
         is reused by session, so calls of another salt must not find it): ``<key>#salt-<digest>``."""
         key = header or self.session_id or getattr(self, "prompt_cache_key", None) or self.user
         key = (key or getattr(self, "safety_identifier", None) or "")[:256]
@@ -314,7 +314,7 @@ class ChatCompletionRequest(_Common):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
     moderation: Any = None
-    # issue 44: vLLM's chat-template options (wire: GenerateRequest.chat_template)
+    # vLLM's chat-template options (wire: GenerateRequest.chat_template)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

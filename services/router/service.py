@@ -45,11 +45,11 @@ class RouterState:
     sessions: SessionTable
     gateway: Gateway
     lease_store: MemoryLeases | JetStreamLeases
-    responses: MemoryResponses | JetStreamResponses | None = None  # issue 44: stored Responses (None = off)
+    responses: MemoryResponses | JetStreamResponses | None = None  # stored Responses (None = off)
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
-    telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call (issue 7)
-    serving_metrics: ServingMetrics = field(default_factory=ServingMetrics)  # vLLM-named /metrics (issue 43)
+    telemetry: otel.Telemetry = field(default_factory=otel.disabled)  # spans of every call
+    serving_metrics: ServingMetrics = field(default_factory=ServingMetrics)  # vLLM-named /metrics
     _bg: set = field(default_factory=set)  # fire-and-forget publish tasks
     _mux: InboxMux | None = None
 
@@ -104,7 +104,7 @@ class RouterState:
             return
         self.counters["hooks"] += 1
         self.serving_metrics.observe_hook(hook)
-        if hook.session_ended and hook.session_id:  # issue 14: every replica drops the leases (idempotent)
+        if hook.session_ended and hook.session_id:  # every replica drops the leases (idempotent)
             await self.lease_store.drop_session(hook.session_id, [hook.model])
         lease = self.gateway.on_hook(hook)
         if lease is not None:
@@ -119,7 +119,7 @@ class RouterState:
         self.prefetch(hook.session_id, hook.model, tool, hook.prefix.committed_tokens)
 
     async def on_intent(self, data: bytes) -> None:
-        """A ``ToolIntent`` (issue 14 item 3): install the session's lease early, prefetch its next model."""
+        """A ``ToolIntent``: install the session's lease early, prefetch its next model."""
         intent = pb.ToolIntent()
         try:
             intent.ParseFromString(data)
@@ -215,13 +215,12 @@ async def watch_health(state: RouterState, every_s: float = 0.25) -> None:
 
 
 def on_nats_state(state: RouterState, what: str) -> None:
-    """NATS connection callback: on a disconnect, every call in flight ends with ``engine_unavailable`` (issue
-    47: its chunks may be lost, and nothing would ever end it otherwise but ``idle_chunk_timeout_s``); after a
-    reconnect, rebuild the lease mirror from the shared bucket at once (issue 18 item 8) instead of waiting for
+    """NATS connection callback: on a disconnect, every call in flight ends with ``engine_unavailable`` (its chunks may be lost, and nothing would ever end it otherwise but ``idle_chunk_timeout_s``); after a
+    reconnect, rebuild the lease mirror from the shared bucket at once instead of waiting for
     the old watcher to catch up. Mutates counters and the in-flight calls' queues."""
     state.counters[f"nats_{what}"] += 1
     if what == "disconnected" and state._mux is not None:
-        # issue 47: the server forgot every reply inbox's subscription; chunks sent until the reconnect are
+        # the server forgot every reply inbox's subscription; chunks sent until the reconnect are
         # gone and no engine sends them again, so each call in flight ends now with a clean 503 (the engine
         # stops its work on the router's cancel, delivered at the reconnect, or its next requester probe)
         lost = state._mux.bus_lost()

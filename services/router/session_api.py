@@ -1,4 +1,4 @@
-"""Explicit end of an agent session (issue 14 item 4): ``DELETE /v1/sessions/{id}`` and ``X-Session-End: true``.
+"""Explicit end of an agent session: ``DELETE /v1/sessions/{id}`` and ``X-Session-End: true``.
 
 Design (Dynamo's session close hint; SGLang's lesson that retention must be releasable): a session's KV is
 kept on speculation — a lease on the router, the session entry and radix pages on the engine, checkpointed

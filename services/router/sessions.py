@@ -69,7 +69,7 @@ class SessionTable:
         return e
 
     def forget(self, session_id: str) -> SessionEntry | None:
-        """Drop one session's entry (issue 14: the session ended); returns it, or None if unknown."""
+        """Drop one session's entry (the session ended); returns it, or None if unknown."""
         return self._entries.pop(session_id, None)
 
     def forget_instance(self, instance_id: str) -> int:

@@ -1,4 +1,4 @@
-"""The router's part of a call's trace (issue 7): one SERVER span per HTTP call, a placement span, the W3C
+"""The router's part of a call's trace: one SERVER span per HTTP call, a placement span, the W3C
 trace context handed to the engine in ``GenerateRequest.trace_context`` (and NATS headers, see
 ``engine_client``), and the call's outcome as ``gen_ai.*`` attributes.
 
@@ -49,7 +49,7 @@ class CallTrace:
         self.first_token_ns = 0
         self.output_tokens = 0
         self.model = g.model
-        self.router_queue_s = 0.0  # issue 12: seconds in the gateway's overload queue
+        self.router_queue_s = 0.0  # seconds in the gateway's overload queue
         self.forward_ns = 0  # when the call was (last) handed to an engine; placement = t0 -> here minus queue
         self.engine_attribution: CallAttribution | None = None  # the engine's phases, from the finished chunk
         try:
@@ -72,7 +72,7 @@ class CallTrace:
             if g.session_id:
                 attrs[otel.SESSION_ID] = g.session_id
                 attrs[otel.GEN_AI_CONVERSATION_ID] = g.session_id
-            if g.HasField("hints"):  # issue 14: the call's agent hints
+            if g.HasField("hints"):  # the call's agent hints
                 attrs.update(call_hints.span_attributes(g.hints))
             if g.end_session:
                 attrs[call_hints.SESSION_END] = True
@@ -128,7 +128,7 @@ class CallTrace:
         self.forward_ns = time.time_ns()
 
     def attribution(self, end_ns: int) -> CallAttribution | None:
-        """The call's full split (issue 12): the engine's phases, the router's queue and placement, the
+        """The call's full split: the engine's phases, the router's queue and placement, the
         measured latency (arrival -> ``end_ns``) and the residual ``other_s``; None if it was never forwarded."""
         if not self.forward_ns:
             return None

@@ -8,8 +8,8 @@ Record kinds and where they come from (subjects in ``talaria/subjects.py``):
 | heartbeat | ``<ns>.engine.*.heartbeat`` | ``InstanceSnapshot`` (gauges; switch records embedded in it) |
 | hook | ``<ns>.hook.completed`` | ``CompletionHook`` (TTFT, TPOT, tokens, KV hits, SCT fallback) |
 | call | ``<ns>.router.*.calls`` | ``CallRecord`` (SCT, schedule-aware TTFT, placement, leases, avoidable opens) |
-| switch | ``<ns>.engine.*.switch`` | ``SwitchRecord`` (issue 3; also embedded in heartbeats) |
-| round | ``<ns>.engine.*.round`` | ``RoundSummary`` (issue 5) |
+| switch | ``<ns>.engine.*.switch`` | ``SwitchRecord`` (also embedded in heartbeats) |
+| round | ``<ns>.engine.*.round`` | ``RoundSummary`` |
 | kvstore | ``<ns>.kvstore.*.stats`` | ``KvStoreStatsRecord`` (host-store gauges; its cumulative counters become Prometheus counters by delta) |
 """
 
@@ -166,7 +166,7 @@ class Collector:
         self._switch_seen: OrderedDict[tuple[str, int, float], None] = OrderedDict()
         self.stores: dict[str, dict[str, Any]] = {}  # store id -> latest stats (summary)
         self._store_last: dict[str, tuple[int, dict[str, int]]] = {}  # store id -> (epoch, cumulative counters)
-        self._verify_last: dict[str, int] = {}  # instance -> cumulative restore verify failures (issue 14)
+        self._verify_last: dict[str, int] = {}  # instance -> cumulative restore verify failures
         self._lock = threading.Lock()
         self.started_unix = time.time()
 
@@ -234,9 +234,9 @@ class Collector:
                 "waiting": s.num_waiting,
                 "draining": s.draining,
                 "models": [x.model for x in s.models if x.active],
-                "kernels": {k.name: k.state for k in s.kernels},  # issue 43
+                "kernels": {k.name: k.state for k in s.kernels},  #
             }
-            if s.cold_scheduler:  # issue 16: per-token deadline attainment since the engine epoch began
+            if s.cold_scheduler:  # per-token deadline attainment since the engine epoch began
                 self.instances[inst].update({
                     "cold_scheduler": s.cold_scheduler, "deadline_attainment": s.deadline_attainment,
                     "ttft_attainment": s.ttft_attainment, "gap_p99_s": s.gap_p99_s,
@@ -244,7 +244,7 @@ class Collector:
                 })
             if self.record_heartbeats:
                 self._write("heartbeat", now, _msg_dict(s))
-        for rec in s.switches:  # switch records embedded in the snapshot (issue 3)
+        for rec in s.switches:  # switch records embedded in the snapshot
             d = _msg_dict(rec)
             d.setdefault("instance_id", s.instance_id)
             self.on_switch_record(normalize_switch(d), now)
@@ -261,7 +261,7 @@ class Collector:
                 m.errors.labels(h.error.code or "engine_error").inc()
             self._verify_failures(inst, h.kv_restore_verify_failures)
             ok = not h.HasField("error") and reason != "abort"
-            if h.HasField("attribution"):  # issue 12: the engine's exact split of the call's time
+            if h.HasField("attribution"):  # the engine's exact split of the call's time
                 for name, secs in CallAttribution.from_proto(h.attribution).components.items():
                     if secs > 0 and name not in ("router_queue_s", "placement_s"):
                         m.call_phase.labels(model, inst, name[:-2]).inc(secs)
@@ -325,7 +325,7 @@ class Collector:
                     error=bool(c.error),
                     tokens=(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if c.HasField("usage") else None,
                 )
-                if c.HasField("attribution"):  # issue 12: summed per session
+                if c.HasField("attribution"):  # summed per session
                     self.sessions.call_attribution(c.session_id, c.request_id, c.arrival_unix or now, CallAttribution.from_proto(c.attribution).as_dict())
             self._write("call", now, _msg_dict(c))
 
@@ -364,7 +364,7 @@ class Collector:
             if wall:
                 m.round_wall.labels(inst).observe(wall)
             td = d.get("token_deadlines")
-            if isinstance(td, dict) and (_num(td, "tokens") or _num(td, "first_tokens")):  # issue 16
+            if isinstance(td, dict) and (_num(td, "tokens") or _num(td, "first_tokens")):  #
                 for token, n, ok in (("first", "first_tokens", "first_on_time"), ("later", "tokens", "tokens_on_time")):
                     m.deadline_tokens.labels(inst, token, "true").inc(_num(td, ok))
                     m.deadline_tokens.labels(inst, token, "false").inc(max(0.0, _num(td, n) - _num(td, ok)))

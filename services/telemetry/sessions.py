@@ -27,7 +27,7 @@ class _Open:
     instances: set[str] = field(default_factory=set)
     in_flight: dict[str, float] = field(default_factory=dict)  # request id -> start
     done: set[str] = field(default_factory=set)  # request ids already counted
-    attribution: dict[str, float] = field(default_factory=dict)  # issue 12: seconds per component, summed over calls
+    attribution: dict[str, float] = field(default_factory=dict)  # seconds per component, summed over calls
     attributed: set[str] = field(default_factory=set)  # request ids whose attribution is in the sum
 
 
@@ -44,7 +44,7 @@ class SessionResult:
     cached_tokens: int
     models: tuple[str, ...]
     instances: tuple[str, ...]
-    attribution: dict[str, float] = field(default_factory=dict)  # issue 12: the calls' time split, summed
+    attribution: dict[str, float] = field(default_factory=dict)  # the calls' time split, summed
 
     def as_dict(self) -> dict:
         return {

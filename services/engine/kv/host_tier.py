@@ -69,7 +69,7 @@ class HostSessions:
         return self._s.get(session_id)
 
     def drop(self, session_id: str) -> None:
-        """Forget an ended session (issue 14)."""
+        """Forget an ended session."""
         self._s.pop(session_id, None)
 
     def state(self, session_id: str, epoch: int, available: bool) -> str:

@@ -17,11 +17,11 @@ check-then-commit pairs to the scheduler:
   the start of the next schedule), so it cannot be recycled before it is read.
 * ``publish`` inserts a running sequence's computed full pages into the radix cache as its prefill goes
   (the scheduler calls it while calls wait, once the executor said the last forward completed), so calls that share a prefix with a call still being
-  prefilled reuse it instead of computing it again (issue 42 item 2).
+  prefilled reuse it instead of computing it again.
 * ``can_append``/``append`` give a decoding sequence its next page; ``release`` ends a sequence: full
   computed pages go into the radix cache, and with a session id the committed tokens + pages become the
   session entry (the references pass to it); everything else is dereferenced.
-* Host restores (issue 19 #3: the manager owns every page, the host tier only moves bytes): ``match_prefix``
+* Host restores (the manager owns every page, the host tier only moves bytes): ``match_prefix``
   with a :class:`HostIndex` port also says how many further full pages the host store may hold
   (``PrefixMatch.host_pages``); ``reserve_restore`` holds the device part of the prefix and allocates
   fresh pages for the restore (evicting caches if needed), ``adopt_restore`` publishes the first ``n``
@@ -402,7 +402,7 @@ class KVManager:
         return self.sessions.clear() + self.radix.clear()
 
     def drop_session(self, session_id: str, chains: Sequence[Sequence[int]]) -> int:
-        """A session ended (issue 14): drop its session entry and, per hash chain it left (newest first), the
+        """A session ended: drop its session entry and, per hash chain it left (newest first), the
         radix leaves nothing else extends (shared prefixes and locked paths stay). Returns pages freed.
         Mutates: the session cache, the radix cache, allocator references."""
         return self.sessions.drop(session_id) + sum(self.radix.drop_leaves(c) for c in chains)

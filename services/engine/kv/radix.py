@@ -136,7 +136,7 @@ class RadixCache:
         return evicted, freed
 
     def drop_leaves(self, hashes: Sequence[int]) -> int:
-        """Issue 14 (a session ended): remove the chain ``hashes`` (page 0 first) from its last page backwards
+        """A session ended: remove the chain ``hashes`` (page 0 first) from its last page backwards
         while each node is an unlocked leaf, so prefixes other chains extend stay. Returns pages freed."""
         freed = 0
         for h in reversed(list(hashes)):

@@ -1,4 +1,4 @@
-"""Retention of a session's device KV tied to its predicted return (issue 14 item 2).
+"""Retention of a session's device KV tied to its predicted return.
 
 Design note (Talaria §3.3 leases made adaptive; SGLang's decaying soft retention -- a hard TTL pin there was
 reverted for wedging memory; Continuum's per-tool KV time-to-live). The router knows what the engine does

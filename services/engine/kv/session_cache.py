@@ -53,7 +53,7 @@ class SessionCache:
         self.max_pages = max_pages
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU first
         self._num_pages = 0
-        self.retention = None  # optional kv.retention.RetentionBook: evict by predicted return (issue 14)
+        self.retention = None  # optional kv.retention.RetentionBook: evict by predicted return
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,4 +1,4 @@
-"""Host KV write-back: which sessions' device pages are not in the kvstore yet (issue 12 item 3, issue 14 item 2).
+"""Host KV write-back: which sessions' device pages are not in the kvstore yet.
 
 Design note (SGLang HiCache's ``write_policy`` -- write_through copies every new node to host at once,
 write_back only when the node is evicted from the device; the CPU-cache write-back of any textbook: a dirty

@@ -1,4 +1,4 @@
-"""Compiled layer parts (Talaria issue 20 §3): ``torch.compile`` (inductor) of the pure math of every layer.
+"""Compiled layer parts: ``torch.compile`` (inductor) of the pure math of every layer.
 
 Design note. A step of a small model (SmolLM2-135M: 30 layers of 576 wide) is a few hundred small ops per
 forward; the linears are bound by reading the weights, the rest is elementwise work (RMSNorm, RoPE, SiLU x

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps (Talaria issue 20 §4).
+"""CUDA graphs of decode steps.
 
 Design note. On a GPU a decode step of a small model is bound by launches, not by math: a step of
 ``small-llama`` (bench engine's default) is ~15 kernels per layer of a few microseconds each, every one behind

@@ -1,6 +1,6 @@
 """The decode step's linears on AVX-512 BF16: a small-row GEMM kernel (``decode_gemm.cpp``).
 
-Design note (Talaria issue 20 §3, "the hot path"). A decode step multiplies a few rows (``M`` = the step's
+Design note ("the hot path"). A decode step multiplies a few rows (``M`` = the step's
 sequences, 1-16) by every weight of the model. For SmolLM2-135M that is 270 MB of bf16 weights per step and
 2 x M x 135 M flops: at M = 8, 2.2 GFLOP. One core of this machine reads ~23 GB/s (270 MB in ~12 ms) and its
 VDPBF16PS units do far more than 100 GFLOP/s, yet oneDNN's prepacked bf16 linear (``packed.py``) ran the

@@ -14,7 +14,7 @@ Design notes
   A hot CPU engine additionally *packs* them (:meth:`LlamaForCausalLM.pack_weights`, ``packed.py``):
   oneDNN-blocked copies used by the forward instead of ``F.linear`` on the parameters.
 * ``forward`` runs a *flat* batch (see :mod:`services.engine.model.batch`). All linear layers, norms and
-  RoPE run on the whole ``[T, ...]`` flat batch. Attention is batched too (Talaria issue 20 §2, the
+  RoPE run on the whole ``[T, ...]`` flat batch. Attention is batched too (the
   varlen "packed" prefill of FlashAttention-2 §3 / vLLM's chunked prefill): a step has at most two
   attention groups per layer, whatever its number of sequences (on a CPU, the multi-token group may make
   one or two flash calls per sequence, see *rows* below):
@@ -650,7 +650,7 @@ def _packed_group(rows, q_lens, lens, cu, tables, page_size, device, window=None
 
 
 class LlamaForCausalLM(nn.Module):
-    # issue 16 (streaming hot-swap): when set, called with layer index l before layer l runs and with
+    # streaming hot-swap: when set, called with layer index l before layer l runs and with
     # num_hidden_layers before the final norm; it blocks until that layer group's weights are resident
     layer_gate = None
     # whether the layers are ``layer_in`` / ``layer_out`` (what compiled.py compiles) and one plan serves every

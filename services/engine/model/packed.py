@@ -1,6 +1,6 @@
 """Prepacked CPU linear weights (oneDNN): the decode step's matmuls without a per-call weight reorder.
 
-Design note (Talaria issue 20 §3, "the hot path"): a decode step multiplies a few rows (``M`` = batch
+Design note ("the hot path"): a decode step multiplies a few rows (``M`` = batch
 size, 1-32) by every weight of the model, so it is bound by reading the weights. ``F.linear`` on a CPU
 hands oneDNN/MKL the checkpoint's ``[out, in]`` layout, which the library re-blocks on *every* call; for
 small ``M`` that reorder costs as much as the multiplication. This is the weight prepacking that

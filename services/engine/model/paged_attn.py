@@ -20,7 +20,7 @@ for all ``G = H / KVH`` query heads sharing them (scores for G heads per K row),
 score buffer (scores, then weighted V sum), float32 throughout; bf16 converts by a 16-bit shift. Tasks run
 in parallel with ``at::parallel_for`` (torch's intra-op threads). Code written from scratch for this repo.
 
-Two refinements (issue 20, the agent sessions' long contexts):
+Two refinements (the agent sessions' long contexts):
 
 * **Vectorized scores** (head dim 64, float32 or bf16, G <= 6, a CPU with AVX-512; bf16 also needs
   AVX512_BF16): the 16 K rows of a page run give 16 row-wise product vectors, summed together by one
@@ -42,7 +42,7 @@ Measured (old kernel vs this one, side by side in one process; SmolLM2-135M shap
 machine, 2026-12-03): one layer, bf16, batch 1 / 8 at 2,048 keys 127 -> 53 us / 954 -> 488 us; a whole
 SmolLM2 bf16 decode step at ~2,000-token contexts 26.9 -> 24.1 ms (batch 1), 61.4 -> 49.7 ms (batch 8).
 
-* **All kv heads in one task** (2026-12-05, issue 20): where the pool's rows hold the kv heads back to back
+* **All kv heads in one task** (2026-12-05): where the pool's rows hold the kv heads back to back
   (the engine's pools) and the AVX-512 body applies, a task is (sequence, chunk of keys) and reads each run's
   K rows, then its V rows, whole: the KVH heads one after the other while the run's rows are in cache, the
   next run's whole rows prefetched. Per-head tasks each read 128 of every 384 bytes (SmolLM2: 3 kv heads x

@@ -11,7 +11,7 @@ through the group's packed slot list. The same function as the ``rows`` path of
 after a prefix), in one call for the whole group.
 
 Why: a prefill's attention was ATen's CPU flash kernel, ~30-45 % of a prefill of SmolLM2-135M (bf16, 2
-threads) and most of the difference to vLLM's CPU build on long prompts (issue 20). That kernel is bound by
+threads) and most of the difference to vLLM's CPU build on long prompts. That kernel is bound by
 its softmax (one exp per score, ~2.9 G/s here) and, for a causal block, computes the masked half too; its
 matrix products do not set the pace. Here the two products of each block run on the AMX tile unit
 (``TDPBF16PS``: bf16 pairs, float accumulation) and the softmax on AVX-512, FlashAttention's online softmax

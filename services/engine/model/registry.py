@@ -1,6 +1,6 @@
 """The model-architecture registry: a Hugging Face ``architectures[0]`` name -> how to serve it.
 
-Design note (Talaria issue 19 item 5, the seam vLLM's ``ModelRegistry`` and SGLang's ``models/`` registry
+Design note (the seam vLLM's ``ModelRegistry`` and SGLang's ``models/`` registry
 give those engines): an :class:`Architecture` bundles the three things the engine needs to know about a
 family and nothing else -- the ``nn.Module`` class to build, the parser of its ``config.json`` quirks
 (the architecture-specific :class:`~services.engine.model.config.ModelConfig` fields), and the layout of

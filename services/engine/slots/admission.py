@@ -11,7 +11,7 @@ with ``host_kv``). At each opportunity the bounded subset whose prefill + restor
 after protected decode, whose KV fits free device memory, and which respects the batch bounds is admitted,
 first-fit in arrival order; the rest waits for a later opportunity or the next slot.
 
-Calls without a usable prefix (``new_sessions``, issue 12). In the paper only returning sessions join a slot
+Calls without a usable prefix (``new_sessions``). In the paper only returning sessions join a slot
 mid-way; a new session's call, or a return whose prefix is gone, waits for its model's next P, a whole round
 away even while its model holds the slot. Measured on the Mooncake replay (30 sessions, 5 repetitions): such
 calls waited ~1 s each for their slot against ~45 ms for continuations, about a third of all the time calls
@@ -26,7 +26,7 @@ lost to no SP and beat the paper's rule (median 0.98x), and on the bench's Moonc
 a check that also weighs the calls expected to arrive during the slot (as ``hold.py`` does) is what would make
 it safe to turn on.
 
-SP that cannot lose (issue 12 item 3). Fitting the budget is not enough: SP prefill runs inside the active
+SP that cannot lose. Fitting the budget is not enough: SP prefill runs inside the active
 model's slot, so it pushes back every call of *another* model that is waiting for its own slot (§3.4: the
 other models' P waits for the switch). A fitting call is admitted only when what it saves exceeds what it
 costs others, both predicted from the slot cost model's measured costs (``costs.py``, EWMA of executed
@@ -36,7 +36,7 @@ and the switch back (``SpGain.wait_saved_s``, computed by the scheduler); the **
 (prefill + restore, plus the decode iterations it adds to an undrainable slot) times the calls of other
 models waiting (``SpGain.waiting_others``), plus its prefill + restore time for every call of the active
 model still decoding (``SpGain.decoding_same``): chunked prefill puts the SP call's prefill chunks into the
-steps those calls decode in, so each of them finishes that much later (issue 12: on a CPU a 512-token chunk
+steps those calls decode in, so each of them finishes that much later (on a CPU a 512-token chunk
 turns a ~10 ms decode step into ~0.5 s). ``harm > benefit`` defers the call with reason ``no_gain``; it
 then joins the next P of its model, exactly as without SP, so SP can only move a call earlier when that
 pays. With no other model waiting and nothing of its own model decoding the harm is 0 and SP admits as before.

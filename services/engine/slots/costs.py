@@ -44,7 +44,7 @@ class CostModel:
         self.default = default or CostProfile()
         self._models: dict[str, CostProfile] = dict(per_model or {})
         self._switch = SwitchCostModel(alpha, priors=self.default.switch_by_path)  # the project's one switch-cost model
-        self._prefill_curve: dict[str, CostCurve] = {}  # issue 12 #2: per model, seconds per token by context
+        self._prefill_curve: dict[str, CostCurve] = {}  # per model, seconds per token by context
         self._decode_curve: dict[str, CostCurve] = {}  # per model, decode-step seconds by batch size
         self._measured: set[str] = set()  # models with a measured step or restore (not only the injected priors)
 
@@ -110,7 +110,7 @@ class CostModel:
         """Whether a step or restore of ``model`` has been measured (its costs are more than the priors)."""
         return model in self._measured
 
-    # ---------------------------------------------------------------- learned curves (issue 12 #2)
+    # ---------------------------------------------------------------- learned curves
     def prefill_seconds(self, model: str, tokens: int, context_end: int) -> float:
         """Seconds to prefill ``tokens`` tokens ending at ``context_end``: the learned per-token curve at
         their mean position once measured, else ``tokens * prefill_per_token`` (the prior / scalar EWMA)."""
@@ -182,5 +182,5 @@ class MeasuredCosts:
         self.costs.observe_restore(model, tokens, seconds)
 
     def observe_shape(self, model: str, prefill_tokens: int, prefill_position: float, restore_tokens: int, decode_seqs: int, seconds: float) -> None:
-        """The learned curves' part of a measured step (``CostModel.observe_shape``, issue 12 #2)."""
+        """The learned curves' part of a measured step (``CostModel.observe_shape``)."""
         self.costs.observe_shape(model, prefill_tokens, prefill_position, restore_tokens, decode_seqs, seconds)

@@ -1,5 +1,5 @@
-"""Holding a slot open for returns expected soon (Talaria §1 and §3.4; leases of §3.3 with the predicted gaps
-of issue 14; the "cannot lose" arithmetic of issue 12 item 3).
+"""Holding a slot open for returns expected soon (Talaria §1 and §3.4; leases of §3.3 with predicted return
+gaps, and the router's lease arithmetic: a hold must not lose more than it saves).
 
 Design note. A slot closes early when its model has nothing in flight and another model has work
 (``scheduler.py``). In an agent workload that is exactly the moment a session sits in its tool gap: closing

@@ -62,10 +62,10 @@ class SlotPolicy:
     sp_max_batch: int = 8
     sp_max_tokens: int = 4096
     endless: bool = False  # one model, no end of slot: the simulator's hot instances (sim/); the engine's hot pool runs executor.Engine
-    sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others (issue 12)
+    sp_gain_check: bool = True  # SP admits a call only when its round wait saved exceeds the delay to others
     sp_new_sessions: bool = False  # SP also admits calls without a usable prefix (new sessions), by the same checks (admission.py; off: see there)
     return_hold: bool = True  # hold an idle slot open for returns expected soon when that pays (hold.py; needs sp)
-    token_deadlines: bool = False  # issue 16: the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
+    token_deadlines: bool = False  # the executor uses deadlines.DeadlineScheduler (Aegaeon) instead of rounds
 
     def __post_init__(self) -> None:
         if not 0 < self.gamma < 1:
@@ -208,7 +208,7 @@ class SlotScheduler(MeasuredCosts):
         return out
 
     def slot_waits(self, now: float, idle: bool = False) -> dict[str, float]:
-        """Predicted seconds until the switch to each model of the open round can start (issue 12, Eq. 1's
+        """Predicted seconds until the switch to each model of the open round can start (Eq. 1's
         wait term for a cold instance; the router adds the switch itself, priced by its path): 0 for the
         model holding the slot while the slot still admits calls mid-way (SP on, not draining, budget left),
         else the wait for its next slot (the rest of the round and the switch back: a call arriving then
@@ -474,7 +474,7 @@ class SlotScheduler(MeasuredCosts):
         left_slots = max(1, len([x for x in r.order if x not in r.served]))
         share = max(0.0, r.plan.prefill_pool_s - r.prefill_used_s) / left_slots
         mv0 = view.model(m)
-        t_d = self.costs.decode_step_at(m, mv0.running + len(mv0.queued))  # issue 12: at the slot's batch
+        t_d = self.costs.decode_step_at(m, mv0.running + len(mv0.queued))  # at the slot's batch
         d_m = r.plan.reserved_iters.get(m) or reserved_iterations(r.plan.bound_s, self.policy.tpot_s)
         s = _Slot(m, now, d_m * t_d + share, share, d_m, t_d, switch_in_s=switch_in, switch_path=path)
         self._slot = s

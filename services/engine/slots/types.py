@@ -171,7 +171,7 @@ class RoundSummary:
     switch_paths: tuple[str, ...]
     slots: tuple[SlotSummary, ...]
     flags: dict[str, bool]  # sp / host_kv / d2d_staging in force
-    # SP that cannot lose (issue 12): why eligible continuations were deferred (budget | batch_limit | memory |
+    # SP that cannot lose: why eligible continuations were deferred (budget | batch_limit | memory |
     # no_gain; one count per call per slot, like sp_deferred) and the predicted round wait the admitted SP
     # calls saved vs the delay they imposed on other models' waiting calls (admission.SpGain)
     sp_deferred_reasons: dict[str, int] = field(default_factory=dict)
@@ -182,7 +182,7 @@ class RoundSummary:
     holds: int = 0
     hold_gain_s: float = 0.0
     hold_harm_s: float = 0.0
-    # per-token deadlines (issue 16, Aegaeon): attainment and inter-token gap distribution over the round
+    # per-token deadlines (Aegaeon): attainment and inter-token gap distribution over the round
     # (a ``deadlines.DeadlineStats``; None when no tracker is attached)
     deadlines: Any = None
 

@@ -163,8 +163,7 @@ class StagingArea:
                 self.by_index.pop((c.model, c.index), None)
 
     def discard_keys(self, keep) -> int:
-        """Forget staged chunks whose ``(model, index)`` is not in ``keep`` (waits for writes first; issue 16:
-        a residency plan releases what it does not keep). Returns chunks forgotten."""
+        """Forget staged chunks whose ``(model, index)`` is not in ``keep`` (waits for writes first; a residency plan releases what it does not keep). Returns chunks forgotten."""
         self.poll(wait=True)
         n = 0
         for s, c in list(self.chunks.items()):

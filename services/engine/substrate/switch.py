@@ -3,7 +3,7 @@
 Phases of a switch from ``m`` to ``m'``, each timed into a :class:`SwitchRecord`:
 
 1. save/teardown — run the switch barriers (``before_kv_release`` callables: drain outstanding
-   device→host KV checkpoints of ``m``, issue 4), then release ``m``'s KV region (its caches are emptied;
+   device→host KV checkpoints of ``m``), then release ``m``'s KV region (its caches are emptied;
    the region is about to be reused) and detach it from staging.
 2. open target weights — wait for in-flight staging writes, move the weights bump pointer for ``m'``, copy
    every chunk of ``m'``: CLEAN staged chunks device-to-device, dirty or missing ones from the bank.
@@ -107,7 +107,7 @@ class MemorySubstrate:
         self.staging_max_fraction = staging_max_fraction
         self.area: StagingArea | None = None
         self.allocator: StagingAwareAllocator | None = None  # of the active model
-        # issue 16 (partial_layers): streams a model's later layer groups after phase 2 instead of copying
+        # partial_layers: streams a model's later layer groups after phase 2 instead of copying
         # them in it (``streaming_swap.HotSwapStreamer``: first_streamed_chunk(model) / start(model, chunks))
         self.streamer = None
 
@@ -167,7 +167,7 @@ class MemorySubstrate:
         return len(todo)
 
     def stage_plan(self, targets: dict[str, list[int]], budget: int) -> int:
-        """Carry out a residency plan's weight part (issue 16): staged chunks not in ``targets`` (model ->
+        """Carry out a residency plan's weight part: staged chunks not in ``targets`` (model ->
         chunk indices to keep staged, in priority order) are released, missing ones are staged, at most
         ``budget`` new chunks per call. Returns chunks started."""
         a, alloc = self.area, self.allocator
