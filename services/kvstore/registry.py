@@ -306,12 +306,9 @@ class HostKVRegistry:
             self._observe_gap(deepest_idle)
         per = self.slabs_for(layout.page_bytes)
         protect = {(model, rank, hashes[i]) for i in range(len(hashes))}
-        fit = 0
-        for k in range(len(todo)):
-            need = per * (k + 1)
-            if len(self._free) < need and not self._evict(need, protect, now):
-                break
-            fit += 1
+        if len(self._free) < per * len(todo):  # one eviction pass for every missing page (the heap is built once)
+            self._evict(per * len(todo), protect, now)
+        fit = min(len(todo), len(self._free) // per)  # the longest run that fits, evicting all that can go if not all
         missed = len(todo) - fit
         self.counters.capacity_miss_pages += missed
         todo = todo[:fit]
