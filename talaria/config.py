@@ -86,6 +86,7 @@ class EngineConfig(_Strict):
     staging_chunks_per_step: int = Field(8, ge=0, description="cold: staging copies started per executor step")
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
     host_kv_write_policy: Literal["back", "through"] = Field("through", description="host_kv: when a session's KV is copied to the kvstore; through = at the end of every call (the default: write-back measured no gain within noise, and under it another instance cannot restore a session that is only dirty here), back = only when its pages are about to leave the device (eviction under memory pressure, a cold engine's switch away from the model, a retention hint expecting the return after the lease window; services/engine/kv/write_back.py)")
+    host_kv_restore: Literal["auto", "always", "never"] = Field("auto", description="host_kv: whether a call whose prompt the kvstore holds beyond the device caches restores it or recomputes it; auto = whichever the engine's measured restore and prefill costs say is faster (the default), always = restore whatever the store holds (e.g. to pin replays to the restore path), never = recompute (the store is still written)")
     # cold-pool slot scheduler (services/engine/slots, Talaria §3.4 / Appendix E); sp, host_kv and d2d_staging all
     # off = the Round-only baseline
     slot_scheduler: bool = Field(True, description="cold: rounds/slots with SP (services/engine/slots); false = the simple switch-when-idle rule")

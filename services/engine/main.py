@@ -153,7 +153,7 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
             return HostKV(
                 eng, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
                 restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id, tracer=tracer,
-                write_policy=cfg.host_kv_write_policy,
+                write_policy=cfg.host_kv_write_policy, mode=cfg.host_kv_restore,
             )
 
         if cold:  # one tier per catalog model; the switch barrier drains the outgoing model's copies

@@ -32,7 +32,8 @@ def replay_stack(rel_models_dir):
     require_extension()  # the mode needs the paged kernel: a build failure fails here, not as a config error later
     cfg = stack_config(
         rel_models_dir,
-        [engine("e0", MODEL, page_size=16, dtype="bfloat16", deterministic=True, torch_threads=2, max_num_seqs=16)],
+        [engine("e0", MODEL, page_size=16, dtype="bfloat16", deterministic=True, torch_threads=2, max_num_seqs=16,
+                host_kv_restore="always")],
         kvstore={"enabled": True, "capacity_mb": 64, "slab_kb": 32},
     )
     s = start_stack(cfg)
@@ -75,8 +76,10 @@ async def test_greedy_replay_after_host_kv_restore_is_identical(replay_stack):
         second = await asyncio.to_thread(_send_all, replay_stack.api)
     finally:
         await nc.close()
-    restored = sum(u["prompt_tokens_details"]["restored_tokens"] for _, u in second.values())
-    assert restored >= len(CALLS) * 16, f"the replay did not restore from the kvstore ({restored} tokens)"
+    # every session's own pages are only in the store after the flush, and the engine restores whatever the
+    # store holds (host_kv_restore: always; auto would let the cost model recompute a short tail instead)
+    not_restored = {sid: u["prompt_tokens_details"] for sid, (_, u) in second.items() if u["prompt_tokens_details"]["restored_tokens"] < 16}
+    assert not not_restored, f"replays that did not restore from the kvstore: {not_restored}"
     differ = [sid for sid, _ in CALLS if first[sid][0] != second[sid][0]]
     assert not differ, f"{len(differ)}/{len(CALLS)} replays differ: {differ}"
     assert len({t for t, _ in first.values()}) > 1  # not a degenerate model
