@@ -311,8 +311,8 @@ def render(r: dict[str, Any]) -> str:
 
 
 def add_args(p) -> None:
-    p.add_argument("--url", required=True, help="the peer's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", required=True, help="the peer's served model name")
+    p.add_argument("--url", help="the peer's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (required without --multi)")
+    p.add_argument("--model", help="the peer's served model name (required without --multi)")
     p.add_argument("--talaria-url", default="http://127.0.0.1:8080/v1", help="Talaria's OpenAI base URL (default http://127.0.0.1:8080/v1)")
     p.add_argument("--talaria-model", default="", help="Talaria's model name (default: --model)")
     p.add_argument("--talaria-config", default=None, metavar="FILE|default",
@@ -333,10 +333,19 @@ def add_args(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-call timeout, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    from bench.peer_multi import add_args as add_multi_args
+
+    add_multi_args(p)
 
 
 def main(args) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.multi:
+        from bench.peer_multi import main as multi_main
+
+        return multi_main(args)
+    if not args.url or not args.model:
+        raise SystemExit("talaria bench peer: --url and --model are required (or --multi with --peer MODEL=URL twice)")
     result = asyncio.run(run_peer_bench(args))
     return emit(result, render(result), args.json)
