@@ -35,6 +35,9 @@ What is measured (issue 20 §1)
     its effective engine and kvstore settings (defaults filled in) and says when the host KV tier is off,
     which is not what users of the default stack run.
 
+    ``--multi`` (``bench/peer_multi.py``) compares two models instead: one Talaria stack serving both against
+    one peer server per model (``--peer MODEL=URL`` twice), on the matrix's two-model agent workload.
+
     Token counts of the prompts are calibrated once on the Talaria target (``usage.prompt_tokens`` of a
     probe call, tokens per word); both targets get the very same texts.
 
@@ -323,7 +326,7 @@ def add_args(p) -> None:
     p.add_argument("--ttft-calls", type=int, default=3, help="sequential calls per length and repetition (default 3)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16], help="concurrent streams of the decode workload")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per stream (ignore_eos) (default 64)")
-    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--sessions", type=int, default=8, help="agent sessions of agent / agent-chat / --multi (default 8)")
     p.add_argument("--calls", type=int, default=8, help="calls per session (default 8)")
     p.add_argument("--first-tokens", type=int, default=800, help="first prompt of a session, tokens (default 800)")
     p.add_argument("--system-tokens", type=int, default=300, help="agent-chat: shared system prompt, tokens (default 300)")
