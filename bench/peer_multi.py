@@ -308,7 +308,8 @@ async def run_side(side: Side, w: Workload, a) -> tuple[dict[str, float], dict[s
     m["pss_peak_mib"] = peak.pss / 2**20 if peak else nan
     extra = {"load_start": load0, "load_end": loadavg(), "wall_s": res.wall_s,
              "errors": sorted({c.error for c in res.calls if c.error})[:5],
-             "memory_by_process_mib": {k: v / 2**20 for k, v in (peak.per_process.items() if peak else [])}}
+             "memory_by_process_mib": {k: v / 2**20 for k, v in (peak.per_process.items() if peak else [])},
+             "calls": res.to_json()["calls"]}  # per call: times, status, error, usage (for --json readers)
     return m, extra
 
 
