@@ -70,8 +70,8 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.api import SessionInfo
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
+from services.engine.kv.session_residency import Residency, host_residencies
 from services.engine.kv.manager import RestoreReservation
 from services.engine.kv.write_back import WRITE_POLICIES, DirtySet
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
@@ -908,10 +908,9 @@ class HostKV:
                 **self.counters,
             }
 
-    def session_infos(self, model: str) -> list[SessionInfo]:
-        """Sessions this engine checkpointed: ``host`` (restorable) or ``missing`` (any thread)."""
-        available = self.available()
-        return [SessionInfo(s.session_id, state, s.tokens, model, 0, s.last_use_unix) for s, state in self.index.states(available)]
+    def session_infos(self, model: str) -> list[Residency]:
+        """Sessions this engine checkpointed: ``HOST`` (restorable) or ``MISSING`` (any thread)."""
+        return host_residencies(self.index, self.available(), model)
 
     def close(self) -> None:
         """Stop the workers. Dirty chains are dropped unwritten (their pins returned): call on the executor

@@ -10,25 +10,32 @@ Layers, lowest first; a layer never imports the ones above it:
                    release, eviction across the two caches, copy-on-write decisions, host
                    restores (reserve / adopt / cancel: the pages a restore writes are its)
 ``host_tier``      pure host-store policy and bookkeeping: restore-or-recompute, the host index
+``session_residency``  where each session's KV is (device | host | missing): the one owner of that answer
 =================  ==========================================================================
 
-The physical pool (tensors) belongs to the executor; these modules only hand out page ids.
+The physical pool (tensors) belongs to the executor; these modules only hand out page ids. Nothing outside
+this package reads the allocator, the radix cache or the session cache: it asks the manager (or the
+residency owner), whose methods say what they mutate.
 """
 
 from services.engine.kv.allocator import OutOfPagesError, PageAllocator
 from services.engine.kv.manager import CopyOp, HostIndex, KVManager, PrefixMatch, RestoreReservation
 from services.engine.kv.radix import RadixCache
 from services.engine.kv.session_cache import SessionCache, SessionEntry
+from services.engine.kv.session_residency import KvLocation, Residency, SessionResidency
 
 __all__ = [
     "CopyOp",
     "HostIndex",
     "KVManager",
+    "KvLocation",
     "OutOfPagesError",
     "PageAllocator",
     "PrefixMatch",
     "RadixCache",
+    "Residency",
     "RestoreReservation",
     "SessionCache",
     "SessionEntry",
+    "SessionResidency",
 ]

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.engine.kv.session_residency import KvLocation
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreDecision:
@@ -72,10 +74,10 @@ class HostSessions:
         """Forget an ended session."""
         self._s.pop(session_id, None)
 
-    def state(self, session_id: str, epoch: int, available: bool) -> str:
-        """``host`` when the store we committed to is the one up now, else ``missing``."""
+    def state(self, session_id: str, epoch: int, available: bool) -> KvLocation:
+        """``HOST`` when the store we committed to is the one up now, else ``MISSING``."""
         s = self._s.get(session_id)
-        return "host" if s is not None and available and s.epoch == epoch else "missing"
+        return KvLocation.HOST if s is not None and available and s.epoch == epoch else KvLocation.MISSING
 
     def entries(self) -> list[HostSession]:
         return list(self._s.values())
@@ -142,7 +144,7 @@ class StoreIndex:
                 self._stored.update(hashes)
             self.sessions.committed(session_id, tokens, epoch, now_unix)
 
-    def states(self, available: bool) -> list[tuple[HostSession, str]]:
-        """Every known session with its state (``host`` | ``missing``)."""
+    def states(self, available: bool) -> list[tuple[HostSession, KvLocation]]:
+        """Every known session with its state (``HOST`` | ``MISSING``)."""
         with self._lock:
             return [(s, self.sessions.state(s.session_id, self.epoch, available)) for s in self.sessions.entries()]
