@@ -38,6 +38,7 @@ import torch
 from services.engine.api import CostStats, EngineStats, KvLocation, ModelStats, SessionInfo, SlotStats
 from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
+from services.engine.kv.port import KvPort
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, predict_next
@@ -259,8 +260,8 @@ class ColdEngine:
             for sh in self._shells.values():
                 sh.engine.attach_retention(book)
 
-    def attach_host_kv_factory(self, factory: Callable[[Engine], Any]) -> None:
-        """Give every model's shell a host KV tier built by ``factory(shell_engine)``.
+    def attach_host_kv_factory(self, factory: Callable[[KvPort], Any]) -> None:
+        """Give every model's shell a host KV tier built by ``factory(shell_engine.kv_port())``.
 
         Sessions are checkpointed to the kvstore when their calls end; a switch's phase 1 first drains the
         outgoing model's outstanding device->host copies (the switch barrier, Appendix B) before its KV
@@ -280,9 +281,9 @@ class ColdEngine:
             return
         hk = self._host_kv.get(model)
         if hk is None:
-            hk = self._host_kv[model] = self._host_kv_factory(eng)
+            hk = self._host_kv[model] = self._host_kv_factory(eng.kv_port())
         else:
-            hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
+            hk.rebind(eng.kv_port())  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
         # write-back (kv/write_back.py): while another model has queued calls the next switch takes this
         # model's KV off the device, so a call ending now is written back at once

@@ -50,6 +50,7 @@ from services.engine.api import (  # noqa: F401 - the error classes are part of 
 from services.engine.intra_op import set_thread_count
 from services.engine.kv import KVManager, PageAllocator, SessionResidency
 from services.engine.kv.manager import cdiv
+from services.engine.kv.port import KvPort
 from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
@@ -789,6 +790,13 @@ class Engine:
     def session_info(self, session_id: str) -> SessionInfo | None:
         """Where the session's KV is: on the device (its cached entry), else in the host store, else None."""
         return self.residency.where(session_id)
+
+    def kv_port(self) -> KvPort:
+        """What a host KV tier needs of this engine (``kv/port.py``): its KV manager, its pool and the pool's
+        page layout, and its measured prefill cost. Pure: builds the port, mutates nothing."""
+        cfg = self.config
+        shape = (2, cfg.num_hidden_layers, self.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return KvPort(self.model_id, self.kv, self.kv_cache, shape, self.dtype, lambda: self._prefill_per_token, self.model_dir)
 
     def attach_host_kv(self, host_kv) -> None:
         """Use a host KV tier (``services.engine.host_kv.HostKV``): checkpoint session pages when calls end

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -72,8 +73,9 @@ from opentelemetry.trace import Tracer
 
 from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.session_residency import Residency, host_residencies
-from services.engine.kv.manager import RestoreReservation
-from services.engine.kv.write_back import WRITE_POLICIES, DirtySet
+from services.engine.kv.manager import KVManager, RestoreReservation
+from services.engine.kv.port import KvPort
+from services.engine.kv.write_back import WRITE_POLICIES, DirtySet, late_sessions, orphaned_sessions
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from services.engine.intra_op import set_thread_count
 from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
@@ -154,9 +156,13 @@ class _Restore:
 
 
 class HostKV:
+    """The host KV tier of one model: threads, store protocol and byte movement; every page decision goes
+    through the KV manager of its ``KvPort`` (the tier holds no engine), the host-tier choices are the pure
+    functions of ``kv/host_tier.py`` and ``kv/write_back.py``."""
+
     def __init__(
         self,
-        engine: Any,
+        port: KvPort,
         client: KvStoreClient,
         *,
         mooncake: MooncakeEndpoint | None = None,
@@ -185,21 +191,19 @@ class HostKV:
         self.leaving_soon: Callable[[], bool] | None = None
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
-        self.engine = engine
+        self._port = port
         self.client = client
-        self.owner = owner or engine.model_id
-        cfg = engine.config
-        L, P, kvh, hd = cfg.num_hidden_layers, engine.page_size, cfg.num_key_value_heads, cfg.head_dim
-        self.page_shape = (2, L, P, kvh, hd)
-        self.page_elems = 2 * L * P * kvh * hd
-        self.page_bytes = self.page_elems * engine.dtype.itemsize
-        rev = revision if revision is not None else weights_revision(engine.model_dir)
+        self.owner = owner or port.model_id
+        self.page_shape = port.page_shape
+        self.page_elems = math.prod(port.page_shape)
+        self.page_bytes = self.page_elems * port.dtype.itemsize
+        rev = revision if revision is not None else weights_revision(port.model_dir)
         self.layout = Layout(
-            f"{engine.model_id}@{rev}", tp_rank, tp_size, P, str(engine.dtype).removeprefix("torch."), Family.MHA,
+            f"{port.model_id}@{rev}", tp_rank, tp_size, port.page_size, str(port.dtype).removeprefix("torch."), Family.MHA,
             self.page_shape, self.page_bytes,
         )
         self.mooncake = mooncake or MooncakeEndpoint(data_host)
-        pin = torch.cuda.is_available() and engine.device.type == "cuda"
+        pin = torch.cuda.is_available() and port.device.type == "cuda"
         staging_bytes = max(staging_bytes, self.page_bytes)
         self._ckpt_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
         self._restore_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
@@ -234,6 +238,22 @@ class HostKV:
         self._worker.start()
         self._restorer = threading.Thread(target=self._run_restores, name=f"host-kv-restore-{self.owner}", daemon=True)
         self._restorer.start()
+
+    @property
+    def kv(self) -> KVManager:
+        """The KV manager of the model's engine (the port's): the owner of every page this tier touches."""
+        return self._port.kv
+
+    def rebind(self, port: KvPort) -> None:
+        """A rebuilt engine shell of the same model: move bytes to and from its pool, ask its KV manager. The
+        store knowledge carries over. Call with nothing in flight (the switch barrier ran: no pins, no
+        restores). Mutates: the port."""
+        if (port.page_shape, port.dtype) != (self.page_shape, self._port.dtype):
+            raise ValueError(f"rebind to a pool of another layout: {port.page_shape} {port.dtype}, tier has {self.page_shape} {self._port.dtype}")
+        if self._restoring or self._unpins or self.dirty:  # a switch barrier that timed out: as before, not fixed here
+            log.warning("host KV tier of %s rebound with work in flight (%d restores, %d pin lists, %d dirty)",
+                        self.owner, len(self._restoring), len(self._unpins), len(self.dirty))
+        self._port = port
 
     def host_index(self) -> StoreIndex | None:
         """The KV manager's ``HostIndex`` port while the store is available (None while it is down)."""
@@ -274,7 +294,7 @@ class HostKV:
         Mutates: transfer pins, the job queue or the dirty set. Returns whether pages were pinned."""
         if not seq.session_id or self._closed or not self.available():
             return False
-        kv = self.engine.kv
+        kv = self.kv
         P = kv.page_size
         n = seq.num_computed_tokens // P
         if n == 0 or len(seq.pages) < n:
@@ -324,8 +344,7 @@ class HostKV:
         the dirty chains with a page only its pins still hold (evicted from the caches; pages a running call
         holds stay pinned), waits until their pages are gathered into staging, then returns every pin of a
         finished gather. Mutates: the dirty set, transfer pins. Returns pages freed."""
-        kv = self.engine.kv
-        orphaned = [sid for sid, job in self.dirty.items() if any(kv.allocator.refcount(p) == kv.pin_count(p) for p in job.pages)]
+        orphaned = orphaned_sessions(self.dirty, self.kv.only_pinned)
         deadline = time.monotonic() + timeout
         for job in self.write_back(orphaned, "eviction"):
             job.gathered.wait(max(0.0, deadline - time.monotonic()))
@@ -334,12 +353,12 @@ class HostKV:
     def _return_pins(self) -> int:
         freed = 0
         while self._unpins:
-            freed += self.engine.kv.unpin_pages(self._unpins.popleft())
+            freed += self.kv.unpin_pages(self._unpins.popleft())
         return freed
 
     def _drop_dirty(self, session_ids, count: bool = True) -> None:
         for job in self.dirty.take(session_ids):
-            self.engine.kv.unpin_pages(job.pages)
+            self.kv.unpin_pages(job.pages)
             if count:
                 self.counters["dirty_dropped"] += 1
 
@@ -347,12 +366,11 @@ class HostKV:
         """A dirty session whose retention hint expects its return after the lease window
         (``RetentionBook.value`` -1) is written back at once (it may leave the device). Checked when new
         hints arrived."""
-        book = self.engine.kv.sessions.retention
+        book = self.kv.retention
         if book is None or not self.dirty or book.counters["hints"] == self._hints_seen:
             return
         self._hints_seen = book.counters["hints"]
-        now = time.time()
-        late = [sid for sid in self.dirty.sessions() if book.value(sid, now) < 0]
+        late = late_sessions(self.dirty, book, time.time())
         if late:
             self.write_back(late, "hint")
 
@@ -422,11 +440,11 @@ class HostKV:
                 if need > budget:
                     continue
                 budget -= need
-                copy = torch.empty((len(job.pages), *self.page_shape), dtype=self.engine.dtype)
+                copy = torch.empty((len(job.pages), *self.page_shape), dtype=self._port.dtype)
                 self._gather(job.pages, copy)
                 job.host_copy = copy
                 pins, job.pages = job.pages, []
-                self.engine.kv.unpin_pages(pins)
+                self.kv.unpin_pages(pins)
                 self.counters["switch_host_copies"] += 1
                 job.gathered.set()
         for job in jobs:
@@ -516,7 +534,7 @@ class HostKV:
             except (StoreUnavailable, ValueError):
                 pass  # the lease expires in the store
             return
-        self.index.committed(job.session_id, job.hashes, len(job.hashes) * self.engine.page_size, r.epoch, time.time())
+        self.index.committed(job.session_id, job.hashes, len(job.hashes) * self._port.page_size, r.epoch, time.time())
         with self._lock:
             c = self.counters
             c["checkpoints"] += 1
@@ -525,15 +543,15 @@ class HostKV:
 
     # ---------------------------------------------------------------- page <-> staging
     def _pages_view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return buf[: n * self.page_bytes].view(self.engine.dtype).view(n, *self.page_shape)
+        return buf[: n * self.page_bytes].view(self._port.dtype).view(n, *self.page_shape)
 
     def _pool_pages(self, tensor: torch.Tensor) -> torch.Tensor:
-        P = self.engine.page_size
+        P = self._port.page_size
         return tensor.view(-1, P, *tensor.shape[1:])
 
     def _gather(self, pages: list[int], dst: torch.Tensor | None = None) -> None:
         """Device pool pages -> checkpoint staging, or ``dst`` (page-first layout). The device->host copy."""
-        kvc = self.engine.kv_cache
+        kvc = self._port.kv_cache
         if dst is None:
             dst = self._pages_view(self._ckpt_buf, len(pages))
         dev = kvc.k[0].device
@@ -554,7 +572,7 @@ class HostKV:
         """Restore staging -> device pool pages. With a ``channel`` (the cold engine's transfer
         scheduler under ``partial_layers``) each layer's copy is a chunk of one ``KV`` transfer, so a weight
         stream cannot starve it (κ-floor); this thread waits for it."""
-        kvc = self.engine.kv_cache
+        kvc = self._port.kv_cache
         src = self._pages_view(self._restore_buf, len(pages))
         dev = kvc.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
@@ -586,7 +604,7 @@ class HostKV:
         in (or the restore was declined or failed: then it recomputes). Mutates: the restore table."""
         if self._closed or self.mode == "never" or not self.available():
             return False
-        kv = self.engine.kv
+        kv = self.kv
         n_full = len(seq.token_ids) // kv.page_size
         if n_full == 0:
             return False
@@ -621,9 +639,9 @@ class HostKV:
             self.poll()
         self._ready.remove(seq)
         if seq.kv_hold:
-            self.engine.kv.release_hold(seq.kv_hold)
+            self.kv.release_hold(seq.kv_hold)
             seq.kv_hold = []
-        return seq.num_restored_tokens // self.engine.page_size
+        return seq.num_restored_tokens // self.kv.page_size
 
     def cancel_restore(self, request_id: str) -> bool:
         """The call ended while its restore runs (abort): the restore completes (its pages are published,
@@ -670,7 +688,7 @@ class HostKV:
             if job.stage == "reserve":
                 seq = job.seq
                 # the device prefix may have changed since the lookup: reserve against what the store agreed to
-                job.res = self.engine.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
+                job.res = self.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
                 job.stage = "transfer"
                 self._restore_jobs.put(job)
             else:
@@ -681,7 +699,7 @@ class HostKV:
         reserved device pages (``_land``, restore worker); the radix cache now adopts them, so the
         scheduler sees an ordinary prefix hit. A verification of the landed bytes goes here, before
         ``adopt_restore``. Mutates: KV manager (reservation, radix cache), the sequence, counters."""
-        kv, seq = self.engine.kv, job.seq
+        kv, seq = self.kv, job.seq
         del self._restoring[seq.request_id]
         if job.res is not None:
             if job.landed:
@@ -729,7 +747,7 @@ class HostKV:
 
     def _lookup(self, job: _Restore) -> None:
         """Ask the store for the agreed prefix (pinned) and decide restore-or-recompute from measured costs."""
-        span, P = job.span, self.engine.page_size
+        span, P = job.span, self._port.page_size
         for ev in job.after:  # the session's own checkpoints still in flight (bounded: a dead store fails them)
             ev.wait(30.0)
         t0 = time.perf_counter()
@@ -766,7 +784,7 @@ class HostKV:
         self._post(job, "reserve")
 
     def _decide(self, tokens: int) -> RestoreDecision:
-        prefill = self.engine.prefill_per_token or self.prefill_prior
+        prefill = self._port.prefill_per_token() or self.prefill_prior
         decision = decide_restore(
             tokens, restore_per_token=self.restore_per_token.value, prefill_per_token=prefill, overhead_s=self.restore_overhead.value,
         )
@@ -779,7 +797,7 @@ class HostKV:
         """Read the reserved pages from the store over Mooncake into staging and scatter them into their
         device pages (pages nobody else reads: the reservation holds them). Then hand the job back for
         ``_publish_restored``."""
-        reply, res, P = job.reply, job.res, self.engine.page_size
+        reply, res, P = job.reply, job.res, self._port.page_size
         if res is None or self._closed:
             self._unpin(reply.lease_id, False)
             job.outcome = "recompute"  # no device pages for it
