@@ -1,8 +1,9 @@
 """Engine side of the host KV store: asynchronous checkpoint, restore on return, switch barrier.
 
-Design (Talaria §4.3, Appendices B-C; JointServe §3.2, §4.4). One :class:`HostKV` per engine, attached
-to the executor (``Engine.attach_host_kv``); the executor calls it at three points, all on the executor
-thread:
+Design (Talaria §4.3, Appendices B-C; JointServe §3.2, §4.4). One :class:`HostKV` per model's engine, built
+from that engine's ``KvPort`` (``kv/port.py``: its KV manager, pool and page layout, measured prefill cost --
+the tier holds no engine) and attached to the executor (``Engine.attach_host_kv``); the executor calls it at
+three points, all on the executor thread:
 
 * ``checkpoint(seq)`` when a call ends (before its pages are released into the caches): the full pages of
   its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them). Under
