@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import queue
 import threading
 import time
@@ -72,13 +71,14 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
+from services.engine.kv.host_tier import RESTORE_MODES, RestoreDecision, StoreIndex, decide_restore
 from services.engine.kv.session_residency import Residency, host_residencies
 from services.engine.kv.manager import KVManager, RestoreReservation
 from services.engine.kv.port import KvPort
-from services.engine.kv.write_back import WRITE_POLICIES, DirtySet, late_sessions, orphaned_sessions
+from services.engine.kv.write_back import WRITE_POLICIES, DirtySet, late_sessions, orphaned_sessions, write_now
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from services.engine.intra_op import set_thread_count
+from services.engine.page_mover import PageMover
 from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from talaria import otel
 from talaria.ewma import Ewma
@@ -180,7 +180,7 @@ class HostKV:
         write_policy: str = "through",
         tracer: Tracer | None = None,
     ) -> None:
-        if mode not in ("auto", "always", "never"):
+        if mode not in RESTORE_MODES:
             raise ValueError(f"mode must be auto, always or never, got {mode!r}")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be back or through, got {write_policy!r}")
@@ -195,25 +195,21 @@ class HostKV:
         self._port = port
         self.client = client
         self.owner = owner or port.model_id
+        self.mover = PageMover(port, staging_bytes)  # pool pages <-> staging: the bytes, no decisions
         self.page_shape = port.page_shape
-        self.page_elems = math.prod(port.page_shape)
-        self.page_bytes = self.page_elems * port.dtype.itemsize
+        self.page_bytes = self.mover.page_bytes
         rev = revision if revision is not None else weights_revision(port.model_dir)
         self.layout = Layout(
             f"{port.model_id}@{rev}", tp_rank, tp_size, port.page_size, str(port.dtype).removeprefix("torch."), Family.MHA,
             self.page_shape, self.page_bytes,
         )
         self.mooncake = mooncake or MooncakeEndpoint(data_host)
-        pin = torch.cuda.is_available() and port.device.type == "cuda"
         staging_bytes = max(staging_bytes, self.page_bytes)
-        self._ckpt_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._restore_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        for b in (self._ckpt_buf, self._restore_buf):
+        for b in (self.mover.ckpt_buf, self.mover.restore_buf):
             self.mooncake.register(b.data_ptr(), b.numel())
-        self.staging_pages = staging_bytes // self.page_bytes
+        self.staging_pages = self.mover.staging_pages
         self.retry_after_s = retry_after_s
         self.restore_per_token = Ewma(restore_per_token_prior)
-        self.channel = None  # a transfer scheduler the restore copies go through (see _scatter)
         self.restore_overhead = Ewma(0.0)
         self.prefill_prior = prefill_per_token_prior
         self.index = StoreIndex()  # what the current store epoch holds (the KV manager's HostIndex port)
@@ -241,6 +237,15 @@ class HostKV:
         self._restorer.start()
 
     @property
+    def channel(self):
+        """The transfer scheduler restore copies go through (None: direct copies); ``PageMover.scatter``."""
+        return self.mover.channel
+
+    @channel.setter
+    def channel(self, ch) -> None:
+        self.mover.channel = ch
+
+    @property
     def kv(self) -> KVManager:
         """The KV manager of the model's engine (the port's): the owner of every page this tier touches."""
         return self._port.kv
@@ -249,8 +254,7 @@ class HostKV:
         """A rebuilt engine shell of the same model: move bytes to and from its pool, ask its KV manager. The
         store knowledge carries over. Call with nothing in flight (the switch barrier ran: no pins, no
         restores). Mutates: the port."""
-        if (port.page_shape, port.dtype) != (self.page_shape, self._port.dtype):
-            raise ValueError(f"rebind to a pool of another layout: {port.page_shape} {port.dtype}, tier has {self.page_shape} {self._port.dtype}")
+        self.mover.rebind(port)  # refuses a pool of another layout
         if self._restoring or self._unpins or self.dirty:  # a switch barrier that timed out: as before, not fixed here
             log.warning("host KV tier of %s rebound with work in flight (%d restores, %d pin lists, %d dirty)",
                         self.owner, len(self._restoring), len(self._unpins), len(self.dirty))
@@ -308,7 +312,7 @@ class HostKV:
         pages = list(seq.pages[:n])
         kv.pin_pages(pages)
         job = _Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns())
-        if self.write_policy == "through" or (self.leaving_soon is not None and self.leaving_soon()):
+        if write_now(self.write_policy, self.leaving_soon):
             self._drop_dirty([seq.session_id], count=False)  # superseded by this chain
             self._queue(job)
             if self.write_policy == "back":
@@ -441,8 +445,8 @@ class HostKV:
                 if need > budget:
                     continue
                 budget -= need
-                copy = torch.empty((len(job.pages), *self.page_shape), dtype=self._port.dtype)
-                self._gather(job.pages, copy)
+                copy = self.mover.host_pages(len(job.pages))
+                self.mover.gather(job.pages, copy)
                 job.host_copy = copy
                 pins, job.pages = job.pages, []
                 self.kv.unpin_pages(pins)
@@ -511,18 +515,16 @@ class HostKV:
             for i in range(0, len(blocks), self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 if copy is None:
-                    self._gather([job.pages[b.page_index] for b in part])
+                    self.mover.gather([job.pages[b.page_index] for b in part])
                 else:
-                    dst = self._pages_view(self._ckpt_buf, len(part))
-                    idx = torch.tensor([b.page_index for b in part], dtype=torch.int64)
-                    torch.index_select(copy, 0, idx, out=dst)
-                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # of the bytes written
+                    self.mover.stage_from_host(copy, [b.page_index for b in part])
+                sums += page_checksums(self.mover.ckpt_buf.numpy(), self.page_bytes, len(part))  # of the bytes written
                 if i + self.staging_pages >= len(blocks) and copy is None:
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
                     if job.gathered is not None:
                         job.gathered.set()
-                write_pages(self.mooncake, r.data_plane, part, self._ckpt_buf.data_ptr(), self.page_bytes)
+                write_pages(self.mooncake, r.data_plane, part, self.mover.ckpt_buf.data_ptr(), self.page_bytes)
                 written += [b.block_id for b in part]
             if written:
                 self.client.commit(r.lease_id, written, checksums=sums, checksum_algo=CHECKSUM_ALGO)
@@ -541,60 +543,6 @@ class HostKV:
             c["checkpoints"] += 1
             c["checkpoint_pages"] += len(written)
             c["checkpoint_bytes"] += len(written) * self.page_bytes
-
-    # ---------------------------------------------------------------- page <-> staging
-    def _pages_view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return buf[: n * self.page_bytes].view(self._port.dtype).view(n, *self.page_shape)
-
-    def _pool_pages(self, tensor: torch.Tensor) -> torch.Tensor:
-        P = self._port.page_size
-        return tensor.view(-1, P, *tensor.shape[1:])
-
-    def _gather(self, pages: list[int], dst: torch.Tensor | None = None) -> None:
-        """Device pool pages -> checkpoint staging, or ``dst`` (page-first layout). The device->host copy."""
-        kvc = self._port.kv_cache
-        if dst is None:
-            dst = self._pages_view(self._ckpt_buf, len(pages))
-        dev = kvc.k[0].device
-        idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        with torch.inference_mode():
-            # off the CPU: gather into one device buffer in the staging layout, then one device -> host copy
-            # (2 x layers copies into strided host slices would each go through a host temporary)
-            out = dst if dev.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype, device=dev)
-            for l in range(len(kvc.k)):
-                out[:, 0, l].copy_(self._pool_pages(kvc.k[l]).index_select(0, idx))
-                out[:, 1, l].copy_(self._pool_pages(kvc.v[l]).index_select(0, idx))
-            if out is not dst:
-                dst.copy_(out)
-        if dev.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    def _scatter(self, pages: list[int]) -> None:
-        """Restore staging -> device pool pages. With a ``channel`` (the cold engine's transfer
-        scheduler under ``partial_layers``) each layer's copy is a chunk of one ``KV`` transfer, so a weight
-        stream cannot starve it (κ-floor); this thread waits for it."""
-        kvc = self._port.kv_cache
-        src = self._pages_view(self._restore_buf, len(pages))
-        dev = kvc.k[0].device
-        idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        if dev.type != "cpu" and self.channel is None:
-            # one contiguous (pinned -> device) copy of the whole part, then per-layer device gathers, instead
-            # of 2 x layers strided host slices (each made contiguous on the host before its copy)
-            src = src.to(dev, non_blocking=True)
-
-        def layer(l: int) -> None:
-            with torch.inference_mode():
-                self._pool_pages(kvc.k[l]).index_copy_(0, idx, src[:, 0, l].to(dev, non_blocking=True))
-                self._pool_pages(kvc.v[l]).index_copy_(0, idx, src[:, 1, l].to(dev, non_blocking=True))
-
-        if self.channel is not None:
-            per_layer = 2 * len(pages) * self.page_bytes // max(2 * len(kvc.k), 1)
-            self.channel.submit_kv([(per_layer, (lambda l=l: layer(l))) for l in range(len(kvc.k))]).sync()
-        else:
-            for l in range(len(kvc.k)):
-                layer(l)
-        if dev.type == "cuda":
-            torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------- restore: executor thread
     def begin_restore(self, seq) -> bool:
@@ -788,9 +736,8 @@ class HostKV:
         prefill = self._port.prefill_per_token() or self.prefill_prior
         decision = decide_restore(
             tokens, restore_per_token=self.restore_per_token.value, prefill_per_token=prefill, overhead_s=self.restore_overhead.value,
+            mode=self.mode,
         )
-        if self.mode != "auto":
-            decision = RestoreDecision(self.mode == "always", decision.tokens, decision.restore_s, decision.recompute_s, f"mode={self.mode}")
         self.last_decision = decision
         return decision
 
@@ -813,10 +760,10 @@ class HostKV:
         try:
             for i in range(0, k, self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
-                read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
+                read_pages(self.mooncake, reply.data_plane, part, self.mover.restore_buf.data_ptr(), self.page_bytes)
                 read += len(part)
                 good = self._verify(part)  # before the pages are published
-                self._scatter(pages[i : i + good])
+                self.mover.scatter(pages[i : i + good])
                 landed += good
                 if good < len(part):  # the rest is recomputed: never published (adopt_restore drops it)
                     break
@@ -847,7 +794,7 @@ class HostKV:
         """Check the received pages of ``part`` (in the restore staging buffer) against the store's
         checksums. Returns the verified prefix length; a mismatch is counted, and the bad page's chain (it and
         everything extending it) is released in the store so it is never served again."""
-        good, unverified = verify_pages(self._restore_buf.numpy(), self.page_bytes, part)
+        good, unverified = verify_pages(self.mover.restore_buf.numpy(), self.page_bytes, part)
         with self._lock:
             self.counters["restore_unverified_pages"] += unverified
             if good < len(part):
@@ -942,5 +889,5 @@ class HostKV:
         self._restore_jobs.put(None)
         self._worker.join(timeout=10)
         self._restorer.join(timeout=10)
-        for b in (self._ckpt_buf, self._restore_buf):
+        for b in (self.mover.ckpt_buf, self.mover.restore_buf):
             self.mooncake.unregister(b.data_ptr())

@@ -11,7 +11,8 @@ from services.engine.executor import Engine
 from services.engine.host_kv import HostKV
 from services.engine.kv import KVManager
 from services.engine.kv.retention import Hint, RetentionBook
-from services.engine.kv.write_back import DirtySet, late_sessions, orphaned_sessions
+from services.engine.kv.host_tier import decide_restore
+from services.engine.kv.write_back import DirtySet, late_sessions, orphaned_sessions, write_now
 from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from tests.unit.host_kv_fixtures import mooncake, one_thread, run_calls, store  # noqa: F401 - fixtures
@@ -38,6 +39,25 @@ def test_write_back_triggers_are_pure_choices_over_the_dirty_set():
     book.note("orphan", Hint(t_done_unix=99.0, gap_mu=0.0, gap_sigma=0.5, window_s=0.0))  # no lease: a late return
     book.note("held", Hint(t_done_unix=99.0, gap_mu=0.0, gap_sigma=0.5, window_s=60.0))  # back within the window
     assert late_sessions(dirty, book, 100.0) == ["orphan"]
+
+
+def test_when_to_write_and_whether_to_restore_are_pure_choices():
+    asked = []
+
+    def leaving() -> bool:
+        asked.append(1)
+        return True
+
+    assert write_now("through", leaving) and asked == []  # write-through never asks the cold engine's queues
+    assert write_now("back", leaving) and asked == [1]
+    assert not write_now("back", None) and not write_now("back", lambda: False)
+    costs = dict(restore_per_token=1e-3, prefill_per_token=1e-4, overhead_s=0.0)
+    auto = decide_restore(100, **costs)
+    assert not auto.restore and auto.reason == "recompute is cheaper"
+    forced = decide_restore(100, **costs, mode="always")
+    assert forced.restore and forced.reason == "mode=always" and forced.restore_s == auto.restore_s
+    assert not decide_restore(100, restore_per_token=0.0, prefill_per_token=1.0, mode="never").restore
+    assert decide_restore(0, **costs, mode="always").reason == "nothing to restore"
 
 
 def test_the_tier_holds_no_engine_and_rebinds_to_a_rebuilt_shells_port(synth_models, store, mooncake):

@@ -34,12 +34,18 @@ class RestoreDecision:
     reason: str
 
 
-def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: float, overhead_s: float = 0.0) -> RestoreDecision:
-    """Restore ``tokens`` from the host store when that is predicted faster than recomputing them."""
+RESTORE_MODES = ("auto", "always", "never")
+
+
+def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: float, overhead_s: float = 0.0, mode: str = "auto") -> RestoreDecision:
+    """Restore ``tokens`` from the host store when that is predicted faster than recomputing them; ``mode``
+    ``always`` / ``never`` (config ``host_kv_restore``) overrides the prediction, which is still reported."""
     if tokens <= 0:
         return RestoreDecision(False, 0, 0.0, 0.0, "nothing to restore")
     restore_s = overhead_s + tokens * restore_per_token
     recompute_s = tokens * prefill_per_token
+    if mode != "auto":
+        return RestoreDecision(mode == "always", tokens, restore_s, recompute_s, f"mode={mode}")
     if restore_s < recompute_s:
         return RestoreDecision(True, tokens, restore_s, recompute_s, "restore is cheaper")
     return RestoreDecision(False, tokens, restore_s, recompute_s, "recompute is cheaper")

@@ -77,6 +77,13 @@ class DirtySet:
         return [j for sid in session_ids if (j := self._jobs.pop(sid, None)) is not None]
 
 
+def write_now(policy: str, leaving_soon: Callable[[], bool] | None) -> bool:
+    """At a call's end: copy its pages to the store now (write-through, or write-back on a cold engine whose
+    next switch takes them off the device: ``leaving_soon()``, asked only under write-back) rather than
+    marking the session dirty. Pure."""
+    return policy == "through" or (leaving_soon is not None and leaving_soon())
+
+
 def orphaned_sessions(dirty: DirtySet, only_pinned: Callable[[int], bool]) -> list[str]:
     """Eviction trigger: the dirty sessions with a page that only transfer pins still hold (every cache entry
     and sequence let go of it, ``KVManager.only_pinned``): writing them back is what frees memory now. Pure."""
