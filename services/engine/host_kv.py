@@ -371,8 +371,10 @@ class HostKV:
         """A dirty session whose retention hint expects its return after the lease window
         (``RetentionBook.value`` -1) is written back at once (it may leave the device). Checked when new
         hints arrived."""
+        if not self.dirty:  # every step: the common case (write-through, or nothing dirty) costs one len()
+            return
         book = self.kv.retention
-        if book is None or not self.dirty or book.counters["hints"] == self._hints_seen:
+        if book is None or book.counters["hints"] == self._hints_seen:
             return
         self._hints_seen = book.counters["hints"]
         late = late_sessions(self.dirty, book, time.time())
