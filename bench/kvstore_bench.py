@@ -114,7 +114,7 @@ def run_kvstore_bench(
     store = KvStoreServer(KvStoreConfig(capacity_mb=max(64, 2 * need // 2**20 + 16), slab_kb=max(4, page_bytes // 1024)))
     store.start()
     mc = MooncakeEndpoint()
-    hk = HostKV(engine, KvStoreClient(store.address, timeout_s=30), mooncake=mc, staging_bytes=min(need, 256 << 20), mode="always")
+    hk = HostKV(engine.kv_port(), KvStoreClient(store.address, timeout_s=30), mooncake=mc, staging_bytes=min(need, 256 << 20), mode="always")
     engine.attach_host_kv(hk)
     local = HostBuffer(need, touch=True)
     mc.register(local.address, need)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from services.engine.kv.session_residency import KvLocation
 from services.engine.slots import CostModel, CostProfile, SlotPolicy
 from services.engine.slots.deadlines import DeadlineTargets, DeadlineTracker, make_scheduler
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView
@@ -242,15 +243,15 @@ class SimInstance:
         self._agreed[(model, session)] = (stamp, n * self.profile.page_tokens)
         return n * self.profile.page_tokens
 
-    def prefix_of(self, c: SimCall) -> tuple[int, str]:
+    def prefix_of(self, c: SimCall) -> tuple[int, KvLocation]:
         got = self.device.get(c.session_id)
         want = c.parked_ctx or c.prefix_tokens
         if got is not None and got[0] == c.model and c.model == self.active:
-            return min(got[1], want), "device"
+            return min(got[1], want), KvLocation.DEVICE
         n = min(self.host_tokens(c.model, c.session_id), want)
         if n > 0:
-            return n, "host"
-        return 0, "missing"
+            return n, KvLocation.HOST
+        return 0, KvLocation.MISSING
 
     def expect(self, c: SimCall, now: float, gap_mu: float, gap_sigma: float, window_s: float) -> None:
         """The router installed a lease for ``c``'s session here (its retention hint). Mutates ``expected``."""
@@ -427,15 +428,15 @@ class SimInstance:
             need = c.ctx_needed
             reuse = min(n, need - 1)
             if c.parked_ctx:  # a parked call resumes: its KV comes back (host) or is recomputed; TTFT is unchanged
-                c.restore_left = reuse if where != "missing" else 0
-                c.prefill_left = need - (reuse if where != "missing" else 0)
+                c.restore_left = reuse if where is not KvLocation.MISSING else 0
+                c.prefill_left = need - (reuse if where is not KvLocation.MISSING else 0)
                 c.prefill_total, c.parked_ctx = need, 0
                 self.batch.append(c)
                 continue
-            if where == "device":
+            if where is KvLocation.DEVICE:
                 self.device.pop(c.session_id, None)
                 c.cached, c.kv_source = reuse, "device"
-            elif where == "host" and reuse > 0:
+            elif where is KvLocation.HOST and reuse > 0:
                 c.restore_left, c.cached, c.restored, c.kv_source = reuse, reuse, reuse, "host"
             else:
                 reuse = 0

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.engine.kv.session_residency import KvLocation, Residency  # noqa: F401 - part of this contract
+
 from services.engine.types import EngineRequest, RequestOutput
 
 
@@ -106,18 +108,10 @@ class ModelInfo:
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    """Where a session's KV is: ``device`` (the session cache holds ``committed_tokens``), ``host``
-    (restorable from the host KV store) or ``missing`` (checkpointed into a store that restarted or is
-    unreachable)."""
-
-    session_id: str
-    where: str  # device | host | missing
-    committed_tokens: int
-    model: str = ""
-    full_pages: int = 0
-    last_use_unix: float = 0.0
+# Where a session's KV is (``where``: ``KvLocation.DEVICE`` -- the session cache holds ``committed_tokens``,
+# ``HOST`` -- restorable from the host KV store, ``MISSING`` -- checkpointed into a store that restarted or is
+# unreachable): the contract's name for the KV residency owner's answer (``kv/session_residency.py``).
+SessionInfo = Residency
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-from services.engine.api import CostStats, EngineStats, ModelStats, SessionInfo, SlotStats
+from services.engine.api import CostStats, EngineStats, KvLocation, ModelStats, SessionInfo, SlotStats
 from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
+from services.engine.kv.port import KvPort
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
 from services.engine.substrate.policy import EngineView, IdleSwitchRule, predict_next
@@ -58,6 +59,7 @@ GAUGE_PERIOD_S = 0.1  # the staging slack gauge is rescanned at most this often 
 class _Shell:
     engine: Engine
     addresses: ShellAddresses
+    allocator: StagingAwareAllocator  # the page allocator given to the shell's KV manager (the staging area's hooks)
 
 
 class ColdEngine:
@@ -258,8 +260,8 @@ class ColdEngine:
             for sh in self._shells.values():
                 sh.engine.attach_retention(book)
 
-    def attach_host_kv_factory(self, factory: Callable[[Engine], Any]) -> None:
-        """Give every model's shell a host KV tier built by ``factory(shell_engine)``.
+    def attach_host_kv_factory(self, factory: Callable[[KvPort], Any]) -> None:
+        """Give every model's shell a host KV tier built by ``factory(shell_engine.kv_port())``.
 
         Sessions are checkpointed to the kvstore when their calls end; a switch's phase 1 first drains the
         outgoing model's outstanding device->host copies (the switch barrier, Appendix B) before its KV
@@ -279,9 +281,9 @@ class ColdEngine:
             return
         hk = self._host_kv.get(model)
         if hk is None:
-            hk = self._host_kv[model] = self._host_kv_factory(eng)
+            hk = self._host_kv[model] = self._host_kv_factory(eng.kv_port())
         else:
-            hk.engine = eng  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
+            hk.rebind(eng.kv_port())  # a rebuilt shell: the tier's store knowledge carries over (nothing in flight)
         eng.attach_host_kv(hk)
         # write-back (kv/write_back.py): while another model has queued calls the next switch takes this
         # model's KV off the device, so a call ending now is written back at once
@@ -498,12 +500,13 @@ class ColdEngine:
         if sh is not None and sh.addresses.kv == now.kv and sh.addresses.num_pages == now.num_pages:
             return True
         e = self.bank[model]
+        alloc = StagingAwareAllocator(now.num_pages)
         eng = Engine(
             self.catalog[model], model=(bind_model(e, self.substrate.weights(model)), e.config),
             kv_cache=self.substrate.kv_cache(model), tokenizer=self._tokenizers[model],
-            page_allocator=StagingAwareAllocator(now.num_pages), model_id=model, **self._engine_kw,
+            page_allocator=alloc, model_id=model, **self._engine_kw,
         )
-        self._shells[model] = _Shell(eng, now)
+        self._shells[model] = _Shell(eng, now, alloc)
         self._bind_host_kv(model, eng)
         eng.attach_retention(self._retention)
         self._fresh_shell = model  # its runtime state was built with it (phase 4 reports a rebuild)
@@ -524,9 +527,7 @@ class ColdEngine:
 
     def publish(self, model: str) -> None:
         """Phase 5: the new model, allocator and staging area become the active references."""
-        alloc = self._shells[model].engine.kv.allocator
-        assert isinstance(alloc, StagingAwareAllocator)
-        self.substrate.attach(model, alloc)
+        self.substrate.attach(model, self._shells[model].allocator)
         self.active = model
 
     # ------------------------------------------------------------------ introspection
@@ -594,7 +595,7 @@ class ColdEngine:
                        self._model_costs(m), getattr(self._info[m].tokenizer, "max_token_bytes", 0))
             for m in list(self.loaded)
         )
-        sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where == "device"]
+        sessions = [replace(s, model=active) for s in (st.sessions if st is not None else ()) if s.where is KvLocation.DEVICE]
         on_device = {s.session_id for s in sessions}
         for m, hk in list(self._host_kv.items()):  # host KV of every model, not only the active one
             sessions += [s for s in hk.session_infos(m) if s.session_id not in on_device]
@@ -627,7 +628,7 @@ class ColdEngine:
         """The session's KV in the active model's device cache, else in any model's host tier."""
         sh = self._shells.get(self.active) if self.active is not None else None
         info = sh.engine.session_info(session_id) if sh is not None else None
-        if info is not None and info.where == "device":
+        if info is not None and info.where is KvLocation.DEVICE:
             return replace(info, model=self.active)
         for m, hk in list(self._host_kv.items()):
             hit = next((s for s in hk.session_infos(m) if s.session_id == session_id), None)
@@ -655,7 +656,7 @@ class ColdEngine:
                 eng = self._shells[self.active].engine
                 eng.check_integrity()
                 if self.substrate.area is not None:
-                    self.substrate.area.check(eng.kv.allocator.is_used)
+                    self.substrate.area.check(eng.kv.is_page_used)
 
     def shell(self, model: str) -> Engine | None:
         sh = self._shells.get(model)

@@ -100,7 +100,7 @@ class ResidencyDriver:
         hk = eng.host_kv
         busy = {s.session_id for s in eng.scheduler.running} | {s.session_id for s in eng.scheduler.waiting}
         out = []
-        for e in eng.kv.sessions.entries():
+        for e in eng.kv.session_entries():
             if e.session_id in busy:
                 continue
             tokens = len(e.token_ids)
@@ -168,7 +168,7 @@ class ResidencyDriver:
             if act.key[0] == "kv" and act.op in ("release", "offload") and act.key[1] == ce.active:
                 if eng.host_kv is not None and act.key[2] in eng.host_kv.dirty:  # write-back: it leaves the device
                     eng.host_kv.write_back([act.key[2]], "residency")
-                if eng.kv.sessions.drop(act.key[2]) or act.key[2] not in eng.kv.sessions:
+                if eng.kv.drop_session_entry(act.key[2]):
                     self.released_sessions += 1
 
     def _stage(self, ce, plan: ResidencyPlan) -> bool:

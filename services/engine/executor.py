@@ -48,8 +48,9 @@ from services.engine.api import (  # noqa: F401 - the error classes are part of 
     UnsupportedOperationError,
 )
 from services.engine.intra_op import set_thread_count
-from services.engine.kv.manager import KVManager, cdiv
-from services.engine.kv.allocator import PageAllocator
+from services.engine.kv import KVManager, PageAllocator, SessionResidency
+from services.engine.kv.manager import cdiv
+from services.engine.kv.port import KvPort
 from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM
@@ -251,6 +252,7 @@ class Engine:
             self.num_pages, page_size, salt=self.salt, clock=clock,
             session_entries=session_cache_entries, session_max_pages=session_cache_pages, allocator=page_allocator,
         )
+        self.residency = SessionResidency(self.kv, self.model_id)  # where each session's KV is (any thread)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    lone_prefill_tokens=lone_prefill_tokens)
         self.sampler = Sampler(self.device)
@@ -261,7 +263,6 @@ class Engine:
         self._live_ids: set[str] = set()  # queued or in flight (guarded by _intake_lock)
         self._step_lock = threading.RLock()
         self._requests: dict[str, _RequestState] = {}
-        self._session_info: dict[str, SessionInfo] = {}  # guarded by _stats_lock
         self._stats_lock = threading.Lock()
         self._gen_ids = itertools.count()
         self.num_tokens_generated = self.num_steps = 0
@@ -571,7 +572,7 @@ class Engine:
         if seq.session_id:
             n = seq.num_computed_tokens // self.page_size
             self.session_chains.record(seq.session_id, self.kv.extend_hashes(seq.hashes, seq.token_ids[: n * self.page_size], seq.salt)[:n])
-            self._record_session(seq.session_id)
+            self.residency.record(seq.session_id)
         self.sampler.remove(seq.request_id)
         del self._requests[seq.request_id]
         with self._intake_lock:
@@ -726,17 +727,6 @@ class Engine:
             raise ValueError(f"KV pool too small: {num_pages} pages")
         return int(num_pages)
 
-    def _record_session(self, session_id: str) -> None:
-        """The session's cached entry changed (executor thread): record it for ``session_info``/``stats``
-        and forget entries the session cache has evicted since. Mutates: the session table."""
-        entry = self.kv.sessions.peek(session_id)
-        with self._stats_lock:
-            for sid in [sid for sid in self._session_info if sid not in self.kv.sessions]:
-                del self._session_info[sid]
-            if entry is not None:
-                n = len(entry.token_ids)
-                self._session_info[session_id] = SessionInfo(session_id, "device", n, self.model_id, n // self.page_size, time.time())
-
     # ------------------------------------------------------------------ introspection
     def _record_timing(self, sched: SchedulerOutput, dt: float) -> None:
         a = 0.2  # 0.0 = not measured yet
@@ -767,9 +757,7 @@ class Engine:
 
     def device_sessions(self) -> list[SessionInfo]:
         """Sessions whose committed KV is in the session cache now (any thread)."""
-        with self._stats_lock:
-            infos = list(self._session_info.values())
-        return [i for i in infos if i.session_id in self.kv.sessions]
+        return self.residency.device()
 
     def stats(self) -> EngineStats:
         """Built now from the live counters (any thread; never waits for a step): each value is read once,
@@ -779,15 +767,12 @@ class Engine:
             pending, unfinished = len(self._pending), len(self._live_ids)
         running = sch.num_running
         waiting = sch.num_waiting + pending + (hk.num_restoring if hk is not None else 0)
-        sessions = self.device_sessions()
-        if hk is not None:
-            on_device = {s.session_id for s in sessions}
-            sessions += [s for s in hk.session_infos(self.model_id) if s.session_id not in on_device]
+        sessions = self.residency.sessions()
         costs = self.cost_stats()  # a hot instance's one model: its costs are the instance's
         return EngineStats(
             model_id=self.model_id, num_running=running, num_waiting=waiting, num_unfinished=unfinished,
-            kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free_pages, radix_pages=kv.radix.num_pages,
-            session_pages=kv.sessions.num_pages, prefix_hit_rate=kv.hit_rate, tokens_generated=self.num_tokens_generated,
+            kv_pages_total=kv.num_pages, kv_pages_free=kv.num_free_pages, radix_pages=kv.num_radix_pages,
+            session_pages=kv.num_session_pages, prefix_hit_rate=kv.hit_rate, tokens_generated=self.num_tokens_generated,
             num_preemptions=sch.num_preemptions, num_steps=self.num_steps, max_context=self.max_context,
             models=(ModelStats(self.model_id, True, True, False, self.max_context, running, waiting, profile=costs,
                                max_token_bytes=getattr(self.tokenizer, "max_token_bytes", 0)),),
@@ -804,13 +789,14 @@ class Engine:
 
     def session_info(self, session_id: str) -> SessionInfo | None:
         """Where the session's KV is: on the device (its cached entry), else in the host store, else None."""
-        with self._stats_lock:
-            info = self._session_info.get(session_id)
-        if info is not None and session_id in self.kv.sessions:
-            return info
-        if self.host_kv is not None:
-            return next((s for s in self.host_kv.session_infos(self.model_id) if s.session_id == session_id), None)
-        return None
+        return self.residency.where(session_id)
+
+    def kv_port(self) -> KvPort:
+        """What a host KV tier needs of this engine (``kv/port.py``): its KV manager, its pool and the pool's
+        page layout, and its measured prefill cost. Pure: builds the port, mutates nothing."""
+        cfg = self.config
+        shape = (2, cfg.num_hidden_layers, self.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return KvPort(self.model_id, self.kv, self.kv_cache, shape, self.dtype, lambda: self._prefill_per_token, self.model_dir)
 
     def attach_host_kv(self, host_kv) -> None:
         """Use a host KV tier (``services.engine.host_kv.HostKV``): checkpoint session pages when calls end
@@ -819,11 +805,12 @@ class Engine:
         with self._step_lock:
             self.host_kv = host_kv
             self.kv.pressure_hook = host_kv.relieve_pressure if host_kv is not None else None
+            self.residency.attach_host(host_kv.index if host_kv is not None else None, host_kv.available if host_kv is not None else None)
 
     def attach_retention(self, book) -> None:
         """Evict session entries by predicted return (``kv.retention.RetentionBook``)."""
         with self._step_lock:
-            self.kv.sessions.retention = book
+            self.kv.retention = book
 
     def drain_checkpoints(self, timeout: float | None = None) -> bool:
         """Switch barrier (Talaria Appendix B): wait until every outstanding device->host checkpoint copy
@@ -853,8 +840,8 @@ class Engine:
         the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry
         is gone already. Idempotent. Returns pages freed."""
         with self._step_lock:
-            entry = self.kv.sessions.peek(session_id)
-            toks = list(entry.token_ids) if entry is not None else list(token_ids)
+            device_toks = self.kv.session_tokens(session_id)
+            toks = list(device_toks) if device_toks is not None else list(token_ids)
             n = len(toks) // self.page_size
             chains = self.session_chains.pop(session_id)
             chains.append(self.kv.extend_hashes([], toks[: n * self.page_size], tenant_salt(self.salt, tenant))[:n])
@@ -862,7 +849,7 @@ class Engine:
             freed = self.kv.drop_session(session_id, chains)
             if self.host_kv is not None:
                 self.host_kv.release_session(session_id, chains)
-            self._record_session(session_id)
+            self.residency.record(session_id)
             return freed
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

@@ -1,8 +1,9 @@
 """Engine side of the host KV store: asynchronous checkpoint, restore on return, switch barrier.
 
-Design (Talaria §4.3, Appendices B-C; JointServe §3.2, §4.4). One :class:`HostKV` per engine, attached
-to the executor (``Engine.attach_host_kv``); the executor calls it at three points, all on the executor
-thread:
+Design (Talaria §4.3, Appendices B-C; JointServe §3.2, §4.4). One :class:`HostKV` per model's engine, built
+from that engine's ``KvPort`` (``kv/port.py``: its KV manager, pool and page layout, measured prefill cost --
+the tier holds no engine) and attached to the executor (``Engine.attach_host_kv``); the executor calls it at
+three points, all on the executor thread:
 
 * ``checkpoint(seq)`` when a call ends (before its pages are released into the caches): the full pages of
   its committed tokens get a *transfer pin* in the block manager (so no eviction can recycle them). Under
@@ -70,12 +71,14 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from services.engine.api import SessionInfo
-from services.engine.kv.host_tier import RestoreDecision, StoreIndex, decide_restore
-from services.engine.kv.manager import RestoreReservation
-from services.engine.kv.write_back import WRITE_POLICIES, DirtySet
+from services.engine.kv.host_tier import RESTORE_MODES, RestoreDecision, StoreIndex, decide_restore
+from services.engine.kv.session_residency import Residency, host_residencies
+from services.engine.kv.manager import KVManager, RestoreReservation
+from services.engine.kv.port import KvPort
+from services.engine.kv.write_back import WRITE_POLICIES, DirtySet, late_sessions, orphaned_sessions, write_now
 from services.kvstore.client import KvStoreClient, MooncakeEndpoint, StoreUnavailable, read_pages, write_pages  # the store's public API
 from services.engine.intra_op import set_thread_count
+from services.engine.page_mover import PageMover
 from services.engine.kv_verify import ALGO as CHECKSUM_ALGO, page_checksums, verify_pages
 from talaria import otel
 from talaria.ewma import Ewma
@@ -154,9 +157,13 @@ class _Restore:
 
 
 class HostKV:
+    """The host KV tier of one model: threads, store protocol and byte movement; every page decision goes
+    through the KV manager of its ``KvPort`` (the tier holds no engine), the host-tier choices are the pure
+    functions of ``kv/host_tier.py`` and ``kv/write_back.py``."""
+
     def __init__(
         self,
-        engine: Any,
+        port: KvPort,
         client: KvStoreClient,
         *,
         mooncake: MooncakeEndpoint | None = None,
@@ -173,7 +180,7 @@ class HostKV:
         write_policy: str = "through",
         tracer: Tracer | None = None,
     ) -> None:
-        if mode not in ("auto", "always", "never"):
+        if mode not in RESTORE_MODES:
             raise ValueError(f"mode must be auto, always or never, got {mode!r}")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be back or through, got {write_policy!r}")
@@ -185,30 +192,24 @@ class HostKV:
         self.leaving_soon: Callable[[], bool] | None = None
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
-        self.engine = engine
+        self._port = port
         self.client = client
-        self.owner = owner or engine.model_id
-        cfg = engine.config
-        L, P, kvh, hd = cfg.num_hidden_layers, engine.page_size, cfg.num_key_value_heads, cfg.head_dim
-        self.page_shape = (2, L, P, kvh, hd)
-        self.page_elems = 2 * L * P * kvh * hd
-        self.page_bytes = self.page_elems * engine.dtype.itemsize
-        rev = revision if revision is not None else weights_revision(engine.model_dir)
+        self.owner = owner or port.model_id
+        self.mover = PageMover(port, staging_bytes)  # pool pages <-> staging: the bytes, no decisions
+        self.page_shape = port.page_shape
+        self.page_bytes = self.mover.page_bytes
+        rev = revision if revision is not None else weights_revision(port.model_dir)
         self.layout = Layout(
-            f"{engine.model_id}@{rev}", tp_rank, tp_size, P, str(engine.dtype).removeprefix("torch."), Family.MHA,
+            f"{port.model_id}@{rev}", tp_rank, tp_size, port.page_size, str(port.dtype).removeprefix("torch."), Family.MHA,
             self.page_shape, self.page_bytes,
         )
         self.mooncake = mooncake or MooncakeEndpoint(data_host)
-        pin = torch.cuda.is_available() and engine.device.type == "cuda"
         staging_bytes = max(staging_bytes, self.page_bytes)
-        self._ckpt_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._restore_buf = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        for b in (self._ckpt_buf, self._restore_buf):
+        for b in (self.mover.ckpt_buf, self.mover.restore_buf):
             self.mooncake.register(b.data_ptr(), b.numel())
-        self.staging_pages = staging_bytes // self.page_bytes
+        self.staging_pages = self.mover.staging_pages
         self.retry_after_s = retry_after_s
         self.restore_per_token = Ewma(restore_per_token_prior)
-        self.channel = None  # a transfer scheduler the restore copies go through (see _scatter)
         self.restore_overhead = Ewma(0.0)
         self.prefill_prior = prefill_per_token_prior
         self.index = StoreIndex()  # what the current store epoch holds (the KV manager's HostIndex port)
@@ -234,6 +235,30 @@ class HostKV:
         self._worker.start()
         self._restorer = threading.Thread(target=self._run_restores, name=f"host-kv-restore-{self.owner}", daemon=True)
         self._restorer.start()
+
+    @property
+    def channel(self):
+        """The transfer scheduler restore copies go through (None: direct copies); ``PageMover.scatter``."""
+        return self.mover.channel
+
+    @channel.setter
+    def channel(self, ch) -> None:
+        self.mover.channel = ch
+
+    @property
+    def kv(self) -> KVManager:
+        """The KV manager of the model's engine (the port's): the owner of every page this tier touches."""
+        return self._port.kv
+
+    def rebind(self, port: KvPort) -> None:
+        """A rebuilt engine shell of the same model: move bytes to and from its pool, ask its KV manager. The
+        store knowledge carries over. Call with nothing in flight (the switch barrier ran: no pins, no
+        restores). Mutates: the port."""
+        self.mover.rebind(port)  # refuses a pool of another layout
+        if self._restoring or self._unpins or self.dirty:  # a switch barrier that timed out: as before, not fixed here
+            log.warning("host KV tier of %s rebound with work in flight (%d restores, %d pin lists, %d dirty)",
+                        self.owner, len(self._restoring), len(self._unpins), len(self.dirty))
+        self._port = port
 
     def host_index(self) -> StoreIndex | None:
         """The KV manager's ``HostIndex`` port while the store is available (None while it is down)."""
@@ -274,7 +299,7 @@ class HostKV:
         Mutates: transfer pins, the job queue or the dirty set. Returns whether pages were pinned."""
         if not seq.session_id or self._closed or not self.available():
             return False
-        kv = self.engine.kv
+        kv = self.kv
         P = kv.page_size
         n = seq.num_computed_tokens // P
         if n == 0 or len(seq.pages) < n:
@@ -287,7 +312,7 @@ class HostKV:
         pages = list(seq.pages[:n])
         kv.pin_pages(pages)
         job = _Job(seq.session_id, pages, list(hashes), getattr(seq, "trace_context", None), time.time_ns())
-        if self.write_policy == "through" or (self.leaving_soon is not None and self.leaving_soon()):
+        if write_now(self.write_policy, self.leaving_soon):
             self._drop_dirty([seq.session_id], count=False)  # superseded by this chain
             self._queue(job)
             if self.write_policy == "back":
@@ -324,8 +349,7 @@ class HostKV:
         the dirty chains with a page only its pins still hold (evicted from the caches; pages a running call
         holds stay pinned), waits until their pages are gathered into staging, then returns every pin of a
         finished gather. Mutates: the dirty set, transfer pins. Returns pages freed."""
-        kv = self.engine.kv
-        orphaned = [sid for sid, job in self.dirty.items() if any(kv.allocator.refcount(p) == kv.pin_count(p) for p in job.pages)]
+        orphaned = orphaned_sessions(self.dirty, self.kv.only_pinned)
         deadline = time.monotonic() + timeout
         for job in self.write_back(orphaned, "eviction"):
             job.gathered.wait(max(0.0, deadline - time.monotonic()))
@@ -334,12 +358,12 @@ class HostKV:
     def _return_pins(self) -> int:
         freed = 0
         while self._unpins:
-            freed += self.engine.kv.unpin_pages(self._unpins.popleft())
+            freed += self.kv.unpin_pages(self._unpins.popleft())
         return freed
 
     def _drop_dirty(self, session_ids, count: bool = True) -> None:
         for job in self.dirty.take(session_ids):
-            self.engine.kv.unpin_pages(job.pages)
+            self.kv.unpin_pages(job.pages)
             if count:
                 self.counters["dirty_dropped"] += 1
 
@@ -347,12 +371,13 @@ class HostKV:
         """A dirty session whose retention hint expects its return after the lease window
         (``RetentionBook.value`` -1) is written back at once (it may leave the device). Checked when new
         hints arrived."""
-        book = self.engine.kv.sessions.retention
-        if book is None or not self.dirty or book.counters["hints"] == self._hints_seen:
+        if not self.dirty:  # every step: the common case (write-through, or nothing dirty) costs one len()
+            return
+        book = self.kv.retention
+        if book is None or book.counters["hints"] == self._hints_seen:
             return
         self._hints_seen = book.counters["hints"]
-        now = time.time()
-        late = [sid for sid in self.dirty.sessions() if book.value(sid, now) < 0]
+        late = late_sessions(self.dirty, book, time.time())
         if late:
             self.write_back(late, "hint")
 
@@ -422,11 +447,11 @@ class HostKV:
                 if need > budget:
                     continue
                 budget -= need
-                copy = torch.empty((len(job.pages), *self.page_shape), dtype=self.engine.dtype)
-                self._gather(job.pages, copy)
+                copy = self.mover.host_pages(len(job.pages))
+                self.mover.gather(job.pages, copy)
                 job.host_copy = copy
                 pins, job.pages = job.pages, []
-                self.engine.kv.unpin_pages(pins)
+                self.kv.unpin_pages(pins)
                 self.counters["switch_host_copies"] += 1
                 job.gathered.set()
         for job in jobs:
@@ -492,18 +517,16 @@ class HostKV:
             for i in range(0, len(blocks), self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
                 if copy is None:
-                    self._gather([job.pages[b.page_index] for b in part])
+                    self.mover.gather([job.pages[b.page_index] for b in part])
                 else:
-                    dst = self._pages_view(self._ckpt_buf, len(part))
-                    idx = torch.tensor([b.page_index for b in part], dtype=torch.int64)
-                    torch.index_select(copy, 0, idx, out=dst)
-                sums += page_checksums(self._ckpt_buf.numpy(), self.page_bytes, len(part))  # of the bytes written
+                    self.mover.stage_from_host(copy, [b.page_index for b in part])
+                sums += page_checksums(self.mover.ckpt_buf.numpy(), self.page_bytes, len(part))  # of the bytes written
                 if i + self.staging_pages >= len(blocks) and copy is None:
                     pins, job.pages = job.pages, []
                     self._unpins.append(pins)  # device->host copies done: the pages may go
                     if job.gathered is not None:
                         job.gathered.set()
-                write_pages(self.mooncake, r.data_plane, part, self._ckpt_buf.data_ptr(), self.page_bytes)
+                write_pages(self.mooncake, r.data_plane, part, self.mover.ckpt_buf.data_ptr(), self.page_bytes)
                 written += [b.block_id for b in part]
             if written:
                 self.client.commit(r.lease_id, written, checksums=sums, checksum_algo=CHECKSUM_ALGO)
@@ -516,66 +539,12 @@ class HostKV:
             except (StoreUnavailable, ValueError):
                 pass  # the lease expires in the store
             return
-        self.index.committed(job.session_id, job.hashes, len(job.hashes) * self.engine.page_size, r.epoch, time.time())
+        self.index.committed(job.session_id, job.hashes, len(job.hashes) * self._port.page_size, r.epoch, time.time())
         with self._lock:
             c = self.counters
             c["checkpoints"] += 1
             c["checkpoint_pages"] += len(written)
             c["checkpoint_bytes"] += len(written) * self.page_bytes
-
-    # ---------------------------------------------------------------- page <-> staging
-    def _pages_view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return buf[: n * self.page_bytes].view(self.engine.dtype).view(n, *self.page_shape)
-
-    def _pool_pages(self, tensor: torch.Tensor) -> torch.Tensor:
-        P = self.engine.page_size
-        return tensor.view(-1, P, *tensor.shape[1:])
-
-    def _gather(self, pages: list[int], dst: torch.Tensor | None = None) -> None:
-        """Device pool pages -> checkpoint staging, or ``dst`` (page-first layout). The device->host copy."""
-        kvc = self.engine.kv_cache
-        if dst is None:
-            dst = self._pages_view(self._ckpt_buf, len(pages))
-        dev = kvc.k[0].device
-        idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        with torch.inference_mode():
-            # off the CPU: gather into one device buffer in the staging layout, then one device -> host copy
-            # (2 x layers copies into strided host slices would each go through a host temporary)
-            out = dst if dev.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype, device=dev)
-            for l in range(len(kvc.k)):
-                out[:, 0, l].copy_(self._pool_pages(kvc.k[l]).index_select(0, idx))
-                out[:, 1, l].copy_(self._pool_pages(kvc.v[l]).index_select(0, idx))
-            if out is not dst:
-                dst.copy_(out)
-        if dev.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    def _scatter(self, pages: list[int]) -> None:
-        """Restore staging -> device pool pages. With a ``channel`` (the cold engine's transfer
-        scheduler under ``partial_layers``) each layer's copy is a chunk of one ``KV`` transfer, so a weight
-        stream cannot starve it (κ-floor); this thread waits for it."""
-        kvc = self.engine.kv_cache
-        src = self._pages_view(self._restore_buf, len(pages))
-        dev = kvc.k[0].device
-        idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        if dev.type != "cpu" and self.channel is None:
-            # one contiguous (pinned -> device) copy of the whole part, then per-layer device gathers, instead
-            # of 2 x layers strided host slices (each made contiguous on the host before its copy)
-            src = src.to(dev, non_blocking=True)
-
-        def layer(l: int) -> None:
-            with torch.inference_mode():
-                self._pool_pages(kvc.k[l]).index_copy_(0, idx, src[:, 0, l].to(dev, non_blocking=True))
-                self._pool_pages(kvc.v[l]).index_copy_(0, idx, src[:, 1, l].to(dev, non_blocking=True))
-
-        if self.channel is not None:
-            per_layer = 2 * len(pages) * self.page_bytes // max(2 * len(kvc.k), 1)
-            self.channel.submit_kv([(per_layer, (lambda l=l: layer(l))) for l in range(len(kvc.k))]).sync()
-        else:
-            for l in range(len(kvc.k)):
-                layer(l)
-        if dev.type == "cuda":
-            torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------- restore: executor thread
     def begin_restore(self, seq) -> bool:
@@ -586,7 +555,7 @@ class HostKV:
         in (or the restore was declined or failed: then it recomputes). Mutates: the restore table."""
         if self._closed or self.mode == "never" or not self.available():
             return False
-        kv = self.engine.kv
+        kv = self.kv
         n_full = len(seq.token_ids) // kv.page_size
         if n_full == 0:
             return False
@@ -621,9 +590,9 @@ class HostKV:
             self.poll()
         self._ready.remove(seq)
         if seq.kv_hold:
-            self.engine.kv.release_hold(seq.kv_hold)
+            self.kv.release_hold(seq.kv_hold)
             seq.kv_hold = []
-        return seq.num_restored_tokens // self.engine.page_size
+        return seq.num_restored_tokens // self.kv.page_size
 
     def cancel_restore(self, request_id: str) -> bool:
         """The call ended while its restore runs (abort): the restore completes (its pages are published,
@@ -670,7 +639,7 @@ class HostKV:
             if job.stage == "reserve":
                 seq = job.seq
                 # the device prefix may have changed since the lookup: reserve against what the store agreed to
-                job.res = self.engine.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
+                job.res = self.kv.reserve_restore(seq.token_ids, job.hashes[: job.reply.pages], seq.session_id, job.k)
                 job.stage = "transfer"
                 self._restore_jobs.put(job)
             else:
@@ -681,7 +650,7 @@ class HostKV:
         reserved device pages (``_land``, restore worker); the radix cache now adopts them, so the
         scheduler sees an ordinary prefix hit. A verification of the landed bytes goes here, before
         ``adopt_restore``. Mutates: KV manager (reservation, radix cache), the sequence, counters."""
-        kv, seq = self.engine.kv, job.seq
+        kv, seq = self.kv, job.seq
         del self._restoring[seq.request_id]
         if job.res is not None:
             if job.landed:
@@ -729,7 +698,7 @@ class HostKV:
 
     def _lookup(self, job: _Restore) -> None:
         """Ask the store for the agreed prefix (pinned) and decide restore-or-recompute from measured costs."""
-        span, P = job.span, self.engine.page_size
+        span, P = job.span, self._port.page_size
         for ev in job.after:  # the session's own checkpoints still in flight (bounded: a dead store fails them)
             ev.wait(30.0)
         t0 = time.perf_counter()
@@ -766,12 +735,11 @@ class HostKV:
         self._post(job, "reserve")
 
     def _decide(self, tokens: int) -> RestoreDecision:
-        prefill = self.engine.prefill_per_token or self.prefill_prior
+        prefill = self._port.prefill_per_token() or self.prefill_prior
         decision = decide_restore(
             tokens, restore_per_token=self.restore_per_token.value, prefill_per_token=prefill, overhead_s=self.restore_overhead.value,
+            mode=self.mode,
         )
-        if self.mode != "auto":
-            decision = RestoreDecision(self.mode == "always", decision.tokens, decision.restore_s, decision.recompute_s, f"mode={self.mode}")
         self.last_decision = decision
         return decision
 
@@ -779,7 +747,7 @@ class HostKV:
         """Read the reserved pages from the store over Mooncake into staging and scatter them into their
         device pages (pages nobody else reads: the reservation holds them). Then hand the job back for
         ``_publish_restored``."""
-        reply, res, P = job.reply, job.res, self.engine.page_size
+        reply, res, P = job.reply, job.res, self._port.page_size
         if res is None or self._closed:
             self._unpin(reply.lease_id, False)
             job.outcome = "recompute"  # no device pages for it
@@ -794,10 +762,10 @@ class HostKV:
         try:
             for i in range(0, k, self.staging_pages):
                 part = blocks[i : i + self.staging_pages]
-                read_pages(self.mooncake, reply.data_plane, part, self._restore_buf.data_ptr(), self.page_bytes)
+                read_pages(self.mooncake, reply.data_plane, part, self.mover.restore_buf.data_ptr(), self.page_bytes)
                 read += len(part)
                 good = self._verify(part)  # before the pages are published
-                self._scatter(pages[i : i + good])
+                self.mover.scatter(pages[i : i + good])
                 landed += good
                 if good < len(part):  # the rest is recomputed: never published (adopt_restore drops it)
                     break
@@ -828,7 +796,7 @@ class HostKV:
         """Check the received pages of ``part`` (in the restore staging buffer) against the store's
         checksums. Returns the verified prefix length; a mismatch is counted, and the bad page's chain (it and
         everything extending it) is released in the store so it is never served again."""
-        good, unverified = verify_pages(self._restore_buf.numpy(), self.page_bytes, part)
+        good, unverified = verify_pages(self.mover.restore_buf.numpy(), self.page_bytes, part)
         with self._lock:
             self.counters["restore_unverified_pages"] += unverified
             if good < len(part):
@@ -908,10 +876,9 @@ class HostKV:
                 **self.counters,
             }
 
-    def session_infos(self, model: str) -> list[SessionInfo]:
-        """Sessions this engine checkpointed: ``host`` (restorable) or ``missing`` (any thread)."""
-        available = self.available()
-        return [SessionInfo(s.session_id, state, s.tokens, model, 0, s.last_use_unix) for s, state in self.index.states(available)]
+    def session_infos(self, model: str) -> list[Residency]:
+        """Sessions this engine checkpointed: ``HOST`` (restorable) or ``MISSING`` (any thread)."""
+        return host_residencies(self.index, self.available(), model)
 
     def close(self) -> None:
         """Stop the workers. Dirty chains are dropped unwritten (their pins returned): call on the executor
@@ -924,5 +891,5 @@ class HostKV:
         self._restore_jobs.put(None)
         self._worker.join(timeout=10)
         self._restorer.join(timeout=10)
-        for b in (self._ckpt_buf, self._restore_buf):
+        for b in (self.mover.ckpt_buf, self.mover.restore_buf):
             self.mooncake.unregister(b.data_ptr())

@@ -149,9 +149,9 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
         )
         mooncake = MooncakeEndpoint(kvs.data_host, kvs.protocol)  # one transfer engine per process
 
-        def make_tier(eng) -> HostKV:
+        def make_tier(port) -> HostKV:
             return HostKV(
-                eng, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
+                port, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
                 restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id, tracer=tracer,
                 write_policy=cfg.host_kv_write_policy, mode=cfg.host_kv_restore,
             )
@@ -160,7 +160,7 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
             engine.attach_host_kv_factory(make_tier)
             log.info("engine %s: host KV tier for %d catalog models on kvstore %s:%d", cfg.id, len(cfg.models), kvs.host, kvs.port)
             return True
-        tier = make_tier(engine)
+        tier = make_tier(engine.kv_port())
     except Exception as e:  # noqa: BLE001 - e.g. Mooncake not installable here
         log.warning("engine %s: host KV tier disabled: %s", cfg.id, e)
         return False

@@ -35,7 +35,7 @@ from services.engine.streaming import ExecutorHold, coalesce_outputs, next_coale
 from talaria.tokenizer import RESERVED_TEMPLATE_VARS, SessionTokens, align_to_previous, chat_message_dict, continue_final_message
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
-from services.engine.api import ContextLengthError, Executor, ExecutorError, ModelInfo
+from services.engine.api import ContextLengthError, Executor, ExecutorError, KvLocation, ModelInfo
 from services.engine.heartbeat import HeartbeatThread
 from services.engine.tracing import CallTracer
 from services.engine.kv.retention import Hint, RetentionBook
@@ -336,7 +336,7 @@ class EngineService:
             hook.attribution.CopyFrom(attribution)
         if call.session_id:
             info = self.engine.session_info(call.session_id)
-            if info is not None and info.where == "device":
+            if info is not None and info.where is KvLocation.DEVICE:
                 hook.prefix.CopyFrom(wire.prefix_handle(info, call.model, self.cfg.page_size))
         if call.hints is not None:
             hook.hints.CopyFrom(call.hints)

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
-from services.engine.api import SlotStats
+from services.engine.api import KvLocation, SlotStats
 from services.engine.cold import ColdEngine
 from services.engine.types import EngineRequest, RequestOutput
 
@@ -50,7 +50,7 @@ class SlottedColdEngine(ColdEngine):
     # ------------------------------------------------------------------ the view
     def _call_view(self, req: EngineRequest, active_engine) -> CallView:
         m, sid = req.model, req.session_id
-        prefix, state = 0, "missing"
+        prefix, state = 0, KvLocation.MISSING
         sh = (active_engine if m == self.active else None) or self.shell(m)
         if sid and sh is not None:  # the KV manager answers where the prefix is (device, host via its index)
             hk = sh.host_kv

@@ -6,7 +6,7 @@ what comes back: token chunks, completion hooks, snapshots, switch records and r
 
 from __future__ import annotations
 
-from services.engine.api import CostStats, EngineStats, SessionInfo
+from services.engine.api import CostStats, EngineStats, KvLocation, SessionInfo
 from services.engine.types import SamplingParams
 from talaria.config import EngineConfig
 from talaria.switch_path import costs_to_proto
@@ -54,7 +54,12 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     )
 
 
-_KV_STATE = {"device": pb.KV_DEVICE, "host": pb.KV_HOST, "missing": pb.KV_MISSING}
+_KV_STATE = {KvLocation.DEVICE: pb.KV_DEVICE, KvLocation.HOST: pb.KV_HOST, KvLocation.MISSING: pb.KV_MISSING}
+
+
+def kv_state(where: KvLocation) -> int:
+    """The wire's ``KvState`` of a session's location: the one place ``KvLocation`` becomes the proto enum."""
+    return _KV_STATE[where]
 
 
 def prefix_handle(info: SessionInfo, model: str, page_size: int) -> cpb.PrefixHandle:
@@ -138,7 +143,7 @@ def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epo
     for s in st.sessions:  # device, then host (restorable from the kvstore) / missing (the store restarted or is unreachable)
         snap.sessions.append(pb.SessionState(
             session_id=s.session_id, model=s.model or model, committed_tokens=s.committed_tokens,
-            state=_KV_STATE[s.where], last_use_unix=s.last_use_unix,
+            state=kv_state(s.where), last_use_unix=s.last_use_unix,
         ))
     for name, state in st.kernels:  # which kernels run (router /health, telemetry, talaria health)
         snap.kernels.add(name=name, state=state)

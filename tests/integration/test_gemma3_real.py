@@ -132,7 +132,7 @@ def test_restored_session_continues_like_an_uninterrupted_one(store, mooncake):
 
     ref = two_turns(_engine(torch.float32, num_pages=32))
     e = _engine(torch.float32, num_pages=32)
-    hk = HostKV(e, KvStoreClient(store.address, timeout_s=5.0), mooncake=mooncake, mode="always",
+    hk = HostKV(e.kv_port(), KvStoreClient(store.address, timeout_s=5.0), mooncake=mooncake, mode="always",
                 staging_bytes=8 << 20, retry_after_s=0.2)
     e.attach_host_kv(hk)
 

@@ -107,7 +107,7 @@ def test_real_cold_engine_records_round_wait_switch_wait_restore_prefill_decode(
         {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=4,
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
     )
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
+    ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
     prompt = list(range(10, 70))
     # A's call runs while B's call waits for B's slot: round wait, then the switch, then its own prefill/decode
     first = run_calls(ce, [EngineRequest("t1", prompt, greedy, session_id="s", model=A),

@@ -29,7 +29,7 @@ def engine(path, **kw) -> Engine:
 def tier(e: Engine, address: str, mc, **kw) -> HostKV:
     kw.setdefault("mode", "always")
     kw.setdefault("staging_bytes", 1 << 20)
-    hk = HostKV(e, KvStoreClient(address, timeout_s=1.0), mooncake=mc, retry_after_s=kw.pop("retry_after_s", 0.2), **kw)
+    hk = HostKV(e.kv_port(), KvStoreClient(address, timeout_s=1.0), mooncake=mc, retry_after_s=kw.pop("retry_after_s", 0.2), **kw)
     e.attach_host_kv(hk)
     return hk
 

@@ -24,7 +24,7 @@ A, B = "tiny-llama", "tiny-qwen2"
 
 def tier(e: Engine, address: str, mc, **kw) -> HostKV:
     kw.setdefault("write_policy", "back")
-    hk = HostKV(e, KvStoreClient(address, timeout_s=2.0), mooncake=mc, mode="always", staging_bytes=1 << 20, retry_after_s=0.2, **kw)
+    hk = HostKV(e.kv_port(), KvStoreClient(address, timeout_s=2.0), mooncake=mc, mode="always", staging_bytes=1 << 20, retry_after_s=0.2, **kw)
     e.attach_host_kv(hk)
     return hk
 
@@ -41,7 +41,7 @@ def cold_with_tier(synth_models, store, mooncake) -> SlottedColdEngine:
         {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
     )
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
+    ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))
     return ce
 
 

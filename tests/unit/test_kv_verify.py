@@ -79,7 +79,7 @@ def test_corrupted_store_bytes_are_recomputed_not_served(synth_models, store, mo
     if not verify:
         monkeypatch.setattr(host_kv_mod, "verify_pages", lambda buf, pb_, blocks: (len(blocks), 0))
     e = Engine(path, page_size=PAGE, num_pages=128)
-    hk = HostKV(e, KvStoreClient(store.address, timeout_s=1.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, retry_after_s=0.2)
+    hk = HostKV(e.kv_port(), KvStoreClient(store.address, timeout_s=1.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, retry_after_s=0.2)
     e.attach_host_kv(hk)
     session = f"verify-{verify}"
     bad_page = 3
@@ -119,7 +119,7 @@ def test_checksums_travel_with_the_blocks(store):
 def test_end_session_releases_device_and_store_pages_but_not_shared_prefixes(synth_models, store, mooncake):
     path = synth_models["tiny-llama"]
     e = Engine(path, page_size=PAGE, num_pages=128)
-    hk = HostKV(e, KvStoreClient(store.address, timeout_s=1.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, retry_after_s=0.2)
+    hk = HostKV(e.kv_port(), KvStoreClient(store.address, timeout_s=1.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, retry_after_s=0.2)
     e.attach_host_kv(hk)
     shared = e.tokenizer.encode("a system prompt both sessions of this test share " * 3)
     shared = shared[: len(shared) // PAGE * PAGE]

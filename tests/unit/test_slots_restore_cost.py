@@ -24,7 +24,7 @@ def test_restore_cost_is_learned_from_real_restores(synth_models, store, mooncak
         {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), costs=costs, page_size=4,
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
     )
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
+    ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
     run_calls(ce, [EngineRequest("warm-a", list(range(100, 160)), GREEDY, model=A)])  # first steps pay one-off costs
     prompt = list(range(10, 70))
     first = run_calls(ce, [EngineRequest("t1", prompt, GREEDY, session_id="s", model=A)])  # measures A's prefill
@@ -47,7 +47,7 @@ def test_first_prefill_after_a_switch_counts_only_the_tokens_not_restored(synth_
     short; the simulator showed the stalls)."""
     ce = SlottedColdEngine({m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=4,
                            kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
-    ce.attach_host_kv_factory(lambda e: HostKV(e, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
+    ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))
     prompt = list(range(10, 70))
     first = run_calls(ce, [EngineRequest("t1", prompt, GREEDY, session_id="s", model=A)])
     run_calls(ce, [EngineRequest("other", list(range(5, 30)), GREEDY, model=B)])  # A's device KV is gone, its host copy stays

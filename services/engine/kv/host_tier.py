@@ -22,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.engine.kv.session_residency import KvLocation
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreDecision:
@@ -32,12 +34,18 @@ class RestoreDecision:
     reason: str
 
 
-def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: float, overhead_s: float = 0.0) -> RestoreDecision:
-    """Restore ``tokens`` from the host store when that is predicted faster than recomputing them."""
+RESTORE_MODES = ("auto", "always", "never")
+
+
+def decide_restore(tokens: int, *, restore_per_token: float, prefill_per_token: float, overhead_s: float = 0.0, mode: str = "auto") -> RestoreDecision:
+    """Restore ``tokens`` from the host store when that is predicted faster than recomputing them; ``mode``
+    ``always`` / ``never`` (config ``host_kv_restore``) overrides the prediction, which is still reported."""
     if tokens <= 0:
         return RestoreDecision(False, 0, 0.0, 0.0, "nothing to restore")
     restore_s = overhead_s + tokens * restore_per_token
     recompute_s = tokens * prefill_per_token
+    if mode != "auto":
+        return RestoreDecision(mode == "always", tokens, restore_s, recompute_s, f"mode={mode}")
     if restore_s < recompute_s:
         return RestoreDecision(True, tokens, restore_s, recompute_s, "restore is cheaper")
     return RestoreDecision(False, tokens, restore_s, recompute_s, "recompute is cheaper")
@@ -72,10 +80,10 @@ class HostSessions:
         """Forget an ended session."""
         self._s.pop(session_id, None)
 
-    def state(self, session_id: str, epoch: int, available: bool) -> str:
-        """``host`` when the store we committed to is the one up now, else ``missing``."""
+    def state(self, session_id: str, epoch: int, available: bool) -> KvLocation:
+        """``HOST`` when the store we committed to is the one up now, else ``MISSING``."""
         s = self._s.get(session_id)
-        return "host" if s is not None and available and s.epoch == epoch else "missing"
+        return KvLocation.HOST if s is not None and available and s.epoch == epoch else KvLocation.MISSING
 
     def entries(self) -> list[HostSession]:
         return list(self._s.values())
@@ -142,7 +150,7 @@ class StoreIndex:
                 self._stored.update(hashes)
             self.sessions.committed(session_id, tokens, epoch, now_unix)
 
-    def states(self, available: bool) -> list[tuple[HostSession, str]]:
-        """Every known session with its state (``host`` | ``missing``)."""
+    def states(self, available: bool) -> list[tuple[HostSession, KvLocation]]:
+        """Every known session with its state (``HOST`` | ``MISSING``)."""
         with self._lock:
             return [(s, self.sessions.state(s.session_id, self.epoch, available)) for s in self.sessions.entries()]

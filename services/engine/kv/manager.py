@@ -34,13 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from talaria.hashing import page_hashes
 
 from services.engine.kv.allocator import PageAllocator
 from services.engine.kv.radix import RadixCache
-from services.engine.kv.session_cache import SessionCache, common_prefix_len
+from services.engine.kv.session_cache import SessionCache, SessionEntry, common_prefix_len
+from services.engine.kv.session_residency import KvLocation
+
+if TYPE_CHECKING:
+    from services.engine.kv.retention import RetentionBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,16 +180,16 @@ class KVManager:
         k = cdiv(n, P)
         return PrefixMatch(n, tuple(radix_pages[:k]), tuple(hashes[:k]), False, n % P != 0, device, host_n)
 
-    def session_prefix(self, session_id: str, token_ids: Sequence[int], host: HostIndex | None = None, device: bool = True) -> tuple[str, int]:
-        """Where the reusable prefix of a session's next prompt is, and how long: ``("device", n)`` from the
-        session cache (when ``device``), else ``("host", n)`` from the host index, else ``("missing", 0)``.
+    def session_prefix(self, session_id: str, token_ids: Sequence[int], host: HostIndex | None = None, device: bool = True) -> tuple[KvLocation, int]:
+        """Where the reusable prefix of a session's next prompt is, and how long: ``(DEVICE, n)`` from the
+        session cache (when ``device``), else ``(HOST, n)`` from the host index, else ``(MISSING, 0)``.
         Read-only (the slot scheduler's view asks this for every queued call)."""
         if device:
             entry = self.sessions.peek(session_id)
             if entry is not None:
-                return "device", common_prefix_len(entry.token_ids, list(token_ids))
+                return KvLocation.DEVICE, common_prefix_len(entry.token_ids, list(token_ids))
         n = host.session_tokens(session_id) if host is not None else 0
-        return ("host", min(n, len(token_ids))) if n > 0 else ("missing", 0)
+        return (KvLocation.HOST, min(n, len(token_ids))) if n > 0 else (KvLocation.MISSING, 0)
 
     # ---------------------------------------------------------------- host restores
     def reserve_restore(self, token_ids: Sequence[int], hashes: Sequence[int], session_id: str, k: int) -> RestoreReservation | None:
@@ -401,6 +405,34 @@ class KVManager:
         """Drop every unlocked radix node and every session entry. Returns pages freed."""
         return self.sessions.clear() + self.radix.clear()
 
+    # ---------------------------------------------------------------- session entries
+    def session_tokens(self, session_id: str) -> list[int] | None:
+        """The committed tokens of the session's device entry (the cache's own list: read, never mutate), or
+        None when the device holds none. Mutates nothing (not even LRU order)."""
+        e = self.sessions.peek(session_id)
+        return e.token_ids if e is not None else None
+
+    def session_entries(self) -> list[SessionEntry]:
+        """The session cache's entries, least recently used first (a new list of the live entries: read them,
+        never mutate them). For the residency planner's candidates."""
+        return self.sessions.entries()
+
+    def drop_session_entry(self, session_id: str) -> bool:
+        """Release the session's device entry (its full pages stay in the radix cache while referenced there;
+        a host copy, if any, stays in the store). Returns whether the device holds no entry of it now.
+        Mutates: the session cache, allocator references."""
+        self.sessions.drop(session_id)
+        return session_id not in self.sessions
+
+    @property
+    def retention(self) -> RetentionBook | None:
+        """The retention book ordering session-entry eviction by predicted return (None: plain LRU)."""
+        return self.sessions.retention
+
+    @retention.setter
+    def retention(self, book: RetentionBook | None) -> None:
+        self.sessions.retention = book
+
     def drop_session(self, session_id: str, chains: Sequence[Sequence[int]]) -> int:
         """A session ended: drop its session entry and, per hash chain it left (newest first), the
         radix leaves nothing else extends (shared prefixes and locked paths stay). Returns pages freed.
@@ -415,6 +447,25 @@ class KVManager:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+    @property
+    def num_radix_pages(self) -> int:
+        """Pages the radix prefix cache holds."""
+        return self.radix.num_pages
+
+    @property
+    def num_session_pages(self) -> int:
+        """Page references the session cache's entries hold."""
+        return self.sessions.num_pages
+
+    def is_page_used(self, page: int) -> bool:
+        """Whether ``page`` has a reference (the staging area's integrity check asks it)."""
+        return self.allocator.refcount(page) > 0
+
+    def only_pinned(self, page: int) -> bool:
+        """Whether every reference on ``page`` is a transfer pin (no cache entry or sequence holds it): a
+        write-back must copy it before its pins go, and then it is freed."""
+        return self.allocator.refcount(page) == self._transfer_pins.get(page, 0)
 
     @property
     def hit_rate(self) -> float:

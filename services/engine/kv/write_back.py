@@ -31,8 +31,11 @@ Pure (no I/O, no torch); executor thread only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.engine.kv.retention import RetentionBook
 
 WRITE_POLICIES = ("back", "through")
 
@@ -72,3 +75,22 @@ class DirtySet:
             out, self._jobs = list(self._jobs.values()), {}
             return out
         return [j for sid in session_ids if (j := self._jobs.pop(sid, None)) is not None]
+
+
+def write_now(policy: str, leaving_soon: Callable[[], bool] | None) -> bool:
+    """At a call's end: copy its pages to the store now (write-through, or write-back on a cold engine whose
+    next switch takes them off the device: ``leaving_soon()``, asked only under write-back) rather than
+    marking the session dirty. Pure."""
+    return policy == "through" or (leaving_soon is not None and leaving_soon())
+
+
+def orphaned_sessions(dirty: DirtySet, only_pinned: Callable[[int], bool]) -> list[str]:
+    """Eviction trigger: the dirty sessions with a page that only transfer pins still hold (every cache entry
+    and sequence let go of it, ``KVManager.only_pinned``): writing them back is what frees memory now. Pure."""
+    return [sid for sid, job in dirty.items() if any(only_pinned(p) for p in job.pages)]
+
+
+def late_sessions(dirty: DirtySet, book: RetentionBook, now: float) -> list[str]:
+    """Retention trigger: the dirty sessions whose hint expects their return after the lease window
+    (``RetentionBook.value`` -1), so their pages may leave the device. Pure (reads the book)."""
+    return [sid for sid in dirty.sessions() if book.value(sid, now) < 0]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
-KvLocation = Literal["device", "host", "missing"]
+from services.engine.kv.session_residency import KvLocation
 
 
 class Phase(str, Enum):
@@ -41,7 +41,7 @@ class CallView:
     max_tokens: int = 16
     session_id: str = ""
     prefix_tokens: int = 0  # tokens of the prompt this instance can reuse (device or host copy)
-    prefix_state: KvLocation = "missing"
+    prefix_state: KvLocation = KvLocation.MISSING
     continuation: bool = False  # the session had an earlier call on this instance
 
 

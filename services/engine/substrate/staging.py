@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from services.engine.kv.allocator import OutOfPagesError, PageAllocator
+from services.engine.kv import OutOfPagesError, PageAllocator
 
 from .copier import Copier, Ticket
 
