@@ -90,6 +90,9 @@ DEFAULT_STAGING_BYTES = 32 * 1024 * 1024
 COUNTERS = (
     "checkpoints", "checkpoint_pages", "checkpoint_bytes", "checkpoints_dropped",
     "restores", "restore_pages", "restore_bytes", "restores_declined", "store_failures",
+    # CPU seconds the tier's two worker threads spent (copies, checksums, store RPCs, Mooncake): on a CPU
+    # engine this is taken from the cores the executor's compute team runs on (thread CPU time, per job)
+    "checkpoint_cpu_s", "restore_cpu_s",
     "restore_verify_failures", "restore_unverified_pages", "sessions_released", "released_pages",
     # write-back (kv/write_back.py): calls marked dirty, dirty chains dropped unwritten, write-backs by trigger
     "dirty_marked", "dirty_dropped", "write_backs_eviction", "write_backs_switch", "write_backs_slot_end", "write_backs_hint",
@@ -154,6 +157,8 @@ class _Restore:
     overhead_s: float = 0.0
     cancelled: bool = False
     after: tuple[threading.Event, ...] = ()  # the session's checkpoints still being written: the lookup waits for them
+    cpu_s: float = 0.0  # thread CPU time the restore worker spent on it (lookup + transfer)
+    cpu0: float = 0.0  # the worker's thread CPU time when its current stage started
 
 
 class HostKV:
@@ -477,8 +482,15 @@ class HostKV:
                 attrs = {"talaria.kv.pages": len(job.hashes), "talaria.kv.queued_seconds": (time.time_ns() - job.queued_ns) / 1e9}
                 if job.session_id:
                     attrs[otel.SESSION_ID] = job.session_id
-                with self.tracer.start_as_current_span("talaria.engine.kv_checkpoint", context=job.trace_context, attributes=attrs):
-                    self._checkpoint(job)
+                cpu0 = time.thread_time()
+                with self.tracer.start_as_current_span("talaria.engine.kv_checkpoint", context=job.trace_context, attributes=attrs) as span:
+                    try:
+                        self._checkpoint(job)
+                    finally:
+                        cpu = time.thread_time() - cpu0
+                        span.set_attribute("talaria.kv.cpu_seconds", cpu)
+                        with self._lock:
+                            self.counters["checkpoint_cpu_s"] += cpu
             except Exception as e:  # noqa: BLE001 - a failing checkpoint must never stop the worker
                 log.exception("checkpoint of session %s failed", job.session_id)
                 self._failed("checkpoint", e)
@@ -662,7 +674,10 @@ class HostKV:
         job.span.set_attributes({
             "talaria.kv.restored_pages": k, "talaria.kv.tokens": k * P, "talaria.kv.bytes": k * self.page_bytes,
             "talaria.kv.seconds": time.perf_counter() - job.t_begin, "talaria.kv.decision": job.outcome,
+            "talaria.kv.cpu_seconds": job.cpu_s,
         })
+        with self._lock:
+            self.counters["restore_cpu_s"] += job.cpu_s
         job.span.end()
         if job.cancelled:
             if seq.kv_hold:
@@ -678,6 +693,7 @@ class HostKV:
             job = self._restore_jobs.get()
             if job is None:
                 return
+            job.cpu0 = time.thread_time()
             try:
                 with trace.use_span(job.span, end_on_exit=False):
                     if job.stage == "lookup":
@@ -691,6 +707,9 @@ class HostKV:
                 self._post(job, "publish")
 
     def _post(self, job: _Restore, stage: str) -> None:
+        """Restore worker: hand ``job`` to the executor thread for ``stage`` (its CPU time so far counted first:
+        the executor may publish it at once)."""
+        job.cpu_s += time.thread_time() - job.cpu0
         job.stage = stage
         with self._restore_cv:
             self._to_executor.append(job)

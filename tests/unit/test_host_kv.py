@@ -75,6 +75,8 @@ def test_restore_after_eviction_equals_uninterrupted(synth_models, store, moonca
     assert (out1, out2) == (ref1, ref2)
     assert hk.counters["restores"] == 1 and hk.counters["restore_pages"] >= len(p) // PAGE
     assert usage.cached_tokens >= (len(p) // PAGE) * PAGE  # the restored prefix was not recomputed
+    # what the tier's threads took from the cores: a copy, checksums and RPCs are never free
+    assert 0 < hk.counters["checkpoint_cpu_s"] < 5 and 0 < hk.counters["restore_cpu_s"] < 5
     hk.close()
 
 
