@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.cold import ColdEngine, ModelBusyError, UnknownModelError
+from services.engine.cold.engine import ColdEngine, ModelBusyError, UnknownModelError
 from services.engine.executor import Engine
 from services.engine.substrate.arena import ArenaBudgetError
 from services.engine.substrate.staging import ChunkState
