@@ -7,7 +7,7 @@ across switches and reused when the stable-address check passes (``MemorySubstra
 in ``substrate/switch.py`` do the memory work and time the five phases).
 
 Calls for every loaded model are accepted at any time and wait in per-model queues (``queues.ModelQueues``;
-they hold no pages) until the policy admits them to their model's shell. Calls of the active model are handed to its shell at once. At each ``step()``:
+they hold no pages) until the switch policy admits them to their model's shell. At each ``step()``:
 
 1. intake (new calls, aborts) is drained;
 2. the switch policy's turn (``policy.SwitchPolicy``, a part the engine is composed with: the idle switch
@@ -362,7 +362,7 @@ class ColdEngine:
             if r.phases is not None:
                 r.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())  # its slot is open: the shell's queue
             self.switching.admitted(r)
-            eng.add_request(r)
+            eng.add_validated(r)  # validated once, at this engine's intake
         return self.switching.step_shell(eng)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
