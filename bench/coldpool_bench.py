@@ -12,7 +12,7 @@ A. **TTFT of a cold model's first call**: two ``ColdEngine``s over the same cata
    so in the output). For every repetition and every model, another model is
    made active first, then one call of ``--prompt`` tokens is sent; TTFT = first token − submission (wall,
    includes the switch). Outputs of both engines are checked identical.
-B. **SLO attainment, token deadlines vs rounds**: two ``SlottedColdEngine``s, the round/slot scheduler
+B. **SLO attainment, token deadlines vs rounds**: two slot-scheduled ``ColdEngine``s, the round/slot scheduler
    (Talaria §3.4) and the token-deadline scheduler (``token_deadlines``), replay the same closed-loop agent
    sessions (``bench/sp_bench.make_replay``). Every token of every call is scored against its deadline in both
    modes (first token: arrival + T_TTFT; token i: first-token time + (i−1)·T_TPOT): attainment, TTFT
@@ -38,7 +38,7 @@ def _engine(catalog, stream: bool, channel_mbps: float | None):
     """A cold engine whose every weight copy goes through one transfer scheduler; ``stream`` False forces
     k* = all groups (load-all-then-run through the same channel), so the two configs differ only in k*.
     ``channel_mbps`` throttles the channel to emulate a slower host->device link (emulation, not a device)."""
-    from services.engine.cold import ColdEngine
+    from services.engine.cold.engine import ColdEngine
     from services.engine.streaming_swap import stream_copy
     from services.engine.substrate.groups import layer_groups
     from services.engine.substrate.transfer import TransferScheduler
@@ -115,22 +115,23 @@ def run_ttft(catalog, prompt_len: int, repeats: int, channel_mbps: float | None 
 def run_slo(catalog, sessions: int, depth: int, ttft_s: float, tpot_s: float, seed: int, say=print) -> dict:
     from bench.sp_bench import make_replay, replay
     from services.engine.slots import SlotPolicy
-    from services.engine.slotted import SlottedColdEngine
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.cold.slotted import SlotSwitching
     from services.engine.types import SamplingParams
 
     spec = make_replay(seed, sessions, depth, tuple(catalog))
     res = {}
     for name, td in (("rounds", False), ("token-deadlines", True)):
         pol = SlotPolicy(ttft_s=ttft_s, tpot_s=tpot_s, token_deadlines=td)
-        ce = SlottedColdEngine(catalog, policy=pol, page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
+        ce = ColdEngine(catalog, switching=SlotSwitching(pol), page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
         for m in catalog:
             ce.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), model=m)
         ce.take_round_summaries()
-        ce.deadlines.reset_totals()
+        ce.switching.deadlines.reset_totals()
         n0 = ce.protocol.seq
         say(f"SLO replay: {name} ...")
         run = replay(ce, spec)
-        t = ce.deadlines.totals()
+        t = ce.switching.deadlines.totals()
         res[name] = {
             "attainment": t.attainment, "ttft_attainment": t.ttft_attainment, "tokens": t.tokens + t.first_tokens,
             "gap_p50": t.gap_p50_s, "gap_p99": t.gap_p99_s, "gap_max": t.gap_max_s, "sct_p50": median(run.sct),

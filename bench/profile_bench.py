@@ -159,7 +159,7 @@ def _fit(pts):
 
 def measure_switch(models_dir: Path, models: tuple[str, ...], switches: int, say) -> tuple[dict[str, float], dict[str, int]]:
     from bench.switch_bench import _stage
-    from services.engine.cold import ColdEngine
+    from services.engine.cold.engine import ColdEngine
     from services.engine.substrate.bank import WeightBank
 
     chunk = 4096 * 1024

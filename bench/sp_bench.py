@@ -1,8 +1,8 @@
 """``talaria bench sp``: session-prefill (SP) admission on a real cold engine — Talaria vs no-SP vs Round-only.
 
 What is measured
-    One ``SlottedColdEngine`` per configuration (services/engine/slotted.py: the round/slot
-    scheduler of Talaria §3.4 driving the real multi-model cold engine of services/engine/cold.py) over
+    One slot-scheduled ``ColdEngine`` per configuration (services/engine/cold/slotted.py: the round/slot
+    scheduler of Talaria §3.4 driving the real multi-model cold engine of services/engine/cold/engine.py) over
     three synthesized models (default tiny-llama, tiny-qwen2, tiny-qwen3) on the CPU, float32, in this one
     process. The same fixed replay (Talaria §5.1) runs on each: ``sessions`` agent sessions spread over the
     three models, each ``depth`` calls long; a call's prompt is the previous prompt + the previous answer +
@@ -141,7 +141,8 @@ def run_sp_bench(*, models_dir=None, sessions: int = 9, depth: int = 5, repeats:
                  ttft_s: float = 1.0, tpot_s: float = 0.05, gamma: float = 0.8, threads: int | None = 1, say=print) -> dict:
     import torch
 
-    from services.engine.slotted import SlottedColdEngine
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.cold.slotted import SlotSwitching
 
     if threads:
         torch.set_num_threads(threads)
@@ -150,7 +151,7 @@ def run_sp_bench(*, models_dir=None, sessions: int = 9, depth: int = 5, repeats:
     engines = {}
     for name in CONFIGS:
         pol = _policy(name, ttft_s, tpot_s, gamma)
-        engines[name] = SlottedColdEngine(catalog, policy=pol, page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024,
+        engines[name] = ColdEngine(catalog, switching=SlotSwitching(pol), page_size=16, kv_cache_bytes=32 << 20, chunk_bytes=256 * 1024,
                                           runtime_bytes=64 * 1024, staging=pol.d2d_staging)
     replay_spec = make_replay(seed, sessions, depth)
     # warm-up: one short call per model on every engine (first forward allocations)

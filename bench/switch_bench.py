@@ -96,7 +96,7 @@ def run_once(ce, engine_kw: dict, src: str, dst: str, switches: int) -> dict[str
 
 
 def main(args) -> int:
-    from services.engine.cold import ColdEngine
+    from services.engine.cold.engine import ColdEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from services.engine.cold.driver import SlotDriver
 from services.engine.slots import SlotPolicy
+from services.engine.slots.types import Decision, InstanceView
 from services.kvstore.registry import HostKVRegistry
 from services.router.gateway import Gateway, PoolSpec
 from services.router.lease_service import LeaseService
@@ -133,6 +135,7 @@ class Simulation:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._busy: dict[str, bool] = {i: False for i in self.instances}
+        self._drivers: dict[str, SlotDriver] = {}  # per instance: the engine's slot driver over a _SimPort
         self._rounds: list[Any] = []
         self._decide_us: list[float] = []  # gateway decide: state refresh + policy (+ a raced retry); thread CPU time
         self._snapshot_us: list[float] = []  # gateway on_snapshot (the heartbeat path, where states are rebuilt); thread CPU time
@@ -255,7 +258,7 @@ class Simulation:
         # host_kv stays False: each simulated instance's host tier is its own (a per-node CPU store, as in the
         # paper), so no other instance can restore from it (the real stack's kvstore is shared: wire.py sets it)
         staged = inst.staging[0] if inst.staging else None
-        idle = not inst.running and not inst.waiting  # as the engine's SlotStats (slotted._refresh_gauges)
+        idle = not inst.running and not inst.waiting  # as the engine's SlotStats (cold/slotted.SlotSwitching.refresh)
         waits = inst.scheduler.slot_waits(now, idle) if inst.pool == "cold" else {}
         costs = inst.scheduler.costs
         for m in inst.loaded:
@@ -332,27 +335,16 @@ class Simulation:
 
     # ------------------------------------------------------------------ instance side
     def _kick(self, iid: str) -> None:
-        """Run the instance's scheduler until it starts a timed action or idles. Mutates the instance."""
+        """Run the instance's scheduler (one turn of the engine's slot driver) until it starts a timed action or
+        idles. Mutates the instance."""
         if self._busy[iid]:
             return
         inst = self.instances[iid]
         now = self.clock.now()
-        view = inst.view(now)
-        d = inst.scheduler.decide(view, now)
-        if self.cfg.record:
-            self._trace["slots"][iid].append(("decide", now, view, d))
-        self._take_rounds(iid, inst)
-        if d.switch_to is not None:
-            path, secs, _ = inst.switch(d.switch_to, now)
-            self._busy[iid] = True
-            self._push(now + secs, "done", (iid, "switch", (path, secs)))
-        elif d.run_step:
-            inst.admit(d.admit, now)
-            out = inst.step(now)
-            self._busy[iid] = True
-            self._push(now + out.seconds, "done", (iid, "step", out))
-        elif d.hold_s > 0:  # the slot is held for expected returns (slots/hold.py): ask again then, or on an arrival
-            self._push(now + d.hold_s, "wake", iid)
+        drv = self._drivers.get(iid)
+        if drv is None or drv.scheduler is not inst.scheduler:  # a reconfigured instance has a fresh scheduler
+            drv = self._drivers[iid] = SlotDriver(inst.scheduler, _SimPort(self, iid, inst))
+        drv.turn(now)
         inst.restage(now)
 
     def _take_rounds(self, iid: str, inst: SimInstance) -> None:
@@ -412,6 +404,41 @@ class Simulation:
         router = {**self.lease_service.metrics(), "worker_opens": dict(self.worker_opens)}
         return RunResult(self.cfg.name, calls, sct, router, self._rounds, switches, self.clock.now(), wall,
                          self._decide_us, self._policy_us, self._snapshot_us, inst, self._trace)
+
+
+class _SimPort:
+    """A simulated instance as the slot driver's port (``services/engine/cold/driver.py``): a switch or a step
+    is started now and completes at a scheduled event (``Simulation._done`` reports its time to the scheduler and
+    kicks the next turn); a hold asks again when it ends (or on an arrival)."""
+
+    __slots__ = ("c", "iid", "inst")
+
+    def __init__(self, cluster: Simulation, iid: str, inst: SimInstance) -> None:
+        self.c, self.iid, self.inst = cluster, iid, inst
+
+    def slot_view(self, now: float) -> InstanceView:
+        return self.inst.view(now)
+
+    def on_decision(self, view: InstanceView, d: Decision, now: float) -> None:
+        if self.c.cfg.record:
+            self.c._trace["slots"][self.iid].append(("decide", now, view, d))
+        self.c._take_rounds(self.iid, self.inst)
+
+    def switch_slot(self, target: str, now: float) -> float | None:
+        path, secs, _ = self.inst.switch(target, now)
+        self.c._busy[self.iid] = True
+        self.c._push(now + secs, "done", (self.iid, "switch", (path, secs)))
+        return None  # completes at its event
+
+    def run_step(self, admit: tuple[str, ...], now: float) -> None:
+        self.inst.admit(admit, now)
+        out = self.inst.step(now)
+        self.c._busy[self.iid] = True
+        self.c._push(now + out.seconds, "done", (self.iid, "step", out))
+
+    def wait(self, d: Decision, now: float) -> None:
+        if d.hold_s > 0:  # the slot is held for expected returns (slots/hold.py): ask again then, or on an arrival
+            self.c._push(now + d.hold_s, "wake", self.iid)
 
 
 def _hot(slot: SlotPolicy) -> SlotPolicy:

@@ -133,7 +133,7 @@ class SimInstance:
             switch_by_path={"full_staged": profile.switch.total(1.0), "partial": profile.switch.total(0.5), "host_only": profile.switch.total(0.0)},
         )
         self.seed_costs = seed  # what the scheduler starts from (tests replay with the same)
-        # per-token deadlines scored in both modes (as the engine's SlottedColdEngine); kept across reconfigure
+        # per-token deadlines scored in both modes (as the engine's SlotSwitching); kept across reconfigure
         self.tracker = DeadlineTracker(DeadlineTargets(policy.ttft_s, policy.tpot_s))
         self.scheduler = make_scheduler(policy, CostModel(seed), self.tracker)
         self.active: str | None = m0
@@ -351,7 +351,7 @@ class SimInstance:
     def first_prefill_tokens(self, model: str) -> int:
         """Tokens the first forward after a switch to ``model`` computes, at least: the smallest of its waiting
         calls' prompts minus the prefix this instance can restore (a slot's P admission may take one call), at
-        most one step's token budget (as the engine's ``SlottedColdEngine.first_prefill_tokens``). Pure read."""
+        most one step's token budget (as the engine's ``SlotSwitching.first_prefill_tokens``). Pure read."""
         need = [max(1, c.ctx_needed - self.prefix_of(c)[0]) for c in self.queues.get(model, ())]
         return min(self.profile.max_batched_tokens, min(need, default=0))
 

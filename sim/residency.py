@@ -1,4 +1,4 @@
-"""Unified residency on a simulated cold instance: the mechanism side of ``services/engine/cold_residency.py``.
+"""Unified residency on a simulated cold instance: the mechanism side of ``services/engine/cold/residency.py``.
 
 Design NOTE (issue 16 item 1; JointServe §3-§4.2, ``../shared/reference/jointserve-paper.txt``). The policy is
 the engine's own ``services.engine.residency.ResidencyManager`` (a multiple-choice knapsack over model layer

@@ -306,6 +306,12 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue ``req``; it is admitted at the next ``step()``. Raises InvalidRequestError."""
         validate_request(req, self.max_context, self.vocab_size)
+        self.add_validated(req)
+
+    def add_validated(self, req: EngineRequest) -> None:
+        """Queue ``req``, already validated against this engine's model limits by its caller (a cold engine
+        validates a call once, at its own intake, then hands it to the model's shell here). Raises
+        DuplicateRequestError."""
         with self._intake_lock:
             if req.request_id in self._live_ids:
                 raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")

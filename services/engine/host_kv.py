@@ -192,7 +192,7 @@ class HostKV:
         self.write_policy = write_policy  # kv/write_back.py: copy when pages leave the device, or at once
         self.dirty = DirtySet()  # write-back: sessions pinned on the device, not in the store yet (executor thread)
         self._hints_seen = 0
-        # a cold engine (cold.py): True while another model has queued calls, i.e. this model's KV leaves the
+        # a cold engine (cold/engine.py): True while another model has queued calls, i.e. this model's KV leaves the
         # device at the next switch and a session's return comes after it: write back as the call ends
         self.leaving_soon: Callable[[], bool] | None = None
         self.mode = mode  # "always"/"never" override the cost model (tests, benchmarks)

@@ -76,20 +76,20 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
 
 
 def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
-    """A cold-pool executor over every catalog model of ``cfg`` (one active at a time, see cold.py)."""
+    """A cold-pool executor over every catalog model of ``cfg`` (one active at a time, see cold/engine.py)."""
     import torch
 
-    from services.engine.cold import ColdEngine
+    from services.engine.cold.engine import ColdEngine
     from services.engine.executor import DEFAULT_KV_CACHE_BYTES
     from services.engine.model.loader import engine_dtype
 
-    cls, extra = ColdEngine, {}
+    extra = {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
-        from services.engine.slotted import SlottedColdEngine, policy_from_config
+        from services.engine.cold.slotted import SlotSwitching, policy_from_config
 
-        cls, extra = SlottedColdEngine, {"policy": policy_from_config(cfg)}
+        extra["switching"] = SlotSwitching(policy_from_config(cfg))
     if cfg.unified_residency:  # one device budget for staged layer groups and session KV prefixes
-        from services.engine.cold_residency import ResidencyDriver
+        from services.engine.cold.residency import ResidencyDriver
 
         extra["residency"] = ResidencyDriver(chunks_per_step=cfg.staging_chunks_per_step)
     catalog = {}
@@ -102,7 +102,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     if arena is None and cfg.device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(cfg.device))
         arena = int(free * cfg.arena_fraction)
-    return cls(
+    return ColdEngine(
         catalog,
         **extra,
         device=cfg.device,

@@ -7,7 +7,8 @@ scheduler only learns through ``observe_step``/``observe_switch`` (its own estim
 Switching away from a model drops its device KV (moved to host when ``host_kv``), as the real cold engine
 does. No torch, no threads: unit tests now, the discrete-event simulator later.
 
-``simulate`` replays closed-loop sessions (each call of a session arrives a tool gap after the previous
+``simulate`` drives the fake through the engine's own slot driver (``services/engine/cold/driver.py``: build
+the view, decide, carry out) and replays closed-loop sessions (each call of a session arrives a tool gap after the previous
 one finished; Talaria §5.1) under a :class:`~talaria.clock.ManualClock` and returns per-call TTFT,
 per-session SCT and the round summaries.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from talaria.clock import ManualClock
 from talaria.switch_path import SwitchPath
 
+from services.engine.cold.driver import SlotDriver
 from services.engine.slots.costs import CostProfile
 from services.engine.slots.scheduler import SlotScheduler
 from services.engine.slots.types import CallView, Decision, InstanceView, ModelView, ReturnView, RoundSummary
@@ -219,6 +221,77 @@ class SimResult:
         return [c.first_token_at - c.arrival for c in self.calls if c.first_token_at is not None and (returning is None or (c.request_id in self.returning) == returning)]
 
 
+class _Replay:
+    """The closed-loop replay as the slot driver's port (``services/engine/cold/driver.py``): the fake executor
+    carries decisions out, the manual clock advances by what each action took, finished calls schedule their
+    session's next call a tool gap later."""
+
+    def __init__(self, sessions: Sequence[SessionSpec], scheduler: SlotScheduler, executor: FakeExecutor, clock: ManualClock,
+                 keep_decisions: bool, hint) -> None:
+        self.sessions, self.scheduler, self.executor, self.clock = sessions, scheduler, executor, clock
+        self.keep_decisions, self.hint = keep_decisions, hint
+        self.arrivals: list[tuple[float, int, int]] = [(s.start_s, i, 0) for i, s in enumerate(sessions)]
+        heapq.heapify(self.arrivals)
+        self.first_arrival: dict[str, float] = {}
+        self.last_finish: dict[str, float] = {}
+        self.returning: set[str] = set()
+        self.owner: dict[str, tuple[int, int]] = {}
+        self.unfinished = sum(len(s.calls) for s in sessions)
+        self.decisions: list[Decision] = []
+
+    def arrive(self, now: float) -> None:
+        """Calls due by ``now`` reach the executor. Mutates the arrival heap and the executor's queues."""
+        while self.arrivals and self.arrivals[0][0] <= now + 1e-12:
+            t, i, k = heapq.heappop(self.arrivals)
+            s = self.sessions[i]
+            spec = s.calls[k]
+            rid = f"{s.session_id}#{k}"
+            self.executor.submit(FakeCall(rid, s.model, t, spec.prompt_tokens, spec.max_tokens, s.session_id))
+            self.owner[rid] = (i, k)
+            self.first_arrival.setdefault(s.session_id, t)
+            if k > 0:
+                self.returning.add(rid)
+
+    # ---------------------------------------------------------------- SlotPort
+    def slot_view(self, now: float) -> InstanceView:
+        return self.executor.view(now)
+
+    def on_decision(self, view: InstanceView, d: Decision, now: float) -> None:
+        if self.keep_decisions:
+            self.decisions.append(d)
+
+    def switch_slot(self, target: str, now: float) -> float | None:
+        path, secs = self.executor.switch(target)
+        self.clock.advance(secs)
+        self.scheduler.observe_switch(path, secs)
+        return None  # the next turn (after the arrivals meanwhile) opens the slot
+
+    def run_step(self, admit: tuple[str, ...], now: float) -> None:
+        ex = self.executor
+        ex.admit(admit, now)
+        res = ex.step(now)
+        self.clock.advance(res.seconds)
+        self.scheduler.observe_step(ex.active or "", res.prefill_tokens, res.restore_tokens, res.decode_seqs, res.seconds)
+        for rid in res.finished:
+            self.unfinished -= 1
+            i, k = self.owner[rid]
+            s = self.sessions[i]
+            self.last_finish[s.session_id] = self.clock.now()
+            if k + 1 < len(s.calls):
+                heapq.heappush(self.arrivals, (self.clock.now() + s.calls[k].gap_after_s, i, k + 1))
+                h = self.hint(s.calls[k]) if self.hint is not None else None
+                if h is not None:
+                    c = ex.calls[rid]
+                    rv = ReturnView(s.session_id, 0.0, *h, c.decoded, c.prompt_tokens - c.cached_tokens, c.prompt_tokens + c.decoded)
+                    ex.expected[(s.model, s.session_id)] = (self.clock.now(), rv)
+
+    def wait(self, d: Decision, now: float) -> None:
+        if not self.arrivals:
+            raise RuntimeError(f"scheduler idles with {self.unfinished} calls unfinished: {d}")
+        wake = self.arrivals[0][0] if d.hold_s <= 0 else min(self.arrivals[0][0], now + d.hold_s)
+        self.clock.advance(max(0.0, wake - now))
+
+
 def simulate(
     sessions: Sequence[SessionSpec],
     scheduler: SlotScheduler,
@@ -232,59 +305,15 @@ def simulate(
     """``hint(spec) -> (mu, sigma, window) | None``: the router's prediction of the gap after a call (what its
     retention hint would carry), given to the executor when the call finishes; None = no lease."""
     clock = clock or ManualClock()
-    arrivals: list[tuple[float, int, int]] = [(s.start_s, i, 0) for i, s in enumerate(sessions)]
-    heapq.heapify(arrivals)
-    first_arrival: dict[str, float] = {}
-    last_finish: dict[str, float] = {}
-    returning: set[str] = set()
-    owner: dict[str, tuple[int, int]] = {}
-    unfinished = sum(len(s.calls) for s in sessions)
-    decisions: list[Decision] = []
+    replay = _Replay(sessions, scheduler, executor, clock, keep_decisions, hint)
+    driver = SlotDriver(scheduler, replay)
     for _ in range(max_iterations):
-        now = clock.now()
-        while arrivals and arrivals[0][0] <= now + 1e-12:
-            t, i, k = heapq.heappop(arrivals)
-            s = sessions[i]
-            spec = s.calls[k]
-            rid = f"{s.session_id}#{k}"
-            executor.submit(FakeCall(rid, s.model, t, spec.prompt_tokens, spec.max_tokens, s.session_id))
-            owner[rid] = (i, k)
-            first_arrival.setdefault(s.session_id, t)
-            if k > 0:
-                returning.add(rid)
-        if unfinished == 0:
+        replay.arrive(clock.now())
+        if replay.unfinished == 0:
             break
-        d = scheduler.decide(executor.view(now), now)
-        if keep_decisions:
-            decisions.append(d)
-        if d.switch_to is not None:
-            path, secs = executor.switch(d.switch_to)
-            clock.advance(secs)
-            scheduler.observe_switch(path, secs)
-        elif d.run_step:
-            executor.admit(d.admit, now)
-            res = executor.step(now)
-            clock.advance(res.seconds)
-            scheduler.observe_step(executor.active or "", res.prefill_tokens, res.restore_tokens, res.decode_seqs, res.seconds)
-            for rid in res.finished:
-                unfinished -= 1
-                i, k = owner[rid]
-                s = sessions[i]
-                last_finish[s.session_id] = clock.now()
-                if k + 1 < len(s.calls):
-                    heapq.heappush(arrivals, (clock.now() + s.calls[k].gap_after_s, i, k + 1))
-                    h = hint(s.calls[k]) if hint is not None else None
-                    if h is not None:
-                        c = executor.calls[rid]
-                        rv = ReturnView(s.session_id, 0.0, *h, c.decoded, c.prompt_tokens - c.cached_tokens, c.prompt_tokens + c.decoded)
-                        executor.expected[(s.model, s.session_id)] = (clock.now(), rv)
-        else:
-            if not arrivals:
-                raise RuntimeError(f"scheduler idles with {unfinished} calls unfinished: {d}")
-            wake = arrivals[0][0] if d.hold_s <= 0 else min(arrivals[0][0], now + d.hold_s)
-            clock.advance(max(0.0, wake - now))
+        driver.turn(clock.now())
     else:
         raise RuntimeError("simulation did not finish")
     scheduler.decide(executor.view(clock.now()), clock.now())  # closes the last round
-    sct = {sid: last_finish[sid] - first_arrival[sid] for sid in last_finish}
-    return SimResult(list(executor.calls.values()), returning, sct, scheduler.take_summaries(), decisions, clock.now())
+    sct = {sid: replay.last_finish[sid] - replay.first_arrival[sid] for sid in replay.last_finish}
+    return SimResult(list(executor.calls.values()), replay.returning, sct, scheduler.take_summaries(), replay.decisions, clock.now())

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from services.engine.cold import ColdEngine
+from services.engine.cold.engine import ColdEngine
 from services.engine.executor import Engine
 from services.engine.service import EngineService
 from talaria.config import EngineConfig, StackConfig
@@ -370,12 +370,12 @@ async def test_a_retention_hint_on_nats_holds_the_cold_slot_for_the_return(synth
     engine, which holds model A's slot for the session's expected return instead of switching to B's waiting
     call (slots/hold.py); the return is served in A's slot and only then does the instance switch to B."""
     from services.engine.slots import CostModel, CostProfile, SlotPolicy
-    from services.engine.slotted import SlottedColdEngine
+    from services.engine.cold.slotted import SlotSwitching
 
     a, b = "tiny-llama", "tiny-qwen2"
     slow = CostProfile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-5,
                        switch_by_path={"full_staged": 2.0, "partial": 4.0, "host_only": 8.0})  # the paper's regime
-    ce = SlottedColdEngine({m: synth_models[m] for m in (a, b)}, policy=SlotPolicy(ttft_s=20.0, tpot_s=1.0), costs=CostModel(slow),
+    ce = ColdEngine({m: synth_models[m] for m in (a, b)}, switching=SlotSwitching(SlotPolicy(ttft_s=20.0, tpot_s=1.0), CostModel(slow)),
                            page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
     cfg = EngineConfig(id="ho0", pool="cold", models=[a, b], heartbeat_period_s=0.2)
     with Running(EngineService(StackConfig(), cfg, ce, drain_timeout_s=1.0), nats_url):
@@ -400,15 +400,15 @@ async def test_a_retention_hint_on_nats_holds_the_cold_slot_for_the_return(synth
             await nc.publish(SUBJ.retention("ho0"), hint.SerializeToString())
             await nc.flush()
             for _ in range(1000):  # the hint is in the engine's book before B's call arrives
-                if ce._retention.leased():
+                if ce.retention.leased():
                     break
                 await asyncio.sleep(0.01)
             other = asyncio.ensure_future(call(b, "t"))
             for _ in range(300):  # B waits: A's slot is held for s (expected back in ~1 s)
-                if ce.slots.totals["holds"]:
+                if ce.switching.slots.totals["holds"]:
                     break
                 await asyncio.sleep(0.01)
-            assert ce.slots.totals["holds"] == 1 and ce.active == a and not other.done()
+            assert ce.switching.slots.totals["holds"] == 1 and ce.active == a and not other.done()
             returned, _ = await call(a, "s")  # s returns: served in A's held slot
             await asyncio.wait_for(other, 60)
             rec = pb.SwitchRecord.FromString((await switches.next_msg(30)).data)

@@ -1,7 +1,9 @@
 """The renovation's structural rules (issue 19), checked on the source so a change that breaks one fails here:
 no function in ``services/`` longer than 80 lines; no service imports another service's internals (the
 kvstore's declared public client is the one cross-service import); the shared base layer ``talaria/`` never
-imports a service; the engine service never probes its executor with ``hasattr``."""
+imports a service; the engine service never probes its executor with ``hasattr``; no engine class in
+``services/engine`` subclasses another (the cold engine is composed of its queues and a switch policy); the slot
+driver imports no torch (the simulator and the test fake run it)."""
 
 from __future__ import annotations
 
@@ -56,3 +58,20 @@ def test_the_engine_service_never_probes_its_executor():
         calls = [n for n in ast.walk(ast.parse((ROOT / "services/engine" / name).read_text()))
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "hasattr"]
         assert not calls, f"services/engine/{name}: hasattr at line {calls[0].lineno}"
+
+
+def test_no_engine_class_subclasses_another_engine_class():
+    """An engine's variants are parts it is composed with (``cold/policy.SwitchPolicy``), not subclasses."""
+    bad = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name}({', '.join(ast.unparse(b) for b in n.bases)})"
+           for p, t in _modules("services/engine") for n in ast.walk(t)
+           if isinstance(n, ast.ClassDef) and any("Engine" in ast.unparse(b) for b in n.bases)]
+    assert not bad, bad
+
+
+def test_the_slot_driver_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, services.engine.cold.driver, tests.fakes.slot_executor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

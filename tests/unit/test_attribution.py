@@ -98,13 +98,14 @@ def _sums(a: CallAttribution) -> None:
 def test_real_cold_engine_records_round_wait_switch_wait_restore_prefill_decode(synth_models, store, mooncake):
     from services.engine.host_kv import HostKV
     from services.engine.slots import SlotPolicy
-    from services.engine.slotted import SlottedColdEngine
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.cold.slotted import SlotSwitching
     from services.engine.types import EngineRequest, SamplingParams
     from services.kvstore.client import KvStoreClient
 
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=4,
+    ce = ColdEngine(
+        {m: synth_models[m] for m in (A, B)}, switching=SlotSwitching(SlotPolicy(ttft_s=5.0, tpot_s=0.5)), page_size=4,
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
     )
     ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.cold import ColdEngine, ModelBusyError, UnknownModelError
+from services.engine.cold.engine import ColdEngine, ModelBusyError, UnknownModelError
 from services.engine.executor import Engine
 from services.engine.substrate.arena import ArenaBudgetError
 from services.engine.substrate.staging import ChunkState
@@ -67,6 +67,27 @@ def test_a_b_a_tokens_equal_fresh_engines(cold, prompts, fresh):
     st = ce.stats()
     assert {m.model: (m.loaded, m.active) for m in st.models} == {A: (True, True), B: (True, False)}
     assert st.num_switches == recs[-1].seq and recs[-1].to_model == A
+
+
+def test_a_cold_call_is_validated_once(cold, prompts, monkeypatch):
+    """The cold engine validates a call at its intake; its model's shell takes it as validated (no second check
+    against the same limits on the executor thread)."""
+    import services.engine.cold.engine as cold_mod
+    import services.engine.executor as ex_mod
+
+    seen: list[str] = []
+
+    def counting(req, *a, **kw):
+        seen.append(req.request_id)
+        return ex_mod.validate_request.__wrapped__(req, *a, **kw)
+
+    counting.__wrapped__ = ex_mod.validate_request
+    monkeypatch.setattr(cold_mod, "validate_request", counting)
+    monkeypatch.setattr(ex_mod, "validate_request", counting)
+    cold.add_request(EngineRequest("once", list(prompts[0]), GREEDY, model=B))
+    while cold.has_unfinished():
+        cold.step()
+    assert seen == ["once"]
 
 
 def test_interleaved_calls_switch_when_idle(cold, prompts, fresh):

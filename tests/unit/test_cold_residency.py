@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.cold import ColdEngine
-from services.engine.cold_residency import ResidencyDriver
+from services.engine.cold.engine import ColdEngine
+from services.engine.cold.residency import ResidencyDriver
 from services.engine.executor import Engine
 from services.engine.substrate.groups import group_of_layer, layer_groups
 from services.engine.substrate.staging import ChunkState

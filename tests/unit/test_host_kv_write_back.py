@@ -12,7 +12,8 @@ from services.engine.executor import Engine
 from services.engine.host_kv import HostKV
 from services.engine.kv.retention import Hint, RetentionBook
 from services.engine.slots import SlotPolicy
-from services.engine.slotted import SlottedColdEngine
+from services.engine.cold.engine import ColdEngine
+from services.engine.cold.slotted import SlotSwitching
 from services.engine.types import EngineRequest, SamplingParams
 from services.kvstore.client import KvStoreClient
 from tests.unit.host_kv_fixtures import mooncake, one_thread, run_calls, store  # noqa: F401 - fixtures
@@ -35,10 +36,10 @@ def call(e: Engine, rid: str, prompt: list[int], session: str):
     return toks[rid + ":tokens"], toks[rid].usage
 
 
-def cold_with_tier(synth_models, store, mooncake) -> SlottedColdEngine:
+def cold_with_tier(synth_models, store, mooncake) -> ColdEngine:
     """A slotted cold engine over A and B (A active), each model with a write-back host tier on ``store``."""
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=5.0, tpot_s=0.5), page_size=PAGE,
+    ce = ColdEngine(
+        {m: synth_models[m] for m in (A, B)}, switching=SlotSwitching(SlotPolicy(ttft_s=5.0, tpot_s=0.5)), page_size=PAGE,
         kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024, initial=A,
     )
     ce.attach_host_kv_factory(lambda port: HostKV(port, KvStoreClient(store.address, timeout_s=2.0), mooncake=mooncake, mode="always", staging_bytes=1 << 20, write_policy="back"))

@@ -79,22 +79,23 @@ def test_router_learns_the_hot_engines_measured_curves_from_its_heartbeat(synth_
 
 def test_slot_scheduler_learns_curves_from_a_real_cold_engines_steps(synth_models):
     from services.engine.slots import CostModel, CostProfile, SlotPolicy
-    from services.engine.slotted import SlottedColdEngine
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.cold.slotted import SlotSwitching
     from services.engine.types import EngineRequest, SamplingParams
 
     prior = CostProfile(prefill_per_token=123.0, decode_step=77.0, restore_per_token=5.0)
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in ("tiny-llama", "tiny-qwen2")}, policy=SlotPolicy(ttft_s=1e6, tpot_s=1e5),
-        costs=CostModel(prior), page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
+    ce = ColdEngine(
+        {m: synth_models[m] for m in ("tiny-llama", "tiny-qwen2")}, switching=SlotSwitching(SlotPolicy(ttft_s=1e6, tpot_s=1e5), CostModel(prior)),
+        page_size=4, kv_cache_bytes=8 << 20, chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
     )
     seen = []
-    observe = ce.slots.observe_shape
+    observe = ce.switching.slots.observe_shape
 
     def spy(*a):  # records what the engine measured, then learns it as usual
         seen.append(a)
         observe(*a)
 
-    ce.slots.observe_shape = spy
+    ce.switching.slots.observe_shape = spy
     sp = SamplingParams(max_tokens=4, **GREEDY)
     reqs = [EngineRequest(f"r{i}", list(range(i, i + n)), sp, model=m)
             for i, (n, m) in enumerate([(20, "tiny-llama"), (150, "tiny-llama"), (12, "tiny-qwen2"), (12, "tiny-llama")])]
@@ -107,7 +108,7 @@ def test_slot_scheduler_learns_curves_from_a_real_cold_engines_steps(synth_model
             break
     assert not left and len(ce.switch_records) >= 2
 
-    costs = ce.slots.costs
+    costs = ce.switching.slots.costs
     fresh = CostModel(prior)  # replay every measured step: the learned values are exactly the measurements'
     for m, pt, pos, rt, dseq, secs in seen:
         fresh.observe_step(m, pt, rt, dseq, secs)
@@ -142,7 +143,7 @@ def test_router_prices_each_model_of_a_cold_instance_with_that_models_own_measur
     """Issue 12: a cold instance's profile is its active model's; a call of another model is priced with that
     model's own costs from the heartbeat (``ModelState.cost``), and a peer that has not run the model yet
     borrows them, never another model's."""
-    from services.engine.cold import ColdEngine
+    from services.engine.cold.engine import ColdEngine
     from services.engine.types import EngineRequest, SamplingParams
     from services.router.gateway import Gateway, PoolSpec
     from services.router.leases import LeaseTable

@@ -406,7 +406,7 @@ def test_streamed_switch_copies_a_startup_prefix_and_no_group_runs_before_its_co
 def test_startup_prefix_counts_only_what_the_first_forward_computes():
     """A return whose prefix the host KV store holds computes only its new suffix, so its k* is longer
     than the same prompt's without a host copy (counting the whole context made k* too short and stalled
-    the first forward: the engine's ``SlottedColdEngine.first_prefill_tokens`` and the simulator agree)."""
+    the first forward: the engine's ``SlotSwitching.first_prefill_tokens`` and the simulator agree)."""
     prof = load(TP8)
     lost, c1 = _streaming_instance(prof, prefix=20480, host=False)
     ret, c2 = _streaming_instance(prof, prefix=20480)

@@ -9,7 +9,8 @@ import pytest
 
 from services.engine.executor import Engine
 from services.engine.slots import Phase, SlotPolicy
-from services.engine.slotted import SlottedColdEngine
+from services.engine.cold.engine import ColdEngine
+from services.engine.cold.slotted import SlotSwitching
 from services.engine.types import EngineRequest, SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 
@@ -59,7 +60,7 @@ def reference(synth_models, specs):
     return ref
 
 
-def run_interleaved(ce: SlottedColdEngine, clock: StepClock, specs):
+def run_interleaved(ce: ColdEngine, clock: StepClock, specs):
     """Closed loop in virtual time: a session's next call arrives ``gap`` steps after its previous one ended."""
     state = {s["sid"]: {"k": 0, "prompt": list(s["first"]), "outs": [], "due": 0} for s in specs}
     by_id = {}
@@ -77,7 +78,7 @@ def run_interleaved(ce: SlottedColdEngine, clock: StepClock, specs):
         if pending == 0:
             break
         outs = ce.step()
-        decisions.append(ce.last_decision)
+        decisions.append(ce.switching.last_decision)
         for o in outs:
             s, toks = by_id[o.request_id]
             toks += o.new_token_ids
@@ -96,8 +97,8 @@ def run_interleaved(ce: SlottedColdEngine, clock: StepClock, specs):
 
 def make(synth_models, policy):
     clock = StepClock()
-    ce = SlottedColdEngine(
-        {m: synth_models[m] for m in MODELS}, policy=policy, clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
+    ce = ColdEngine(
+        {m: synth_models[m] for m in MODELS}, switching=SlotSwitching(policy), clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
         chunk_bytes=256 * 1024, runtime_bytes=64 * 1024,
     )
     return ce, clock
@@ -137,7 +138,7 @@ def test_round_only_matches_too_and_never_sp(synth_models, specs, ref):
 
 def test_ablation_switches_from_engine_config():
     from talaria.config import EngineConfig
-    from services.engine.slotted import policy_from_config
+    from services.engine.cold.slotted import policy_from_config
 
     off = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"], sp=False, host_kv=False, d2d_staging=False))
     assert off.flags == SlotPolicy.round_only().flags == {"sp": False, "host_kv": False, "d2d_staging": False, "return_hold": False}
@@ -152,11 +153,11 @@ def test_token_deadline_mode_matches_and_reports_attainment(synth_models, specs,
     ce, clock = make(synth_models, SlotPolicy(ttft_s=2.0, tpot_s=0.1, gamma=0.8, token_deadlines=True))
     got, decisions = run_interleaved(ce, clock, specs)
     assert got == ref
-    assert len(ce.switch_records) > 3 and ce.slots.totals["switches"] == len(ce.switch_records) - 1  # all EDF switches
+    assert len(ce.switch_records) > 3 and ce.switching.slots.totals["switches"] == len(ce.switch_records) - 1  # all EDF switches
     assert {d.phase for d in decisions if d is not None} <= {Phase.P, Phase.D, Phase.DFIN, Phase.IDLE}
     sums = ce.take_round_summaries()
     assert sums and all(s.flags["token_deadlines"] and s.deadlines is not None for s in sums)
-    total = ce.deadlines.totals()
+    total = ce.switching.deadlines.totals()
     n_tokens = sum(len(t) for outs in ref.values() for t in outs)
     assert total.first_tokens + total.tokens == n_tokens and sum(total.gap_counts) == total.tokens
     st = ce.stats().slots
@@ -171,7 +172,7 @@ def test_per_call_deadline_hints_override_the_configured_targets(synth_models):
     ce.add_request(EngineRequest("loose", [5, 6, 7], sp, arrival_time=clock.t, model=MODELS[1]))
     while ce.has_unfinished():
         ce.step()
-    t = ce.deadlines.totals()
+    t = ce.switching.deadlines.totals()
     assert (t.first_tokens, t.first_on_time) == (2, 1)  # only the hinted call missed its first token
 
 
@@ -210,5 +211,5 @@ def test_heartbeat_carries_each_models_predicted_slot_wait(synth_models):
     # idle with the last slot still open (no decision runs without work): the next decision closes it, so no
     # model waits for it (the router prices the switch alone), never for the rest of the slot's budget
     idle = ce.stats()
-    assert ce.slots._slot is not None and ce.slots._slot.budget_s > 0
+    assert ce.switching.slots._slot is not None and ce.switching.slots._slot.budget_s > 0
     assert dict(idle.slots.slot_wait_s) == {} and all(m.slot_wait_s == 0.0 for m in idle.models)

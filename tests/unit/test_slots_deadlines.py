@@ -171,7 +171,7 @@ def test_calls_already_lost_do_not_preempt_calls_that_can_still_be_on_time():
 
 def test_wire_and_config_carry_token_deadlines():
     from services.engine import wire
-    from services.engine.slotted import policy_from_config
+    from services.engine.cold.slotted import policy_from_config
     from talaria.config import EngineConfig
 
     s = sched()

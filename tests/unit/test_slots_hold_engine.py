@@ -11,7 +11,8 @@ import pytest
 
 from services.engine.kv.retention import Hint, RetentionBook
 from services.engine.slots import CostModel, CostProfile, Phase, SlotPolicy
-from services.engine.slotted import SlottedColdEngine
+from services.engine.cold.engine import ColdEngine
+from services.engine.cold.slotted import SlotSwitching
 from services.engine.types import EngineRequest, SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 from tests.unit.test_slots_cold import PAGE, StepClock
@@ -31,8 +32,8 @@ def _scenario(synth_models, hold: bool):
     return arrives a few steps later. Returns the engine, the decisions and s's return tokens."""
     clock = StepClock()
     wall = [1000.0]
-    ce = SlottedColdEngine({m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=10.0, tpot_s=0.5, return_hold=hold),
-                           costs=CostModel(PRIORS), clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
+    ce = ColdEngine({m: synth_models[m] for m in (A, B)}, switching=SlotSwitching(SlotPolicy(ttft_s=10.0, tpot_s=0.5, return_hold=hold), CostModel(PRIORS)),
+                           clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
                            chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
     book = RetentionBook(lambda: wall[0])
     ce.attach_retention(book)
@@ -56,7 +57,7 @@ def _scenario(synth_models, hold: bool):
     for _ in range(3):  # the tool gap: three scheduler turns, 0.1 s of wall time each
         for o in ce.step():
             got[o.request_id] += o.new_token_ids
-        decisions.append(ce.last_decision)
+        decisions.append(ce.switching.last_decision)
         wall[0] += 0.1
         if ce.active != A:
             break
@@ -65,7 +66,7 @@ def _scenario(synth_models, hold: bool):
     for _ in range(400):
         for o in ce.step():
             got[o.request_id] += o.new_token_ids
-        decisions.append(ce.last_decision)
+        decisions.append(ce.switching.last_decision)
         wall[0] += 0.01
         if len(got["s#1"]) == 5 and len(got["b#0"]) == 3:
             break
@@ -90,8 +91,8 @@ def test_the_slot_is_held_for_the_hinted_return_and_serves_it_without_a_switch(s
 def test_no_hint_no_hold(synth_models):
     """Without a lease's hint (or past its window) the engine switches at once, exactly as before."""
     clock = StepClock()
-    ce = SlottedColdEngine({m: synth_models[m] for m in (A, B)}, policy=SlotPolicy(ttft_s=10.0, tpot_s=0.5),
-                           costs=CostModel(PRIORS), clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
+    ce = ColdEngine({m: synth_models[m] for m in (A, B)}, switching=SlotSwitching(SlotPolicy(ttft_s=10.0, tpot_s=0.5), CostModel(PRIORS)),
+                           clock=clock, page_size=PAGE, kv_cache_bytes=8 << 20,
                            chunk_bytes=256 * 1024, runtime_bytes=64 * 1024)
     wall = [50.0]
     book = RetentionBook(lambda: wall[0])
@@ -102,5 +103,5 @@ def test_no_hint_no_hold(synth_models):
     book.note("s", Hint(wall[0] - 6.0, math.log(0.3), 0.3, 5.0, A))  # its window ended a second ago
     ce.add_request(EngineRequest("b#0", list(range(30, 50)), _sp(2), session_id="t", arrival_time=clock.t, model=B))
     ce.step()
-    assert ce.last_decision.phase is not Phase.HOLD and ce.idle_wait_s() == 0.0
-    assert ce.active == B or ce.last_decision.switch_to == B
+    assert ce.switching.last_decision.phase is not Phase.HOLD and ce.idle_wait_s() == 0.0
+    assert ce.active == B or ce.switching.last_decision.switch_to == B

@@ -218,7 +218,7 @@ def test_on_random_three_model_workloads_gated_sp_never_loses_to_no_sp():
 
 def test_the_engine_config_knob_reaches_the_slot_policy():
     """``engines[].sp_gain_check`` (the matrix's SP-ungated row) switches the check off in the running policy."""
-    from services.engine.slotted import policy_from_config
+    from services.engine.cold.slotted import policy_from_config
     from talaria.config import EngineConfig
 
     on = policy_from_config(EngineConfig(id="e", pool="cold", models=["a", "b"]))

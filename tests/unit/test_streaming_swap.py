@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.engine.cold import ColdEngine
+from services.engine.cold.engine import ColdEngine
 from services.engine.executor import Engine
 from services.engine.streaming_swap import startup_prefix, stream_copy
 from services.engine.substrate.groups import layer_groups
@@ -152,7 +152,7 @@ def test_a_failed_stream_copy_fails_the_call_not_the_engine(synth_models):
 def test_unified_residency_and_streaming_together_keep_outputs(synth_models):
     """A plan stages a prefix of the next model's groups; at the switch they move device-to-device and the
     rest streams; outputs equal fully resident runs."""
-    from services.engine.cold_residency import ResidencyDriver
+    from services.engine.cold.residency import ResidencyDriver
 
     models = ("tiny-llama", "tiny-qwen3")
     ts = TransferScheduler(copy_fn=slow_copy([]))

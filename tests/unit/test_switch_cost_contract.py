@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.cold import ColdEngine
+from services.engine.cold.engine import ColdEngine
 from services.engine.service import EngineService
 from services.router.gateway import Gateway
 from services.router.leases import LeaseTable

@@ -13,9 +13,9 @@ happens when the pages are about to leave the device:
   (``KVManager.pressure_hook`` -> ``HostKV.relieve_pressure``) to write back the dirty sessions whose pages
   only their pins still hold, waits for the gathers, and the pins go; a dirty page is never freed unwritten;
 * a cold engine's switch away from the model: the switch barrier (``HostKV.release_device``) writes back every dirty
-  session first, and the slot scheduler's final drain phase (Dfin) starts it early (``slotted.py``);
+  session first, and the slot scheduler's final drain phase (Dfin) starts it early (``cold/slotted.py``);
 * a retention hint predicting the return after the lease window (``kv/retention.py`` value -1): at once;
-* a cold engine whose other models have queued calls (``HostKV.leaving_soon``, set by ``cold.py``): the
+* a cold engine whose other models have queued calls (``HostKV.leaving_soon``, set by ``cold/engine.py``): the
   next switch takes the pages off the device and the session's return comes after it, so the call's pages
   are written at once, as under write-through (the switch barrier would otherwise wait for them);
 * a session end drops its dirty state without writing (``HostKV.release_session``).

@@ -12,7 +12,7 @@ Design NOTE.
   histogram + quantiles, not only averages: the summary's "distribution of inter-token gaps").
 * :class:`DeadlineScheduler.decide(view, now)` is called at every decode boundary, i.e. at token
   granularity, with the same :class:`InstanceView` the round scheduler gets, and answers a
-  :class:`Decision` (so ``slotted.SlottedColdEngine`` carries it out unchanged):
+  :class:`Decision` (so the cold engine's slot driver, ``cold/driver.py``, carries it out unchanged):
 
   1. *Which model next*: earliest deadline first over the queued calls of every model (TTFT deadlines)
      that can still be on time; calls already lost do not preempt those (EDF's overload cascade) and are
@@ -502,7 +502,7 @@ class DeadlineScheduler(MeasuredCosts):
 
 
 def make_scheduler(policy: SlotPolicy, costs: CostModel, tracker: DeadlineTracker) -> SlotScheduler | DeadlineScheduler:
-    """A cold instance's policy object, one choice for the engine (``slotted.py``) and the simulator: the
+    """A cold instance's policy object, one choice for the engine (``cold/slotted.py``) and the simulator: the
     token-deadline scheduler with ``token_deadlines`` (not for an ``endless`` hot instance), else the round
     scheduler with ``tracker`` attached (per-token deadlines are scored in both modes: its round summaries carry
     the window's deadline stats). Pure."""

@@ -2,7 +2,7 @@
 
 Nothing here touches torch, memory or threads, so the same code runs in the engine, in unit tests and in a
 simulator. :class:`IdleSwitchRule` drives a plain ``ColdEngine`` (``slot_scheduler: false``); the default
-cold engine is ``slotted.SlottedColdEngine``, whose round scheduler is in ``slots/``.
+cold engine's switch policy is ``cold.slotted.SlotSwitching``, whose round scheduler is in ``slots/``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Carrying out unified residency plans on the cold engine (JointServe §3, §4.2).
 
-``residency.py`` is the pure policy; this module (outside it, like ``slotted.py`` for ``slots/``) is the only
+``residency.py`` is the pure policy; this module (outside it, like ``cold/slotted.py`` for ``slots/``) is the only
 one that reads the engine for it and executes its plans:
 
 * **objects** — one device budget: the active model's KV region (``num_pages × page bytes``). Protected:
@@ -57,7 +57,7 @@ class ResidencyDriver:
     # ------------------------------------------------------------------ signals and measurements
     def observe(self, ce, now: float) -> None:
         """New calls and switch records feed the reuse signals and the measured H2D rate."""
-        calls = [(r.request_id, r.model, r.session_id, len(r.prompt_token_ids)) for q in ce._queues.values() for r in q]
+        calls = [(r.request_id, r.model, r.session_id, len(r.prompt_token_ids)) for r in ce.queues.all_waiting()]
         eng = ce.shell(ce.active) if ce.active is not None else None
         if eng is not None:  # calls handed to the active shell at once never wait in a queue
             calls += [(s.request_id, ce.active, s.session_id, s.num_prompt_tokens) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
@@ -85,7 +85,7 @@ class ResidencyDriver:
         budget = int(eng.kv.num_pages * pb * self.budget_fraction)
         sch = eng.scheduler
         running_pages = sum(len(s.pages) for s in sch.running)
-        queued_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in ce._queues.get(a, ()))
+        queued_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in ce.queues.waiting(a))
         queued_tokens += sum(s.num_tokens + s.sampling.max_tokens for s in sch.waiting)
         need = running_pages + -(-queued_tokens // ce.page_size)
         objs = [ResidencyObject("kv", a, need * pb, 0.0, 1.0, resident=True, protected=True, session="<in-flight>")]
@@ -118,7 +118,7 @@ class ResidencyDriver:
         area = ce.substrate.area
         slot_bytes = area.k * area.geom.seg_bytes
         rate = max(self.h2d_bytes_per_s.value, 1.0)
-        queued = {m: len(q) for m, q in ce._queues.items()}
+        queued = ce.queues.counts()
         out = []
         for m in ce.loaded:
             if m == active:

@@ -1,41 +1,48 @@
-"""The slot scheduler driving the real cold engine (``services/engine/cold.py``).
+"""The slot scheduler as the cold engine's switch policy (``cold/policy.py``).
 
-:class:`SlottedColdEngine` is a :class:`~services.engine.cold.ColdEngine` whose ``step()`` asks
-:class:`~services.engine.slots.scheduler.SlotScheduler` what to do instead of the idle-switch rule: it
-builds an :class:`InstanceView` from the per-model queues and the active shell (running / prefilling
-calls, device-resident session prefixes, host-restorable ones when a host KV tier is attached, free KV),
-then carries out the decision — switch at a slot boundary (the five-phase switch of the substrate), hand
-exactly the admitted calls to the active shell, run one shell step — and reports measured step and switch
-times back into the scheduler's EWMA profile.
+:class:`SlotSwitching` is the ``SwitchPolicy`` a cold engine is composed with by default: at every step it
+asks :class:`~services.engine.slots.scheduler.SlotScheduler` (or, with ``token_deadlines``, the
+``DeadlineScheduler``) what to do through the one slot driver (``cold/driver.py``), for which it is the
+engine's port: it builds an :class:`InstanceView` from the engine's per-model queues and the active shell
+(running / prefilling calls, device-resident session prefixes, host-restorable ones when a host KV tier is
+attached, free KV), carries out the decision -- a switch at a slot boundary (the engine's five-phase switch),
+exactly the admitted calls for the active shell's next step -- and reports measured step and switch times back
+into the scheduler's EWMA profile.
 
-``slots/`` is the pure policy; this module (outside it) is the only one that touches the executor for it.
+``slots/`` is the pure policy; this module (outside it) is the only one that reads the engine for it.
 The cold engine cannot park in-flight calls across a switch, so ``can_park`` is False (Dfin drains).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.engine.api import KvLocation, SlotStats
-from services.engine.cold import ColdEngine
+from services.engine.cold.driver import SlotDriver
+from services.engine.cold.policy import NO_STEP, Turn, admit_only
 from services.engine.types import EngineRequest, RequestOutput
 
 from services.engine.slots import CallView, CostModel, CostProfile, Decision, InstanceView, ModelView, Phase, SlotPolicy
 from services.engine.slots.types import ReturnView
 from services.engine.slots.deadlines import DeadlineTargets, DeadlineTracker, make_scheduler
 
+if TYPE_CHECKING:
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.executor import Engine
 
-class SlottedColdEngine(ColdEngine):
-    def __init__(self, catalog, *, policy: SlotPolicy | None = None, costs: CostModel | None = None, **kw: Any) -> None:
+
+class SlotSwitching:
+    """The slot scheduler's switch policy, and the engine's ``SlotPort`` for the slot driver."""
+
+    def __init__(self, policy: SlotPolicy | None = None, costs: CostModel | None = None) -> None:
         pol = policy or SlotPolicy()
-        kw.setdefault("staging", pol.d2d_staging)
+        self.staging = pol.d2d_staging
         # per-token deadlines are tracked in both modes (attainment and gap distribution in every round
         # summary); with ``token_deadlines`` they also drive the schedule (Aegaeon, slots/deadlines.py)
         self.deadlines = DeadlineTracker(DeadlineTargets(pol.ttft_s, pol.tpot_s))
         self.slots = make_scheduler(pol, costs or CostModel(CostProfile()), self.deadlines)
-        self.last_decision: Decision | None = None
+        self.driver = SlotDriver(self.slots, self)
         self._return_hold = pol.return_hold and pol.sp and not pol.token_deadlines
         self._served_sessions: set[tuple[str, str]] = set()  # (model, session) with a finished call here
         self._req_session: dict[str, tuple[str, str]] = {}
@@ -45,16 +52,26 @@ class SlottedColdEngine(ColdEngine):
         self._last_call: dict[tuple[str, str], tuple[int, int, int, float]] = {}
         self._admit_wall: dict[str, float] = {}  # request -> wall time (the hints' clock) it joined the batch
         self._slots_now: SlotStats | None = None
-        super().__init__(catalog, **kw)
+        self._turn: Turn = NO_STEP
+        self.ce: ColdEngine | None = None
 
-    # ------------------------------------------------------------------ the view
+    def bind(self, engine: ColdEngine) -> None:
+        self.ce = engine
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The decision of the latest step (after a switch, the new slot's)."""
+        return self.driver.last
+
+    # ------------------------------------------------------------------ the view (SlotPort)
     def _call_view(self, req: EngineRequest, active_engine) -> CallView:
+        ce = self.ce
         m, sid = req.model, req.session_id
         prefix, state = 0, KvLocation.MISSING
-        sh = (active_engine if m == self.active else None) or self.shell(m)
+        sh = (active_engine if m == ce.active else None) or ce.shell(m)
         if sid and sh is not None:  # the KV manager answers where the prefix is (device, host via its index)
             hk = sh.host_kv
-            state, prefix = sh.kv.session_prefix(sid, req.prompt_token_ids, hk.host_index() if hk is not None else None, device=m == self.active)
+            state, prefix = sh.kv.session_prefix(sid, req.prompt_token_ids, hk.host_index() if hk is not None else None, device=m == ce.active)
         return CallView(
             req.request_id, m, req.arrival_time, len(req.prompt_token_ids), req.sampling.max_tokens, sid, prefix, state,
             (m, sid) in self._served_sessions,
@@ -67,19 +84,20 @@ class SlottedColdEngine(ColdEngine):
         at most one step's token budget. A lower bound on purpose: a stream sized for more compute than the
         forward has stalls it (the simulator measured that: k* sized for every waiting call's whole prompt
         left ~1.3 s stalls on most streamed switches of the paper replay). Pure read."""
-        views = [self._call_view(r, None) for r in self._queues.get(model, ())]
-        return self._one_step(model, min((max(1, v.prompt_tokens - v.prefix_tokens) for v in views), default=0))
+        views = [self._call_view(r, None) for r in self.ce.queues.waiting(model)]
+        return self.ce.one_step_tokens(model, min((max(1, v.prompt_tokens - v.prefix_tokens) for v in views), default=0))
 
-    def slot_view(self) -> InstanceView:
-        eng = self.shell(self.active) if self.active is not None else None
+    def slot_view(self, now: float) -> InstanceView:
+        ce = self.ce
+        eng = ce.shell(ce.active) if ce.active is not None else None
         models = []
         free_tokens = None
-        now = self.clock()
-        for m in self.loaded:
-            for r in self._queues.get(m, ()):
+        for m in ce.loaded:
+            waiting = ce.queues.waiting(m)
+            for r in waiting:
                 self.deadlines.arrive(r.request_id, m, r.arrival_time or now, self._targets(r))
-            queued = tuple(self._call_view(r, eng) for r in self._queues.get(m, ()))
-            if m == self.active and eng is not None:
+            queued = tuple(self._call_view(r, eng) for r in waiting)
+            if m == ce.active and eng is not None:
                 sch = eng.scheduler
                 seqs = list(sch.running) + list(sch.waiting) + eng.restoring_sequences()
                 pending = eng.pending_requests()
@@ -87,75 +105,92 @@ class SlottedColdEngine(ColdEngine):
                 remaining = [s.sampling.max_tokens - s.num_completion_tokens for s in seqs] + [r.sampling.max_tokens for r in pending]
                 models.append(ModelView(m, len(seqs) + len(pending), prefilling, max(remaining, default=0), queued))
                 held = sum(len(s.pages) for s in sch.running)
-                free_tokens = max(0, eng.kv.num_pages - held) * self.page_size
+                free_tokens = max(0, eng.kv.num_pages - held) * ce.page_size
             else:
                 models.append(ModelView(m, 0, 0, 0, queued))
         # the scheduler reads returns only to decide a hold: when the active model has nothing in flight and
         # another has work (a step's view skips the hint scan otherwise)
-        if self._return_hold and any(mv.model == self.active and mv.running == 0 for mv in models) and any(mv.has_work for mv in models):
+        if self._return_hold and any(mv.model == ce.active and mv.running == 0 for mv in models) and any(mv.has_work for mv in models):
             returns = self._returns()
             models = [replace(mv, returns=returns[mv.model]) if returns.get(mv.model) else mv for mv in models]
-        frac = {m: self.substrate.staged_fraction(m) for m in self.loaded if m != self.active}
-        return InstanceView(self.active, tuple(models), free_tokens, frac, can_park=False)
+        frac = {m: ce.substrate.staged_fraction(m) for m in ce.loaded if m != ce.active}
+        return InstanceView(ce.active, tuple(models), free_tokens, frac, can_park=False)
 
     def _returns(self) -> dict[str, tuple[ReturnView, ...]]:
         """Per model, the sessions whose last call ended here and whose return the router's lease expects (its
         retention hint, window still open), none of them queued or running now. Pure read."""
-        book = self._retention
+        ce = self.ce
+        book = ce.retention
         if book is None:
             return {}
-        busy = {r.session_id for m in self.loaded for r in self._queues.get(m, ())} | {sid for _, sid in self._req_session.values()}
+        busy = {r.session_id for r in ce.queues.all_waiting()} | {sid for _, sid in self._req_session.values()}
         out: dict[str, list[ReturnView]] = {}
         for sid, h, elapsed in book.leased():
             last = self._last_call.get((h.model, sid))
-            if last is None or sid in busy or h.model not in self.loaded or h.t_done_unix <= last[3]:
+            if last is None or sid in busy or h.model not in ce.loaded or h.t_done_unix <= last[3]:
                 continue  # not served here, back already, or a hint about an earlier call (its return has come)
             out.setdefault(h.model, []).append(ReturnView(sid, elapsed, h.gap_mu, h.gap_sigma, h.window_s, *last[:3]))
         return {m: tuple(v) for m, v in out.items()}
 
     def idle_wait_s(self) -> float:
         """The slot is held for expected returns (``slots/hold.py``): the step loop sleeps up to this long."""
-        d = self.last_decision
+        d = self.driver.last
         return d.hold_s if d is not None and d.phase is Phase.HOLD else 0.0
 
-    # ------------------------------------------------------------------ the policy's hooks (ColdEngine.step)
-    def _schedule(self) -> Collection[str] | object | None:
-        """The slot scheduler's decision: switch at a slot boundary (then the new slot opens), or honour a
-        control-plane OPEN_MODEL on an idle instance; returns the queued calls to admit, or None for no step.
-        Mutates: the active model, the scheduler's state and cost model, ``last_decision``."""
-        d = self.slots.decide(self.slot_view(), self.clock())
-        if d.switch_to is not None:
-            t0 = self.clock()
-            rec = self._switch(d.switch_to, "slot")
-            self.slots.observe_switch(rec.path, self.clock() - t0)
-            d = self.slots.decide(self.slot_view(), self.clock())  # the new slot opens (P)
-        elif d.phase == Phase.IDLE and self.requested is not None and self.requested != self.active:
+    # ------------------------------------------------------------------ the turn (SwitchPolicy, via the driver)
+    def turn(self) -> Turn:
+        """The slot scheduler's turn: switch at a slot boundary (then the new slot opens), or honour a
+        control-plane OPEN_MODEL on an idle instance; the queued calls to admit, or no step.
+        Mutates: the active model, the scheduler's state and cost model, the driver's last decision."""
+        self._turn = NO_STEP
+        self.driver.turn(self.ce.clock())
+        return self._turn
+
+    def on_decision(self, view: InstanceView, d: Decision, now: float) -> None:
+        ce = self.ce
+        if d.switch_to is None and d.phase is Phase.DFIN and ce.active is not None:
+            self._write_back_early(ce.active)
+
+    def switch_slot(self, target: str, now: float) -> float | None:
+        """A switch at a slot boundary, measured into the cost model; it completes here (the slot opens now)."""
+        ce = self.ce
+        t0 = ce.clock()
+        rec = ce.run_switch(target, "slot")
+        t1 = ce.clock()
+        self.slots.observe_switch(rec.path, t1 - t0)
+        return t1
+
+    def run_step(self, admit: tuple[str, ...], now: float) -> None:
+        """The engine's step carries the admission and the shell step out (``ColdEngine.step``)."""
+        self._turn = admit_only(admit)
+
+    def wait(self, d: Decision, now: float) -> None:
+        ce = self.ce
+        if d.phase == Phase.IDLE and ce.requested is not None and ce.requested != ce.active:
             # A control-plane OPEN_MODEL on an idle instance: no round is open, so switching now
             # costs no slot anything; the next call of the requested model starts its slot.
-            t0 = self.clock()
-            rec = self._switch(self.requested, "requested")
-            self.slots.observe_switch(rec.path, self.clock() - t0)
-        elif d.phase is Phase.DFIN and self.active is not None:
-            self._write_back_early(self.active)
-        self.last_decision = d
-        return frozenset(d.admit or ()) if d.run_step else None
+            t0 = ce.clock()
+            rec = ce.run_switch(ce.requested, "requested")
+            self.slots.observe_switch(rec.path, ce.clock() - t0)
 
     def _write_back_early(self, model: str) -> None:
         """The slot ends (its final drain, Dfin): start writing back the model's dirty sessions now, so the
         switch barrier (``HostKV.drain``) waits only for what the last calls leave (``kv/write_back.py``).
         Mutates: the tier's dirty set and job queue."""
-        sh = self._shells.get(model)
-        hk = sh.engine.host_kv if sh is not None else None
+        eng = self.ce.shell(model)
+        hk = eng.host_kv if eng is not None else None
         if hk is not None and len(hk.dirty):
             hk.write_back(None, "slot_end")
 
-    def _admitted(self, req: EngineRequest) -> None:
+    # ------------------------------------------------------------------ accounting hooks (SwitchPolicy)
+    def admitted(self, req: EngineRequest) -> None:
         if req.session_id:
             self._req_session[req.request_id] = (req.model, req.session_id)
-            if self._retention is not None:
-                self._admit_wall[req.request_id] = self._retention.wall()
+            book = self.ce.retention
+            if book is not None:
+                self._admit_wall[req.request_id] = book.wall()
 
-    def _step_shell(self, eng) -> list[RequestOutput]:
+    def step_shell(self, eng: Engine) -> list[RequestOutput]:
         return self._timed_step(eng)
 
     def _targets(self, req: EngineRequest) -> DeadlineTargets | None:
@@ -165,8 +200,7 @@ class SlottedColdEngine(ColdEngine):
         d = self.deadlines.default
         return DeadlineTargets(req.ttft_target_s or d.ttft_s, req.tpot_target_s or d.tpot_s)
 
-    def _finished(self, out: RequestOutput) -> None:
-        super()._finished(out)
+    def finished(self, out: RequestOutput) -> None:
         self.deadlines.finish(out.request_id)
         ms = self._req_session.pop(out.request_id, None)
         admitted = self._admit_wall.pop(out.request_id, None)
@@ -179,19 +213,17 @@ class SlottedColdEngine(ColdEngine):
                 while len(self._last_call) > 4096:
                     del self._last_call[next(iter(self._last_call))]
 
-    def _refresh_gauges(self) -> None:
-        super()._refresh_gauges()
+    def refresh(self) -> None:
         # the pure policy is not thread-safe: read at step boundaries; idle (nothing queued or running): the
         # slot the last step left open closes at the next decision, so no model waits for it
-        with self._intake_lock:
-            idle = not self._live
-        st = self.slots.status(self.clock(), idle=idle)
+        idle = not self.ce.queues.has_live()
+        st = self.slots.status(self.ce.clock(), idle=idle)
         dl = self.deadlines.totals()  # per-token deadlines, scored in both modes
         self._slots_now = SlotStats(bool(st["deadline_risk"]), float(st["shortfall_s"]), float(st["round_remaining_s"]), tuple(st["infeasible"]),
                                     int(st["rounds"]), str(st.get("mode", "rounds")), dl.attainment, dl.ttft_attainment, dl.gap_p99_s,
                                     tuple((st.get("slot_wait_s") or {}).items()))
 
-    def _slot_stats(self) -> SlotStats | None:
+    def slot_stats(self) -> SlotStats | None:
         return self._slots_now
 
     def _timed_step(self, eng) -> list[RequestOutput]:
@@ -199,10 +231,11 @@ class SlottedColdEngine(ColdEngine):
         host KV restores that ended meanwhile (they run off the executor thread, so their cost is their
         own measured transfer time, not a share of a step): the restore cost per token is learned from
         real restores. Mutates: the shell and the cost model."""
+        active = self.ce.active
         before = {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
-        t0 = self.clock()  # durations on the policy's time base (the injected clock)
+        t0 = self.ce.clock()  # durations on the policy's time base (the injected clock)
         outs = eng.step()
-        t1 = self.clock()
+        t1 = self.ce.clock()
         dt = t1 - t0
         for o in outs:
             if o.new_token_ids:
@@ -217,18 +250,18 @@ class SlottedColdEngine(ColdEngine):
             else:
                 prefill += max(delta, 0)
         decodes += sum(1 for o in outs if o.finished and o.request_id in before)
-        self.slots.observe_step(self.active, prefill, 0, decodes, dt)  # restores are not inside the step
+        self.slots.observe_step(active, prefill, 0, decodes, dt)  # restores are not inside the step
         if eng.host_kv is not None:
             for tokens, seconds in eng.host_kv.take_restore_samples():
-                self.slots.observe_restore(self.active, tokens, seconds)
+                self.slots.observe_restore(active, tokens, seconds)
         tokens, position = _prefill_shape(eng, before)
-        self.slots.observe_shape(self.active, tokens, position, 0, decodes, dt)
+        self.slots.observe_shape(active, tokens, position, 0, decodes, dt)
         return outs
 
     def take_round_summaries(self):
-        """Round summaries not yet handed out (the service publishes them on ``.round``)."""
-        with self._step_lock:
-            return self.slots.take_summaries()
+        """Round summaries not yet handed out (the service publishes them on ``.round``); the engine calls this
+        under its step lock."""
+        return self.slots.take_summaries()
 
 
 def _prefill_shape(eng, before: dict[str, int]) -> tuple[int, float]:

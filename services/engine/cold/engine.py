@@ -6,13 +6,14 @@ whose KV pool is a view of the arena's KV region, with a staging-aware page allo
 across switches and reused when the stable-address check passes (``MemorySubstrate``/``SwitchProtocol``
 in ``substrate/switch.py`` do the memory work and time the five phases).
 
-Calls for every loaded model are accepted at any time; those of inactive models wait in per-model queues
-(they hold no pages). Calls of the active model are handed to its shell at once. At each ``step()``:
+Calls for every loaded model are accepted at any time and wait in per-model queues (``queues.ModelQueues``;
+they hold no pages) until the switch policy admits them to their model's shell. At each ``step()``:
 
 1. intake (new calls, aborts) is drained;
-2. the switch rule (``IdleSwitchRule``; ``slotted.SlottedColdEngine`` overrides ``step`` with the round
-   scheduler of ``slots/``) may pick another model: it only switches away from a model with no work, so a
-   switch never interrupts a running sequence;
+2. the switch policy's turn (``policy.SwitchPolicy``, a part the engine is composed with: the idle switch
+   rule, ``policy.IdleSwitching``, or the slot scheduler of ``slots/``, ``slotted.SlotSwitching``) may switch
+   to another model -- only away from a model with no work, so a switch never interrupts a running sequence --
+   and says which queued calls join the active shell (a typed ``policy.Turn``);
 3. one step of the active shell;
 4. opportunistic staging of the predicted next model into the KV tail (``predict_next``), a few chunks
    per step, while the active model serves.
@@ -28,20 +29,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.engine.api import CostStats, EngineStats, KvLocation, ModelStats, SessionInfo, SlotStats
-from services.engine.api import DuplicateRequestError, ModelBusyError, ModelInfo, UnknownModelError  # noqa: F401 - re-exported
+from services.engine.api import CostStats, EngineStats, KvLocation, ModelStats, SessionInfo
+from services.engine.api import ModelBusyError, ModelInfo, UnknownModelError
+from services.engine.cold.policy import IdleSwitching, SwitchPolicy, Turn
+from services.engine.cold.queues import ModelQueues
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
 from services.engine.kv.port import KvPort
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
-from services.engine.substrate.policy import EngineView, IdleSwitchRule, predict_next
+from services.engine.substrate.policy import EngineView, predict_next
 from talaria.switch_path import SwitchCostModel, SwitchPath
 from services.engine.substrate.staging import StagingAwareAllocator
 from services.engine.substrate.switch import MemorySubstrate, ShellAddresses, SwitchProtocol, SwitchRecord
@@ -51,7 +54,6 @@ from talaria.attribution import Phase, PhaseClock, attribution_clock, enter_all,
 
 log = logging.getLogger(__name__)
 
-ALL = object()  # what ``_schedule`` returns to admit every queued call of the active model
 GAUGE_PERIOD_S = 0.1  # the staging slack gauge is rescanned at most this often (heartbeats are 0.25 s and slower)
 
 
@@ -78,15 +80,15 @@ class ColdEngine:
         max_num_batched_tokens: int = 512,
         lone_prefill_tokens: int = 0,
         session_cache_entries: int = 256,
-        staging: bool = True,
+        staging: bool | None = None,  # None: the switch policy's default (``SwitchPolicy.staging``)
         staging_chunks_per_step: int = 8,
         staging_max_fraction: float = 1.0,
         initial: str | None = None,
-        rule: IdleSwitchRule | None = None,
+        switching: SwitchPolicy | None = None,  # default: the idle switch rule (policy.IdleSwitching)
         clock: Callable[[], float] = time.monotonic,
         before_kv_release: list[Callable[[str], None]] | None = None,
         max_switch_records: int = 32,
-        residency: Any = None,  # a cold_residency.ResidencyDriver (unified_residency)
+        residency: Any = None,  # a cold.residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # streaming hot-swap, its transfer scheduler
         paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
         prefill_attention: str = "auto", deterministic: bool = False,
@@ -106,7 +108,8 @@ class ColdEngine:
             intra_op_threads=Engine._threads(intra_op_threads),
         )
         self.clock = clock
-        self.rule = rule or IdleSwitchRule()
+        self.switching: SwitchPolicy = switching if switching is not None else IdleSwitching()
+        staging = self.switching.staging if staging is None else staging
         self.costs = SwitchCostModel()
         self.staging_chunks_per_step = staging_chunks_per_step
         self.residency = residency
@@ -135,21 +138,19 @@ class ColdEngine:
         self.active: str | None = None
         self.previous: str | None = None
         self.requested: str | None = None
-        self.switch_records: deque[SwitchRecord] = deque(maxlen=max_switch_records)
-        self._unpublished: list[SwitchRecord] = []
-        self._init_intake()
+        self._init_intake(max_switch_records)
+        self.switching.bind(self)
         first = initial or next(iter(self.catalog))
         with self._step_lock:
-            self._switch(first, "initial")
+            self.run_switch(first, "initial")
             self._refresh_gauges()
 
-    def _init_intake(self) -> None:
-        """The intake queues, locks and step-boundary gauges (empty)."""
-        self._intake_lock = threading.Lock()
-        self._pending: list[EngineRequest] = []
-        self._pending_aborts: list[str] = []
-        self._live: dict[str, str] = {}  # request id -> model (queued or in flight)
-        self._queues: dict[str, deque[EngineRequest]] = {m: deque() for m in self.catalog}
+    def _init_intake(self, max_switch_records: int) -> None:
+        """The intake and per-model queues, switch records, locks and step-boundary gauges (empty)."""
+        self._queues = ModelQueues(self.catalog)
+        self._records_lock = threading.Lock()  # switch records: appended on the executor thread, read by any
+        self.switch_records: deque[SwitchRecord] = deque(maxlen=max_switch_records)
+        self._unpublished: list[SwitchRecord] = []
         self._step_lock = threading.RLock()
         self._gen_ids = itertools.count()
         self._staging_busy = False
@@ -172,14 +173,24 @@ class ColdEngine:
         self.before_kv_release.append(st.wait)
         return st
 
+    @property
+    def queues(self) -> ModelQueues:
+        """The per-model call queues and the intake (read by the switch policy and the residency driver)."""
+        return self._queues
+
+    @property
+    def retention(self):
+        """The ``kv.retention.RetentionBook`` every model's session cache evicts by (None until attached)."""
+        return self._retention
+
     def first_prefill_tokens(self, model: str) -> int:
         """Tokens the first forward after a switch to ``model`` computes (the compute a weight stream hides
-        behind, streaming_swap.k_for): its waiting calls' prompts (``SlottedColdEngine`` subtracts the prefixes
-        it will restore), at most one step's token budget (the stream must land within that first forward).
-        Pure read."""
-        return self._one_step(model, sum(len(r.prompt_token_ids) for r in self._queues.get(model, ())))
+        behind, streaming_swap.k_for), as the switch policy predicts it: the idle rule counts every waiting
+        call's prompt, the slot policy the least uncached one; at most one step's token budget (the stream must
+        land within that first forward). Pure read."""
+        return self.switching.first_prefill_tokens(model)
 
-    def _one_step(self, model: str, tokens: int) -> int:
+    def one_step_tokens(self, model: str, tokens: int) -> int:
         """``tokens`` capped at what one step of ``model``'s shell prefills with nothing decoding."""
         eng = self.shell(model)
         if eng is None:
@@ -219,7 +230,7 @@ class ColdEngine:
         """Load a catalog model (bank + tokenizer) and, with ``activate``, ask the switch rule for it."""
         with self._step_lock:
             self._open(model)
-            self._queues.setdefault(model, deque())
+            self._queues.open(model)
             if activate and model != self.active:
                 self.requested = model
             self._refresh_gauges()
@@ -231,8 +242,7 @@ class ColdEngine:
                 raise UnknownModelError(f"model {model!r} is not in this instance's catalog {sorted(self.catalog)}")
             if model not in self.loaded:
                 return
-            with self._intake_lock:
-                busy = sum(1 for m in self._live.values() if m == model)
+            busy = self._queues.live_counts().get(model, 0)
             if busy:
                 raise ModelBusyError(f"model {model!r} has {busy} unfinished calls")
             self.loaded.remove(model)
@@ -316,107 +326,77 @@ class ColdEngine:
         info = self.info(model)
         validate_request(req, info.max_context, info.vocab_size)
         req.model = model
-        with self._intake_lock:
-            if req.request_id in self._live:
-                raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
-            self._live[req.request_id] = model
-            self._pending.append(req)
+        self._queues.add(req)
 
     def abort(self, request_id: str) -> None:
-        with self._intake_lock:
-            if request_id in self._live:
-                self._pending_aborts.append(request_id)
+        self._queues.abort(request_id)
 
     def has_unfinished(self) -> bool:
         """Calls queued or in flight — or a requested switch or staging work (so a step loop runs them)."""
-        with self._intake_lock:
-            if self._live:
-                return True
+        if self._queues.has_live():
+            return True
         return self._staging_busy or (self.requested is not None and self.requested != self.active)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """The one step of every cold engine: intake, the switch policy's turn (``_schedule``: may switch,
-        says which queued calls of the active model join its shell), one shell step, bookkeeping, staging.
-        The policy is this class's idle switch rule or, in ``slotted.SlottedColdEngine``, the slot scheduler;
-        they differ only in the ``_schedule`` / ``_admitted`` / ``_step_shell`` / ``_finished`` hooks."""
+        """The one step of every cold engine: intake, the switch policy's turn (may switch; a typed ``Turn`` says
+        whether the active shell steps and which queued calls of its model join it first), one shell step,
+        bookkeeping, staging. The policy is a part (``self.switching``): the idle switch rule or the slot
+        scheduler."""
         with self._step_lock:
             outputs = self._drain_intake()
-            admit = self._schedule()
-            if admit is not None and self.active is not None:
-                eng = self._shells[self.active].engine
-                q = self._queues[self.active]
-                for r in [r for r in q if admit is ALL or r.request_id in admit]:
-                    q.remove(r)
-                    if r.phases is not None:
-                        r.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())  # its slot is open: the shell's queue
-                    self._admitted(r)
-                    eng.add_request(r)
-                outputs += self._step_shell(eng)
+            turn = self.switching.turn()
+            if turn.runs and self.active is not None:
+                outputs += self._run_turn(turn)
             for o in outputs:
                 if o.finished:
-                    self._finished(o)
+                    self._queues.finish(o.request_id)
+                    self.switching.finished(o)
             self._stage()
             self._refresh_gauges()
             return outputs
 
-    # ------------------------------------------------------------------ the switch policy's hooks
-    def _schedule(self) -> Collection[str] | object | None:
-        """The idle switch rule: switch when it says so, then hand every queued call of the active model to
-        its shell (``ALL``); ``None`` would mean no shell step. Mutates: the active model (via ``_switch``)."""
-        target = self.rule.decide(self._view(), self.clock())
-        if target is not None and target != self.active:
-            self._switch(target, "requested" if target == self.requested else "queued")
-        return ALL
-
-    def _admitted(self, req: EngineRequest) -> None:
-        """A queued call joins the active shell (hook)."""
-
-    def _step_shell(self, eng: Engine) -> list[RequestOutput]:
-        return eng.step() if eng.has_unfinished() else []
-
-    def _finished(self, out: RequestOutput) -> None:
-        """Mutates: the live-call table."""
-        with self._intake_lock:
-            self._live.pop(out.request_id, None)
+    def _run_turn(self, turn: Turn) -> list[RequestOutput]:
+        """The admitted calls of the active model join its shell (in queue order), then one shell step as the
+        policy runs it. Mutates: the active model's queue, its shell."""
+        eng = self._shells[self.active].engine
+        for r in self._queues.take(self.active, turn.selection()):
+            if r.phases is not None:
+                r.phases.enter(Phase.ENGINE_QUEUE, attribution_clock())  # its slot is open: the shell's queue
+            self.switching.admitted(r)
+            eng.add_validated(r)  # validated once, at this engine's intake
+        return self.switching.step_shell(eng)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None, model: str | None = None) -> list[list[int]]:
         ids = [f"cold-generate-{next(self._gen_ids)}" for _ in prompts_token_ids]
         return run_to_completion(self, ids, prompts_token_ids, sampling, model=model or self.model_id)
 
     def _drain_intake(self) -> list[RequestOutput]:
-        with self._intake_lock:
-            new, self._pending = self._pending, []
-            aborts, self._pending_aborts = self._pending_aborts, []
+        new, aborts = self._queues.take_intake()
         now = attribution_clock()
         for req in new:
             # received -> here is engine queue; in the per-model queue it waits for its round
             req.phases = PhaseClock(phase_start(req.arrival_time, self.clock, now))
             req.phases.enter(Phase.ROUND_WAIT, now)
-            self._queues.setdefault(req.model, deque()).append(req)
+            self._queues.enqueue(req)
         outputs: list[RequestOutput] = []
         for rid in aborts:
-            hit = None
-            for q in self._queues.values():
-                for r in q:
-                    if r.request_id == rid:
-                        hit = (q, r)
-                        break
+            hit = self._queues.remove(rid)
             if hit is not None:
-                hit[0].remove(hit[1])
-                attr = hit[1].phases.stop(attribution_clock()) if hit[1].phases is not None else None
-                outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit[1].prompt_token_ids), 0, 0), attribution=attr))
+                attr = hit.phases.stop(attribution_clock()) if hit.phases is not None else None
+                outputs.append(RequestOutput(rid, [], "", True, FinishReason.ABORT, Usage(len(hit.prompt_token_ids), 0, 0), attribution=attr))
             elif self.active is not None:
                 self._shells[self.active].engine.abort(rid)  # its ABORT output comes from the shell's step
         return outputs
 
-    def _view(self) -> EngineView:
-        queued = {m: len(q) for m, q in self._queues.items() if q and m != self.active}
-        oldest = {m: q[0].arrival_time for m, q in self._queues.items() if q}
+    def engine_view(self) -> EngineView:
+        """The idle switch rule's and the stager's view (``substrate.policy.EngineView``); executor thread."""
+        counts = self._queues.counts()
+        queued = {m: n for m, n in counts.items() if n and m != self.active}
         busy = False
         if self.active is not None:
-            busy = bool(self._queues.get(self.active)) or self._shells[self.active].engine.has_unfinished()
-        return EngineView(self.active, busy, queued, oldest, self.requested, self.previous, tuple(self.loaded))
+            busy = bool(counts.get(self.active)) or self._shells[self.active].engine.has_unfinished()
+        return EngineView(self.active, busy, queued, self._queues.oldest(), self.requested, self.previous, tuple(self.loaded))
 
     # ------------------------------------------------------------------ staging
     def _stage(self) -> None:
@@ -429,7 +409,7 @@ class ColdEngine:
         if not self.staging_pays():
             self._staging_busy = False
             return
-        target = predict_next(self._view(), self.clock())
+        target = predict_next(self.engine_view(), self.clock())
         if target is not None:
             self.substrate.stage(target, self.staging_chunks_per_step)
         self._staging_busy = self.substrate.staging_pending(target)
@@ -450,11 +430,14 @@ class ColdEngine:
         return host - full > copy_cost
 
     # ------------------------------------------------------------------ the switch (RuntimeHooks)
-    def _switch(self, target: str, reason: str) -> SwitchRecord:
+    def run_switch(self, target: str, reason: str) -> SwitchRecord:
+        """Switch to ``target`` now (executor thread, under the step lock: the switch policy's turn); the active
+        model must have no work in flight. Mutates: the active model, the arena, the queued calls' phase
+        clocks, the switch cost model and records."""
         if target not in self.loaded:
             raise UnknownModelError(f"cannot switch to {target!r}: not loaded")
         src = self.active
-        waiting = [r.phases for q in self._queues.values() for r in q]
+        waiting = [r.phases for r in self._queues.all_waiting()]
         enter_all(waiting, Phase.SWITCH_WAIT, attribution_clock)  # every queued call waits for the switch
         rec = self.protocol.run(src, target, reason)
         if self.streamer is not None:  # later layer groups are still streaming: gate the forward on them
@@ -465,7 +448,7 @@ class ColdEngine:
         if self.requested == target:
             self.requested = None
         self.costs.observe(rec.path, rec.total_seconds)
-        with self._intake_lock:
+        with self._records_lock:
             self.switch_records.append(rec)
             self._unpublished.append(rec)
         return rec
@@ -473,9 +456,9 @@ class ColdEngine:
     def switch_to(self, model: str, reason: str = "manual") -> SwitchRecord:
         """Switch now (tests/benchmarks); the active model must have no unfinished work."""
         with self._step_lock:
-            if self.active is not None and self._view().active_busy:
+            if self.active is not None and self.engine_view().active_busy:
                 raise ModelBusyError(f"active model {self.active!r} has unfinished work")
-            rec = self._switch(model, reason)
+            rec = self.run_switch(model, reason)
             self._refresh_gauges()
             return rec
 
@@ -533,20 +516,23 @@ class ColdEngine:
     # ------------------------------------------------------------------ introspection
     def recent_switch_records(self, n: int) -> list[SwitchRecord]:
         """The latest ``n`` switch records, oldest first (any thread)."""
-        with self._intake_lock:
+        with self._records_lock:
             return list(self.switch_records)[-n:]
 
     def take_round_summaries(self) -> list:
-        """Closed slot-scheduler rounds (none: the idle switch rule has no rounds; see slots/)."""
-        return []
+        """Closed rounds of the switch policy not yet handed out (the service publishes them on ``.round``;
+        none under the idle switch rule)."""
+        with self._step_lock:
+            return self.switching.take_round_summaries()
 
     def idle_wait_s(self) -> float:
-        """0: the idle switch rule never holds a slot (``slotted.py`` does)."""
-        return 0.0
+        """How long the step loop may sleep with nothing to run: a slot held for expected returns
+        (``slots/hold.py``), else 0."""
+        return self.switching.idle_wait_s()
 
     def take_switch_records(self) -> list[SwitchRecord]:
         """Records not yet handed out (the service publishes them on ``.switch``); any thread."""
-        with self._intake_lock:
+        with self._records_lock:
             out, self._unpublished = self._unpublished, []
         return out
 
@@ -559,9 +545,7 @@ class ColdEngine:
         now = self.clock()
         if now - self._slack_at >= GAUGE_PERIOD_S or now < self._slack_at:
             self._slack_bytes, self._slack_at = self.substrate.slack_bytes(), now
-
-    def _slot_stats(self) -> SlotStats | None:
-        return None  # the idle switch rule has no rounds (slotted.SlottedColdEngine has)
+        self.switching.refresh()
 
     def _model_costs(self, model: str) -> CostStats | None:
         """The model's own measured costs (its shell's executor and host tier; any thread), None while it
@@ -579,15 +563,12 @@ class ColdEngine:
         active = self.active
         sh = self._shells.get(active) if active is not None else None
         st = sh.engine.stats() if sh is not None else None
-        with self._intake_lock:
-            unfinished = len(self._live)
-            per_model: dict[str, int] = {}
-            for m in self._live.values():
-                per_model[m] = per_model.get(m, 0) + 1
-        queued = sum(len(q) for q in list(self._queues.values()))
+        per_model = self._queues.live_counts()
+        unfinished = sum(per_model.values())
+        queued = self._queues.total_waiting()
         running = st.num_running if st is not None else 0
         staged = self._staged
-        slots = self._slot_stats()
+        slots = self.switching.slot_stats()
         waits = dict(slots.slot_wait_s) if slots is not None else {}
         models = tuple(
             ModelStats(m, True, m == active, m in staged, self._info[m].max_context, running if m == active else 0,
