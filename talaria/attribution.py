@@ -19,6 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from talaria.v1 import common_pb2 as cpb
 
 
 class Phase(str, Enum):
@@ -72,7 +76,7 @@ class CallAttribution:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     # ---------------------------------------------------------------- wire
-    def to_proto(self):
+    def to_proto(self) -> cpb.CallAttribution:
         from talaria.v1 import common_pb2 as cpb
 
         return cpb.CallAttribution(**self.as_dict())

@@ -529,6 +529,10 @@ class ColdEngine:
         self.substrate.attach(model, alloc)
         self.active = model
 
+    def pool(self) -> ColdEngine:
+        """This engine: it is the model pool (``api.ModelPool``) as well as the executor."""
+        return self
+
     # ------------------------------------------------------------------ introspection
     def recent_switch_records(self, n: int) -> list[SwitchRecord]:
         """The latest ``n`` switch records, oldest first (any thread)."""
