@@ -59,7 +59,7 @@ class CallAttribution:
     @property
     def engine_s(self) -> float:
         """Seconds of the engine phases (what a PhaseClock charged)."""
-        return sum(getattr(self, p.value) for p in Phase)
+        return sum(float(getattr(self, p.value)) for p in Phase)
 
     def explained(self, total_s: float, **extra: float) -> CallAttribution:
         """This attribution with ``extra`` components set (e.g. the router's), ``total_s`` = the measured
@@ -82,7 +82,7 @@ class CallAttribution:
         return cpb.CallAttribution(**self.as_dict())
 
     @classmethod
-    def from_proto(cls, m) -> CallAttribution:
+    def from_proto(cls, m: cpb.CallAttribution) -> CallAttribution:
         return cls(**{f.name: float(getattr(m, f.name)) for f in fields(cls)})
 
 
