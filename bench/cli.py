@@ -142,6 +142,11 @@ def add_cli(subparsers) -> None:
     mx = bs.add_parser("matrix", help="the paper's ablations and router policies side by side: one local stack per configuration, same workload")
     _matrix_args(mx)
     mx.set_defaults(fn=lambda a: __import__("bench.matrix", fromlist=["main"]).main(a))
+    from bench.call_diff import add_args as _call_diff_args
+
+    cd = bs.add_parser("call-diff", help="two runs of one workload joined call by call: where A beat B, by placement outcome and latency component")
+    _call_diff_args(cd)
+    cd.set_defaults(fn=lambda a: __import__("bench.call_diff", fromlist=["main"]).main(a))
     from bench.profile_bench import add_args as _profile_args
 
     pf = bs.add_parser("profile", help="measure a simulator profile (talaria-profile/1) from a real engine here")

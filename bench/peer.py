@@ -35,6 +35,9 @@ What is measured (issue 20 §1)
     its effective engine and kvstore settings (defaults filled in) and says when the host KV tier is off,
     which is not what users of the default stack run.
 
+    ``--multi`` (``bench/peer_multi.py``) compares two models instead: one Talaria stack serving both against
+    one peer server per model (``--peer MODEL=URL`` twice), on the matrix's two-model agent workload.
+
     Token counts of the prompts are calibrated once on the Talaria target (``usage.prompt_tokens`` of a
     probe call, tokens per word); both targets get the very same texts.
 
@@ -311,8 +314,8 @@ def render(r: dict[str, Any]) -> str:
 
 
 def add_args(p) -> None:
-    p.add_argument("--url", required=True, help="the peer's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", required=True, help="the peer's served model name")
+    p.add_argument("--url", help="the peer's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (required without --multi)")
+    p.add_argument("--model", help="the peer's served model name (required without --multi)")
     p.add_argument("--talaria-url", default="http://127.0.0.1:8080/v1", help="Talaria's OpenAI base URL (default http://127.0.0.1:8080/v1)")
     p.add_argument("--talaria-model", default="", help="Talaria's model name (default: --model)")
     p.add_argument("--talaria-config", default=None, metavar="FILE|default",
@@ -323,7 +326,7 @@ def add_args(p) -> None:
     p.add_argument("--ttft-calls", type=int, default=3, help="sequential calls per length and repetition (default 3)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16], help="concurrent streams of the decode workload")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per stream (ignore_eos) (default 64)")
-    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--sessions", type=int, default=8, help="agent sessions of agent / agent-chat / --multi (default 8)")
     p.add_argument("--calls", type=int, default=8, help="calls per session (default 8)")
     p.add_argument("--first-tokens", type=int, default=800, help="first prompt of a session, tokens (default 800)")
     p.add_argument("--system-tokens", type=int, default=300, help="agent-chat: shared system prompt, tokens (default 300)")
@@ -333,10 +336,19 @@ def add_args(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-call timeout, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    from bench.peer_multi import add_args as add_multi_args
+
+    add_multi_args(p)
 
 
 def main(args) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.multi:
+        from bench.peer_multi import main as multi_main
+
+        return multi_main(args)
+    if not args.url or not args.model:
+        raise SystemExit("talaria bench peer: --url and --model are required (or --multi with --peer MODEL=URL twice)")
     result = asyncio.run(run_peer_bench(args))
     return emit(result, render(result), args.json)

@@ -57,6 +57,7 @@ from pathlib import Path
 
 from bench import format_table
 from services.router.gateway import Gateway, PoolSpec
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable, MemoryLeases
 from services.router.policy import PolicyParams, decide
 from services.router.profiles import Defaults, ProfileBook, ShapeBook
@@ -249,6 +250,7 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
         PolicyParams(policy=policy, lease_policy=lease_policy, lease_arithmetic=arith), reg, SessionTable(clock), table, clock.now, profiles=ProfileBook(defaults),
         shapes=ShapeBook(), tau_s=tau, pools=pools, decisions_kept=0,
     )
+    leases = LeaseService(gw, store)
     ws = {wid: SimWorker(wid, prof, slots) for wid in pools}
     events: list = []
     n = 0
@@ -275,17 +277,13 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
             req = gw.request(c.session, c.model, c.prompt, 256)
             if not c.returning and c.index > 0:
                 c.returning = True
-            gw.arrival(req)
+            leases.arrival(req)
             d, rev = gw.decide(req)
-            if d.lease == "hit":
-                store.consume_now(c.session, c.model, rev)
-            elif d.lease != "none" and rev is not None:
-                store.consume_now(c.session, c.model, rev)
-            gw.lease_judged(d)
+            leases.settle_now(d, rev, c.session, c.model)  # one router: a lease is never lost to a race
             if d.instance_id is None:  # overload: the gateway queue retries shortly
                 push(t + 0.1, "retry", c)
                 continue
-            gw.commit(req, d)
+            leases.commit(req, d)
             w = ws[d.instance_id]
             w.queue.append(c)
             started = w.start_next(t)
@@ -313,7 +311,7 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
             )
             if c.tool:
                 hook.tool_names.append(c.tool)
-            lease = gw.on_hook(hook)
+            lease = leases.on_hook(hook)
             if lease is not None:
                 store.install_now(lease)
             seq = by_session[c.session]
@@ -322,7 +320,7 @@ def replay(policy: str, tau: float, sessions: list[list[Call]], prof: SimProfile
                 nxt.arrival = t + c.gap_after
                 push(nxt.arrival, "arrive", nxt)
     calls = [c for seq in sessions for c in seq]
-    m = gw.metrics()
+    m = leases.metrics()
     return {
         "calls": calls,
         "sct": [seq[-1].done - seq[0].arrival for seq in sessions],

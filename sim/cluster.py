@@ -26,6 +26,7 @@ from typing import Any
 from services.engine.slots import SlotPolicy
 from services.kvstore.registry import HostKVRegistry
 from services.router.gateway import Gateway, PoolSpec
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable, MemoryLeases
 from services.router.policy import PolicyParams
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
@@ -128,6 +129,7 @@ class Simulation:
             cfg.params, self.registry, SessionTable(self.clock), table, self.clock.now, profiles=ProfileBook(defaults), shapes=ShapeBook(),
             demand=DemandMeter(), tau_s=cfg.tau_s, pools={s.iid: PoolSpec(s.pool, s.catalog, prof.page_tokens, s.max_num_seqs) for s in cfg.instances},
         )
+        self.lease_service = LeaseService(self.gateway, self.leases)  # settlement, sizing, hooks' leases: as the router's
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._busy: dict[str, bool] = {i: False for i in self.instances}
@@ -186,28 +188,24 @@ class Simulation:
         c = s.calls[k]
         c.request_id = c.request_id or f"{s.session_id}#{k}"
         req = self.gateway.request(c.session_id, c.model, c.prompt_tokens, c.output_tokens)
-        self.gateway.arrival(req)
+        self.lease_service.arrival(req)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "arrival": req})
         self._place((s, k, req))
 
     def _place(self, payload) -> None:
-        """Algorithm 1 through the gateway, lease consumed atomically as the router's ``_decide`` does.
-        Mutates the gateway (commit), the lease store and the chosen instance's queue."""
+        """Algorithm 1 through the gateway, the judged lease settled by the router's ``LeaseService`` (a
+        honoured one consumed atomically; lost to a race, the call is decided again without it). Mutates the
+        gateway (commit), the lease store and the chosen instance's queue."""
         s, k, req = payload
-        gw = self.gateway
+        gw, ls = self.gateway, self.lease_service
         t0, p0 = time.thread_time_ns(), gw._decide_ns  # CPU time: other processes' slices on a shared machine excluded
         d, rev = gw.decide(req)
         self._policy_us.append((gw._decide_ns - p0) / 1e3)
-        if d.lease == "hit":
-            assert rev is not None
-            if not self.leases.consume_now(req.session_id, req.model, rev):
-                gw.lease_raced()
-                d, _ = gw.decide(req, use_lease=False)
-        elif d.lease != "none" and rev is not None:
-            self.leases.consume_now(req.session_id, req.model, rev)
+        if not ls.settle_now(d, rev, req.session_id, req.model).stands:
+            d, _ = gw.decide(req, use_lease=False)
+            ls.settle_now(d, None, req.session_id, req.model)
         self._decide_us.append((time.thread_time_ns() - t0) / 1e3)
-        gw.lease_judged(d)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "place": req, "decision": d, "call_id": s.calls[k].request_id})
         if d.instance_id is None:
@@ -223,7 +221,7 @@ class Simulation:
             gw.stats["placed_on_moved_instance"] = gw.stats.get("placed_on_moved_instance", 0) + 1  # stale view of a move
             self._push(self.clock.now() + self.cfg.retry_s, "retry", payload)
             return
-        gw.commit(req, d, s.calls[k].request_id)
+        ls.commit(req, d, s.calls[k].request_id)
         self._kick(d.instance_id)
 
     def _heartbeat(self, iid: str) -> None:
@@ -302,11 +300,11 @@ class Simulation:
         )
         if c.tool:
             hook.tool_names.append(c.tool)
-        lease = self.gateway.on_hook(hook)
+        lease = self.lease_service.on_hook(hook)
         if lease is not None:
             self.leases.install_now(lease)
             # the router's retention hint to the instance holding the session's KV (services/router/service.py)
-            self.instances[c.instance].expect(c, self.clock.now(), *self.gateway.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix)
+            self.instances[c.instance].expect(c, self.clock.now(), *self.lease_service.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix)
         if self.cfg.record:
             self._trace["router"].append({"t": self.clock.now(), "hook": hook.SerializeToString(), "lease": lease is not None})
 
@@ -411,7 +409,7 @@ class Simulation:
             for iid, i in self.instances.items()
         }
         switches = [dict(sw, instance=iid) for iid, i in self.instances.items() for sw in i.switches]
-        router = {**self.gateway.metrics(), "worker_opens": dict(self.worker_opens)}
+        router = {**self.lease_service.metrics(), "worker_opens": dict(self.worker_opens)}
         return RunResult(self.cfg.name, calls, sct, router, self._rounds, switches, self.clock.now(), wall,
                          self._decide_us, self._policy_us, self._snapshot_us, inst, self._trace)
 

@@ -480,41 +480,6 @@ class _OncePerMessage(logging.Filter):
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def placement_attributes(decision: object) -> dict[str, Any]:
-    """Span attributes of a placement decision: reason, chosen instance, candidate loads and — when the
-    decision carries them (``policy.Decision``) — lease outcome and the chosen cost breakdown.
-    Works with any decision object (attributes read with ``getattr``)."""
-    attrs: dict[str, Any] = {"talaria.placement.reason": str(getattr(decision, "reason", ""))}
-    inst = getattr(decision, "instance_id", None)
-    if inst:
-        attrs["talaria.placement.instance"] = inst
-    for name in ("policy", "lease"):
-        v = getattr(decision, name, None)
-        if v:
-            attrs[f"talaria.placement.{name}"] = str(v)
-    for name in ("opens_model", "switches_model", "avoidable_open"):
-        v = getattr(decision, name, None)
-        if v is not None:
-            attrs[f"talaria.placement.{name}"] = bool(v)
-    loads = getattr(decision, "loads", None)
-    if loads:
-        attrs["talaria.placement.candidates"] = sorted(loads)
-        attrs["talaria.placement.loads"] = json.dumps(dict(sorted(loads.items())), separators=(",", ":"))
-    costs = getattr(decision, "costs", None)
-    if costs:
-        attrs["talaria.placement.candidates"] = [getattr(c, "instance_id", "") for c in costs]
-        rows = []
-        for c in costs:
-            row = {k: getattr(c, k) for k in ("instance_id", "total", "delta_r", "c_kv", "c_act", "queue_s", "kv_source", "act", "reject") if hasattr(c, k)}
-            rows.append(row)
-            if getattr(c, "instance_id", None) == inst:
-                for k, v in row.items():
-                    if k != "instance_id" and isinstance(v, (int, float, str, bool)):
-                        attrs[f"talaria.placement.cost.{k}"] = v
-        attrs["talaria.placement.costs"] = json.dumps(rows, separators=(",", ":"), default=str)
-    return attrs
-
-
 def unix_ns(seconds: float) -> int:
     return int(seconds * 1e9)
 

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI).
 
-Thin layer: parse and validate at the edge, encode the wire request (a value the wire cannot carry is a 400
-naming its field), let the gateway's admission state machine (``Gateway.admission``: Algorithm 1 or a
-baseline, the start-now fallback, the overload policy, retries) say where to forward, consume a lease it
-honours in the shared store, forward over NATS (``engine_client``), encode the token stream as OpenAI JSON or
-SSE. Every failure is an OpenAI-style error body with a meaningful status (see ``services/router/README.md``);
-unknown routes and methods included. An exception nothing expected becomes a JSON 500 that keeps the
+Thin layer, HTTP only: parse and validate at the edge, encode the wire request (a value the wire cannot carry
+is a 400 naming its field), let the call's admission (``LeaseService.admit`` -> ``gateway.Admission``:
+Algorithm 1 or a baseline, the start-now fallback, the overload policy, retries; the leases its decisions
+judge settled by ``lease_service.py``) say where to forward, forward over NATS (``engine_client``), encode the
+token stream as OpenAI JSON or SSE. Every failure is an OpenAI-style error body with a meaningful status (see
+``services/router/README.md``); unknown routes and methods included. An exception nothing expected becomes a JSON 500 that keeps the
 keep-alive connection (``errors.CatchAll``). A client that goes away cancels its engine work, streaming or not.
 """
 
@@ -30,8 +30,7 @@ from services.router import auth, resume
 from services.router.engine_client import SCHEMA_VERSION, EngineCall, EngineUnavailable, TooLargeForBus
 from services.router.errors import APIError, CatchAll, anthropic_path, unencodable, wire_field
 from services.router.fanout import fan_out, wants_fanout
-from services.router.gateway import OverloadPolicy, Step
-from services.router.leases import lease_key
+from services.router.gateway import Admission, OverloadPolicy, Step
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
 from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix, reasoning_usage
 from services.router.openai_routes import make_router
@@ -74,21 +73,20 @@ class Placed:
 
 # a harness whose model does not emit parseable tool calls (a replay of recorded calls, plain
 # completions) names the tool the call's output invokes; the router keys the session's lease by it as if the
-# engine had parsed it (``Gateway.declare_tool``; a parsed tool call in the hook wins).
+# engine had parsed it (``LeaseService.declare_tool``; a parsed tool call in the hook wins).
 TOOL_HEADER = "X-Talaria-Tool"
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class RouterAPI:
     """The handlers' logic over ``RouterState``; ``create_app`` wires it to routes. Mutates the state's
-    counters, gateway (via admission/commit) and lease store."""
+    counters; the gateway and the leases only through a call's admission (``LeaseService.admit``)."""
 
     def __init__(self, state):  # state: services.router.service.RouterState
         self.state = state
         self.cfg = state.cfg.router
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
-        self.resumes = resume.Resumes.from_state(state)  # signed resume tokens + fencing
         self._closing: set[asyncio.Task] = set()  # calls being closed after their stream ended (close_soon)
 
     # ------------------------------------------------------------------------------ parse / encode
@@ -130,63 +128,24 @@ class RouterAPI:
         g.end_session = session_end_header(request.headers.get(SESSION_END_HEADER), g.session_id)
         g.deadline_unix = time.time() + self.cfg.request_timeout_s
         g.trace_context.update(incoming_context(request.headers))
-        self.resumes.apply(request.headers.get(resume.HEADER), g, self.state.gateway)  # a valid token's lease -> table
         tool = request.headers.get(TOOL_HEADER)
-        if tool is not None:  # the tool this call's output invokes, for outputs the engine cannot parse
-            if not TOOL_NAME.fullmatch(tool):
-                raise APIError(400, f"{TOOL_HEADER} must be 1-64 characters of letters, digits, '_', '-', '.'", code="invalid_value", param=TOOL_HEADER)
-            if g.session_id:
-                self.state.gateway.declare_tool(g.request_id, tool)
+        if tool is not None and not TOOL_NAME.fullmatch(tool):  # the tool this call's output invokes, for outputs the engine cannot parse
+            raise APIError(400, f"{TOOL_HEADER} must be 1-64 characters of letters, digits, '_', '-', '.'", code="invalid_value", param=TOOL_HEADER)
         return g
 
     # ------------------------------------------------------------------------------------ placing
-    async def settle_lease(self, step: Step, session_id: str, model: str) -> tuple[str, int, bool]:
-        """The lease step made atomic across router replicas: a lease the policy honours is consumed in the
-        shared store first; one it judged invalid is discarded. A resume token's lease (revision 0,
-        ``resume.py``) is local: consumed or dropped here only. Returns (the consumed lease id or "", that
-        lease's engine epoch, whether the decision stands: False when another replica consumed it first)."""
-        gw, d, rev = self.state.gateway, step.decision, step.lease_rev
-        if d is None:
-            return "", 0, True
-        if d.lease == "hit" and step.kind == "forward":
-            assert rev is not None
-            got = gw.leases.get(session_id, model)
-            lease_id, epoch = (got[0].lease_id, got[0].epoch) if got is not None else ("", 0)
-            if rev == 0:
-                gw.leases.remove(lease_key(session_id, model), 0)
-            elif not await self.state.lease_store.consume(session_id, model, rev):
-                gw.lease_raced()
-                return "", 0, False
-            self.resumes.consumed(lease_id)
-            gw.lease_judged(d)
-            return lease_id, epoch, True
-        if d.lease != "none" and rev == 0:
-            gw.leases.remove(lease_key(session_id, model), 0)
-        elif d.lease != "none" and rev is not None:
-            await self.state.lease_store.discard(session_id, model, rev)
-        gw.lease_judged(d)
-        return "", 0, True
-
-    async def start_call(self, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None,
+    async def start_call(self, request: Request, g: pb.GenerateRequest, prompt_tokens: int, exact: bool, trace: CallTrace | None = None,
                          text_bytes: int = 0, param: str = "prompt") -> Placed:
-        """Admit, place and forward; a forward the engine does not accept is retried elsewhere. ``trace``
-        records the call's router queue time and when it was forwarded (attribution). ``text_bytes``:
-        UTF-8 bytes of prompt text the engine tokenizes verbatim (the early context check's lower bound);
-        ``param``: the field an over-context 413 names."""
-        gw = self.state.gateway
-        req = gw.request(g.session_id, g.model, prompt_tokens, g.sampling.max_tokens, g.hints.expected_output_tokens)
-        gw.arrival(req)
-        adm = gw.admission(req, self.overload, prompt_exact=exact, prompt_bytes=text_bytes, prompt_param=param)
-        use_lease = True
+        """Admit, place and forward; a forward the engine does not accept is retried elsewhere. The request's
+        resume token and declared tool go to the call's admission (``LeaseService.admit``), which settles every
+        lease its decisions judge. ``trace`` records the call's router queue time and when it was forwarded
+        (attribution). ``text_bytes``: UTF-8 bytes of prompt text the engine tokenizes verbatim (the early
+        context check's lower bound); ``param``: the field an over-context 413 names."""
+        adm = self.state.leases.admit(g, prompt_tokens, self.overload, request.headers.get(resume.HEADER), request.headers.get(TOOL_HEADER),
+                                      prompt_exact=exact, prompt_bytes=text_bytes, prompt_param=param)
         try:
             while True:
-                step = adm.next(use_lease)
-                lease_id, epoch, stands = await self.settle_lease(step, g.session_id, g.model)
-                if not stands:  # the lease went elsewhere first: nothing was sent, place again without it
-                    if step.decision is not None and step.decision.instance_id is not None:
-                        adm.raced(step.decision.instance_id)
-                    use_lease = False
-                    continue
+                step = await adm.step()
                 if step.kind == "wait":
                     t_wait = time.monotonic()
                     await asyncio.sleep(step.wait_s)
@@ -198,15 +157,15 @@ class RouterAPI:
                     raise APIError(step.status, step.message, code=step.code or None, param=step.param, headers=headers)
                 if trace is not None:
                     trace.forwarding()
-                placed = await self.forward(g, step, lease_id, epoch, adm)
+                placed = await self.forward(g, step, adm)
                 if placed is not None:
                     return placed
         finally:
             adm.close()
 
-    async def forward(self, g: pb.GenerateRequest, step: Step, lease_id: str, epoch: int, adm) -> Placed | None:
+    async def forward(self, g: pb.GenerateRequest, step: Step, adm: Admission) -> Placed | None:
         """Send the call to the decision's instance; None (and ``adm.failed``/``adm.fenced``) when it did not
-        accept. ``epoch``: the engine epoch of the consumed lease, checked by the engine (fencing)."""
+        accept. The step's consumed lease (id, engine epoch) goes with it: the engine checks the epoch (fencing)."""
         state, d = self.state, step.decision
         assert d is not None and d.instance_id is not None
         inst = d.instance_id
@@ -214,9 +173,9 @@ class RouterAPI:
         g.ClearField("prefix")
         if entry is not None and entry.model == g.model:
             g.prefix.CopyFrom(cpb.PrefixHandle(model=entry.model, committed_tokens=entry.committed_tokens))
-        g.lease_id = lease_id
-        g.resume_epoch = epoch if d.lease == "hit" else 0  # fencing: the engine refuses a lease from another epoch
-        state.gateway.commit(adm.req, d, g.request_id)
+        g.lease_id = step.lease_id
+        g.resume_epoch = step.lease_epoch if d.lease == "hit" else 0  # fencing: the engine refuses a lease from another epoch
+        adm.commit(d, g.request_id)
         if step.deadline_risk_s is not None:
             log.info("call %s placed on %s past admission: predicted TTFT %.1fs (deadline risk)", g.request_id, inst, step.deadline_risk_s)
         call = EngineCall(state.inbox_mux(), state.subjects, inst, g)
@@ -262,7 +221,7 @@ class RouterAPI:
                     text_bytes: int = 0) -> Response:
         ct = CallTrace(self.state.tracer(), g, chat, self.cfg.id, self.state.publish_call)  # one trace per call; ended by call.close()
         try:
-            placed = await self.start_call(g, prompt_tokens, exact, ct, text_bytes, "messages" if chat else "prompt")
+            placed = await self.start_call(request, g, prompt_tokens, exact, ct, text_bytes, "messages" if chat else "prompt")
         except BaseException as e:
             ct.end(e)
             raise
@@ -336,13 +295,9 @@ class RouterAPI:
 
     def finished(self, call: EngineCall, usage) -> str | None:
         """A call's finished chunk arrived: record where the session's KV now is (the engine's completion hook
-        confirms it later; a return that arrives first must still find it), then the signed resume token, or None. Mutates the session table."""
-        g = call.req
-        keep = g.session_id and not g.end_session and usage is not None and usage.prompt_tokens > 0
-        tokens = usage.prompt_tokens + usage.completion_tokens if keep else 0
-        self.state.gateway.call_ended(g.request_id, call.instance_id, g.session_id if keep else "", g.model, tokens)
-        view = self.state.registry.instances.get(call.instance_id)
-        return self.resumes.issue_for(self.state.gateway, call.req, call.instance_id, view.snapshot.epoch if view is not None else 0, usage)
+        confirms it later; a return that arrives first must still find it), then the signed resume token, or None
+        (``LeaseService.finished``). Mutates the session table."""
+        return self.state.leases.finished(call.req, call.instance_id, usage)
 
     async def collect(self, call: EngineCall, alive: Callable[[], bool], lps: Logprobs, out: ChatOutput | None = None) -> tuple[str, str | None, object, str]:
         """Read a call to its end: (text, finish reason, usage, the stop string that ended it or ""); mutates
@@ -481,7 +436,7 @@ class RouterAPI:
             "instances": {i: _instance_health(reg, v) for i, v in reg.instances.items()},
             "sessions": len(state.sessions),
             "counters": dict(state.counters),
-            "placement": {k: v for k, v in state.gateway.metrics().items() if k != "counters"},
+            "placement": {k: v for k, v in state.leases.metrics().items() if k != "counters"},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -523,7 +478,7 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
     @app.get("/router/metrics")
     async def router_metrics() -> JSONResponse:
         """Placement accounting as JSON (avoidable cold opens, same-instance returns, lease hits/misses/expiries)."""
-        return JSONResponse({"router": cfg.id, "sessions": len(state.sessions), "placement": state.gateway.metrics()})
+        return JSONResponse({"router": cfg.id, "sessions": len(state.sessions), "placement": state.leases.metrics()})
 
     @app.get("/metrics")
     async def metrics() -> Response:

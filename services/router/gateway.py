@@ -15,17 +15,13 @@ Accounting (``stats``; §5.3-5.4): ``decisions``, ``placement_<reason>``, ``retu
 session for the same model), ``same_instance_returns``, ``moved_returns``, ``leases_installed``,
 ``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
 ``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
-(the chosen instance had to open the model while another healthy instance had it resident).
+(the chosen instance had to open the model while another healthy instance had it resident). The lease
+counters are written by ``LeaseService`` into the same ``stats``.
 
-Tool-aware leases (``lease_policy: adaptive``; the arithmetic in ``return_gap.py``): a
-hook's tool (its first parsed tool call) keys the return-gap predictor; the lease window is the predicted
-gap's capped quantile; a lease whose expected saving is below the queueing it imposes is not installed
-(``leases_declined``); live leases weigh on their instance by their decaying value; a return whose leased
-instance is costlier than the best alternative drops the lease (``lease_outweighed``). Every return is an
-observation (``arrival``), and every return's hook teaches ``residency`` (``ResidencyBook``: whether returns
-on / off their lease found their prefix on the device, and what losing it cost in TTFT), which prices
-what a lease saves. ``lease_token_s``: committed tokens x seconds held by leases (device KV they
-kept reserved), judged ones plus those still in the table. ``lease_policy: fixed`` is the paper's tau.
+Leases: the gateway reads the lease table (the lease the policy judges at a return, live leases' charge on
+their instance) and forgets a restarted instance's leases; everything else about a lease -- settlement,
+sizing, installation from hooks and intents, resume tokens, return learning -- is
+``services/router/lease_service.py``, which ``Admission`` calls.
 """
 
 from __future__ import annotations
@@ -36,9 +32,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from services.router.leases import LeaseTable
-from services.router.return_gap import GapPredictor, LeaseCosts, LeaseJudgement, NextModelBook, ResidencyBook, ReturnTracker, best_window, judge_lease
 from services.router.policy import (
     CallRequest,
     Decision,
@@ -57,11 +53,10 @@ from services.router.registry import InstanceView, Registry
 from services.router.sessions import SessionTable
 from talaria.cost_curve import points_from_proto
 from talaria.switch_path import costs_from_proto
-from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
-from talaria.v1 import router_pb2 as rpb
 
-LEASE_SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from services.router.lease_service import LeaseService
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +84,6 @@ class Gateway:
         pools: Mapping[str, PoolSpec] | None = None,
         router_id: str = "router-0",
         decisions_kept: int = 256,
-        gaps: GapPredictor | None = None,
     ):
         self.params = params
         self.registry = registry
@@ -123,14 +117,6 @@ class Gateway:
         self.work: Counter = Counter()  # states_built, index_puts, deadlines_void: the refresh's work, counted
         self._primed = False
         self._decide_ns = 0
-        self.gaps = gaps or GapPredictor()  # return gaps per (model, tool), learned from every return
-        self.returns = ReturnTracker()
-        self.next_models = NextModelBook()
-        self.lease_token_s = 0.0  # judged leases: committed tokens x seconds held
-        self.residency = ResidencyBook()  # what a lease saves a return, measured from the returns' hooks
-        self._sizing: dict[str, list[float]] = {}  # "model|tool" -> [judged, installed, sum window, sum saved, sum harm/s]
-        self._returning: OrderedDict[tuple[str, str], bool] = OrderedDict()  # (session, model) -> placed on its lease
-        self._declared: OrderedDict[str, str] = OrderedDict()  # request id -> tool named by the client (X-Talaria-Tool)
 
     @property
     def adaptive(self) -> bool:
@@ -177,8 +163,12 @@ class Gateway:
         if session_id and tokens > 0:
             self.sessions.record(session_id, model, instance_id, tokens, done_unix=self.wall())
 
-    def on_hook(self, hook: pb.CompletionHook) -> rpb.Lease | None:
-        """Update the session table from a completion hook; returns the lease to install (or None)."""
+    def on_hook(self, hook: pb.CompletionHook) -> float | None:
+        """Placement's part of a completion hook: the call leaves the in-flight overlay, its measured engine
+        queue teaches ``QueueBook``, its usage the call shape, and a session call that ended well is recorded in
+        the session table (its committed KV, done at the returned time). Returns that done time (the lease
+        service continues from it: ``LeaseService.on_hook``), or None for a hook of no session, of an ended
+        session (forgotten here; the service drops its leases from the store) or of a failed call."""
         self.stats["hooks"] += 1
         # the finished call is no longer queue ahead of anyone (its session's return included)
         self.registry.completed(hook.instance_id, hook.request_id, hook.finish_unix or self.wall())
@@ -199,192 +189,12 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
-        self._observe_return(hook)
-        declared = self._declared.pop(hook.request_id, "")
-        tool = hook.tool_names[0] if hook.tool_names else declared
-        self.returns.ended(hook.session_id, hook.model, tool, done)
-        if not self.leases_enabled or committed == 0:
-            return None
-        view = self.registry.instances.get(hook.instance_id)
-        tau, judged = self.tau_s, None
-        if self.adaptive:
-            hint = hook.hints.expected_tool_s if hook.HasField("hints") and hook.hints.expected_tool_s > 0 else None
-            judged = self.size_lease(hook.instance_id, hook.model, tool, committed, hint_s=hint, session_id=hook.session_id)
-            self._sized(hook.model, tool, judged[1])
-            if not judged[1].install and self.params.lease_arithmetic:
-                self.stats["leases_declined"] += 1
-                return None
-            tau = judged[1].window_s
-        lease = rpb.Lease(
-            schema_version=LEASE_SCHEMA_VERSION,
-            lease_id=hook.request_id,
-            session_id=hook.session_id,
-            model=hook.model,
-            instance_id=hook.instance_id,
-            prefix=hook.prefix if hook.HasField("prefix") else cpb.PrefixHandle(model=hook.model),
-            t_done_unix=done,
-            t_exp_unix=done + self.lease_tau(hook, tau),
-            router_id=self.router_id,
-            instance_epoch=view.snapshot.epoch if view is not None else 0,
-            tool=tool,
-        )
-        if judged is not None:
-            est, j = judged
-            lease.gap_mu, lease.gap_sigma, lease.p_return = est.mu, est.sigma, j.p_return
-        self.stats["leases_installed"] += 1
-        return lease
+        return done
 
-    def _sized(self, model: str, tool: str, j: LeaseJudgement) -> None:
-        """Account one lease judgement of a hook per ``model|tool`` (``lease_sizing`` in ``metrics``: what the
-        arithmetic saw when it installed or declined). Mutates only that account."""
-        row = self._sizing.setdefault(f"{model}|{tool}", [0.0] * 5)
-        row[0] += 1
-        row[1] += 1 if j.install else 0
-        row[2] += j.window_s
-        row[3] += j.saved_s
-        row[4] += j.harm_per_s
-
-    def retention_gap(self, lease: rpb.Lease) -> tuple[float, float]:
-        """``(gap_mu, gap_sigma)`` for the retention hint of ``lease`` to its engine: an adaptive lease's own
-        estimate; a fixed-tau lease's ``(mu, 0)`` (the engine then takes the return as certain within tau), or
-        with ``retention_learned_gap`` the gap distribution learned for the lease's (model, tool) -- the lease
-        itself keeps its cliff in placement. Pure read."""
-        if lease.gap_sigma > 0 or not self.params.retention_learned_gap:
-            return lease.gap_mu, lease.gap_sigma
-        est = self.gaps.predict(lease.model, lease.tool)
-        return est.mu, est.sigma
-
-    def _observe_return(self, hook: pb.CompletionHook) -> None:
-        """A returning call finished: teach ``residency`` whether it was placed on its lease, whether its prefix
-        was still on the device (cached tokens beyond those restored from host) and its TTFT. Mutates both."""
-        on_lease = self._returning.pop((hook.session_id, hook.model), None)
-        if on_lease is not None and hook.HasField("usage") and hook.ttft_seconds > 0:
-            u = hook.usage
-            self.residency.observe(on_lease, u.cached_tokens > u.restored_tokens, hook.ttft_seconds)
-
-    def lease_window(self, model: str, tool: str = "") -> float:
-        """The lease length after a call of ``(model, tool)``: tau (fixed) or the predicted window (adaptive).
-        Resume tokens are issued with it before the hook names the tool (``tool`` ""). Pure read."""
-        return self.gaps.window(self.gaps.predict(model, tool)) if self.adaptive else self.tau_s
-
-    def declare_tool(self, request_id: str, tool: str, keep: int = 4096) -> None:
-        """The client named the tool this call's output invokes (``X-Talaria-Tool``): used as the hook's tool
-        when the engine parsed none (mutates a bounded map; only the replica that took the call knows it)."""
-        self._declared[request_id] = tool
-        while len(self._declared) > keep:
-            self._declared.popitem(last=False)
-
-    def on_intent(self, intent: pb.ToolIntent) -> rpb.Lease | None:
-        """A tool-call header streamed: with adaptive leases and no lease yet, install one
-        now, sized for the tool, over the KV the call holds so far (``early``; the hook's lease replaces it).
-        Returns the lease to install, or None."""
-        self.stats["intents"] += 1
-        if not (self.adaptive and self.leases_enabled and intent.session_id):
-            return None
-        got = self.leases.get(intent.session_id, intent.model)
-        if got is not None and got[0].t_done_unix >= intent.seen_unix:
-            return None
-        committed = intent.prompt_tokens + intent.generated_tokens
-        est, j = self.size_lease(intent.instance_id, intent.model, intent.tool_name, committed, session_id=intent.session_id)
-        if not j.install and self.params.lease_arithmetic:
-            return None
-        view = self.registry.instances.get(intent.instance_id)
-        t0 = min(intent.seen_unix, self.wall()) if intent.seen_unix > 0 else self.wall()
-        self.stats["leases_early"] += 1
-        return rpb.Lease(
-            schema_version=LEASE_SCHEMA_VERSION, lease_id=intent.request_id, session_id=intent.session_id, model=intent.model,
-            instance_id=intent.instance_id, prefix=cpb.PrefixHandle(model=intent.model, committed_tokens=committed),
-            t_done_unix=t0, t_exp_unix=t0 + j.window_s, router_id=self.router_id,
-            instance_epoch=view.snapshot.epoch if view is not None else 0, gap_mu=est.mu, gap_sigma=est.sigma,
-            p_return=j.p_return, tool=intent.tool_name, early=True,
-        )
-
-    def prefetch_target(self, session_id: str, model: str, tool: str, prompt_tokens: int, min_share: float = 0.6,
-                        min_seen: int = 3) -> tuple[str, str] | None:
-        """Intent prefetch: when the session's next call is predicted (``NextModelBook``,
-        share >= ``min_share`` over >= ``min_seen`` returns) to go to *another* model, the (instance, model)
-        that placement would choose for it now, if that instance would have to switch to or open the model:
-        the caller asks it to open the model ahead (``CONTROL_OPEN_MODEL``). None otherwise. Decides
-        without committing anything (reads the policy)."""
-        got = self.next_models.predict(model, tool)
-        if got is None or got[0] == model or got[1] < min_share or got[2] < min_seen:
-            return None
-        nxt = got[0]
-        d, _ = self.decide(self.request(session_id, nxt, max(1, prompt_tokens), 256), use_lease=False)
-        if d.instance_id is None or not (d.opens_model or d.switches_model):
-            return None
-        spec = self.pools.get(d.instance_id)
-        if spec is not None and spec.pool != "cold":
-            return None
-        self.stats["prefetches"] += 1
-        return d.instance_id, nxt
-
-    def lease_costs(self, instance_id: str, model: str, committed: int, session_id: str = "") -> LeaseCosts:
-        """Measured inputs of the lease arithmetic (``return_gap.judge_lease``). What a hit saves: the cheaper
-        place for a return that lost its residency -- this instance with the prefix off its device (restored
-        or recomputed here, the cheaper per the instance's profile) or, with the session known, the best *other*
-        admissible instance (Eq. 1's KV + activation terms of the session's next call there minus those on this
-        one, queueing left out: the policy's own view of where the prefix is, how much suffix each must prefill
-        and what each model switch costs). Until 2026-12-06 only the other instance was priced, with its slot
-        wait when the model was not active there; but placement keeps such a return where its model is active
-        and restores it there: on the stack leases were priced at 2.6-4.4 s saved in one repetition in three
-        while the returns that lost residency paid 0.19 s, and adaptive held 2.0x fixed 0.5 s's KV. Either price
-        is of a return that *lost* its residency; once the router has measured returns with and
-        without a lease (``ResidencyBook.lift``) it is weighted by how much more often a lease keeps residency
-        (the share) and floored by the measured cost of losing it: ``share x max(that price, measured loss)``.
-        Until 2026-12-06 it was ``max(Eq. 1 difference, share x measured loss)``, which priced every
-        lease as if the return would certainly lose its residency without it: on the stack 89-90 % of returns
-        without a lease kept it anyway (a lease bought 0.005-0.018 s measured, Eq. 1 said ~0.3 s) and adaptive
-        held 3.0x the KV of a fixed 0.5 s tau for no SCT difference. A live lease puts
-        one admission unit of a mean call's queueing on every other call arriving at its instance (the
-        router's arrival rate over all models, spread over the instances). With another healthy instance to
-        go to, that holds whatever the leased instance's free slots: placement charges the lease that unit
-        on its instance (``policy.queue_pressure``) at any load, so it steers other calls away at any load.
-        Until 2026-12-06 the harm was always scaled by how busy the instance was (a lease on an instance with
-        free slots "delays nobody"): at light load the arithmetic then saw no cost and kept 7-10 s windows
-        after slow tools, which held 1.8-2.3x the best fixed tau's KV and lost SCT p50 to it in the
-        simulator, and 3.3x its KV on the stack (``services/router/README.md``). A lone instance has nowhere
-        to steer calls to: there the lease delays them only in proportion to how busy it is (calls running,
-        waiting and forwarded over its decode slots). Pure read."""
-        prof = self._priced_models.get(instance_id, {}).get(model) or self.profiles.profile(instance_id)
-        per_token = min(prof.prefill_per_token, prof.restore_per_token) if prof.restore_per_token > 0 else prof.prefill_per_token
-        shape = self.shapes.shape(model)
-        mean_call_s = shape.suffix_tokens * prof.prefill_per_token + shape.decode_tokens * prof.decode_step
-        now = self.wall()
-        reg = self.registry
-        rate = sum(self.demand.rate(m, now) for m in self.demand.models()) / max(1, len(reg.instances))
-        if any(iid != instance_id and reg.healthy(o) for iid, o in reg.instances.items()):
-            exposed = 1.0  # the charge steers arrivals to the other instances, at any load
-        else:  # nowhere to steer them: the lease delays them only when the instance's slots are taken
-            v, spec = reg.instances.get(instance_id), self.pools.get(instance_id)
-            calls = (v.running + v.snapshot.num_waiting + v.inflight) if v is not None else 0
-            exposed = min(1.0, calls / max(1, spec.max_num_seqs if spec is not None else 1))
-        off_device = committed * per_token  # the prefix restored or recomputed: here, or elsewhere without a session
-        saved = off_device
-        if session_id:
-            nxt = self.request(session_id, model, committed + int(shape.suffix_tokens), max(1, int(shape.decode_tokens)))
-            d, _ = self.decide(nxt, use_lease=False)
-            mine = next((c for c in d.costs if c.instance_id == instance_id), None)
-            alt = min((c for c in d.costs if c.instance_id != instance_id and not c.reject), key=lambda c: c.total, default=None)
-            if mine is not None and alt is not None:  # the return that lost residency goes where it is cheaper
-                saved = min(off_device, max(0.0, (alt.total - alt.queue_s) - (mine.total - mine.queue_s)))
-        lift = self.residency.lift()  # measured: how often a lease changes the outcome, what losing residency costs
-        if lift is not None:
-            share, loss_s = lift
-            saved = share * max(saved, loss_s)
-        qs = self.queues.scale(instance_id) if self.params.queue_learned else 1.0  # the queueing a lease imposes, as measured
-        return LeaseCosts(saved_s=saved, harm_per_s=exposed * rate * self.params.admission_unit * mean_call_s * qs)
-
-    def size_lease(self, instance_id: str, model: str, tool: str, committed: int, hint_s: float | None = None, session_id: str = "") -> tuple:
-        """(gap estimate, ``LeaseJudgement``) of a lease after a call of ``(model, tool)``. ``hint_s``: the
-        caller's expected tool time (request hint; wins over the learned gap). Reads only (a policy decision
-        for the session's next call is evaluated, not committed)."""
-        est = self.gaps.predict(model, tool, hint_s)
-        costs = self.lease_costs(instance_id, model, committed, session_id)
-        window = self.gaps.window(est)
-        if self.params.lease_arithmetic:  # without it every lease is installed at its quantile window
-            window = best_window(est, costs, self.gaps.p.floor_s, window)
-        return est, judge_lease(est, window, costs)
+    def priced_profile(self, instance_id: str, model: str):
+        """The ``policy.Profile`` placement prices a call of ``model`` on ``instance_id`` with: a cold
+        instance's own price of that model when it reported one, else the instance's. Pure read."""
+        return self._priced_models.get(instance_id, {}).get(model) or self.profiles.profile(instance_id)
 
     # ---------------------------------------------------------------------------------- placement
     def _static_of(self, v: InstanceView) -> tuple[dict, dict]:
@@ -577,12 +387,6 @@ class Gateway:
             self._pushed[iid] = reg.deadlines(v)
             self._arm(iid, now)
 
-    def lease_tau(self, hook: pb.CompletionHook, tau: float) -> float:
-        """The lease length after a call: ``tau`` (the fixed Talaria §3.3 tau, or the adaptive window, which
-        already took the caller's ``expected_tool_s`` hint), capped by the caller's ``cache_ttl_s`` hint. Pure."""
-        ttl = hook.hints.cache_ttl_s if hook.HasField("hints") else 0.0
-        return min(tau, ttl) if ttl > 0 else tau
-
     def end_session(self, session_id: str) -> list[str]:
         """Forget a session (table entry and local leases). Returns the instances known to hold it
         (last and first instance, lease instances); empty when unknown. Mutates the session and lease tables."""
@@ -609,14 +413,8 @@ class Gateway:
         return CallRequest(session_id, model, prompt_tokens, max_tokens, min(float(max_tokens), decode))
 
     def arrival(self, req: CallRequest) -> None:
-        """A call arrived: demand, and (a session's next call) one observed return gap and model transition."""
-        now = self.wall()
-        self.demand.arrival(req.model, now)
-        got = self.returns.returned(req.session_id, now) if req.session_id else None
-        if got is not None:
-            pr, gap = got
-            self.gaps.observe(pr.model, pr.tool, gap)
-            self.next_models.observe(pr.model, pr.tool, req.model)
+        """A call arrived: the demand meter counts it (``LeaseService.arrival`` also learns the return gap)."""
+        self.demand.arrival(req.model, self.wall())
 
     def state_for(self, req: CallRequest, exclude: Iterable[str] = (), use_lease: bool = True) -> tuple[PlacementState, int | None]:
         now = self.wall()
@@ -658,40 +456,20 @@ class Gateway:
         self._decide_ns += time.perf_counter_ns() - t0
         return d, rev
 
-    def lease_judged(self, d: Decision) -> None:
-        """Count a lease the decision consumed or discarded (call once per lease seen)."""
-        self.lease_token_s += d.lease_held_s * d.lease_tokens
-        if d.lease == "outweighed":
-            self.stats["lease_outweighed"] += 1
-        elif d.lease == "eq2":  # honouring it would have opened a replica Eq. 2 rejects (policy._eq2_denies)
-            self.stats["lease_eq2_denied"] += 1
-        if d.lease == "hit":
-            self.stats["lease_hits"] += 1
-        elif d.lease == "expired":
-            self.stats["lease_expiries"] += 1
-        elif d.lease in ("unhealthy", "prefix-invalid"):
-            self.stats["lease_misses"] += 1
-            self.stats[f"lease_miss_{d.lease.replace('-', '_')}"] += 1
-
-    def lease_raced(self) -> None:
-        self.stats["lease_misses"] += 1
-        self.stats["lease_miss_raced"] += 1
-
-    def commit(self, req: CallRequest, d: Decision, call_id: str = "") -> None:
+    def commit(self, req: CallRequest, d: Decision, call_id: str = "") -> bool:
         """Record a forwarded call: overlay (keyed by ``call_id``, which its completion hook removes),
         session table, accounting, decision log, and the queue Eq. 1 predicted for it on its instance (unscaled;
-        its hook's measured engine queue teaches ``QueueBook``)."""
+        its hook's measured engine queue teaches ``QueueBook``). Returns whether the call is a return (the
+        session's last call was of the same model), which ``LeaseService.commit`` records for the residency book."""
         assert d.instance_id is not None
         inst = d.instance_id
         self.stats["decisions"] += 1
         self.stats[f"placement_{d.reason}"] += 1
         entry = self.sessions.get(req.session_id) if req.session_id else None
+        returning = False
         if entry is not None and entry.model == req.model:
+            returning = True
             self.stats["returns"] += 1
-            if self.leases_enabled:  # its hook teaches what a lease saves (``ResidencyBook``)
-                self._returning[(req.session_id, req.model)] = d.lease == "hit"
-                while len(self._returning) > 65536:
-                    self._returning.popitem(last=False)
             self.stats["same_instance_returns" if entry.instance_id == inst else "moved_returns"] += 1
         if d.opens_model:
             self.stats["model_opens"] += 1
@@ -710,6 +488,7 @@ class Gateway:
             while len(self._queue_pred) > 65536:
                 self._queue_pred.popitem(last=False)
         self.log(req, d)
+        return returning
 
     def log(self, req: CallRequest, d: Decision) -> None:
         if self.decisions.maxlen:
@@ -717,9 +496,10 @@ class Gateway:
 
     # ---------------------------------------------------------------------------------- admission
     def admission(self, req: CallRequest, overload: "OverloadPolicy", prompt_exact: bool = False, prompt_bytes: int = 0,
-                  prompt_param: str = "prompt") -> "Admission":
-        """The admission / queue / retry state machine of one call (see ``Admission``)."""
-        return Admission(self, req, overload, prompt_exact, prompt_bytes, prompt_param)
+                  prompt_param: str = "prompt", leases: LeaseService | None = None) -> "Admission":
+        """The admission / queue / retry state machine of one call (see ``Admission``); ``leases`` settles the
+        leases its decisions judge (``LeaseService.admit`` passes itself)."""
+        return Admission(self, req, overload, prompt_exact, prompt_bytes, prompt_param, leases=leases)
 
     def context_limit(self, model: str, candidates: Iterable[str]) -> int:
         """The largest context any of ``candidates`` reports for ``model`` (0 = unknown)."""
@@ -806,12 +586,7 @@ class Gateway:
             "lease_ttl_s": self.tau_s,
             "lease_policy": self.params.lease_policy,
             "leases_live": sum(self.leases.live_by_instance(now).values()),
-            "lease_token_s": self.lease_token_s + self.leases.held_token_s(now),
             "leases_unused": max(0, s.get("leases_installed", 0) - s.get("lease_hits", 0)),
-            "return_gaps": self.gaps.keys(),
-            "lease_residency": self.residency.snapshot(),
-            "lease_sizing": {k: {"judged": int(n), "installed": int(i), "window_s": w / n, "saved_s": sv / n, "harm_per_s": h / n}
-                             for k, (n, i, w, sv, h) in self._sizing.items()},
             "queue_calibration": {"learned": self.params.queue_learned, "instances": self.queues.stats()},
             "gateway_queued": self.queued,
             "same_instance_return_rate": (s.get("same_instance_returns", 0) / returns) if returns else None,
@@ -901,12 +676,17 @@ class Step:
     param: str | None = None
     retry_after_s: float = 0.0
     deadline_risk_s: float | None = None  # forward past a failed admission prediction: the predicted TTFT
+    lease_id: str = ""  # the lease this forward consumed (settled by ``Admission.step``), "" when none
+    lease_epoch: int = 0  # that lease's engine epoch: the engine refuses the call from another epoch (fencing)
 
 
 @dataclass
 class Admission:
     """One call's way to an instance. Clock: the registry's (injected). Mutates the gateway's ``queued``
-    count and ``stats`` (and its decision log on a rejection); call ``close()`` when done."""
+    count and ``stats`` (and its decision log on a rejection); call ``close()`` when done. ``next`` decides
+    (synchronous); ``step`` decides and settles the leases each decision judged through ``leases``
+    (``LeaseService.settle``: a honoured lease consumed in the shared store, a judged one discarded; a lease
+    another router replica consumed first is placed again without it); ``commit`` records the forward."""
 
     gw: Gateway
     req: CallRequest
@@ -919,6 +699,31 @@ class Admission:
     last_error: str = ""
     queue_deadline: float | None = None
     silence_waits: int = 0  # polls spent waiting for a silent (not dead) candidate's heartbeat
+    leases: LeaseService | None = None  # settles the leases decisions judge (None: nothing settled, ``next`` only)
+    use_lease: bool = True  # False once a lease was lost to another replica: the call is placed without one
+
+    async def step(self) -> Step:
+        """The next step with its lease settled: decide (``next``), then consume or discard the lease the
+        decision judged (``LeaseService.settle``; every step, wait and reject included, as each judged the
+        lease). A lease another replica consumed first spends no attempt: the call is decided again without
+        it. The forward step carries the consumed lease's id and epoch. Mutates the lease store and table."""
+        while True:
+            step = self.next(self.use_lease)
+            if self.leases is None:
+                return step
+            s = await self.leases.settle(step.decision, step.lease_rev, self.req.session_id, self.req.model, step.kind == "forward")
+            if s.stands:
+                return replace(step, lease_id=s.lease_id, lease_epoch=s.epoch) if s.lease_id else step
+            if step.decision is not None and step.decision.instance_id is not None:
+                self.raced(step.decision.instance_id)
+            self.use_lease = False
+
+    def commit(self, d: Decision, call_id: str = "") -> None:
+        """The call is being forwarded on ``d``: record it (``LeaseService.commit``, else ``Gateway.commit``)."""
+        if self.leases is not None:
+            self.leases.commit(self.req, d, call_id)
+        else:
+            self.gw.commit(self.req, d, call_id)
 
     def next(self, use_lease: bool = True) -> Step:
         """Decide again (excluding instances already tried) and say what to do."""

@@ -13,12 +13,12 @@ field (Talaria)         Dynamo alias                     used by
 ``expected_output_      ``nvext.agent_hints.osl``        router pressure estimate: the call's expected decode
 tokens`` (1..2^32-1)                                     tokens in ``dR_req`` (Eq. 1) instead of the model's EWMA
 ``expected_tool_s``     —                                carried to the hook for the lease predictor (branch
-(0..86400)                                               ``lease``: ``Gateway.lease_tau`` is the hook)
+(0..86400)                                               ``lease``: ``LeaseService.lease_tau`` is the hook)
 ``ttft_target_s`` /     —                                per-token deadlines of a cold pool with ``token_deadlines``
 ``tpot_target_s``                                        (GenerateRequest; the engine's targets if absent)
 (0..3600]
 ``cache_ttl_s``         ``nvext.cache_control.ttl`` or   upper bound of the session's lease after this call
-(0..86400]              ``cache_control.ttl`` ("300",    (``Gateway.lease_tau``)
+(0..86400]              ``cache_control.ttl`` ("300",    (``LeaseService.lease_tau``)
                         "5m", "1h"; ``type: ephemeral``)
 —                       ``nvext.agent_hints.latency_     engine queue order: the call queues as if it had arrived
                         sensitivity`` (seconds)          that many seconds earlier (Dynamo's meaning), within its

@@ -66,6 +66,7 @@ every instance (tests/unit/test_router_placement_equivalence.py).
 
 from __future__ import annotations
 
+import json
 import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
@@ -295,6 +296,36 @@ class Decision:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["costs"] = [c._asdict() for c in self.costs]
         return d
+
+    def attributes(self) -> dict[str, str | bool | float | int | list[str]]:
+        """The decision as trace span attributes (``talaria.placement.*``): reason, chosen instance, policy,
+        lease outcome, the open/switch flags, the candidates, every candidate's Eq. 1 row as JSON
+        (``talaria.placement.costs``) and the chosen one's terms (``talaria.placement.cost.<term>``). Pure."""
+        attrs: dict[str, str | bool | float | int | list[str]] = {"talaria.placement.reason": self.reason}
+        if self.instance_id:
+            attrs["talaria.placement.instance"] = self.instance_id
+        if self.policy:
+            attrs["talaria.placement.policy"] = self.policy
+        if self.lease:
+            attrs["talaria.placement.lease"] = self.lease
+        attrs["talaria.placement.opens_model"] = self.opens_model
+        attrs["talaria.placement.switches_model"] = self.switches_model
+        attrs["talaria.placement.avoidable_open"] = self.avoidable_open
+        if self.costs:
+            attrs["talaria.placement.candidates"] = [c.instance_id for c in self.costs]
+            rows = []
+            for c in self.costs:
+                row = {k: getattr(c, k) for k in _SPAN_TERMS}
+                rows.append(row)
+                if c.instance_id == self.instance_id:
+                    for k, v in row.items():
+                        if k != "instance_id":
+                            attrs[f"talaria.placement.cost.{k}"] = v
+            attrs["talaria.placement.costs"] = json.dumps(rows, separators=(",", ":"), default=str)
+        return attrs
+
+
+_SPAN_TERMS = ("instance_id", "total", "delta_r", "c_kv", "c_act", "queue_s", "kv_source", "act", "reject")  # a cost row on a span
 
 
 # ----------------------------------------------------------------------------------------- cost model
@@ -829,7 +860,7 @@ def _outweighed(state: PlacementState, idx: InstanceIndex, mine: CostBreakdown) 
     Eq. 1 already prices what the call pays on each instance *now* -- the device prefix against a restore or
     a recompute, the other's wait for its model's slot, both queues. The measured residency saving of a lease
     (``return_gap.ResidencyBook``) is an expectation over returns wherever they went, slot waits included; it
-    prices the decision to reserve (``Gateway.lease_costs``), not this one, where it would count the other
+    prices the decision to reserve (``LeaseService.lease_costs``), not this one, where it would count the other
     instance's slot wait twice (until 2026-12-06 it was added here as a margin: returns stayed on a busier
     instance by up to the whole saving, seconds on the saturated testbed, and sessions moved half as often;
     without it mini-swe-agent's SCT p95 with adaptive leases was 0.988x [0.977-0.999] over 36 seeds,

@@ -20,7 +20,7 @@ capability for a soft reservation only: it never grants access to KV (that is sc
 |---|---|
 | ``ResumeClaim`` | the signed fields |
 | ``ResumeSigner`` | pure (wall clock injected): ``issue`` / ``verify`` |
-| ``Resumes`` | the router's use: ``issue_for`` a finished call, ``apply`` a presented token to the lease table, ``consumed`` (replay guard) |
+| ``Resumes`` | the router's use (through ``LeaseService``): ``issue_for`` a finished call, ``apply`` a presented token to the lease table, ``consumed`` (replay guard) |
 """
 
 from __future__ import annotations
@@ -125,35 +125,36 @@ class Resumes:
         self._remember = remember
 
     @classmethod
-    def from_state(cls, state) -> "Resumes":
-        secret = state.cfg.router.auth.resume_secret
+    def from_config(cls, secret: str | None, wall: Callable[[], float], counters) -> "Resumes":
+        """The router's tokens under ``router.auth.resume_secret`` (None: a random key, valid at this replica only)."""
         if secret is None:
             log.warning("router.auth.resume_secret is not set: resume tokens are valid only at this router replica")
             key = secrets.token_bytes(32)
         else:
             key = secret.encode()
-        return cls(ResumeSigner(key, state.gateway.wall), state.counters)
+        return cls(ResumeSigner(key, wall), counters)
 
-    def issue_for(self, gw, g, instance_id: str, epoch: int, usage) -> str | None:
-        """The token of a finished session call (None without a session, leases or usage)."""
-        if not g.session_id or not gw.leases_enabled or usage is None:
+    def issue_for(self, leases, g, instance_id: str, epoch: int, usage) -> str | None:
+        """The token of a finished session call (None without a session, leases or usage). ``leases``: the
+        ``LeaseService`` (whether leases are on, the lease window after a call of the model)."""
+        if not g.session_id or not leases.leases_enabled or usage is None:
             return None
         now = self.signer.wall()
         committed = max(usage.prompt_tokens + usage.completion_tokens - 1, 0)  # the last sampled token has no KV yet
-        c = ResumeClaim(g.tenant, g.session_id, g.model, instance_id, epoch, g.request_id, committed, now, now + gw.lease_window(g.model))
+        c = ResumeClaim(g.tenant, g.session_id, g.model, instance_id, epoch, g.request_id, committed, now, now + leases.lease_window(g.model))
         self.counters["resume_token_issued"] += 1
         return self.signer.issue(c)
 
-    def apply(self, token: str | None, g, gw) -> ResumeClaim | None:
-        """Verify a presented token; when valid and the gateway's lease table has no newer lease of the
-        session, install the token's lease there at revision 0 (local only). Returns the valid claim (or
-        None). A token is ignored when leases are off (policy other than full, or tau 0)."""
+    def apply(self, token: str | None, g, leases) -> ResumeClaim | None:
+        """Verify a presented token; when valid and the lease table (of ``leases``, the ``LeaseService``) has no
+        newer lease of the session, install the token's lease there at revision 0 (local only). Returns the
+        valid claim (or None). A token is ignored when leases are off (policy other than full, or tau 0)."""
         if not token:
             return None
-        if not gw.leases_enabled:
+        if not leases.leases_enabled:
             self.counters["resume_token_leases_off"] += 1
             return None
-        table = gw.leases
+        table = leases.table
         if not g.session_id:
             self.counters["resume_token_wrong_session"] += 1
             return None

@@ -19,7 +19,9 @@ from nats.errors import NoRespondersError
 from services.router.app import create_app
 from services.router.engine_client import InboxMux
 from services.router.gateway import Gateway, PoolSpec
+from services.router.lease_service import LeaseService
 from services.router.leases import JetStreamLeases, LeaseTable, MemoryLeases
+from services.router.resume import Resumes
 from services.router.responses_store import JetStreamResponses, MemoryResponses
 from services.router.policy import PolicyParams
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
@@ -44,7 +46,7 @@ class RouterState:
     registry: Registry
     sessions: SessionTable
     gateway: Gateway
-    lease_store: MemoryLeases | JetStreamLeases
+    leases: LeaseService  # lease settlement, sizing, installation; resume tokens (owns the lease store)
     responses: MemoryResponses | JetStreamResponses | None = None  # stored Responses (None = off)
     nc: NATS | None = None
     counters: Counter = field(default_factory=Counter)
@@ -52,6 +54,15 @@ class RouterState:
     serving_metrics: ServingMetrics = field(default_factory=ServingMetrics)  # vLLM-named /metrics
     _bg: set = field(default_factory=set)  # fire-and-forget publish tasks
     _mux: InboxMux | None = None
+
+    @property
+    def lease_store(self) -> MemoryLeases | JetStreamLeases:
+        """The lease store the lease service settles in (``MemoryLeases``, or ``JetStreamLeases`` after start)."""
+        return self.leases.store
+
+    @lease_store.setter
+    def lease_store(self, store: MemoryLeases | JetStreamLeases) -> None:
+        self.leases.store = store
 
     def tracer(self):
         return self.telemetry.tracer
@@ -106,7 +117,7 @@ class RouterState:
         self.serving_metrics.observe_hook(hook)
         if hook.session_ended and hook.session_id:  # every replica drops the leases (idempotent)
             await self.lease_store.drop_session(hook.session_id, [hook.model])
-        lease = self.gateway.on_hook(hook)
+        lease = self.leases.on_hook(hook)
         if lease is not None:
             try:
                 await self.lease_store.install(lease, lease.t_exp_unix - lease.t_done_unix)
@@ -126,7 +137,7 @@ class RouterState:
         except Exception:  # noqa: BLE001
             self.counters["bad_intent"] += 1
             return
-        lease = self.gateway.on_intent(intent)
+        lease = self.leases.on_intent(intent)
         if lease is not None:
             try:
                 await self.lease_store.install(lease, lease.t_exp_unix - lease.t_done_unix)
@@ -147,7 +158,7 @@ class RouterState:
             return
         h = pb.RetentionHint(schema_version=1, session_id=session_id, model=model, lease_id=lease_id, t_done_unix=done)
         if lease is not None:
-            (h.gap_mu, h.gap_sigma), h.window_s, h.t_done_unix = self.gateway.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix, lease.t_done_unix
+            (h.gap_mu, h.gap_sigma), h.window_s, h.t_done_unix = self.leases.retention_gap(lease), lease.t_exp_unix - lease.t_done_unix, lease.t_done_unix
         subject, payload = self.subjects.retention(instance_id), h.SerializeToString()
 
         async def send() -> None:
@@ -164,7 +175,7 @@ class RouterState:
         nc = self.nc
         if not (self.cfg.router.placement.intent_prefetch and session_id) or nc is None or not nc.is_connected:
             return
-        target = self.gateway.prefetch_target(session_id, model, tool, prompt_tokens)
+        target = self.leases.prefetch_target(session_id, model, tool, prompt_tokens)
         if target is None:
             return
         iid, nxt = target
@@ -270,7 +281,13 @@ def make_state(cfg: StackConfig) -> RouterState:
         pools={e.id: PoolSpec(e.pool, tuple(e.models), e.page_size, e.max_num_seqs) for e in cfg.engines},
         router_id=cfg.router.id,
         decisions_kept=pc.decisions_kept,
-        gaps=GapPredictor(GapParams(prior_median_s=pc.gap_prior_median_s, prior_sigma=pc.gap_prior_sigma, quantile=pc.gap_quantile, cap_s=pc.gap_cap_s)),
+    )
+    counters: Counter = Counter()
+    leases = LeaseService(
+        gateway,
+        MemoryLeases(table),
+        Resumes.from_config(cfg.router.auth.resume_secret, gateway.wall, counters),  # signed resume tokens + fencing
+        GapPredictor(GapParams(prior_median_s=pc.gap_prior_median_s, prior_sigma=pc.gap_prior_sigma, quantile=pc.gap_quantile, cap_s=pc.gap_cap_s)),
     )
     return RouterState(
         cfg=cfg,
@@ -278,8 +295,9 @@ def make_state(cfg: StackConfig) -> RouterState:
         registry=registry,
         sessions=sessions,
         gateway=gateway,
-        lease_store=MemoryLeases(table),
+        leases=leases,
         responses=memory_responses(cfg),
+        counters=counters,
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.router.policy import Decision
 from talaria import call_hints, otel
 from talaria.attribution import CallAttribution
 from talaria.v1 import common_pb2 as cpb
@@ -88,27 +89,27 @@ class CallTrace:
             self.span = trace.INVALID_SPAN
             self.ctx = None
 
-    def placed(self, decision, call) -> None:
+    def placed(self, decision: Decision, call) -> None:
         """The decision that placed the call (a placement span from the call's start until the engine
-        accepted) and the chosen instance."""
+        accepted, with ``Decision.attributes``) and the chosen instance."""
         try:
             now = time.time_ns()
-            attrs = otel.placement_attributes(decision)
-            inst = getattr(call, "instance_id", None) or getattr(decision, "instance_id", "")
+            attrs = decision.attributes()
+            inst = (call.instance_id if call is not None else None) or decision.instance_id or ""
             ps = self.tracer.start_span("talaria.placement", context=self.ctx, start_time=self.t0, attributes=attrs)
             if call is not None and call.accepted is not None and call.accepted.HasField("usage"):
                 ps.set_attribute(otel.GEN_AI_USAGE_INPUT_TOKENS, int(call.accepted.usage.prompt_tokens))
             ps.end(end_time=now)
             self.span.set_attribute(otel.INSTANCE_ID, inst)
             r = self.record
-            r.instance_id = inst or ""
-            r.placement_reason = str(getattr(decision, "reason", ""))
-            r.lease = str(getattr(decision, "lease", "") or "none")
-            r.avoidable_open = bool(getattr(decision, "avoidable_open", False))
-            r.opens_model = bool(getattr(decision, "opens_model", False))
-            r.switches_model = bool(getattr(decision, "switches_model", False))
-            chosen = decision.chosen() if hasattr(decision, "chosen") else None
-            r.kv_source = str(getattr(chosen, "kv_source", "") or "")
+            r.instance_id = inst
+            r.placement_reason = decision.reason
+            r.lease = decision.lease or "none"
+            r.avoidable_open = decision.avoidable_open
+            r.opens_model = decision.opens_model
+            r.switches_model = decision.switches_model
+            chosen = decision.chosen()
+            r.kv_source = chosen.kv_source if chosen is not None else ""
             ctx = self.span.get_span_context()
             if ctx.is_valid:
                 r.trace_id = f"{ctx.trace_id:032x}"

@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from services.router.policy import Decision, cost_breakdown
 from services.router.tracing import CallTrace
 from talaria import otel
 from talaria.config import TelemetryConfig
@@ -171,18 +172,28 @@ def test_disabled_is_a_no_op():
     tel.shutdown()
 
 
-def test_placement_attributes_of_both_decision_shapes():
-    simple = SimpleNamespace(instance_id="a", reason="least-loaded", loads={"b": 2, "a": 0})
-    at = otel.placement_attributes(simple)
-    assert at["talaria.placement.reason"] == "least-loaded" and at["talaria.placement.candidates"] == ["a", "b"]
-    assert at["talaria.placement.loads"] == '{"a":0,"b":2}'
-    cost = SimpleNamespace(instance_id="a", total=0.5, delta_r=0.3, c_kv=0.1, c_act=0.1, queue_s=0.2, kv_source="device", act="active", reject="")
-    other = SimpleNamespace(instance_id="b", total=2.0, delta_r=1.0, c_kv=0.5, c_act=0.5, queue_s=0.0, kv_source="recompute", act="open", reject="eq2")
-    full = SimpleNamespace(instance_id="a", reason="cost", policy="full", lease="expired", costs=(cost, other), avoidable_open=False, opens_model=False, switches_model=False)
-    at = otel.placement_attributes(full)
-    assert at["talaria.placement.lease"] == "expired" and at["talaria.placement.cost.total"] == 0.5
-    assert at["talaria.placement.cost.kv_source"] == "device" and at["talaria.placement.candidates"] == ["a", "b"]
-    assert '"reject":"eq2"' in at["talaria.placement.costs"]
+def test_decision_attributes_are_the_placement_span_attributes():
+    """``Decision.attributes()``: the values the router's placement span carried when they were read off the
+    decision by name (the same dict, key for key), for a ranked decision and one that placed nothing."""
+    a = cost_breakdown(instance_id="a", delta_r=0.3, c_kv=0.1, c_act=0.1, queue_s=0.2, kv_source="device", act="active", predicted_ttft_s=0.4, pages_needed=3)
+    b = cost_breakdown(instance_id="b", delta_r=1.0, c_kv=0.5, c_act=0.5, queue_s=0.0, kv_source="recompute", act="open", predicted_ttft_s=2.0,
+                       pages_needed=7, eq2_gain=0.1, eq2_threshold=0.2, reject="eq2")
+    at = Decision("a", "full", "cost", lease="expired", costs=(a, b)).attributes()
+    assert at == {
+        "talaria.placement.reason": "cost", "talaria.placement.instance": "a", "talaria.placement.policy": "full",
+        "talaria.placement.lease": "expired", "talaria.placement.opens_model": False, "talaria.placement.switches_model": False,
+        "talaria.placement.avoidable_open": False, "talaria.placement.candidates": ["a", "b"], "talaria.placement.cost.total": 0.5,
+        "talaria.placement.cost.delta_r": 0.3, "talaria.placement.cost.c_kv": 0.1, "talaria.placement.cost.c_act": 0.1,
+        "talaria.placement.cost.queue_s": 0.2, "talaria.placement.cost.kv_source": "device", "talaria.placement.cost.act": "active",
+        "talaria.placement.cost.reject": "",
+        "talaria.placement.costs": '[{"instance_id":"a","total":0.5,"delta_r":0.3,"c_kv":0.1,"c_act":0.1,"queue_s":0.2,"kv_source":"device",'
+                                   '"act":"active","reject":""},{"instance_id":"b","total":2.0,"delta_r":1.0,"c_kv":0.5,"c_act":0.5,'
+                                   '"queue_s":0.0,"kv_source":"recompute","act":"open","reject":"eq2"}]',
+    }
+    assert Decision(None, "full", "no-instance").attributes() == {
+        "talaria.placement.reason": "no-instance", "talaria.placement.policy": "full", "talaria.placement.lease": "none",
+        "talaria.placement.opens_model": False, "talaria.placement.switches_model": False, "talaria.placement.avoidable_open": False,
+    }
 
 
 def test_call_trace_spans_and_call_records():
@@ -193,7 +204,9 @@ def test_call_trace_spans_and_call_records():
     ct = CallTrace(tel.tracer, g, True, "router-0", records.append)
     assert "traceparent" in g.trace_context  # handed to the engine
     call = SimpleNamespace(instance_id="e0", accepted=pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=9)))
-    ct.placed(SimpleNamespace(instance_id="e0", reason="lease", lease="hit", avoidable_open=False), call)
+    chosen = cost_breakdown(instance_id="e0", delta_r=0.1, c_kv=0.0, c_act=0.0, queue_s=0.0, kv_source="device", act="active",
+                            predicted_ttft_s=0.1, pages_needed=1)
+    ct.placed(Decision("e0", "full", "lease", lease="hit", costs=(chosen,)), call)
     ct.chunk(pb.TokenChunk(seq=1, token_ids=[1, 2], text="ab"))
     ct.chunk(pb.TokenChunk(seq=2, token_ids=[3], finished=True, finish_reason="length", usage=cpb.Usage(prompt_tokens=9, completion_tokens=3, cached_tokens=4)))
     ct.end()
@@ -207,6 +220,7 @@ def test_call_trace_spans_and_call_records():
     assert spans["talaria.placement"].parent.span_id == root.context.span_id and spans["talaria.placement"].attributes["talaria.placement.lease"] == "hit"
     assert [r.phase for r in records] == ["start", "end"]
     assert records[0].lease == "hit" and records[0].instance_id == "e0" and records[0].trace_id == f"{root.context.trace_id:032x}"
+    assert (records[0].placement_reason, records[0].kv_source, records[0].opens_model) == ("lease", "device", False)
     end = records[1]
     assert end.error == "" and end.usage.completion_tokens == 3 and end.end_unix >= end.first_token_unix >= end.arrival_unix > 0
 

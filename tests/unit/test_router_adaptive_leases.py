@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from services.router.gateway import Gateway
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable, MemoryLeases
 from services.router.policy import CallRequest, InstanceState, LeaseView, ModelRes, PlacementState, PolicyParams, Profile, decide
 from services.router.profiles import ShapeBook
@@ -43,60 +44,63 @@ def hook(iid, session, clock, tool="", tokens=600, rid="r1"):
 def make(clock, policy="adaptive", tau=1.0, **params):
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
     table = LeaseTable()
-    gw = Gateway(PolicyParams(lease_policy=policy, **params), reg, SessionTable(clock), table, clock.now, tau_s=tau, shapes=ShapeBook(),
-                 gaps=GapPredictor(GapParams(min_samples=3)))
-    return gw, MemoryLeases(table)
+    gw = Gateway(PolicyParams(lease_policy=policy, **params), reg, SessionTable(clock), table, clock.now, tau_s=tau, shapes=ShapeBook())
+    store = MemoryLeases(table)
+    return LeaseService(gw, store, gaps=GapPredictor(GapParams(min_samples=3))), store
 
 
-def call(gw, store, session, prompt=800):
+def call(ls, store, session, prompt=800):
+    gw = ls.gw
     r = gw.request(session, "m", prompt, 64)
-    gw.arrival(r)
+    ls.arrival(r)
     d, rev = gw.decide(r)
     if d.lease != "none" and rev is not None:
         store.consume_now(session, "m", rev)
-    gw.lease_judged(d)
+    ls.lease_judged(d)
     if d.instance_id is not None:
-        gw.commit(r, d)
+        ls.commit(r, d)
     return d
 
 
-def teach(gw, store, clock, tool, gap, n=6):
+def teach(ls, store, clock, tool, gap, n=6):
     """n returns of one session after calls of ``tool``, each ``gap`` seconds after the response."""
     for i in range(n):
-        call(gw, store, f"teach-{tool}")
+        call(ls, store, f"teach-{tool}")
         clock.advance(0.1)
-        lease = gw.on_hook(hook("a", f"teach-{tool}", clock, tool=tool, rid=f"{tool}{i}"))
+        lease = ls.on_hook(hook("a", f"teach-{tool}", clock, tool=tool, rid=f"{tool}{i}"))
         if lease is not None:
             store.install_now(lease)
         clock.advance(gap)
-    call(gw, store, f"teach-{tool}")
+    call(ls, store, f"teach-{tool}")
 
 
 def test_windows_follow_the_tool_and_leases_carry_the_prediction():
     clock = ManualClock(100.0)
-    gw, store = make(clock)
+    ls, store = make(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
-    cold = gw.on_hook(hook("a", "x", clock, tool="ls"))
+    cold = ls.on_hook(hook("a", "x", clock, tool="ls"))
     assert cold.t_exp_unix - cold.t_done_unix == pytest.approx(math.exp(1.2815516), rel=1e-3)  # prior: median 1 s, sigma 1
-    teach(gw, store, clock, "ls", 0.05)
-    teach(gw, store, clock, "pytest", 6.0)
+    teach(ls, store, clock, "ls", 0.05)
+    teach(ls, store, clock, "pytest", 6.0)
     gw.on_snapshot(snapshot("a", 2, clock))  # the taught calls finished: the instance is idle
-    fast = gw.on_hook(hook("a", "s1", clock, tool="ls"))
-    slow = gw.on_hook(hook("a", "s2", clock, tool="pytest"))
+    fast = ls.on_hook(hook("a", "s1", clock, tool="ls"))
+    slow = ls.on_hook(hook("a", "s2", clock, tool="pytest"))
     assert fast.t_exp_unix - fast.t_done_unix < 0.1
     assert 6.0 <= slow.t_exp_unix - slow.t_done_unix <= 10.0
     assert (fast.tool, slow.tool) == ("ls", "pytest")
     assert fast.gap_sigma > 0 and math.exp(fast.gap_mu) == pytest.approx(0.05, rel=0.05)
-    m = gw.metrics()
+    m = ls.metrics()
     assert m["lease_policy"] == "adaptive" and m["return_gaps"]["m|ls"]["n"] >= 6
 
 
 def test_fixed_policy_keeps_the_papers_tau():
     clock = ManualClock(100.0)
-    gw, store = make(clock, policy="fixed", tau=2.0)
+    ls, store = make(clock, policy="fixed", tau=2.0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
-    teach(gw, store, clock, "ls", 0.05)
-    lease = gw.on_hook(hook("a", "s", clock, tool="ls"))
+    teach(ls, store, clock, "ls", 0.05)
+    lease = ls.on_hook(hook("a", "s", clock, tool="ls"))
     assert lease.t_exp_unix - lease.t_done_unix == pytest.approx(2.0) and lease.gap_sigma == 0.0
 
 
@@ -106,50 +110,53 @@ def test_a_fixed_leases_retention_hint_carries_the_learned_gap_only_when_asked()
     instead; the lease itself (placement) keeps its cliff. An adaptive lease always carries its own."""
     for on in (False, True):
         clock = ManualClock(100.0)
-        gw, store = make(clock, policy="fixed", tau=1.0)
+        ls, store = make(clock, policy="fixed", tau=1.0)
+        gw = ls.gw
         gw.params = replace(gw.params, retention_learned_gap=on)
         gw.on_snapshot(snapshot("a", 1, clock))
-        teach(gw, store, clock, "pytest", 6.0)
-        lease = gw.on_hook(hook("a", "s", clock, tool="pytest"))
+        teach(ls, store, clock, "pytest", 6.0)
+        lease = ls.on_hook(hook("a", "s", clock, tool="pytest"))
         assert lease.gap_sigma == 0.0 and lease.t_exp_unix - lease.t_done_unix == pytest.approx(1.0)
-        mu, sigma = gw.retention_gap(lease)
+        mu, sigma = ls.retention_gap(lease)
         if on:
             assert sigma > 0 and math.exp(mu) == pytest.approx(6.0, rel=0.05)
         else:
             assert (mu, sigma) == (lease.gap_mu, 0.0)
     clock = ManualClock(100.0)
-    gw, _ = make(clock)
+    ls, _ = make(clock)
+    gw = ls.gw
     gw.params = replace(gw.params, retention_learned_gap=True)
     gw.on_snapshot(snapshot("a", 1, clock))
-    own = gw.on_hook(hook("a", "s", clock, tool="ls"))
-    assert own.gap_sigma > 0 and gw.retention_gap(own) == (own.gap_mu, own.gap_sigma)
+    own = ls.on_hook(hook("a", "s", clock, tool="ls"))
+    assert own.gap_sigma > 0 and ls.retention_gap(own) == (own.gap_mu, own.gap_sigma)
 
 
 def test_lease_declined_when_it_delays_more_than_it_saves():
     """A slow uncertain tool on a busy router: holding the reservation for seconds charges every other
     arrival, while the hit would only save a small prefix."""
     clock = ManualClock(100.0)
-    gw, store = make(clock)
+    ls, store = make(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock, waiting=4))
     for i in range(200):  # 20 calls/s of other traffic
-        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        ls.arrival(CallRequest("", "m", 100, 10, 10.0))
         clock.advance(0.05)
-    assert gw.on_hook(hook("a", "s", clock, tokens=20)) is None
+    assert ls.on_hook(hook("a", "s", clock, tokens=20)) is None
     assert gw.stats["leases_declined"] == 1
     # a lone idle instance (free slots): there is nowhere to steer the others to and nobody waits, so the
     # small lease is installed
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 2, clock, waiting=0))
-    assert gw.on_hook(hook("a", "s3", clock, tokens=20)) is not None
+    assert ls.on_hook(hook("a", "s3", clock, tokens=20)) is not None
     # with a second instance the lease's admission charge steers the other calls to it whatever the free
     # slots, so the same lease costs them and is declined (it was installed until 2026-12-06: at light load
     # the arithmetic saw no cost and kept long windows after slow tools)
     gw.on_snapshot(snapshot("b", 1, clock, waiting=0))
-    j = gw.size_lease("a", "m", "", 20, session_id="s4")[1]
+    j = ls.size_lease("a", "m", "", 20, session_id="s4")[1]
     assert not j.install and j.harm_s > j.value_s
-    assert gw.on_hook(hook("a", "s4", clock, tokens=20)) is None
+    assert ls.on_hook(hook("a", "s4", clock, tokens=20)) is None
     assert gw.stats["leases_declined"] == 2
-    sizing = gw.metrics()["lease_sizing"]["m|"]  # what the arithmetic saw, per model|tool, for operators
+    sizing = ls.metrics()["lease_sizing"]["m|"]  # what the arithmetic saw, per model|tool, for operators
     assert (sizing["judged"], sizing["installed"]) == (3, 1)
     assert sizing["saved_s"] > 0 and sizing["harm_per_s"] > 0 and sizing["window_s"] > 0
 
@@ -162,30 +169,31 @@ def test_a_lease_is_worth_only_the_residency_it_changes():
     instance makes not worth its hold; weighted by the share of returns whose residency the lease changes
     (~0.10 measured), the same lease saves ~0.012 s and is declined."""
     clock = ManualClock(100.0)
-    gw, _ = make(clock)
+    ls, _ = make(clock)
+    gw = ls.gw
     for _ in range(5):
-        gw.residency.observe(False, False, 0.15)  # returns without a lease that lost their residency
+        ls.residency.observe(False, False, 0.15)  # returns without a lease that lost their residency
     for _ in range(45):
-        gw.residency.observe(False, True, 0.03)  # ... and the many that kept it anyway
+        ls.residency.observe(False, True, 0.03)  # ... and the many that kept it anyway
     for _ in range(10):
-        gw.residency.observe(True, True, 0.03)  # returns on their lease keep it
-    share, loss_s = gw.residency.lift()
+        ls.residency.observe(True, True, 0.03)  # returns on their lease keep it
+    share, loss_s = ls.residency.lift()
     assert 0.05 < share < 0.15 and loss_s == pytest.approx(0.12)
     gw.on_snapshot(snapshot("a", 1, clock))
     gw.on_snapshot(snapshot("b", 1, clock))
     for _ in range(3):  # 0.05 calls/s of other traffic
-        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        ls.arrival(CallRequest("", "m", 100, 10, 10.0))
         clock.advance(20.0)
     gw.on_snapshot(snapshot("a", 2, clock))
     gw.on_snapshot(snapshot("b", 2, clock))
     restored_elsewhere = 3000 * gw.profiles.profile("a").restore_per_token  # 0.06 s: below the measured loss
-    costs = gw.lease_costs("a", "m", 3000)
+    costs = ls.lease_costs("a", "m", 3000)
     assert costs.saved_s == pytest.approx(share * max(restored_elsewhere, loss_s))
-    est, j = gw.size_lease("a", "m", "", 3000)
+    est, j = ls.size_lease("a", "m", "", 3000)
     assert not j.install and j.harm_s > j.value_s
     # priced as a certain loss (the saving before 2026-12-06), the same hold looked worth it
     unweighted = LeaseCosts(max(restored_elsewhere, share * loss_s), costs.harm_per_s)
-    assert judge_lease(est, best_window(est, unweighted, gw.gaps.p.floor_s, gw.gaps.window(est)), unweighted).install
+    assert judge_lease(est, best_window(est, unweighted, ls.gaps.p.floor_s, ls.gaps.window(est)), unweighted).install
 
 
 def test_a_lost_residency_is_priced_where_the_return_would_go():
@@ -196,44 +204,45 @@ def test_a_lost_residency_is_priced_where_the_return_would_go():
     what losing it costs, that measured loss still floors it (the simulator's cold instances, where it does
     mean a slot wait)."""
     clock = ManualClock(100.0)
-    gw, _ = make(clock)
+    ls, _ = make(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     between_slots = snapshot("b", 1, clock)
     between_slots.pool = pb.POOL_COLD
     between_slots.models[0].active = False
     between_slots.models[0].slot_wait_s = 3.0
     gw.on_snapshot(between_slots)
-    gw.on_hook(hook("a", "s", clock, tokens=3000))
+    ls.on_hook(hook("a", "s", clock, tokens=3000))
     d, _ = gw.decide(gw.request("s", "m", 3100, 64), use_lease=False)
     elsewhere = next(c for c in d.costs if c.instance_id == "b")
     assert elsewhere.c_act > 3.0 and elsewhere.c_kv > 1.0  # what the old pricing charged a lost residency
     restored_here = 3000 * gw.profiles.profile("a").restore_per_token
-    assert gw.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(restored_here)
+    assert ls.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(restored_here)
     for _ in range(5):  # measured: a lease changes the outcome for 1 return in 5, and losing it cost 2 s
-        gw.residency.observe(False, False, 2.1)
+        ls.residency.observe(False, False, 2.1)
     for _ in range(20):
-        gw.residency.observe(False, True, 0.1)
+        ls.residency.observe(False, True, 0.1)
     for _ in range(5):
-        gw.residency.observe(True, True, 0.1)
-    share, loss_s = gw.residency.lift()
+        ls.residency.observe(True, True, 0.1)
+    share, loss_s = ls.residency.lift()
     assert loss_s == pytest.approx(2.0)
-    assert gw.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(share * loss_s)
+    assert ls.lease_costs("a", "m", 3000, "s").saved_s == pytest.approx(share * loss_s)
 
 
-def returned(gw, store, clock, session, i, on_lease, resident, ttft):
+def returned(ls, store, clock, session, i, on_lease, resident, ttft):
     """One return of ``session`` placed on its lease (or with the lease left uninstalled), then its hook:
     prefix found on device (cached, nothing restored) or not (all of it restored from host)."""
-    lease = gw.on_hook(hook("a", session, clock, rid=f"{session}-{i}"))
+    lease = ls.on_hook(hook("a", session, clock, rid=f"{session}-{i}"))
     if on_lease:
         assert lease is not None
         store.install_now(lease)
     clock.advance(0.05)
-    d = call(gw, store, session)
+    d = call(ls, store, session)
     assert d.lease == ("hit" if on_lease else "none")
     h = hook("a", session, clock, rid=f"{session}-{i}r")
     h.usage.restored_tokens = 0 if resident else h.usage.cached_tokens
     h.ttft_seconds = ttft
-    gw.on_hook(h)  # the return's own lease (installed or not) is not used again
+    ls.on_hook(h)  # the return's own lease (installed or not) is not used again
     clock.advance(0.05)
 
 
@@ -244,19 +253,20 @@ def test_lease_saving_is_the_measured_residency_it_buys():
     the router has seen that returns on their lease keep residency (0.3 s to first token) and the others
     lose it (8 s), the same lease is worth installing."""
     clock = ManualClock(100.0)
-    gw, store = make(clock)
+    ls, store = make(clock)
+    gw = ls.gw
     for i in range(5):
         gw.on_snapshot(snapshot("a", 1 + i, clock))  # an idle instance: the teaching leases are installed
-        returned(gw, store, clock, "kept", i, True, True, 0.3)
-        returned(gw, store, clock, "lost", i, False, False, 8.0)
-    assert gw.residency.saving() == pytest.approx(7.7)
+        returned(ls, store, clock, "kept", i, True, True, 0.3)
+        returned(ls, store, clock, "lost", i, False, False, 8.0)
+    assert ls.residency.saving() == pytest.approx(7.7)
     gw.on_snapshot(snapshot("a", 9, clock, waiting=4))
     for _ in range(200):  # 20 calls/s of other traffic: the same busy router as the declined case above
-        gw.arrival(CallRequest("", "m", 100, 10, 10.0))
+        ls.arrival(CallRequest("", "m", 100, 10, 10.0))
         clock.advance(0.05)
-    est, j = gw.size_lease("a", "m", "", 600)
+    est, j = ls.size_lease("a", "m", "", 600)
     assert j.install and j.value_s == pytest.approx(j.p_return * 7.7) and j.value_s > j.harm_s
-    assert gw.metrics()["lease_residency"]["saving_s"] == pytest.approx(7.7)
+    assert ls.metrics()["lease_residency"]["saving_s"] == pytest.approx(7.7)
 
 
 def test_measured_saving_prices_the_reservation_not_the_return():
@@ -266,14 +276,15 @@ def test_measured_saving_prices_the_reservation_not_the_return():
     queue meanwhile is outweighed whatever was measured; adding the saving there as a margin kept returns on a
     busier instance by up to seconds (the simulator: sessions moved half as often, SCT p95 worse)."""
     clock = ManualClock(100.0)
-    gw, store = make(clock)
+    ls, store = make(clock)
+    gw = ls.gw
     for i in range(5):
         gw.on_snapshot(snapshot("a", 1 + i, clock))
-        returned(gw, store, clock, "kept", i, True, True, 0.3)
-        returned(gw, store, clock, "lost", i, False, False, 8.0)
-    assert gw.residency.saving() == pytest.approx(7.7)
+        returned(ls, store, clock, "kept", i, True, True, 0.3)
+        returned(ls, store, clock, "lost", i, False, False, 8.0)
+    assert ls.residency.saving() == pytest.approx(7.7)
     gw.on_snapshot(snapshot("a", 9, clock))
-    lease = gw.on_hook(hook("a", "s", clock, tokens=800, rid="s-0"))
+    lease = ls.on_hook(hook("a", "s", clock, tokens=800, rid="s-0"))
     assert lease is not None
     store.install_now(lease)
     clock.advance(0.05)
@@ -281,7 +292,7 @@ def test_measured_saving_prices_the_reservation_not_the_return():
     busy.sessions.append(pb.SessionState(session_id="s", model="m", state=pb.KV_DEVICE, committed_tokens=800))
     gw.on_snapshot(busy)
     gw.on_snapshot(snapshot("b", 1, clock))
-    d = call(gw, store, "s")
+    d = call(ls, store, "s")
     assert (d.instance_id, d.lease) == ("b", "outweighed")
     assert gw.stats["lease_outweighed"] == 1
 
@@ -384,11 +395,12 @@ def test_gateway_charges_adaptive_leases_in_full_without_lease_decay():
     weights = {}
     for decay in (True, False):
         clock = ManualClock(100.0)
-        gw, store = make(clock, lease_decay=decay)
+        ls, store = make(clock, lease_decay=decay)
+        gw = ls.gw
         gw.on_snapshot(snapshot("a", 1, clock))
-        teach(gw, store, clock, "pytest", 6.0)
+        teach(ls, store, clock, "pytest", 6.0)
         gw.on_snapshot(snapshot("a", 2, clock))
-        lease = gw.on_hook(hook("a", "s-new", clock, tool="pytest", rid="r-new"))
+        lease = ls.on_hook(hook("a", "s-new", clock, tool="pytest", rid="r-new"))
         assert lease is not None
         store.install_now(lease)
         clock.advance(0.8 * (lease.t_exp_unix - lease.t_done_unix))
@@ -399,16 +411,17 @@ def test_gateway_charges_adaptive_leases_in_full_without_lease_decay():
 
 def test_declared_tool_keys_the_lease_when_the_hook_has_none():
     clock = ManualClock(100.0)
-    gw, store = make(clock)
+    ls, store = make(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
-    teach(gw, store, clock, "pytest", 6.0)
+    teach(ls, store, clock, "pytest", 6.0)
     gw.on_snapshot(snapshot("a", 2, clock))
-    gw.declare_tool("r-decl", "pytest")
-    lease = gw.on_hook(hook("a", "s9", clock, rid="r-decl"))
+    ls.declare_tool("r-decl", "pytest")
+    lease = ls.on_hook(hook("a", "s9", clock, rid="r-decl"))
     assert lease.tool == "pytest" and lease.t_exp_unix - lease.t_done_unix > 6.0
     parsed = hook("a", "s10", clock, tool="pytest", rid="r-parsed")
-    gw.declare_tool("r-parsed", "ls")  # a tool call the engine parsed wins over the declared one
-    assert gw.on_hook(parsed).tool == "pytest"
+    ls.declare_tool("r-parsed", "ls")  # a tool call the engine parsed wins over the declared one
+    assert ls.on_hook(parsed).tool == "pytest"
 
 
 def test_bad_tool_header_is_400_naming_it():
@@ -419,7 +432,7 @@ def test_bad_tool_header_is_400_naming_it():
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Talaria-Tool"
     ok = client.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Talaria-Tool": "pytest"})
     assert ok.status_code == 429  # accepted (the fixture's engine is overloaded), the tool declared for the hook
-    assert list(state.gateway._declared.values()) == ["pytest"]
+    assert list(state.leases._declared.values()) == ["pytest"]
 
 
 def test_prefetch_target_when_the_next_call_switches_models():
@@ -431,18 +444,19 @@ def test_prefetch_target_when_the_next_call_switches_models():
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
     pools = {"a": PoolSpec("cold", ("agent", "user")), "b": PoolSpec("cold", ("agent", "user"))}
     gw = Gateway(PolicyParams(lease_policy="adaptive"), reg, SessionTable(clock), LeaseTable(), clock.now, pools=pools, shapes=ShapeBook())
+    ls = LeaseService(gw)
     for iid, seq in (("a", 1), ("b", 1)):
         snap = pb.InstanceSnapshot(instance_id=iid, epoch=1, seq=seq, heartbeat_period_s=0.5, sent_unix=clock.now(), pool=pb.POOL_COLD)
         snap.models.append(pb.ModelState(model="agent", loaded=True, active=True, max_context=4096))
         snap.models.append(pb.ModelState(model="user", loaded=True, active=False, max_context=4096))
         snap.profile.CopyFrom(pb.CostProfile(prefill_per_token=1e-3, decode_step=0.01))
         gw.on_snapshot(snap)
-    assert gw.prefetch_target("s", "agent", "", 500) is None  # nothing learned yet
+    assert ls.prefetch_target("s", "agent", "", 500) is None  # nothing learned yet
     for _ in range(4):
-        gw.next_models.observe("agent", "", "user")
-        gw.next_models.observe("agent", "grep", "agent")
-    assert gw.prefetch_target("s", "agent", "grep", 500) is None  # same model next: nothing to stage
-    target = gw.prefetch_target("s", "agent", "", 500)
+        ls.next_models.observe("agent", "", "user")
+        ls.next_models.observe("agent", "grep", "agent")
+    assert ls.prefetch_target("s", "agent", "grep", 500) is None  # same model next: nothing to stage
+    target = ls.prefetch_target("s", "agent", "", 500)
     assert target is not None and target[1] == "user" and target[0] in ("a", "b")
     assert gw.stats["prefetches"] == 1
 

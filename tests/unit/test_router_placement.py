@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.router.gateway import Gateway, PoolSpec
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable, MemoryLeases
 from services.router.policy import (
     KV_DEVICE,
@@ -185,12 +186,13 @@ def test_a_cold_instance_prices_the_wait_for_its_models_slot():
     waits a round: the call goes to the instance whose slot for it is open)."""
     clock = ManualClock(100.0)
     pools = {i: PoolSpec("cold", ("m", "n"), 16) for i in ("late", "soon")}
-    gw, store = make_gateway(clock, pools=pools)
+    ls, store = make_gateway(clock, pools=pools)
+    gw = ls.gw
     for iid, wait in (("late", 3.0), ("soon", 0.1)):
         gw.on_snapshot(snapshot(iid, 1, clock, pool=pb.POOL_COLD, models=[
             pb.ModelState(model="n", loaded=True, active=True, max_context=4096, slot_wait_s=7.0 if iid == "late" else 0.0),
             pb.ModelState(model="m", loaded=True, active=False, max_context=4096, slot_wait_s=wait)]))
-    d = place(gw, store, "s1")
+    d = place(ls, store, "s1")
     by = {c.instance_id: c for c in d.costs}
     assert d.instance_id == "soon", d.costs
     assert by["late"].c_act - by["soon"].c_act == pytest.approx(2.9)
@@ -394,20 +396,19 @@ def make_gateway(clock, tau=1.0, policy="full", pools=None):
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=clock.now)
     table = LeaseTable()
     gw = Gateway(PolicyParams(policy=policy), reg, SessionTable(clock), table, clock.now, tau_s=tau, pools=pools, shapes=ShapeBook())
-    return gw, MemoryLeases(table)
+    store = MemoryLeases(table)
+    return LeaseService(gw, store), store
 
 
-def place(gw, store, session, prompt=800, rid=""):
-    """What the app does: decide, consume/discard the judged lease, commit (with the call's id)."""
+def place(ls, store, session, prompt=800, rid=""):
+    """What admission does: decide, settle the judged lease (a hit consumed, another discarded), commit (with
+    the call's id)."""
+    gw = ls.gw
     r = gw.request(session, "m", prompt, 64)
     d, rev = gw.decide(r)
-    if d.lease == "hit":
-        assert store.consume_now(session, "m", rev)
-    elif d.lease != "none":
-        store.consume_now(session, "m", rev)
-    gw.lease_judged(d)
+    assert ls.settle_now(d, rev, session, "m").stands
     if d.instance_id is not None:
-        gw.commit(r, d, rid)
+        ls.commit(r, d, rid)
     return d
 
 
@@ -415,7 +416,8 @@ def test_gateway_reads_the_host_tier_flag_from_the_heartbeat():
     """An engine's heartbeat says whether it has a host KV tier (``InstanceSnapshot.host_kv``): the router
     then prices a prefix another instance checkpointed as a restore there."""
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock)
+    ls, store = make_gateway(clock)
+    gw = ls.gw
     a = snapshot("a", 1, clock)
     a.sessions.append(pb.SessionState(session_id="s1", model="m", committed_tokens=700, state=pb.KV_HOST))
     a.host_kv = True
@@ -431,53 +433,56 @@ def test_gateway_reads_the_host_tier_flag_from_the_heartbeat():
 
 def test_gateway_lease_consumed_on_return_then_successor_installed():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock)
+    ls, store = make_gateway(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock, waiting=3))
     gw.on_snapshot(snapshot("b", 1, clock))
-    assert place(gw, store, "s").instance_id == "b"
+    assert place(ls, store, "s").instance_id == "b"
     clock.advance(0.3)
-    lease = gw.on_hook(hook("b", "s", clock))
+    lease = ls.on_hook(hook("b", "s", clock))
     store.install_now(lease)
     assert lease.t_exp_unix == pytest.approx(101.3) and len(gw.leases) == 1
     # Another session sees b charged by the lease (and the first call's overlay).
     gw.on_snapshot(snapshot("a", 2, clock, waiting=0))
-    assert place(gw, store, "other").instance_id == "a"
+    assert place(ls, store, "other").instance_id == "a"
     clock.advance(0.4)  # tool gap shorter than tau
-    d = place(gw, store, "s", prompt=900)
+    d = place(ls, store, "s", prompt=900)
     assert (d.instance_id, d.reason, d.lease) == ("b", "lease", "hit")
     assert len(gw.leases) == 0  # consumed; no refresh until the next completion
     m = gw.metrics()
     assert (m["lease_hits"], m["returns"], m["same_instance_returns"]) == (1, 1, 1)
-    store.install_now(gw.on_hook(hook("b", "s", clock, tokens=950, rid="r2")))
+    store.install_now(ls.on_hook(hook("b", "s", clock, tokens=950, rid="r2")))
     assert gw.leases.get("s", "m")[0].lease_id == "r2"
 
 
 def test_gateway_expired_lease_is_counted_and_placement_uses_kv_cost():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock)
+    ls, store = make_gateway(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     gw.on_snapshot(snapshot("b", 1, clock))
-    store.install_now(gw.on_hook(hook("b", "s", clock, tokens=2000)))
+    store.install_now(ls.on_hook(hook("b", "s", clock, tokens=2000)))
     clock.advance(0.4)
     gw.on_snapshot(snapshot("a", 2, clock))
     gw.on_snapshot(snapshot("b", 2, clock, waiting=1, sessions=[("s", 2000)]))
     clock.advance(1.0)  # past tau; heartbeats still fresh enough (< 2 periods)
     gw.on_snapshot(snapshot("a", 3, clock))
     gw.on_snapshot(snapshot("b", 3, clock, waiting=1, sessions=[("s", 2000)]))
-    d = place(gw, store, "s", prompt=2100)
+    d = place(ls, store, "s", prompt=2100)
     assert (d.lease, d.reason, d.instance_id) == ("expired", "cost", "b")  # device KV outweighs one queued call
     assert gw.metrics()["lease_expiries"] == 1
 
 
 def test_gateway_missed_heartbeats_exclude_instance_and_void_its_lease():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=5.0)
+    ls, store = make_gateway(clock, tau=5.0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     gw.on_snapshot(snapshot("b", 1, clock))
-    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    store.install_now(ls.on_hook(hook("a", "s", clock)))
     clock.advance(1.6)  # a silent for > 3 periods of 0.5 s
     gw.on_snapshot(snapshot("b", 2, clock))
-    d = place(gw, store, "s")
+    d = place(ls, store, "s")
     assert (d.lease, d.instance_id) == ("unhealthy", "b")
     m = gw.metrics()
     assert (m["lease_misses"], m["counters"]["lease_miss_unhealthy"], m["moved_returns"]) == (1, 1, 1)
@@ -485,23 +490,25 @@ def test_gateway_missed_heartbeats_exclude_instance_and_void_its_lease():
 
 def test_gateway_stale_snapshot_between_stale_and_miss_limits():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=5.0)
+    ls, store = make_gateway(clock, tau=5.0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     gw.on_snapshot(snapshot("b", 1, clock, waiting=5))
-    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    store.install_now(ls.on_hook(hook("a", "s", clock)))
     clock.advance(1.2)  # a: 2.4 periods old -> stale but still healthy
     gw.on_snapshot(snapshot("b", 2, clock, waiting=5))
-    assert place(gw, store, "new").instance_id == "b"
-    assert place(gw, store, "s").instance_id == "a"  # the live lease is honoured
+    assert place(ls, store, "new").instance_id == "b"
+    assert place(ls, store, "s").instance_id == "a"  # the live lease is honoured
 
 
 def test_gateway_overlay_cleared_only_by_a_snapshot_sent_after_the_forward():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=0)
+    ls, store = make_gateway(clock, tau=0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     early = snapshot("a", 2, clock)  # taken before the forward, delivered after it
     clock.advance(0.01)
-    assert place(gw, store, "x").instance_id == "a"
+    assert place(ls, store, "x").instance_id == "a"
     assert gw.registry.instances["a"].inflight == 1
     gw.on_snapshot(early)
     assert gw.registry.instances["a"].inflight == 1
@@ -515,27 +522,28 @@ def test_a_finished_call_is_not_queue_ahead_of_anyone():
     when no snapshot counted it yet (overlay) and when the last snapshot, sent before it finished, still
     counts it as running; a snapshot sent after the finish is the truth again."""
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=0)
+    ls, store = make_gateway(clock, tau=0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     clock.advance(0.01)
-    assert place(gw, store, "s", rid="c1").instance_id == "a"
+    assert place(ls, store, "s", rid="c1").instance_id == "a"
     v = gw.registry.instances["a"]
     assert v.inflight == 1
     clock.advance(0.05)
-    gw.on_hook(hook("a", "s", clock, rid="c1"))  # finished before any snapshot counted it
+    ls.on_hook(hook("a", "s", clock, rid="c1"))  # finished before any snapshot counted it
     assert (v.inflight, v.running) == (0, 0)
     st = gw.instance_states()[0]
     assert (st.overlay_calls, st.running) == (0, 0)
     # counted as running by a snapshot sent before it finished
-    assert place(gw, store, "t", rid="c2").instance_id == "a"
+    assert place(ls, store, "t", rid="c2").instance_id == "a"
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 2, clock, running=1))
     assert (v.inflight, v.running) == (0, 1)
     clock.advance(0.05)
-    gw.on_hook(hook("a", "t", clock, rid="c2"))
+    ls.on_hook(hook("a", "t", clock, rid="c2"))
     assert v.running == 0
     assert gw.instance_states()[0].running == 0
-    assert gw.lease_costs("a", "m", 600).harm_per_s == 0.0  # a lone idle instance: a lease there delays nobody
+    assert ls.lease_costs("a", "m", 600).harm_per_s == 0.0  # a lone idle instance: a lease there delays nobody
     # a snapshot sent after the finish replaces the correction; one sent before it does not
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 3, clock, running=2))
@@ -548,11 +556,12 @@ def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
     idle twin, losing the prefix: the flaky ``test_prefix_hit_gives_same_tokens_as_cold_run``); the late
     hook then changes nothing, whether or not a snapshot came in between."""
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=0)
+    ls, store = make_gateway(clock, tau=0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
     gw.on_snapshot(snapshot("b", 1, clock))
     clock.advance(0.01)
-    assert place(gw, store, "s", rid="c1").instance_id == "a"
+    assert place(ls, store, "s", rid="c1").instance_id == "a"
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 2, clock, running=1))  # sent while c1 ran
     gw.on_snapshot(snapshot("b", 2, clock))
@@ -560,8 +569,8 @@ def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
     gw.call_ended("c1", "a", "s", "m", 620)  # the router saw c1's finished chunk; no hook yet
     v = gw.registry.instances["a"]
     assert (v.inflight, v.running) == (0, 0)
-    assert place(gw, store, "s", rid="c2").instance_id == "a"  # the return, before c1's hook
-    gw.on_hook(hook("a", "s", clock, tokens=608, rid="c1"))  # late: c1 is not ended twice
+    assert place(ls, store, "s", rid="c2").instance_id == "a"  # the return, before c1's hook
+    ls.on_hook(hook("a", "s", clock, tokens=608, rid="c1"))  # late: c1 is not ended twice
     assert (v.inflight, v.running) == (1, 0)
     # c2 ends from the overlay; a snapshot sent between its forward and its end counts it as running
     clock.advance(0.01)
@@ -571,7 +580,7 @@ def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
     assert (v.inflight, v.running) == (0, 0)
     gw.on_snapshot(fwd_snap)  # delivered after the end: it still counts c2, which has ended
     assert (v.inflight, v.running) == (0, 0)
-    gw.on_hook(hook("a", "s", clock, tokens=688, rid="c2"))
+    ls.on_hook(hook("a", "s", clock, tokens=688, rid="c2"))
     assert (v.inflight, v.running) == (0, 0)
     clock.advance(0.01)
     gw.on_snapshot(snapshot("a", 4, clock))
@@ -581,19 +590,20 @@ def test_a_zero_gap_return_stays_with_its_kv_before_the_hook_arrives():
     gw.on_snapshot(snapshot("a", 5, clock, running=1))
     gw.on_snapshot(snapshot("b", 3, clock, waiting=5))  # busier: c3 goes to a
     clock.advance(0.01)
-    assert place(gw, store, "t", rid="c3").instance_id == "a"
+    assert place(ls, store, "t", rid="c3").instance_id == "a"
     clock.advance(0.01)
     gw.call_ended("c3", "a", "t", "m", 700)
     assert (v.inflight, v.running) == (0, 1)
-    gw.on_hook(hook("a", "t", clock, tokens=688, rid="c3"))
+    ls.on_hook(hook("a", "t", clock, tokens=688, rid="c3"))
     assert (v.inflight, v.running) == (0, 1)
 
 
 def test_gateway_engine_restart_drops_sessions_and_leases():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock)
+    ls, store = make_gateway(clock)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
-    store.install_now(gw.on_hook(hook("a", "s", clock)))
+    store.install_now(ls.on_hook(hook("a", "s", clock)))
     gw.on_snapshot(snapshot("a", 1, clock, epoch=2))
     assert len(gw.leases) == 0 and gw.sessions.get("s") is None
 
@@ -601,10 +611,11 @@ def test_gateway_engine_restart_drops_sessions_and_leases():
 def test_gateway_cold_catalog_from_config_and_avoidable_open_accounting():
     clock = ManualClock(100.0)
     pools = {"c1": PoolSpec("cold", ("m", "n")), "c2": PoolSpec("cold", ("m", "n"))}
-    gw, store = make_gateway(clock, policy="least-pressure", pools=pools)
+    ls, store = make_gateway(clock, policy="least-pressure", pools=pools)
+    gw = ls.gw
     gw.on_snapshot(snapshot("c1", 1, clock, waiting=1, pool=pb.POOL_COLD))
     gw.on_snapshot(snapshot("c2", 1, clock, pool=pb.POOL_COLD, models=[pb.ModelState(model="n", loaded=True, active=True)]))
-    d = place(gw, store, "new")
+    d = place(ls, store, "new")
     assert d.instance_id == "c2" and d.opens_model and d.avoidable_open
     assert gw.metrics()["avoidable_cold_opens"] == 1 and gw.known_model("n")
 
@@ -659,7 +670,8 @@ def test_an_unmeasured_replica_borrows_its_peers_costs_not_the_priors():
     from services.router.profiles import Defaults
 
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=5.0)
+    ls, store = make_gateway(clock, tau=5.0)
+    gw = ls.gw
     cheap = pb.CostProfile(prefill_per_token=1e-5, decode_step=1e-3)  # far below the priors (2e-4, 0.02)
     a = snapshot("a", 1, clock)
     a.profile.CopyFrom(cheap)
@@ -673,12 +685,12 @@ def test_an_unmeasured_replica_borrows_its_peers_costs_not_the_priors():
     assert (pb_.prefill_per_token, pb_.decode_step) == (1e-5, 1e-3)
     assert (pc.prefill_per_token, pc.decode_step) == (Defaults().prefill_per_token, Defaults().decode_step)
     # a new session lands on a, which then holds its lease: the next new session goes to the twin without one
-    assert place(gw, store, "s1").instance_id == "a"
-    lease = gw.on_hook(hook("a", "s1", clock, tokens=200))
+    assert place(ls, store, "s1").instance_id == "a"
+    lease = ls.on_hook(hook("a", "s1", clock, tokens=200))
     store.install_now(lease)
     gw.on_snapshot(_with_profile(snapshot("a", 2, clock), cheap))
     gw.on_snapshot(_with_profile(snapshot("b", 2, clock), None))
-    d = place(gw, store, "s2")
+    d = place(ls, store, "s2")
     assert d.instance_id == "b", d.costs
     # b's own measurement replaces the borrowed one
     gw.on_snapshot(_with_profile(snapshot("b", 3, clock), pb.CostProfile(prefill_per_token=3e-5, decode_step=2e-3)))

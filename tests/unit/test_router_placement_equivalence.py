@@ -197,6 +197,7 @@ def test_gateway_incremental_index_matches_a_fresh_evaluation():
     import random
 
     from services.router.gateway import Gateway, PoolSpec
+    from services.router.lease_service import LeaseService
     from services.router.leases import LeaseTable, MemoryLeases
     from services.router.registry import Registry
     from services.router.sessions import SessionTable
@@ -212,6 +213,7 @@ def test_gateway_incremental_index_matches_a_fresh_evaluation():
     ids = [f"c{k}" for k in range(12)]
     gw = Gateway(PolicyParams(replica_shortlist=len(ids)), reg, SessionTable(clock), table, clock.now, tau_s=1.0,
                  pools={i: PoolSpec("cold", MODELS) for i in ids})
+    ls = LeaseService(gw, store)
     seqs = dict.fromkeys(ids, 0)
     for step in range(400):
         op = rng.random()
@@ -231,7 +233,7 @@ def test_gateway_incremental_index_matches_a_fresh_evaluation():
         elif op < 0.7:
             hook = pb.CompletionHook(request_id=f"r{step}", session_id=f"s{rng.randrange(4)}", model=rng.choice(MODELS), instance_id=iid,
                                      finish_unix=clock.now(), prefix=cpb.PrefixHandle(committed_tokens=700))
-            lease = gw.on_hook(hook)
+            lease = ls.on_hook(hook)
             if lease is not None:
                 store.install_now(lease)
         else:
@@ -270,17 +272,20 @@ def _replay(trace, gw, leases, clock, before_decide=None):
     ``gw.work["decide_states_built"]``."""
     from talaria.v1 import engine_pb2 as pb
 
+    from services.router.lease_service import LeaseService
+
+    ls = LeaseService(gw, leases)
     out = []
     for e in trace:
         clock.advance(e["t"] - clock.now())
         if "snapshot" in e:
             gw.on_snapshot(pb.InstanceSnapshot.FromString(e["snapshot"]))
         elif "hook" in e:
-            lease = gw.on_hook(pb.CompletionHook.FromString(e["hook"]))
+            lease = ls.on_hook(pb.CompletionHook.FromString(e["hook"]))
             if lease is not None:
                 leases.install_now(lease)
         elif "arrival" in e:
-            gw.arrival(e["arrival"])
+            ls.arrival(e["arrival"])
         else:
             req = e["place"]
             if before_decide is not None:
@@ -288,11 +293,10 @@ def _replay(trace, gw, leases, clock, before_decide=None):
             built = gw.work["states_built"]
             d, rev = gw.decide(req)
             gw.work["decide_states_built"] += gw.work["states_built"] - built
-            if d.lease == "hit" or (d.lease != "none" and rev is not None):
-                leases.consume_now(req.session_id, req.model, rev)
+            assert ls.settle_now(d, rev, req.session_id, req.model).stands
             out.append(d)
             if d.instance_id is not None:
-                gw.commit(req, d, e["call_id"])
+                ls.commit(req, d, e["call_id"])
     return out
 
 

@@ -65,7 +65,8 @@ def _attr_hook(iid: str, rid: str, clock, engine_queue_s: float, error: bool = F
 
 def test_gateway_learns_the_scale_from_its_decisions_and_the_engines_hooks():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock)
+    ls, store = make_gateway(clock)
+    gw = ls.gw
     gw.params = replace(gw.params, queue_learned=True)
     seq = 0
 
@@ -78,11 +79,11 @@ def test_gateway_learns_the_scale_from_its_decisions_and_the_engines_hooks():
     beat(4)
     predicted = []
     for i in range(24):
-        d = place(gw, store, "", rid=f"r{i}")
+        d = place(ls, store, "", rid=f"r{i}")
         chosen = next(c for c in d.costs if c.instance_id == d.instance_id)
         predicted.append((d.instance_id, chosen.queue_s))
         # the engine admitted it at once (10 ms), though 4 calls were running there
-        gw.on_hook(_attr_hook(d.instance_id, f"r{i}", clock, 0.01, error=(i == 23)))
+        ls.on_hook(_attr_hook(d.instance_id, f"r{i}", clock, 0.01, error=(i == 23)))
     learned = gw.queues.stats()
     assert sum(v["samples"] for v in learned.values()) == 23  # the failed call teaches nothing
     measured = [v for v in learned.values() if v["samples"] >= gw.queues.min_samples]

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from services.router.gateway import Gateway
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable
 from services.router.policy import PolicyParams
 from services.router.registry import Registry
@@ -56,7 +57,8 @@ def test_valid_token_verifies_and_every_alteration_is_refused():
         ResumeSigner(b"short", wall)
 
 
-def _gateway(wall: Wall, epoch: int = 7) -> Gateway:
+def _leases(wall: Wall, epoch: int = 7) -> LeaseService:
+    """A router replica's lease service over a gateway that knows two instances (e0 at ``epoch``)."""
     clock = ManualClock(5.0)
     reg = Registry(clock, miss_limit=3, stale_after=2, wall=wall)
     gw = Gateway(PolicyParams(), reg, SessionTable(clock), LeaseTable(), wall, tau_s=10.0)
@@ -66,7 +68,7 @@ def _gateway(wall: Wall, epoch: int = 7) -> Gateway:
     other.models.append(pb.ModelState(model="m", loaded=True, active=True, max_context=4096))
     gw.on_snapshot(snap)
     gw.on_snapshot(other)
-    return gw
+    return LeaseService(gw)
 
 
 def _g(session="team-a|S", tenant="team-a", rid="req-1") -> pb.GenerateRequest:
@@ -75,16 +77,16 @@ def _g(session="team-a|S", tenant="team-a", rid="req-1") -> pb.GenerateRequest:
 
 def test_a_replica_that_never_saw_the_lease_honours_the_token_once():
     wall = Wall()
-    issuer, other = _gateway(wall), _gateway(wall)
+    issuer, other = _leases(wall), _leases(wall)
     r1, r2 = Resumes(ResumeSigner(SECRET, wall), Counter()), Resumes(ResumeSigner(SECRET, wall), Counter())
     tok = r1.issue_for(issuer, _g(), "e0", 7, cpb.Usage(prompt_tokens=30, completion_tokens=11))
     wall.t += 1.0
-    req = other.request("team-a|S", "m", 50, 8)
-    d0, _ = other.decide(req)
+    req = other.gw.request("team-a|S", "m", 50, 8)
+    d0, _ = other.gw.decide(req)
     assert d0.lease == "none"  # without the token: the replica knows no lease
     c = r2.apply(tok, _g(rid="req-2"), other)
     assert c is not None and c.committed_tokens == 40 and r2.counters["resume_token_ok"] == 1
-    d, rev = other.decide(req)
+    d, rev = other.gw.decide(req)
     assert (d.lease, d.instance_id, rev) == ("hit", "e0", 0)
     r2.consumed(c.lease_id)
     assert r2.apply(tok, _g(rid="req-3"), other) is None and r2.counters["resume_token_replayed"] == 1
@@ -93,14 +95,15 @@ def test_a_replica_that_never_saw_the_lease_honours_the_token_once():
 @pytest.mark.parametrize("what", ["forged", "expired", "wrong_tenant"])
 def test_bad_tokens_are_ignored_and_counted(what):
     wall = Wall()
-    gw = _gateway(wall)
+    ls = _leases(wall)
+    gw = ls.gw
     r = Resumes(ResumeSigner(SECRET, wall), Counter())
     good = ResumeSigner(SECRET, wall).issue(claim())
     tok = {"forged": ResumeSigner(b"attacker-made-up-secret-0000", wall).issue(claim()), "expired": good, "wrong_tenant": good}[what]
     if what == "expired":
         wall.t = 2000.0
     g = _g(session="team-b|S", tenant="team-b") if what == "wrong_tenant" else _g()
-    assert r.apply(tok, g, gw) is None
+    assert r.apply(tok, g, ls) is None
     assert r.counters[f"resume_token_{what}"] == 1 and len(gw.leases) == 0
     d, _ = gw.decide(gw.request(g.session_id, "m", 50, 8))
     assert d.lease == "none" and d.reason == "cost"  # normal placement
@@ -108,21 +111,23 @@ def test_bad_tokens_are_ignored_and_counted(what):
 
 def test_token_of_an_engine_epoch_the_router_knows_is_gone_is_not_honoured():
     wall = Wall()
-    gw = _gateway(wall, epoch=8)  # e0 restarted: epoch 7 -> 8
+    ls = _leases(wall, epoch=8)  # e0 restarted: epoch 7 -> 8
+    gw = ls.gw
     r = Resumes(ResumeSigner(SECRET, wall), Counter())
-    assert r.apply(ResumeSigner(SECRET, wall).issue(claim(epoch=7)), _g(), gw) is not None
+    assert r.apply(ResumeSigner(SECRET, wall).issue(claim(epoch=7)), _g(), ls) is not None
     d, rev = gw.decide(gw.request("team-a|S", "m", 50, 8))
     assert (d.lease, rev) == ("prefix-invalid", 0)
 
 
 def test_no_token_without_a_session_or_with_leases_off():
     wall = Wall()
-    gw = _gateway(wall)
+    ls = _leases(wall)
+    gw = ls.gw
     r = Resumes(ResumeSigner(SECRET, wall), Counter())
     u = cpb.Usage(prompt_tokens=3, completion_tokens=2)
-    assert r.issue_for(gw, _g(session=""), "e0", 7, u) is None
-    tok = r.issue_for(gw, _g(), "e0", 7, u)
+    assert r.issue_for(ls, _g(session=""), "e0", 7, u) is None
+    tok = r.issue_for(ls, _g(), "e0", 7, u)
     gw.tau_s = 0.0
-    assert r.issue_for(gw, _g(), "e0", 7, u) is None
-    assert r.apply(tok, _g(rid="req-2"), gw) is None and len(gw.leases) == 0  # leases off: not even installed
+    assert r.issue_for(ls, _g(), "e0", 7, u) is None
+    assert r.apply(tok, _g(rid="req-2"), ls) is None and len(gw.leases) == 0  # leases off: not even installed
     assert r.counters["resume_token_leases_off"] == 1

@@ -84,27 +84,29 @@ def test_session_end_header():
 
 def test_cache_ttl_bounds_the_lease_and_session_end_drops_it():
     clock = ManualClock(100.0)
-    gw, store = make_gateway(clock, tau=5.0)
+    ls, store = make_gateway(clock, tau=5.0)
+    gw = ls.gw
     gw.on_snapshot(snapshot("a", 1, clock))
-    assert place(gw, store, "s").instance_id == "a"
+    assert place(ls, store, "s").instance_id == "a"
     h = hook("a", "s", clock)
     h.hints.CopyFrom(pb.AgentCallHints(cache_ttl_s=2.0))
-    lease = gw.on_hook(h)
+    lease = ls.on_hook(h)
     assert lease.t_exp_unix - lease.t_done_unix == pytest.approx(2.0)  # min(tau, ttl)
     h.hints.cache_ttl_s = 60.0
-    assert gw.on_hook(h).t_exp_unix - clock.now() == pytest.approx(5.0)  # never longer than tau
+    assert ls.on_hook(h).t_exp_unix - clock.now() == pytest.approx(5.0)  # never longer than tau
     store.install_now(lease)
     assert gw.leases.get("s", "m") is not None and gw.sessions.get("s") is not None
     ended = hook("a", "s", clock, rid="r2")
     ended.session_ended = True
-    assert gw.on_hook(ended) is None  # no lease installed; session and leases forgotten
+    assert ls.on_hook(ended) is None  # no lease installed; session and leases forgotten
     assert gw.leases.get("s", "m") is None and gw.sessions.get("s") is None
     assert gw.end_session("s") == []  # idempotent: unknown now
 
 
 def test_expected_output_tokens_replace_the_learned_decode_length():
     clock = ManualClock(100.0)
-    gw, _ = make_gateway(clock)
+    ls, _ = make_gateway(clock)
+    gw = ls.gw
     assert gw.request("s", "m", 100, 512, 400).expected_decode == 400.0
     assert gw.request("s", "m", 100, 128, 400).expected_decode == 128.0  # capped by max_tokens
     assert gw.request("s", "m", 100, 512).expected_decode == gw.shapes.shape("m").decode_tokens

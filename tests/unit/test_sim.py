@@ -12,6 +12,7 @@ import yaml
 
 from services.engine.slots import CostModel, SlotScheduler
 from services.router.gateway import Gateway, PoolSpec
+from services.router.lease_service import LeaseService
 from services.router.leases import LeaseTable, MemoryLeases
 from services.router.profiles import Defaults, DemandMeter, ProfileBook, ShapeBook
 from services.router.registry import Registry
@@ -103,27 +104,27 @@ def test_router_decisions_replay_identically_into_a_fresh_gateway():
     assert {e["decision"].reason for e in places} >= {"cost", "lease"}  # both paths of Algorithm 1 exercised
     clock = ManualClock()
     gw, leases = _fresh_gateway(sim, clock)
+    ls = LeaseService(gw, leases)  # the router's lease settlement, as the simulator's
     same = 0
     for e in trace:
         clock.advance(e["t"] - clock.now())
         if "snapshot" in e:
             gw.on_snapshot(pb.InstanceSnapshot.FromString(e["snapshot"]))
         elif "hook" in e:
-            lease = gw.on_hook(pb.CompletionHook.FromString(e["hook"]))
+            lease = ls.on_hook(pb.CompletionHook.FromString(e["hook"]))
             assert (lease is not None) == e["lease"]
             if lease is not None:
                 leases.install_now(lease)
         elif "arrival" in e:
-            gw.arrival(e["arrival"])
+            ls.arrival(e["arrival"])
         else:
             req = e["place"]
             d, rev = gw.decide(req)
-            if d.lease == "hit" or (d.lease != "none" and rev is not None):
-                leases.consume_now(req.session_id, req.model, rev)
+            assert ls.settle_now(d, rev, req.session_id, req.model).stands
             assert d == e["decision"]
             same += 1
             if d.instance_id is not None:
-                gw.commit(req, d)
+                ls.commit(req, d)
     assert same == len(places)
     assert gw.stats["avoidable_cold_opens"] == res.router["avoidable_cold_opens"]
 
