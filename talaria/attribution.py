@@ -19,6 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from talaria.v1 import common_pb2 as cpb
 
 
 class Phase(str, Enum):
@@ -55,7 +59,7 @@ class CallAttribution:
     @property
     def engine_s(self) -> float:
         """Seconds of the engine phases (what a PhaseClock charged)."""
-        return sum(getattr(self, p.value) for p in Phase)
+        return sum(float(getattr(self, p.value)) for p in Phase)
 
     def explained(self, total_s: float, **extra: float) -> CallAttribution:
         """This attribution with ``extra`` components set (e.g. the router's), ``total_s`` = the measured
@@ -72,13 +76,13 @@ class CallAttribution:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     # ---------------------------------------------------------------- wire
-    def to_proto(self):
+    def to_proto(self) -> cpb.CallAttribution:
         from talaria.v1 import common_pb2 as cpb
 
         return cpb.CallAttribution(**self.as_dict())
 
     @classmethod
-    def from_proto(cls, m) -> CallAttribution:
+    def from_proto(cls, m: cpb.CallAttribution) -> CallAttribution:
         return cls(**{f.name: float(getattr(m, f.name)) for f in fields(cls)})
 
 

@@ -8,7 +8,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from talaria.config import StackConfig
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -40,7 +45,7 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
-def _load(args):
+def _load(args: argparse.Namespace) -> StackConfig:
     from talaria.config import ConfigError, load_config
 
     try:
@@ -50,7 +55,7 @@ def _load(args):
         raise SystemExit(2) from None
 
 
-def _run_until_signal(coro_factory) -> int:
+def _run_until_signal(coro_factory: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run ``coro_factory(stop_event)`` until SIGINT/SIGTERM sets the event."""
 
     async def main() -> None:
@@ -64,7 +69,7 @@ def _run_until_signal(coro_factory) -> int:
     return 0
 
 
-def _with_api_key(cfg, key: str | None):
+def _with_api_key(cfg: StackConfig, key: str | None) -> StackConfig:
     """Add one API key (tenant "default", all models) for ``--api-key``; only its hash enters the config."""
     if not key:
         return cfg
@@ -77,7 +82,7 @@ def _with_api_key(cfg, key: str | None):
     return cfg.model_copy(update={"router": router})
 
 
-def cmd_router(args) -> int:
+def cmd_router(args: argparse.Namespace) -> int:
     from talaria.config import RouterConfig
 
     cfg = _with_api_key(_load(args), args.api_key)
@@ -97,7 +102,7 @@ def cmd_router(args) -> int:
     return _run_until_signal(lambda stop: run_router(cfg, stop))
 
 
-def cmd_engine(args) -> int:
+def cmd_engine(args: argparse.Namespace) -> int:
     cfg = _load(args)
     try:
         ecfg = cfg.engine(args.id)
@@ -113,7 +118,7 @@ def cmd_engine(args) -> int:
     return _run_until_signal(lambda stop: run_engine(cfg, ecfg, url, stop))
 
 
-def cmd_kvstore(args) -> int:
+def cmd_kvstore(args: argparse.Namespace) -> int:
     stack = _load(args)
     cfg = stack.kvstore
     over = {k: v for k, v in (("host", args.host), ("port", args.port), ("capacity_mb", args.capacity_mb)) if v is not None}
@@ -124,7 +129,7 @@ def cmd_kvstore(args) -> int:
     return run_kvstore(cfg, stack=stack)
 
 
-def cmd_telemetry(args) -> int:
+def cmd_telemetry(args: argparse.Namespace) -> int:
     from talaria.config import TelemetryConfig
 
     cfg = _load(args)
@@ -139,7 +144,7 @@ def cmd_telemetry(args) -> int:
     return _run_until_signal(lambda stop: run_telemetry(cfg, stop))
 
 
-def cmd_up(args) -> int:
+def cmd_up(args: argparse.Namespace) -> int:
 
     from talaria.up import up
 
@@ -147,7 +152,7 @@ def cmd_up(args) -> int:
     return up(cfg, port=args.port, models_dir=args.models_dir)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     """One checkpoint directory, served alone: one hot engine and the router (``talaria up`` underneath)."""
     from pathlib import Path
 
@@ -182,14 +187,14 @@ def cmd_serve(args) -> int:
     except ValidationError as e:
         print(f"talaria serve: {e}", file=sys.stderr)
         return 2
-    updates: dict = {"models_dir": str(models_dir.resolve()), "synthesize_models": False, "engines": [engine]}
+    updates: dict[str, Any] = {"models_dir": str(models_dir.resolve()), "synthesize_models": False, "engines": [engine]}
     if args.host:
         updates["router"] = cfg.router.model_copy(update={"host": args.host})
     cfg = cfg.model_copy(update=updates)
     return up(cfg, port=args.port)
 
 
-def cmd_kernels(args) -> int:
+def cmd_kernels(args: argparse.Namespace) -> int:
     """Build the C++ CPU kernels ahead of time: into torch's extension cache for this CPU (what an engine's
     first start would build), or with ``--out`` a prebuilt directory for ``--march`` (the image does both:
     the baseline and the building CPU's ``native``; engines find it through $TALARIA_KERNELS_DIR)."""
@@ -215,7 +220,7 @@ def cmd_kernels(args) -> int:
     return 0
 
 
-def cmd_proto(args) -> int:
+def cmd_proto(args: argparse.Namespace) -> int:
     from talaria.protogen import generate
 
     return generate(check=args.check)
@@ -302,14 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from bench.cli import add_cli as add_bench_cli
     except ImportError:
-        add_bench_cli = None
-    if add_bench_cli is not None:
+        pass
+    else:
         add_bench_cli(sub)
     try:  # the simulator is a top-level package above talaria/ (it drives services' policies)
         from sim.cli import add_cli as add_sim_cli
     except ImportError:
-        add_sim_cli = None
-    if add_sim_cli is not None:
+        pass
+    else:
         add_sim_cli(sub)
     return p
 

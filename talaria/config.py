@@ -12,7 +12,8 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -359,7 +360,7 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict, source: str = "<config>") -> StackConfig:
+def parse_config(data: dict[str, Any], source: str = "<config>") -> StackConfig:
     try:
         return StackConfig.model_validate(data)
     except ValidationError as e:
@@ -369,7 +370,7 @@ def parse_config(data: dict, source: str = "<config>") -> StackConfig:
 ENV_PREFIX = "TALARIA__"
 
 
-def env_overrides(data: dict, environ=None) -> dict:
+def env_overrides(data: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Apply ``TALARIA__<FIELD>[__<FIELD>...]=value`` environment variables over a config mapping.
 
     ``TALARIA__ROUTER__PORT=8001``, ``TALARIA__NATS__PASSWORD=...``, ``TALARIA__MODELS_DIR=/models``: the
@@ -412,7 +413,7 @@ def env_overrides(data: dict, environ=None) -> dict:
     return out
 
 
-def load_config(path: str | os.PathLike | None) -> StackConfig:
+def load_config(path: str | os.PathLike[str] | None) -> StackConfig:
     """Load and validate a config file (``None``: the embedded defaults), then ``TALARIA__*`` overrides."""
     if path is None:
         data = env_overrides({})
@@ -438,5 +439,5 @@ def load_config(path: str | os.PathLike | None) -> StackConfig:
     return parse_config(env_overrides(data), str(p))
 
 
-def dump_config(cfg: StackConfig, path: str | os.PathLike) -> None:
+def dump_config(cfg: StackConfig, path: str | os.PathLike[str]) -> None:
     Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from talaria.config import StackConfig
 
@@ -22,30 +23,27 @@ JSON for lists and objects); `NATS_URL` overrides `nats.url`.
 """
 
 
-def _models(tp) -> list[type[BaseModel]]:
+def _models(tp: object) -> list[type[BaseModel]]:
     """The pydantic models inside a field's annotation (``list[EngineConfig]``, ``X | None``, ...)."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [tp]
     return [m for a in typing.get_args(tp) for m in _models(a)]
 
 
-def _type_name(tp) -> str:
+def _type_name(tp: object) -> str:
     s = str(tp).replace("typing.", "")
     for prefix in ("<class '", "'>"):
         s = s.replace(prefix, "")
     return s.replace("talaria.config.", "")
 
 
-def _default(field) -> str:
+def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    if field.default_factory is not None:
-        try:
-            v = field.default_factory()
-        except TypeError:
-            return "(computed)"
-    else:
-        v = field.default
+    try:
+        v = field.get_default(call_default_factory=True)
+    except (TypeError, ValueError):  # a factory that needs the other fields' values
+        return "(computed)"
     if isinstance(v, BaseModel):
         return "(section)"
     if isinstance(v, list) and v and all(isinstance(x, BaseModel) for x in v):

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from talaria.ewma import ewma
+
+if TYPE_CHECKING:
+    from talaria.v1 import engine_pb2 as pb
 
 
 def bucket(x: float) -> int:
@@ -90,5 +94,5 @@ def prefill_seconds(per_token: CostCurve | None, scalar: float, tokens: float, c
     return tokens * per_token.value(max(1.0, context_end - tokens / 2))
 
 
-def points_from_proto(items) -> list[tuple[int, float, int]]:
+def points_from_proto(items: Iterable[pb.LearnedCost]) -> list[tuple[int, float, int]]:
     return [(int(c.at), float(c.seconds), int(c.samples)) for c in items]

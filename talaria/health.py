@@ -15,18 +15,23 @@ Exit status: 0 healthy, 1 unhealthy, 2 usage/config error. One JSON line on stdo
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING, Any
 
 from talaria.config import StackConfig
 from talaria.subjects import Subjects, check_token
 
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
-async def engine_heartbeat(cfg: StackConfig, engine_id: str, url: str, timeout: float, allow_draining: bool = False) -> tuple[bool, dict]:
+
+async def engine_heartbeat(cfg: StackConfig, engine_id: str, url: str, timeout: float, allow_draining: bool = False) -> tuple[bool, dict[str, Any]]:
     """Wait up to ``timeout`` s for one heartbeat of ``engine_id``; returns (healthy, details)."""
     from talaria.natsutil import connect
     from talaria.v1 import engine_pb2 as pb
@@ -39,9 +44,9 @@ async def engine_heartbeat(cfg: StackConfig, engine_id: str, url: str, timeout: 
     except Exception as e:  # noqa: BLE001 - any failure to reach NATS is "unhealthy", with the reason
         return False, {"engine": engine_id, "error": f"cannot connect to NATS at {url}: {type(e).__name__}: {e}"}
     try:
-        got: asyncio.Future = asyncio.get_running_loop().create_future()
+        got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
-        async def on_msg(msg) -> None:
+        async def on_msg(msg: Msg) -> None:
             if not got.done():
                 got.set_result(msg.data)
 
@@ -75,7 +80,7 @@ async def engine_heartbeat(cfg: StackConfig, engine_id: str, url: str, timeout: 
             pass
 
 
-def http_ok(url: str, timeout: float) -> tuple[bool, dict]:
+def http_ok(url: str, timeout: float) -> tuple[bool, dict[str, Any]]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - operator-given URL
             return 200 <= r.status < 300, {"url": url, "status": r.status}
@@ -85,7 +90,7 @@ def http_ok(url: str, timeout: float) -> tuple[bool, dict]:
         return False, {"url": url, "error": str(e)}
 
 
-def tcp_ok(addr: str, timeout: float) -> tuple[bool, dict]:
+def tcp_ok(addr: str, timeout: float) -> tuple[bool, dict[str, Any]]:
     host, _, port = addr.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
@@ -94,7 +99,7 @@ def tcp_ok(addr: str, timeout: float) -> tuple[bool, dict]:
         return False, {"tcp": addr, "error": str(e)}
 
 
-def grpc_ok(addr: str, timeout: float, service: str = "") -> tuple[bool, dict]:
+def grpc_ok(addr: str, timeout: float, service: str = "") -> tuple[bool, dict[str, Any]]:
     """Standard ``grpc.health.v1.Health/Check`` (the kvstore serves it) without generated stubs.
 
     HealthCheckRequest is ``{1: service}``; HealthCheckResponse is ``{1: status}`` with SERVING = 1.
@@ -105,7 +110,7 @@ def grpc_ok(addr: str, timeout: float, service: str = "") -> tuple[bool, dict]:
     req = (b"\x0a" + bytes([len(req)]) + req) if req else b""
     try:
         with grpc.insecure_channel(addr) as ch:
-            check = ch.unary_unary("/grpc.health.v1.Health/Check")
+            check: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary("/grpc.health.v1.Health/Check")
             resp = check(req, timeout=timeout)
     except grpc.RpcError as e:
         return False, {"grpc": addr, "error": f"{e.code().name}: {e.details()}"}
@@ -114,7 +119,7 @@ def grpc_ok(addr: str, timeout: float, service: str = "") -> tuple[bool, dict]:
     return status == 1, {"grpc": addr, "status": names.get(status, str(status))}
 
 
-def add_cli(sub) -> None:
+def add_cli(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     h = sub.add_parser("health", help="one-shot health probe (exit 0 healthy, 1 unhealthy): engine heartbeat, HTTP or TCP")
     h.add_argument("--config", help="stack config (namespace, NATS URL and credentials); NATS_URL overrides")
     g = h.add_mutually_exclusive_group(required=True)
@@ -127,7 +132,7 @@ def add_cli(sub) -> None:
     h.set_defaults(fn=cmd_health)
 
 
-def cmd_health(args) -> int:
+def cmd_health(args: argparse.Namespace) -> int:
     from talaria.config import ConfigError, load_config
 
     if args.http:

@@ -27,7 +27,7 @@ class Layout:
     slab_shape: tuple[int, ...]
     page_bytes: int
 
-    def shape_key(self) -> tuple:
+    def shape_key(self) -> tuple[object, ...]:
         """Everything that must match for bytes to be interchangeable, except the rank."""
         return (self.model, self.tp_size, self.page_size, self.dtype, self.family, self.slab_shape, self.page_bytes)
 

@@ -15,11 +15,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
 
 from talaria.config import NatsConfig
 
@@ -28,13 +31,14 @@ log = logging.getLogger(__name__)
 _LISTEN_RE = re.compile(r"Listening for client connections on ([\d\.]+):(\d+)")
 
 
-def _load_prctl():
+def _load_prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        return ctypes.CDLL(None, use_errno=True).prctl
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+        return prctl
     except (OSError, AttributeError):
         return None
 
@@ -109,7 +113,7 @@ class EmbeddedNats:
         self._own_store = store_dir is None
         self.user, self._password = user, password
         self.conf_file: str | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None
         self.url: str | None = None
         self._log_lines: list[str] = []
 
@@ -130,7 +134,7 @@ class EmbeddedNats:
         if self.user:
             self.conf_file = self._write_conf()
             cmd[1:1] = ["-c", self.conf_file]
-            env = {**os.environ, _PASSWORD_ENV: self._password}
+            env = {**os.environ, _PASSWORD_ENV: self._password or ""}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=die_with_parent, env=env
         )
@@ -175,7 +179,7 @@ class EmbeddedNats:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -210,7 +214,7 @@ async def connect(
     async def closed_cb() -> None:
         await _cb("closed")
 
-    kwargs: dict = dict(
+    kwargs: dict[str, Any] = dict(
         servers=url.split(","),
         name=name,
         connect_timeout=cfg.connect_timeout_s,
@@ -241,7 +245,7 @@ async def connect(
     return await nats.connect(**kwargs)
 
 
-async def close_connection(nc: NATS, subs=()) -> None:
+async def close_connection(nc: NATS, subs: Iterable[Subscription] = ()) -> None:
     """Shut a service's NATS side down: unsubscribe ``subs``, then drain ``nc`` (flushes what was published).
 
     Errors are logged, not raised: on a lost connection shutdown must still reach the steps after it.
@@ -257,7 +261,7 @@ async def close_connection(nc: NATS, subs=()) -> None:
         log.debug("nats drain during shutdown failed: %s", e)
 
 
-async def open_kv_bucket(nc: NATS, bucket: str, **create: object):
+async def open_kv_bucket(nc: NATS, bucket: str, **create: Any) -> KeyValue:
     """The JetStream KV bucket ``bucket``, created with ``create`` (``history``, ``ttl``, ``description`` ...)
     when it does not exist yet. Router replicas start together: one that loses the race to create it opens
     the one another replica made. Mutates the server's streams only by that creation."""

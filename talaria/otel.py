@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -44,6 +44,11 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from talaria.config import TelemetryConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +136,7 @@ class ExportStats:
     def dropped_or_queued(self) -> int:
         return max(0, self.ended - self.exported - self.failed)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"ended": self.ended, "exported": self.exported, "failed": self.failed, "errors": dict(self.errors)}
 
 
@@ -179,6 +184,7 @@ class _CountingProcessor(SpanProcessor):
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     """One span as a JSON-able dict (the JSONL file format; ids in lowercase hex as in W3C traceparent)."""
     ctx = span.get_span_context()
+    assert ctx is not None  # an SDK span always carries its context
     parent = span.parent
     return {
         "trace_id": f"{ctx.trace_id:032x}",
@@ -202,7 +208,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
 class JsonlSpanExporter(SpanExporter):
     """Appends spans to a JSONL file (runs on the batch processor's thread). Rotates past ``max_bytes``."""
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int = 64 << 20):
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 64 << 20):
         self.path = Path(path)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -224,7 +230,7 @@ class JsonlSpanExporter(SpanExporter):
         pass
 
 
-def read_spans(directory: str | os.PathLike) -> list[dict[str, Any]]:
+def read_spans(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every span in the JSONL files of ``directory`` (all processes), in file order; bad lines skipped."""
     out: list[dict[str, Any]] = []
     for p in sorted(Path(directory).glob("*.jsonl*")):
@@ -244,7 +250,7 @@ def traces_by_id(spans: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, An
 
 
 # ------------------------------------------------------------------------------------------ providers
-def otlp_endpoint(cfg) -> tuple[str | None, str]:
+def otlp_endpoint(cfg: TelemetryConfig | None) -> tuple[str | None, str]:
     """(endpoint, protocol) after the standard OTEL_* environment overrides."""
     env = os.environ
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or (cfg.otlp_endpoint if cfg else None)
@@ -263,9 +269,11 @@ def _otlp_span_exporter(endpoint: str, protocol: str, timeout_s: float) -> SpanE
     return GrpcExporter(endpoint=endpoint, insecure=endpoint.startswith("http://") or "://" not in endpoint, timeout=timeout_s)
 
 
-def _otlp_meter_provider(endpoint: str, protocol: str, cfg, resource: Resource):
+def _otlp_meter_provider(endpoint: str, protocol: str, cfg: TelemetryConfig, resource: Resource) -> MeterProvider:
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
+
+    exporter: MetricExporter
 
     if protocol.startswith("http"):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetrics
@@ -335,7 +343,7 @@ def disabled(service: str = "", instance_id: str = "") -> Telemetry:
     return Telemetry(service, instance_id, trace.NoOpTracer(), NoOpMeter("talaria"), ExportStats(), "off")
 
 
-def setup(service: str, instance_id: str, cfg=None, namespace: str = "", *, span_exporter: SpanExporter | None = None) -> Telemetry:
+def setup(service: str, instance_id: str, cfg: TelemetryConfig | None = None, namespace: str = "", *, span_exporter: SpanExporter | None = None) -> Telemetry:
     """Tracer and meter for one process of ``service`` ("talaria-router", "talaria-engine", ...).
 
     ``cfg`` is a ``talaria.config.TelemetryConfig`` (None: defaults). ``span_exporter`` replaces the configured
@@ -355,7 +363,7 @@ def setup(service: str, instance_id: str, cfg=None, namespace: str = "", *, span
         return disabled(service, instance_id)
 
 
-def _setup(service: str, instance_id: str, cfg, namespace: str, span_exporter: SpanExporter | None) -> Telemetry:
+def _setup(service: str, instance_id: str, cfg: TelemetryConfig, namespace: str, span_exporter: SpanExporter | None) -> Telemetry:
     resource = Resource.create(
         {
             "service.name": service,

@@ -20,7 +20,9 @@ by default it is detected from the chat template, :func:`detect_format`):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 FORMATS = ("think",)
 NONE = "none"  # configuration value: the model's output is never parsed for reasoning
@@ -34,6 +36,10 @@ class ReasoningDelta:
 @dataclass(frozen=True, slots=True)
 class ContentDelta:
     text: str
+
+
+# what a reasoning parser's feed()/finish() hand out, in order
+ReasoningEvent = ReasoningDelta | ContentDelta
 
 
 def detect_format(chat_template: str | None) -> str:
@@ -79,13 +85,13 @@ class ThinkParser:
     def in_reasoning(self) -> bool:
         return self.state == "reasoning"
 
-    def _emit_reasoning(self, text: str) -> list:
+    def _emit_reasoning(self, text: str) -> list[ReasoningEvent]:
         if not text:
             return []
         self.reasoning += text
         return [ReasoningDelta(text)]
 
-    def _emit_content(self, text: str) -> list:
+    def _emit_content(self, text: str) -> list[ReasoningEvent]:
         if self._strip_ws:
             text = text.lstrip()
             if not text:
@@ -96,10 +102,10 @@ class ThinkParser:
         self.content += text
         return [ContentDelta(text)]
 
-    def feed(self, delta: str) -> list:
+    def feed(self, delta: str) -> list[ReasoningEvent]:
         text = self.buffer + delta
         self.buffer = ""
-        out: list = []
+        out: list[ReasoningEvent] = []
         while text:
             if self.state == "start":
                 s = text.lstrip()
@@ -138,7 +144,7 @@ class ThinkParser:
             return out
         return out
 
-    def finish(self) -> list:
+    def finish(self) -> list[ReasoningEvent]:
         """End of output: release what was held (a partial marker is text of the side it was held on)."""
         text, self.buffer = self.buffer, ""
         if self.state == "reasoning":
@@ -157,7 +163,7 @@ class TokenCounter:
         self.state = "reasoning" if prompt_opens else "start"
         self.count = 0
 
-    def feed(self, ids) -> None:
+    def feed(self, ids: Iterable[int]) -> None:
         for t in ids:
             if self.state == "done":
                 return
@@ -171,7 +177,7 @@ class TokenCounter:
                 self.state = "done"
 
 
-def token_counter(fmt: str, token_to_id, prompt_opens: bool) -> TokenCounter | None:
+def token_counter(fmt: str, token_to_id: Callable[[str], int | None], prompt_opens: bool) -> TokenCounter | None:
     """A :class:`TokenCounter` for ``fmt`` when its markers are single tokens of the vocabulary, else None."""
     if fmt != "think":
         return None
@@ -204,7 +210,7 @@ def split(fmt: str, text: str, prompt_opens: bool = False) -> tuple[str, str]:
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's ReasoningEffort
 
 
-def effort_kwargs(chat_template: str | None, effort: str) -> dict | None:
+def effort_kwargs(chat_template: str | None, effort: str) -> dict[str, Any] | None:
     """The chat-template variables that set ``effort`` on a template that has a switch for it, or None when
     it has none: ``reasoning_effort`` (gpt-oss and others: the effort itself), else ``enable_thinking``
     (Qwen3, SmolLM3: on unless the effort is ``none``)."""

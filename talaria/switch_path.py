@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from typing import cast
 
 from talaria.ewma import ewma
 from talaria.v1 import engine_pb2 as pb
@@ -22,8 +23,9 @@ class SwitchPath(StrEnum):
     OPEN = "open"  # model not loaded: checkpoint -> host bank, then a host-only switch
 
     @property
-    def proto(self) -> int:
-        return pb.SwitchPath.Value("SWITCH_PATH_" + self.name)
+    def proto(self) -> pb.SwitchPath:
+        # (the generated stub types EnumTypeWrapper.Value as a plain int; it is this enum's value)
+        return cast(pb.SwitchPath, pb.SwitchPath.Value("SWITCH_PATH_" + self.name))
 
     @classmethod
     def from_proto(cls, value: int) -> SwitchPath:

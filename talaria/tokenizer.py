@@ -7,9 +7,14 @@ import json
 from array import array
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+
+    from talaria.v1 import engine_pb2 as pb
 
 DEFAULT_CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -35,7 +40,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)
+    return data
 
 
 def _ids(value: Any) -> list[int]:
@@ -63,13 +69,14 @@ class Tokenizer:
         self.eos_token = eos_token
         self.pad_token = pad_token
         eos: list[int] = []
-        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-            eos.append(tokenizer.token_to_id(eos_token))
+        eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
+        if eos_id is not None:
+            eos.append(eos_id)
         for i in extra_eos_token_ids:
             if i not in eos:
                 eos.append(int(i))
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self._template = None
+        self._template: Template | None = None
         self._max_token_bytes: int | None = None
 
     @classmethod
@@ -132,7 +139,7 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------------- chat
 
-    def _compiled_template(self):
+    def _compiled_template(self) -> Template:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -249,7 +256,7 @@ class SessionTokens:
         from collections import OrderedDict
 
         self.capacity = capacity
-        self._d: "OrderedDict[tuple[str, str], array]" = OrderedDict()
+        self._d: "OrderedDict[tuple[str, str], array[int]]" = OrderedDict()
 
     def put(self, session_id: str, model: str, ids: list[int]) -> None:
         key = (session_id, model)
@@ -270,7 +277,7 @@ class SessionTokens:
         return ids
 
 
-def chat_message_dict(m) -> dict[str, Any]:
+def chat_message_dict(m: pb.ChatMessage) -> dict[str, Any]:
     """A wire ``ChatMessage`` as the dict a chat template reads (tool calls parsed, null content kept null)."""
     null = not m.has_content and not m.content and bool(m.tool_calls_json)  # an assistant turn of tool calls only
     d: dict[str, Any] = {"role": m.role, "content": None if null else m.content}
@@ -294,7 +301,7 @@ _FALLBACK_TOOLS_OUTRO = (
 )
 
 
-def _tools_fallback(messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]]:
+def _tools_fallback(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Tools and tool turns as plain messages, for a chat template that cannot render them: the tool list
     joins the (first) system message, an assistant's calls become ``<tool_call>`` blocks after its text
     (exactly as ``talaria.tool_parsers.render_call`` writes what the Hermes parser reads, so a turn the

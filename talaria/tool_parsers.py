@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 
@@ -39,7 +40,7 @@ class ToolCall:
     arguments: str  # JSON text of an object, exactly as generated
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
-    def openai(self) -> dict:
+    def openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -64,6 +65,10 @@ class CallHeader:
 class ArgumentsDelta:
     index: int
     text: str
+
+
+# what a streaming tool parser's feed()/finish() hand out, in order
+ToolEvent = TextDelta | CallStarted | CallHeader | ArgumentsDelta
 
 
 @dataclass(slots=True)
@@ -155,10 +160,10 @@ class ToolParser:
         self.args_out[i] = self.args_out.get(i, 0) + len(text)
         return ArgumentsDelta(i, text)
 
-    def tail_events(self, result: "ParseResult") -> list:
+    def tail_events(self, result: ParseResult) -> list[ToolEvent]:
         """After :meth:`finish`: the header/argument events of ``result``'s calls not emitted yet (formats
         that can only validate at the end emit everything here)."""
-        out: list = []
+        out: list[ToolEvent] = []
         for i, c in enumerate(result.tool_calls):
             if i >= self.headers_out:
                 out.append(self._header(i, c.id, c.name))
@@ -177,7 +182,7 @@ class ToolParser:
                     break
         return best
 
-    def feed(self, delta: str) -> list:
+    def feed(self, delta: str) -> list[ToolEvent]:
         self.raw += delta
         if self.in_call:
             self.buffer += delta
@@ -199,7 +204,7 @@ class ToolParser:
     def _header_allowed(self, text: str, pos: int) -> bool:
         return True
 
-    def _in_call_events(self) -> list:
+    def _in_call_events(self) -> list[ToolEvent]:
         return []
 
     def finish(self) -> ParseResult:
@@ -230,7 +235,8 @@ class HermesParser(ToolParser):
 
     def _blocks(self, region: str) -> tuple[list[str], str]:
         """Complete ``<tool_call>…</tool_call>`` bodies in ``region`` and the unfinished rest."""
-        bodies, rest = [], region
+        bodies: list[str] = []
+        rest = region
         while True:
             rest = rest.lstrip()
             if not rest.startswith(self.OPEN) or self.CLOSE not in rest:
@@ -239,9 +245,9 @@ class HermesParser(ToolParser):
             bodies.append(rest[len(self.OPEN) : end])
             rest = rest[end + len(self.CLOSE) :]
 
-    def _in_call_events(self) -> list:
+    def _in_call_events(self) -> list[ToolEvent]:
         bodies, rest = self._blocks(self.buffer)
-        out: list = []
+        out: list[ToolEvent] = []
         for body in bodies[len(self._emitted) :]:
             call = parse_call_object(body.strip())
             if call is None:
@@ -258,7 +264,7 @@ class HermesParser(ToolParser):
             out += self._eager_events(rest[len(self.OPEN) :])
         return out
 
-    def _eager_events(self, body: str) -> list:
+    def _eager_events(self, body: str) -> list[ToolEvent]:
         """Stream the open call's name and argument text before its closing tag (grammar-constrained)."""
         s = body.lstrip()
         prefix = '{"name": '
@@ -271,7 +277,7 @@ class HermesParser(ToolParser):
         marker = ', "arguments": '
         if not s.startswith(marker, j) or not isinstance(name, str):
             return []
-        out: list = []
+        out: list[ToolEvent] = []
         i = len(self._emitted)
         if i >= self.headers_out:
             cid = "call_" + uuid.uuid4().hex[:24]
@@ -312,7 +318,7 @@ class Llama3JsonParser(ToolParser):
     def _header_allowed(self, text: str, pos: int) -> bool:
         return not text[:pos].strip()  # only at the start of the output
 
-    def feed(self, delta: str) -> list:
+    def feed(self, delta: str) -> list[ToolEvent]:
         if not self.in_call and self.content.strip():
             self.raw += delta
             self.content += delta
@@ -393,7 +399,7 @@ def parse(fmt: str, text: str) -> ParseResult:
     return p.finish()
 
 
-def render_call(call: dict) -> str:
+def render_call(call: dict[str, Any]) -> str:
     """A history tool call (OpenAI shape) in the Hermes form the parser reads and the model generates."""
     fn = call.get("function") or {}
     args = fn.get("arguments")

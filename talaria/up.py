@@ -20,7 +20,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from talaria.config import NatsConfig, StackConfig, dump_config
 from talaria.natsutil import EmbeddedNats, auth_url, die_with_parent, generate_password
@@ -31,7 +33,7 @@ def _say(msg: str) -> None:
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], env: dict, ready_marker: str, echo: bool = True):
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], ready_marker: str, echo: bool = True):
         self.name = name
         self.echo = echo
         self.log: list[str] = []
@@ -92,7 +94,7 @@ class LocalStack:
     started and is safe to call twice.
     """
 
-    def __init__(self, cfg: StackConfig, say=_say, quiet: bool = False):
+    def __init__(self, cfg: StackConfig, say: Callable[[str], None] = _say, quiet: bool = False):
         self.cfg = cfg
         self.say = say
         self.quiet = quiet
@@ -144,7 +146,7 @@ class LocalStack:
         synthesize(Path(cfg.models_dir), seed=cfg.synth_seed, names=missing)
         self.say(f"models ready in {time.monotonic() - t0:.1f}s")
 
-    def _env(self) -> dict:
+    def _env(self) -> dict[str, str]:
         assert self._plain_nats_url
         return {**os.environ, "NATS_URL": self._plain_nats_url, "PYTHONUNBUFFERED": "1", **self.secret_env}
 
@@ -285,7 +287,7 @@ class LocalStack:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -300,7 +302,7 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def up(cfg: StackConfig, port: int | None = None, models_dir: str | None = None, ready_timeout: float = 300.0) -> int:
-    updates: dict = {}
+    updates: dict[str, Any] = {}
     if models_dir:
         updates["models_dir"] = models_dir
     if port is not None:

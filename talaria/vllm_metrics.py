@@ -28,9 +28,16 @@ state); the instruments are thread-safe (the engine feeds them from its heartbea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from talaria.v1 import engine_pb2 as pb
+
+if TYPE_CHECKING:
+    import threading
+    from http.server import ThreadingHTTPServer
 
 LABELS = ("model_name", "engine")
 # vLLM's buckets (v0.8+), so histogram_quantile over either system compares like with like
@@ -105,7 +112,7 @@ class ServingMetrics:
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def serve_metrics(exposition, host: str, port: int):
+def serve_metrics(exposition: Callable[[], bytes], host: str, port: int) -> tuple[ThreadingHTTPServer, threading.Thread]:
     """Serve ``exposition()`` (bytes, text format 0.0.4) at ``GET /metrics`` from a daemon thread; returns
     (server, thread) with the bound port in ``server.server_port``.
 
@@ -128,7 +135,7 @@ def serve_metrics(exposition, host: str, port: int):
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args) -> None:  # scrapes every few seconds: not worth a log line each
+        def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: not worth a log line each
             pass
 
     server = ThreadingHTTPServer((host, port), Handler)

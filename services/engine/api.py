@@ -1,7 +1,10 @@
 """The executor contract the engine service programs against (no torch, no I/O).
 
-Both executors implement :class:`Executor`: the hot ``executor.Engine`` (a catalog of one model) and the cold
-``cold.ColdEngine`` (several catalog models, one active). The service never probes an executor with
+Both executors implement :class:`Executor`: the hot ``executor.Engine`` (a catalog of one pinned model) and the
+cold ``cold.ColdEngine`` (several catalog models, one active). Only the cold engine also implements
+:class:`ModelPool` (open/close models, switch records, slot rounds, held-open slots), and ``Executor.pool()``
+hands it out: the hot engine answers None instead of stubbing what it cannot do. ``services/engine/main.py``
+builds each engine as the protocol it must satisfy, so the type checker (``python -m mypy``) verifies both. The service never probes an executor with
 ``hasattr`` and never maps errors by class name: every refusal is an :class:`ExecutorError` carrying its HTTP
 status, error code and offending request field. The shape follows the backend protocol of DESIGN.md, so a
 GPU execution engine (e.g. SGLang's ``Engine``: token-id generate with session parameters, memory
@@ -17,11 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.engine.kv.session_residency import KvLocation, Residency  # noqa: F401 - part of this contract
 
 from services.engine.types import EngineRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from services.engine.kv.retention import RetentionBook
+    from services.engine.slots.types import RoundSummary
+    from services.engine.substrate.switch import SwitchRecord
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -105,7 +113,8 @@ class ModelInfo:
     max_context: int
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
+        ids: list[int] = self.tokenizer.apply_chat_template(messages, **kwargs)
+        return ids
 
 
 # Where a session's KV is (``where``: ``KvLocation.DEVICE`` -- the session cache holds ``committed_tokens``,
@@ -197,8 +206,10 @@ class EngineStats:
         return self.kv_pages_total - self.kv_pages_free
 
 
-# ---------------------------------------------------------------------------------------------- the protocol
+# ---------------------------------------------------------------------------------------------- the protocols
 class Executor(Protocol):
+    """What every executor does: serve calls for the models it holds, report its state, manage sessions."""
+
     def serves(self, model: str) -> bool:
         """Whether calls for ``model`` are accepted now."""
 
@@ -228,21 +239,29 @@ class Executor(Protocol):
         """Drop the session's device entry and the radix pages only it holds, and release its kvstore
         entries (shared prefixes stay). ``token_ids``: its tokens when no device entry remains. Returns pages freed."""
 
-    def attach_retention(self, book) -> None:
+    def attach_retention(self, book: RetentionBook) -> None:
         """Session caches evict by predicted return (``kv.retention.RetentionBook``)."""
 
+    def pool(self) -> ModelPool | None:
+        """The model-pool side of this executor (a cold engine: itself), or None for one pinned model."""
+
+
+class ModelPool(Protocol):
+    """What a pool of several catalog models adds (the cold engine): models opened and closed on request,
+    switches between them, and the slot scheduler's rounds and held-open slots."""
+
     def open_model(self, model: str) -> None:
-        """Load a catalog model and ask for it to become active (raises UnsupportedOperationError)."""
+        """Load a catalog model and ask for it to become active."""
 
     def close_model(self, model: str) -> None:
-        """Unload an idle model (raises ModelBusyError / UnsupportedOperationError)."""
+        """Unload an idle model (raises ModelBusyError / UnknownModelError)."""
 
-    def take_switch_records(self) -> Sequence[Any]:
-        """Switch records not handed out yet (a hot executor has none)."""
+    def take_switch_records(self) -> Sequence[SwitchRecord]:
+        """Switch records not handed out yet."""
 
-    def recent_switch_records(self, n: int) -> Sequence[Any]: ...
+    def recent_switch_records(self, n: int) -> Sequence[SwitchRecord]: ...
 
-    def take_round_summaries(self) -> Sequence[Any]:
+    def take_round_summaries(self) -> Sequence[RoundSummary]:
         """Closed slot-scheduler rounds not handed out yet (none without the slot scheduler)."""
 
     def idle_wait_s(self) -> float:

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,6 @@ from services.engine.api import (  # noqa: F401 - the error classes are part of 
     ModelStats,
     SessionInfo,
     UnknownModelError,
-    UnsupportedOperationError,
 )
 from services.engine.intra_op import set_thread_count
 from services.engine.kv import KVManager, PageAllocator, SessionResidency
@@ -284,23 +283,9 @@ class Engine:
             raise UnknownModelError(f"this instance serves only {self.model_id!r}, not {model!r}")
         return ModelInfo(self.model_id, self.tokenizer, self.vocab_size, self.max_context)
 
-    def open_model(self, model: str) -> None:
-        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot open another")
-
-    def close_model(self, model: str) -> None:
-        raise UnsupportedOperationError("a hot instance serves one pinned model: it cannot close it")
-
-    def take_switch_records(self) -> list:
-        return []
-
-    def recent_switch_records(self, n: int) -> list:
-        return []
-
-    def take_round_summaries(self) -> list:
-        return []
-
-    def idle_wait_s(self) -> float:
-        return 0.0
+    def pool(self) -> None:
+        """None: one pinned model, no switches or rounds (``api.ModelPool`` is the cold engine's)."""
+        return None
 
     # ------------------------------------------------------------------ intake (any thread)
     def add_request(self, req: EngineRequest) -> None:
@@ -840,7 +825,7 @@ class Engine:
                 self.host_kv.write_back(None, "flush")
             return self.kv.flush()
 
-    def end_session(self, session_id: str, tenant: str = "", token_ids: list[int] | tuple[int, ...] = ()) -> int:
+    def end_session(self, session_id: str, tenant: str = "", token_ids: Sequence[int] = ()) -> int:
         """The session ended. Drops its session-cache entry and the radix pages of its chains (every
         branch its calls left, ``session_chains``) that nothing else extends (shared prefixes stay), and queues
         the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry

@@ -7,7 +7,20 @@ import logging
 import threading
 import time
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
 from talaria.config import EngineConfig, StackConfig
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from services.engine.cold.engine import ColdEngine
+    from services.engine.kv.port import KvPort
+    from services.engine.executor import Engine
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +34,10 @@ def torch_threads(cfg: EngineConfig) -> int:
     return cfg.torch_threads or len(os.sched_getaffinity(0))
 
 
-def build_engine(stack: StackConfig, cfg: EngineConfig):
+def build_engine(stack: StackConfig, cfg: EngineConfig) -> Engine | ColdEngine:
+    """The executor ``cfg`` describes: the hot ``Engine`` or, for a cold pool, ``build_cold_engine``'s.
+    ``run_engine`` hands it to ``EngineService`` as an ``api.Executor``, so the type checker verifies both
+    engines satisfy that protocol (and, through ``Executor.pool``, the cold engine ``api.ModelPool``)."""
     import torch
 
     from services.engine.executor import Engine
@@ -75,7 +91,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig):
     )
 
 
-def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
+def build_cold_engine(stack: StackConfig, cfg: EngineConfig) -> ColdEngine:
     """A cold-pool executor over every catalog model of ``cfg`` (one active at a time, see cold/engine.py)."""
     import torch
 
@@ -83,7 +99,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     from services.engine.executor import DEFAULT_KV_CACHE_BYTES
     from services.engine.model.loader import engine_dtype
 
-    extra = {}
+    extra: dict[str, Any] = {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
         from services.engine.cold.slotted import SlotSwitching, policy_from_config
 
@@ -92,7 +108,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
         from services.engine.cold.residency import ResidencyDriver
 
         extra["residency"] = ResidencyDriver(chunks_per_step=cfg.staging_chunks_per_step)
-    catalog = {}
+    catalog: dict[str, str | Path] = {}
     for m in cfg.models:
         path = stack.model_path(m)
         if not (path / "config.json").exists():
@@ -128,12 +144,11 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig):
     )
 
 
-def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -> bool:
+def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine: Engine | ColdEngine, tracer: Tracer | None = None) -> bool:
     """Give the engine a host KV tier on the node's kvstore when configured (``host_kv`` and
     ``kvstore.enabled``). The store is an optimization: if it cannot be set up the engine serves without.
     ``tracer`` (the engine process's) records the tier's restore / checkpoint spans."""
     kvs = stack.kvstore
-    cold = cfg.pool == "cold"
     if not (cfg.host_kv and kvs.enabled):
         return False
     if not kvs.port:
@@ -149,22 +164,24 @@ def attach_host_kv(stack: StackConfig, cfg: EngineConfig, engine, tracer=None) -
         )
         mooncake = MooncakeEndpoint(kvs.data_host, kvs.protocol)  # one transfer engine per process
 
-        def make_tier(port) -> HostKV:
+        def make_tier(port: KvPort) -> HostKV:
             return HostKV(
                 port, client, mooncake=mooncake, retry_after_s=kvs.retry_after_s,
                 restore_per_token_prior=kvs.restore_per_token_s, owner=cfg.id, tracer=tracer,
                 write_policy=cfg.host_kv_write_policy, mode=cfg.host_kv_restore,
             )
 
-        if cold:  # one tier per catalog model; the switch barrier drains the outgoing model's copies
+        from services.engine.cold.engine import ColdEngine
+
+        if isinstance(engine, ColdEngine):  # one tier per catalog model; the switch barrier drains the outgoing model's copies
             engine.attach_host_kv_factory(make_tier)
             log.info("engine %s: host KV tier for %d catalog models on kvstore %s:%d", cfg.id, len(cfg.models), kvs.host, kvs.port)
             return True
-        tier = make_tier(engine.kv_port())
+        tier, hot = make_tier(engine.kv_port()), engine
     except Exception as e:  # noqa: BLE001 - e.g. Mooncake not installable here
         log.warning("engine %s: host KV tier disabled: %s", cfg.id, e)
         return False
-    engine.attach_host_kv(tier)
+    hot.attach_host_kv(tier)
     log.info("engine %s: host KV tier on kvstore %s:%d (model key %s)", cfg.id, kvs.host, kvs.port, tier.layout.model)
     return True
 
@@ -200,22 +217,30 @@ def omp_spin_count(count: int) -> None:
     os.environ["GOMP_SPINCOUNT"] = str(count)
 
 
-async def in_own_thread(fn, *args):
+async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a thread that exits when it returns (not the loop's reusable executor threads). torch's
     OpenMP runtime (libgomp) keeps a pool of worker threads per thread that ran a parallel region; once the
     process holds more of them than it has cores, every barrier sleeps and wakes instead of spinning (measured:
     a batch-8 decode step 41 ms instead of 24). Loading the model on a thread that then exits frees its pool,
     so only the executor thread's team remains."""
     loop = asyncio.get_running_loop()
-    fut = loop.create_future()
+    fut: asyncio.Future[T] = loop.create_future()
 
     def run() -> None:
+        def fail(err: BaseException) -> None:
+            if not fut.done():
+                fut.set_exception(err)
+
+        def done(res: T) -> None:
+            if not fut.done():
+                fut.set_result(res)
+
         try:
             res = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine (bound now: the name
-            loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))  # dies with the block)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine (passed now: the name
+            loop.call_soon_threadsafe(fail, e)  # dies with the block)
         else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+            loop.call_soon_threadsafe(done, res)
 
     t = threading.Thread(target=run, name="engine-build", daemon=True)
     t.start()

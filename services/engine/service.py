@@ -23,19 +23,25 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Coroutine, Sequence
+from http.server import ThreadingHTTPServer
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from services.engine.streaming import ExecutorHold, coalesce_outputs, next_coalesced
 from talaria.tokenizer import RESERVED_TEMPLATE_VARS, SessionTokens, align_to_previous, chat_message_dict, continue_final_message
 from services.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.engine import wire
-from services.engine.api import ContextLengthError, Executor, ExecutorError, KvLocation, ModelInfo
+from services.engine.api import ContextLengthError, Executor, ExecutorError, KvLocation, ModelInfo, ModelPool, UnsupportedOperationError
 from services.engine.heartbeat import HeartbeatThread
 from services.engine.tracing import CallTracer
 from services.engine.kv.retention import Hint, RetentionBook
@@ -48,6 +54,12 @@ from talaria.subjects import PROBE_GONE, PROBE_HEADER, Subjects
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 from talaria.vllm_metrics import ServingMetrics
+
+if TYPE_CHECKING:
+    from services.engine.grammar import GrammarFactory
+    from services.engine.slots.types import RoundSummary
+    from services.engine.substrate.switch import SwitchRecord
+    from services.engine.types import Logprob
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +79,17 @@ class _Call:
     prompt_tokens: int
     seq: int = 0
     first_token_at: float = 0.0
-    trace_parent: object = None  # OpenTelemetry context propagated by the router (NATS headers / trace_context)
+    trace_parent: Context | None = None  # OpenTelemetry context propagated by the router (NATS headers / trace_context)
     arrival_ns: int = 0  # wall clock, for spans
     accepted_ns: int = 0
     first_token_ns: int = 0
-    span: object = None  # the open ``talaria.engine.call`` span (started at arrival, ended by CallTracer.trace)
+    span: Span | None = None  # the open ``talaria.engine.call`` span (started at arrival, ended by CallTracer.trace)
     last_sent: float = 0.0  # monotonic time of the last chunk published on the reply inbox (keepalives)
-    token_ids: list | None = None  # session calls: prompt + generated ids, kept for prompt alignment
+    token_ids: list[int] | None = None  # session calls: prompt + generated ids, kept for prompt alignment
     lease_id: str = ""  # the lease the router honoured for this call
     believed_prefix: int = 0  # committed tokens the router believed the session holds (may be stale)
     tenant: str = ""
-    hints: object = None  # the call's AgentCallHints (echoed in the hook), or None
+    hints: pb.AgentCallHints | None = None  # the call's AgentCallHints (echoed in the hook), or None
     end_session: bool = False  # X-Session-End: the session ends with this call
     stream: bool = True  # GenerateRequest.stream: False = the router reads only the whole answer
     held: RequestOutput | None = None  # non-streaming: outputs after the first token, merged, sent at the end
@@ -109,8 +121,8 @@ class EngineService:
         self.nc: NATS | None = None
         self.draining = False
         self._calls: dict[str, _Call] = {}
-        self._out: asyncio.Queue = asyncio.Queue()
-        self._tasks: set[asyncio.Task] = set()  # fire-and-forget work of finished calls (``_spawn``)
+        self._out: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()  # fire-and-forget work of finished calls (``_spawn``)
         self._wake = threading.Event()
         self._stop_thread = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,12 +136,12 @@ class EngineService:
         self._own_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else otel.disabled()
         self.tracer = CallTracer(self.telemetry, cfg.id, cfg.pool)
-        self._grammars: dict = {}  # model -> GrammarFactory (structured output)
+        self._grammars: dict[str, GrammarFactory] = {}  # model -> GrammarFactory (structured output)
         self._session_ids = SessionTokens()  # session -> last call's prompt + output ids (prompt alignment)
         self._ending: dict[str, str] = {}  # session -> tenant, ended while a call of it was in flight
         self.retention = RetentionBook(time.time)  # router hints: evict by predicted return
         self.serving_metrics = ServingMetrics()  # this engine's vLLM-named /metrics (cfg.metrics_port)
-        self.metrics_server = None  # (WSGI server, thread) once run() started it
+        self.metrics_server: tuple[ThreadingHTTPServer, threading.Thread] | None = None  # (HTTP server, thread) once run() started it
 
     def _serves(self, model: str) -> bool:
         return self.engine.serves(model)
@@ -153,20 +165,28 @@ class EngineService:
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
                 continue
-            if not outs:  # a cold slot held open for expected returns: sleep until a call arrives or the hold ends
-                pause = self.engine.idle_wait_s()
+            pool = self.engine.pool()
+            if not outs and pool is not None:  # a cold slot held open for expected returns: sleep until a call arrives or the hold ends
+                pause = pool.idle_wait_s()
                 if pause > 0:
                     self._wake.wait(min(pause, 0.05))
                     self._wake.clear()
             outs = self._hold.filter(outs)  # held calls' steps never wake the loop (streaming.ExecutorHold)
             if outs:
                 self._loop.call_soon_threadsafe(self._out.put_nowait, outs)
-            recs = self.engine.take_switch_records()
+            if pool is None:
+                continue
+            recs = pool.take_switch_records()
             if recs:
-                self._loop.call_soon_threadsafe(lambda r=recs: asyncio.ensure_future(self._publish_switches(r)))
-            rounds = self.engine.take_round_summaries()
+                self._loop.call_soon_threadsafe(self._publish_later, self._publish_switches(recs))
+            rounds = pool.take_round_summaries()
             if rounds:
-                self._loop.call_soon_threadsafe(lambda r=rounds: asyncio.ensure_future(self._publish_rounds(r)))
+                self._loop.call_soon_threadsafe(self._publish_later, self._publish_rounds(rounds))
+
+    @staticmethod
+    def _publish_later(coro: Coroutine[Any, Any, None]) -> None:
+        """On the loop: run a publishing coroutine the executor thread handed over."""
+        asyncio.ensure_future(coro)
 
     def _fail_all(self, message: str) -> None:
         self.counters["step_failures"] += 1
@@ -178,7 +198,7 @@ class EngineService:
             self._finish_with_error(rid, CallError(500, "engine_error", message))
 
     # ---------------------------------------------------------------- publishing
-    async def _publish_switches(self, recs) -> None:
+    async def _publish_switches(self, recs: Sequence[SwitchRecord]) -> None:
         assert self.nc is not None
         for r in recs:
             try:
@@ -186,7 +206,7 @@ class EngineService:
             except Exception as e:  # noqa: BLE001
                 log.warning("switch record %s not published: %s", r.seq, e)
 
-    async def _publish_rounds(self, rounds) -> None:
+    async def _publish_rounds(self, rounds: Sequence[RoundSummary]) -> None:
         assert self.nc is not None
         for r in rounds:
             self.rounds_closed += 1
@@ -298,13 +318,13 @@ class EngineService:
                          chunk.attribution if chunk.HasField("attribution") else None)
         self.tracer.trace(call, chunk.finish_reason, usage, chunk.error.code if chunk.HasField("error") else None, restored, end_ns=sent_ns)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` as a task held in ``_tasks`` until it ends (a bare ensure_future can be collected)."""
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _add_logprobs(self, chunk: pb.TokenChunk, entries: list, model: str) -> None:
+    def _add_logprobs(self, chunk: pb.TokenChunk, entries: list[Logprob], model: str) -> None:
         """Sampler log-probabilities as wire entries, each token decoded alone (mutates ``chunk``)."""
         tok = self._runtime(model).tokenizer
         for tid, lp, alts in entries:
@@ -312,7 +332,8 @@ class EngineService:
             for aid, alp in alts:
                 e.top.add(token_id=aid, token=tok.decode([aid]), logprob=alp)
 
-    async def _hook(self, call: _Call, reason: str, usage, error, ttft: float, attribution=None) -> None:
+    async def _hook(self, call: _Call, reason: str, usage: cpb.Usage | None, error: cpb.Error | None, ttft: float,
+                    attribution: cpb.CallAttribution | None = None) -> None:
         ended = await self._end_after(call)
         hook = pb.CompletionHook(
             schema_version=SCHEMA_VERSION,
@@ -391,15 +412,17 @@ class EngineService:
         )
         self.counters["tool_intents"] = self.counters.get("tool_intents", 0) + 1
 
+        nc = self.nc
+
         async def send() -> None:
             try:
-                await self.nc.publish(self.subjects.intent(), intent.SerializeToString())
+                await nc.publish(self.subjects.intent(), intent.SerializeToString())
             except Exception as e:  # noqa: BLE001
                 log.warning("tool intent for %s not published: %s", call.request_id, e)
 
         asyncio.ensure_future(send())
 
-    async def _on_retention(self, msg) -> None:
+    async def _on_retention(self, msg: Msg) -> None:
         """A router's ``RetentionHint``: the session cache evicts by predicted return (``kv/retention.py``)."""
         h = pb.RetentionHint()
         try:
@@ -421,7 +444,7 @@ class EngineService:
         asyncio.ensure_future(self._hook(call, reason, None, err.proto(), 0.0))
 
     # ---------------------------------------------------------------- request intake
-    def _intake(self, req: pb.GenerateRequest) -> tuple[SamplingParams, list[int]]:
+    def _intake(self, req: pb.GenerateRequest) -> tuple[SamplingParams, list[int], bool]:
         """Decode, tokenize and compile the call's constraint (runs on a worker thread; raises CallError).
         Range checks are the executor's (``validate_request``)."""
         sampling = wire.sampling_params(req.sampling)
@@ -438,7 +461,7 @@ class EngineService:
             return reasoning_parsers.detect_format(self._runtime(model).tokenizer.chat_template)
         return "" if fmt == reasoning_parsers.NONE else fmt
 
-    def _effort_kwargs(self, req: pb.GenerateRequest) -> dict:
+    def _effort_kwargs(self, req: pb.GenerateRequest) -> dict[str, Any]:
         """The chat-template variables for the call's ``reasoning_effort`` ({} when not asked). Raises
         CallError 400 naming the field when the model does not reason or its template has no switch."""
         effort = req.chat_template.reasoning_effort
@@ -456,7 +479,7 @@ class EngineService:
                             "(enable_thinking or reasoning_effort): reasoning_effort cannot be honoured", "reasoning_effort")
         return kw
 
-    def _grammar(self, req: pb.GenerateRequest):
+    def _grammar(self, req: pb.GenerateRequest) -> object:
         """Compile the call's structured-output constraint (bounded time; see grammar.py). Mutates the
         per-model grammar-factory cache."""
         from services.engine.grammar import GrammarError, GrammarFactory
@@ -515,7 +538,7 @@ class EngineService:
         self.counters["resume_fenced"] = self.counters.get("resume_fenced", 0) + 1
         return CallError(503, "resume_fenced", f"instance {self.cfg.id} restarted since the resumed call (epoch {req.resume_epoch}, now {self.epoch})")
 
-    async def _on_generate(self, msg) -> None:
+    async def _on_generate(self, msg: Msg) -> None:
         req = pb.GenerateRequest()
         try:
             req.ParseFromString(msg.data)
@@ -598,7 +621,7 @@ class EngineService:
         assert self.nc is not None
         await self.nc.publish(reply, chunk.SerializeToString())
 
-    async def _on_cancel(self, msg) -> None:
+    async def _on_cancel(self, msg: Msg) -> None:
         req = pb.CancelRequest()
         try:
             req.ParseFromString(msg.data)
@@ -618,7 +641,7 @@ class EngineService:
         asyncio.ensure_future(self._hook(call, "abort", None, None, 0.0))
         log.info("aborted %s: %s", rid, reason)
 
-    async def _on_control(self, msg) -> None:
+    async def _on_control(self, msg: Msg) -> None:
         req = pb.ControlRequest()
         reply = pb.ControlReply(schema_version=SCHEMA_VERSION, ok=True)
         try:
@@ -630,10 +653,10 @@ class EngineService:
             elif req.op == pb.CONTROL_FLUSH_CACHE:
                 await asyncio.to_thread(self.engine.flush_cache)  # waits for the running step: never on the loop
             elif req.op == pb.CONTROL_OPEN_MODEL:
-                await asyncio.to_thread(self.engine.open_model, req.model)  # loads the bank copy if closed
+                await asyncio.to_thread(self._model_pool("open another").open_model, req.model)  # loads the bank copy if closed
                 self._wake.set()
             elif req.op == pb.CONTROL_CLOSE_MODEL:
-                await asyncio.to_thread(self.engine.close_model, req.model)
+                await asyncio.to_thread(self._model_pool("close it").close_model, req.model)
             elif req.op == pb.CONTROL_END_SESSION:
                 await self._on_end_session(req)
             else:
@@ -649,6 +672,13 @@ class EngineService:
         if msg.reply:
             await msg.respond(reply.SerializeToString())
 
+    def _model_pool(self, what: str) -> ModelPool:
+        """The executor's model pool for a control op (raises UnsupportedOperationError on a hot instance)."""
+        pool = self.engine.pool()
+        if pool is None:
+            raise UnsupportedOperationError(f"a hot instance serves one pinned model: it cannot {what}")
+        return pool
+
     # ---------------------------------------------------------------- snapshots
     def snapshot(self) -> pb.InstanceSnapshot:
         """The instance snapshot (thread-safe: the heartbeat thread and the loop both call it)."""
@@ -656,7 +686,8 @@ class EngineService:
         with self._seq_lock:
             self.seq += 1
             seq = self.seq
-        switches = self.engine.recent_switch_records(8)
+        pool = self.engine.pool()
+        switches = pool.recent_switch_records(8) if pool is not None else ()
         snap = wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
         self.serving_metrics.observe_snapshot(snap)
         return snap
@@ -730,7 +761,9 @@ class EngineService:
             self.tracer = CallTracer(self.telemetry, self.cfg.id, self.cfg.pool)
         self.nc = await connect(url, f"engine-{self.cfg.id}", self.stack.nats)
         # a cold engine's initial activation happened before there was a connection: it goes out now, in
-        await self._publish_switches(self.engine.take_switch_records())  # order, not at the first step
+        pool = self.engine.pool()
+        if pool is not None:
+            await self._publish_switches(pool.take_switch_records())  # order, not at the first step
         self._thread = threading.Thread(target=self._run_executor, name=f"executor-{self.cfg.id}", daemon=True)
         self._thread.start()
         subs = [
@@ -754,7 +787,7 @@ class EngineService:
         finally:
             await self._drain(subs, tasks)
 
-    async def _drain(self, subs, tasks) -> None:
+    async def _drain(self, subs: list[Subscription], tasks: list[asyncio.Task[None]]) -> None:
         self.draining = True
         assert self.nc is not None
         if self._beat is not None:

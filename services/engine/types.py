@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from talaria.attribution import CallAttribution, PhaseClock
+
+# One sampled token's log-probabilities: (token id, logprob, [(alternative id, logprob), ...] most likely first).
+Logprob = tuple[int, float, list[tuple[int, float]]]
 
 
 # Temperatures below this sample greedily: dividing logits by a denormal temperature overflows to inf/nan
@@ -66,7 +73,7 @@ class EngineRequest:
     # per-call token deadline hints (seconds; 0 = the engine's configured T_TTFT / T_TPOT)
     ttft_target_s: float = 0.0
     tpot_target_s: float = 0.0
-    phases: object = None  # the call's talaria.attribution.PhaseClock (set by the engine at intake)
+    phases: PhaseClock | None = None  # the call's phase clock (set by the engine at intake)
     priority: int = 0  # call hint: larger = admitted earlier among waiting calls (ties: arrival order)
     latency_sensitivity_s: float = 0.0  # Dynamo's hint: queue as if arrived this much earlier
 
@@ -95,6 +102,6 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the final output
     error: str = ""
-    logprobs: list | None = None  # per new token (logprobs requested): (token id, logprob, [(id, logprob), ...])
-    attribution: object = None  # on the final output: talaria.attribution.CallAttribution (engine phases)
+    logprobs: list[Logprob] | None = None  # per new token (logprobs requested)
+    attribution: CallAttribution | None = None  # on the final output: the engine's phases
     stop_reason: str = ""  # vLLM's, on the final output: the stop string that ended it ("" = none)

@@ -6,6 +6,11 @@ what comes back: token chunks, completion hooks, snapshots, switch records and r
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from services.engine.api import CostStats, EngineStats, KvLocation, SessionInfo
 from services.engine.types import SamplingParams
 from talaria.config import EngineConfig
@@ -13,8 +18,8 @@ from talaria.switch_path import costs_to_proto
 from talaria.v1 import common_pb2 as cpb
 from talaria.v1 import engine_pb2 as pb
 
-import math
-import time
+if TYPE_CHECKING:
+    from services.engine.substrate.switch import SwitchRecord
 
 SCHEMA_VERSION = 1
 
@@ -67,7 +72,7 @@ def prefix_handle(info: SessionInfo, model: str, page_size: int) -> cpb.PrefixHa
     return cpb.PrefixHandle(model=model, committed_tokens=info.committed_tokens, page_size=page_size, full_pages=info.full_pages)
 
 
-def switch_record(r, instance_id: str) -> pb.SwitchRecord:
+def switch_record(r: SwitchRecord, instance_id: str) -> pb.SwitchRecord:
     """A cold engine's ``SwitchRecord`` (substrate/switch.py) as its wire message."""
     ph = r.phase_seconds
     return pb.SwitchRecord(
@@ -106,7 +111,7 @@ def token_deadline_stats(st) -> pb.TokenDeadlineStats | None:
     )
 
 
-def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: list, *, epoch: int, seq: int, draining: bool, rounds: int) -> pb.InstanceSnapshot:
+def instance_snapshot(cfg: EngineConfig, st: EngineStats, switches: Sequence[SwitchRecord], *, epoch: int, seq: int, draining: bool, rounds: int) -> pb.InstanceSnapshot:
     """The heartbeat message from the executor's typed ``stats()`` (and, cold pool, its latest switch records)."""
     snap = pb.InstanceSnapshot(
         schema_version=SCHEMA_VERSION, instance_id=cfg.id, pool=pb.POOL_HOT if cfg.pool == "hot" else pb.POOL_COLD,

@@ -20,9 +20,11 @@ gRPC metadata (``otel.grpc_metadata()``), so the store's spans join the call's t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kvstore.auth import call_metadata, channel_credentials
@@ -35,6 +37,9 @@ from talaria.v1 import kvstore_pb2_grpc as pbg
 
 
 __all__ = ["KvStoreClient", "MooncakeEndpoint", "StoreUnavailable", "channel_credentials", "read_pages", "write_pages"]
+
+
+R = TypeVar("R", bound=Message)  # the reply message of one RPC
 
 
 class StoreUnavailable(RuntimeError):
@@ -68,9 +73,10 @@ class KvStoreClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, fn, req):
+    def _call(self, fn: Callable[..., object], req: Message, reply: type[R]) -> R:
+        """``fn(req)`` with the timeout and metadata every RPC carries; its ``reply`` message (errors mapped)."""
         try:
-            return fn(req, timeout=self.timeout_s, metadata=(otel.grpc_metadata() + self._auth) or None)
+            r = fn(req, timeout=self.timeout_s, metadata=(otel.grpc_metadata() + self._auth) or None)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -78,17 +84,21 @@ class KvStoreClient:
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise ValueError(f"kvstore refused the request: {code.name}: {e.details()}") from None
             raise StoreUnavailable(f"kvstore at {self.address}: {code.name if code else e}") from None
+        if not isinstance(r, reply):  # the generated stub is untyped: what it returned is checked here
+            raise StoreUnavailable(f"kvstore at {self.address} answered {type(r).__name__}, not {reply.__name__}")
+        return r
 
     # ---------------------------------------------------------------- control
     def healthy(self) -> bool:
         try:
-            r = self._health.Check(health_pb2.HealthCheckRequest(service="talaria.v1.KvStore"), timeout=self.timeout_s)
+            # (types-grpcio-health-checking declares HealthStub without its methods)
+            r = self._health.Check(health_pb2.HealthCheckRequest(service="talaria.v1.KvStore"), timeout=self.timeout_s)  # type: ignore[attr-defined]
         except grpc.RpcError:
             return False
-        return r.status == health_pb2.HealthCheckResponse.SERVING
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     def reserve(self, layout: Layout, hashes: Sequence[int], lease_s: float = 0.0, owner: str = "") -> pb.ReserveReply:
-        return self._call(self._stub.Reserve, pb.ReserveRequest(layout=layout_to_pb(layout), hashes=list(hashes), lease_s=lease_s, owner=owner))
+        return self._call(self._stub.Reserve, pb.ReserveRequest(layout=layout_to_pb(layout), hashes=list(hashes), lease_s=lease_s, owner=owner), pb.ReserveReply)
 
     def commit(
         self, lease_id: int, block_ids: Sequence[int], abort: bool = False, checksums: Sequence[int] = (), checksum_algo: str = "",
@@ -96,16 +106,16 @@ class KvStoreClient:
         """``checksums``: one per block id, recorded by the store and returned by lookups."""
         return self._call(self._stub.Commit, pb.CommitRequest(
             lease_id=lease_id, block_ids=list(block_ids), abort=abort, checksums=list(checksums), checksum_algo=checksum_algo,
-        ))
+        ), pb.CommitReply)
 
     def lookup(self, layout: Layout, hashes: Sequence[int], pin: bool = False, lease_s: float = 0.0) -> pb.LookupReply:
-        return self._call(self._stub.Lookup, pb.LookupRequest(layout=layout_to_pb(layout), hashes=list(hashes), pin=pin, lease_s=lease_s))
+        return self._call(self._stub.Lookup, pb.LookupRequest(layout=layout_to_pb(layout), hashes=list(hashes), pin=pin, lease_s=lease_s), pb.LookupReply)
 
     def pin(self, block_ids: Sequence[int], lease_s: float = 0.0) -> pb.PinReply:
-        return self._call(self._stub.Pin, pb.PinRequest(block_ids=list(block_ids), lease_s=lease_s))
+        return self._call(self._stub.Pin, pb.PinRequest(block_ids=list(block_ids), lease_s=lease_s), pb.PinReply)
 
     def unpin(self, lease_id: int, read_complete: bool = False) -> pb.UnpinReply:
-        return self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id, read_complete=read_complete))
+        return self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id, read_complete=read_complete), pb.UnpinReply)
 
     def release(
         self, model: str, tp_rank: int = 0, hashes: Sequence[int] = (), all_of_model: bool = False, leaves_only: bool = False,
@@ -113,10 +123,10 @@ class KvStoreClient:
         """``leaves_only``: ``hashes`` is one chain; drop it from the end while nothing extends it."""
         return self._call(self._stub.Release, pb.ReleaseRequest(
             model=model, tp_rank=tp_rank, hashes=list(hashes), all_of_model=all_of_model, leaves_only=leaves_only,
-        ))
+        ), pb.ReleaseReply)
 
     def stats(self) -> pb.StatsReply:
-        return self._call(self._stub.Stats, pb.StatsRequest())
+        return self._call(self._stub.Stats, pb.StatsRequest(), pb.StatsReply)
 
 
 def page_copies(blocks: Sequence[pb.Block], dp: pb.DataPlane, local_base: int, page_bytes: int) -> list[Copy]:

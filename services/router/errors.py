@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def anthropic_path(path: str) -> bool:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -50,7 +52,7 @@ class APIError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,
@@ -60,7 +62,7 @@ class APIError(Exception):
             }
         }
 
-    def anthropic_body(self) -> dict:
+    def anthropic_body(self) -> dict[str, Any]:
         """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``; the message names the field."""
         msg = self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}"
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPE.get(self.status, "api_error"), "message": msg}}
@@ -95,17 +97,17 @@ class CatchAll:
     so the server keeps the keep-alive connection (Starlette's own 500 path re-raises and uvicorn then
     closes the socket). ``on_error(exc)`` counts/logs it. Mutates nothing else."""
 
-    def __init__(self, app, on_error=None):
+    def __init__(self, app: ASGIApp, on_error: Callable[[Exception], None] | None = None) -> None:
         self.app = app
         self.on_error = on_error
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
 
-        async def tracked(message) -> None:
+        async def tracked(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True

@@ -71,7 +71,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from talaria.cost_curve import CostCurve, prefill_seconds
 
@@ -106,7 +106,7 @@ class PolicyParams:
     queue_learned: bool = False  # the queue pressure is scaled by the measured/predicted queueing ratio (profiles.QueueBook)
 
     @classmethod
-    def from_config(cls, placement) -> PolicyParams:
+    def from_config(cls, placement: object) -> PolicyParams:
         """The knobs of a ``talaria.config.PlacementConfig``, taken by field name (a knob added to both is
         wired with no third list); fields the config does not have keep their defaults."""
         given = {f.name: getattr(placement, f.name) for f in fields(cls) if hasattr(placement, f.name)}
@@ -292,7 +292,7 @@ class Decision:
     def chosen(self) -> CostBreakdown | None:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["costs"] = [c._asdict() for c in self.costs]
         return d
@@ -377,7 +377,7 @@ def host_prefix(state: PlacementState, idx: InstanceIndex | None = None) -> int:
     if idx is not None:
         holders = [idx.by_id[i] for i in idx.kv_sessions.get(key, ()) if i in idx.by_id]
     else:
-        holders = state.instances
+        holders = list(state.instances)
     best = 0
     for inst in holders:
         entry = inst.kv.get(key)
@@ -489,7 +489,7 @@ def _eq1_special(e: _Entry, state: PlacementState, c: _Call, shared_host: int = 
     pressure = e.pressure
     if state.lease is not None and state.lease.instance_id == inst.instance_id and inst.overlay_leases > 0:
         p = state.params  # the lease reserved for this very call is not queue ahead of it (weighted: <= 1)
-        pressure = queue_pressure(inst, p.admission_unit, p.running_weight, max(0.0, inst.overlay_leases - 1))
+        pressure = queue_pressure(inst, p.admission_unit, p.running_weight, max(0, inst.overlay_leases - 1))
     return _eq1(e, pressure, kv_source, prefix, _c_kv(kv_source, prefix, e.prof), c)
 
 
@@ -594,8 +594,12 @@ def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
     )
 
 
-def _index_params(p: PolicyParams) -> tuple:
+def _index_params(p: PolicyParams) -> tuple[float, float, float, float, bool, bool]:
     return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed, p.imposed_prefill)
+
+
+# a replica-opening entry's shortlist key: (rejected by its base checks, queue pressure, KV usage, instance id)
+_OpenKey = tuple[bool, float, float, str]
 
 
 class InstanceIndex:
@@ -614,10 +618,10 @@ class InstanceIndex:
         self.version = 0
         self.by_id: dict[str, InstanceState] = {}
         self.serving: dict[str, dict[str, _Entry]] = {}  # model -> id -> entry, in instance order
-        self.opening: dict[str, list[tuple]] = {}  # model -> sorted shortlist keys of replica-opening entries
+        self.opening: dict[str, list[_OpenKey]] = {}  # model -> sorted shortlist keys of replica-opening entries
         self.kv_sessions: dict[tuple[str, str], set[str]] = {}  # (session, model) -> ids with device/host KV
         self._pos: dict[str, int] = {}
-        self._keys: dict[str, dict[str, tuple]] = {}  # id -> model -> its key in opening[model]
+        self._keys: dict[str, dict[str, _OpenKey]] = {}  # id -> model -> its key in opening[model]
 
     @classmethod
     def build(cls, instances: Iterable[InstanceState], params: PolicyParams, scope: tuple[str, str] | None = None) -> InstanceIndex:
@@ -650,13 +654,13 @@ class InstanceIndex:
         self.by_id[iid] = inst
         if old is None or old.kv is not inst.kv:
             if self.scope is None:
-                kv_items: Iterable = inst.kv.items()
+                kv_items: Iterable[tuple[tuple[str, str], tuple[int, int]]] = inst.kv.items()
             else:
                 got = inst.kv.get(self.scope)
                 kv_items = () if got is None else ((self.scope, got),)
-            for key, (state, tokens) in kv_items:
+            for session_model, (state, tokens) in kv_items:
                 if tokens > 0 and state in (KV_DEVICE, KV_HOST):
-                    self.kv_sessions.setdefault(key, set()).add(iid)
+                    self.kv_sessions.setdefault(session_model, set()).add(iid)
         keys = {}
         served: Iterable[str] = inst.models if self.scope is None else ((self.scope[1],) if self.scope[1] in inst.models else ())
         for m in served:
@@ -756,7 +760,7 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     return rows, mus, left_out
 
 
-def _shortlist(opening: Sequence[tuple], serving: Mapping[str, _Entry], c: _Call, k: int) -> set[str] | None:
+def _shortlist(opening: Sequence[_OpenKey], serving: Mapping[str, _Entry], c: _Call, k: int) -> set[str] | None:
     """The k healthy, fresh, least-pressured replica-opening instances with KV-page headroom for the call
     (None: no bound, every one is ranked)."""
     if k <= 0 or len(opening) <= k:

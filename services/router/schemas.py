@@ -24,7 +24,7 @@ import hashlib
 import json
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.router.errors import APIError
 from services.router.hints import HintFields
@@ -238,18 +238,18 @@ class ToolCallMsg(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMsg] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an assistant turn's reasoning sent back (vLLM's field): to the template
     refusal: str | None = None
-    audio: dict | None = None
-    function_call: dict | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     @field_validator("refusal", "audio", "function_call")
     @classmethod
-    def _unsupported_parts(cls, v: Any, info) -> Any:
+    def _unsupported_parts(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None:
             raise ValueError(f"assistant '{info.field_name}' in the history is not supported")
         return v
@@ -296,11 +296,11 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict] | None = None
-    function_call: str | dict | None = None
-    audio: dict | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    prediction: dict | None = None
+    prediction: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -308,11 +308,11 @@ class ChatCompletionRequest(_Common):
     # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: str | None = None
-    web_search_options: dict | None = None
+    web_search_options: dict[str, Any] | None = None
     safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)
     prompt_cache_key: str | None = None  # honoured as the session key (see module docstring)
     prompt_cache_retention: str | None = None
-    prompt_cache_options: dict | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     moderation: Any = None
     # vLLM's chat-template options (wire: GenerateRequest.chat_template)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -385,7 +385,8 @@ class ChatCompletionRequest(_Common):
             return pb.Constraint()
         if rf.type == "json_object":
             return pb.Constraint(kind="json_object")
-        schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        js = rf.json_schema
+        schema = js.schema_ if js is not None and js.schema_ is not None else {}
         return pb.Constraint(kind="json_schema", json_schema=json.dumps(schema, ensure_ascii=False))
 
     def sampling_proto(self, max_tokens: int) -> pb.SamplingParams:
@@ -421,7 +422,7 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v):
+    def _single_prompt(cls, v: Any) -> Any:
         if isinstance(v, list):
             if len(v) == 0:
                 raise ValueError("prompt must not be empty")
@@ -492,7 +493,7 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"invalid value for '{loc}': {msg}" if loc else msg, code="invalid_value", param=loc)
 
 
-def parse_request(cls: type[_Common], data: dict) -> Any:
+def parse_request(cls: type[_Common], data: dict[str, Any]) -> Any:
     """Validate a JSON body into ``cls``; every failure is an :class:`APIError` 400 naming the field."""
     bad = _bad_string(data, "")
     if bad is not None:

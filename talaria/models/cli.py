@@ -43,7 +43,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``models synth --out DIR [--seed N] [--only NAME ...]`` and ``models list``.
 
     Each leaf parser sets ``fn`` (``fn(args) -> int`` exit code) via ``set_defaults``, the attribute
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="talaria")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.fn(args)
+    return int(args.fn(args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
 # name -> (Python package holding the file, file name, served model name)
@@ -68,7 +73,7 @@ class ImportError_(RuntimeError):
     """A model that cannot be imported, with the reason."""
 
 
-def _bar(label: str, done: int, total: int, t0: float, stream=sys.stderr) -> None:
+def _bar(label: str, done: int, total: int, t0: float, stream: TextIO = sys.stderr) -> None:
     """One progress line, redrawn in place (plain lines when not a terminal)."""
     frac = done / total if total else 1.0
     filled = int(frac * 30)
@@ -121,7 +126,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwe
                   "gemma3_text": "Gemma3ForCausalLM"}
 
 
-def _check_arch(config: dict, src: str) -> None:
+def _check_arch(config: dict[str, Any], src: str) -> None:
     arch = (config.get("architectures") or [_BY_MODEL_TYPE.get(config.get("model_type", ""), config.get("model_type") or "?")])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ImportError_(f"{src}: architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -155,7 +160,7 @@ def _assemble(pkg: str, fname: str, scratch: Path) -> Path:
         raise ImportError_(f"the installed {pkg.replace('_', '-')} package could not assemble {fname}: {e}") from None
 
 
-def _gemma_turns(tok, out: Path) -> None:
+def _gemma_turns(tok: PreTrainedTokenizerBase, out: Path) -> None:
     """A tokenizer without a chat template whose vocabulary has Gemma's turn tokens: write Gemma's turn
     template and make ``<end_of_turn>`` an end token (generation_config.json), so chat answers stop at the turn."""
     if getattr(tok, "chat_template", None) or tok.convert_tokens_to_ids("<start_of_turn>") in (None, tok.unk_token_id):
@@ -225,7 +230,7 @@ def _finish_checkpoint(out: Path) -> None:
         raise ImportError_(f"{out}: the tokenizer could not be written as tokenizer.json")
 
 
-def import_known(names: list[str], models_dir: str | Path, say=print) -> list[str]:
+def import_known(names: list[str], models_dir: str | Path, say: Callable[[str], object] = print) -> list[str]:
     """Import the served names that a known package provides (e.g. ``smollm2-135m-instruct``); returns the
     names left to synthesize."""
     by_served = {served: key for key, (_pkg, _f, served) in KNOWN.items()}
@@ -255,7 +260,7 @@ def import_model(src: str, models_dir: str | Path, name: str | None = None, gguf
     scratch = out.with_name(out.name + ".gguf-scratch")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if src in KNOWN and KNOWN[src][0] in ASSEMBLED:
+        if src in KNOWN and KNOWN[src][0] in ASSEMBLED and gguf is not None:
             directory = _assemble(KNOWN[src][0], gguf, scratch).parent
         if gguf is not None:
             import_gguf(directory, gguf, tmp, dtype)

@@ -21,7 +21,10 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
@@ -170,7 +173,7 @@ def build_corpus() -> list[str]:
     return chunks
 
 
-def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     """Train a byte-level BPE ``tokenizers.Tokenizer`` with the ChatML special tokens at ids 0, 1, 2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -364,13 +367,21 @@ SCRIPTED_SPEC = ModelSpec(
 )
 
 
-def script_ids(tok, reasoning: str, content: str) -> list[int]:
+def _token_id(tok: Tokenizer, text: str) -> int:
+    """The id of ``text``, a token of ``tok``'s vocabulary (KeyError when it is not one)."""
+    i = tok.token_to_id(text)
+    if i is None:
+        raise KeyError(f"{text!r} is not a token of this tokenizer")
+    return i
+
+
+def script_ids(tok: Tokenizer, reasoning: str, content: str) -> list[int]:
     """The scripted output as token ids: ``reasoning``, ``</think>``, ``content``, then ``<|im_end|>``.
     Raises ValueError when a token repeats (the next token is a function of the current one only, so each
     token may appear once)."""
-    ids = tok.encode(reasoning, add_special_tokens=False).ids + [tok.token_to_id(THINK_CLOSE)]
+    ids: list[int] = tok.encode(reasoning, add_special_tokens=False).ids + [_token_id(tok, THINK_CLOSE)]
     ids += tok.encode(content, add_special_tokens=False).ids + [IM_END_ID]
-    chain = [tok.token_to_id(THINK_OPEN)] + ids
+    chain = [_token_id(tok, THINK_OPEN)] + ids
     seen: set[int] = set()
     for t in chain[:-1]:
         if t in seen:
@@ -415,7 +426,7 @@ def synthesize_scripted(out_dir: str | Path, reasoning: str = SCRIPT_REASONING, 
     tok = Tokenizer.from_str(tokenizer_json) if tokenizer_json else train_tokenizer()
     tok.add_tokens([AddedToken(THINK_OPEN, normalized=False, special=False), AddedToken(THINK_CLOSE, normalized=False, special=False)])
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    chain = [tok.token_to_id(THINK_OPEN)] + script_ids(tok, reasoning, content)
+    chain = [_token_id(tok, THINK_OPEN)] + script_ids(tok, reasoning, content)
     spec = SCRIPTED_SPEC if name == SCRIPTED_SPEC.name else ModelSpec(**{**SCRIPTED_SPEC.__dict__, "name": name})
     d = Path(out_dir) / name
     d.mkdir(parents=True, exist_ok=True)

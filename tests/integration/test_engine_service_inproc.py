@@ -124,6 +124,7 @@ async def test_first_switch_record_a_subscriber_sees_is_the_switch_it_asked_for(
         nc = await connect(nats_url, "test")
         try:
             await until_serving(nc, "sw0")
+            assert ce.pool() is ce  # the cold engine is its own model pool
             switches = await nc.subscribe(SUBJ.switch("sw0"))  # a subscriber that joins a serving instance
             req = pb.ControlRequest(schema_version=1, op=pb.CONTROL_OPEN_MODEL, model=models[1])
             assert pb.ControlReply.FromString((await nc.request(SUBJ.control("sw0"), req.SerializeToString(), timeout=60)).data).ok
@@ -131,6 +132,29 @@ async def test_first_switch_record_a_subscriber_sees_is_the_switch_it_asked_for(
             # before the fix the initial activation ('', tiny-llama), made before the service connected,
             # was published at the first step — i.e. to whoever subscribed before the first call
             assert (rec.from_model, rec.to_model) == models
+        finally:
+            await nc.close()
+
+
+async def test_a_hot_instance_has_no_model_pool_and_refuses_open_and_close(synth_models, nats_url):
+    """The hot engine implements api.Executor only: pool() is None (the cold engine is its own pool), so the
+    service answers open/close with the "unsupported" refusal and the heartbeat carries no switch records."""
+    eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=64)
+    assert eng.pool() is None
+    cfg = EngineConfig(id="hot0", models=["tiny-llama"], heartbeat_period_s=0.1)
+    with Running(EngineService(StackConfig(), cfg, eng, drain_timeout_s=1.0), nats_url):
+        nc = await connect(nats_url, "test")
+        try:
+            await until_serving(nc, "hot0")
+            for op in (pb.CONTROL_OPEN_MODEL, pb.CONTROL_CLOSE_MODEL):
+                req = pb.ControlRequest(schema_version=1, op=op, model="tiny-llama")
+                rep = pb.ControlReply.FromString((await nc.request(SUBJ.control("hot0"), req.SerializeToString(), timeout=30)).data)
+                assert not rep.ok and rep.error.code == "unsupported" and rep.error.http_status == 400, rep.error
+                assert rep.snapshot.instance_id == "hot0" and not rep.snapshot.switches
+            inbox = nc.new_inbox()
+            chunks = await nc.subscribe(inbox)
+            await nc.publish(SUBJ.generate("hot0"), gen("tiny-llama", 1).SerializeToString(), reply=inbox)
+            assert pb.TokenChunk.FromString((await chunks.next_msg(30)).data).accepted  # still serving
         finally:
             await nc.close()
 

@@ -513,6 +513,10 @@ class ColdEngine:
         self.substrate.attach(model, self._shells[model].allocator)
         self.active = model
 
+    def pool(self) -> ColdEngine:
+        """This engine: it is the model pool (``api.ModelPool``) as well as the executor."""
+        return self
+
     # ------------------------------------------------------------------ introspection
     def recent_switch_records(self, n: int) -> list[SwitchRecord]:
         """The latest ``n`` switch records, oldest first (any thread)."""

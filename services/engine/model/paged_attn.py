@@ -94,7 +94,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -266,7 +266,7 @@ def _build():
         )
 
 
-def load_extension():
+def load_extension() -> Any:
     """The compiled extension module (``paged_attn.cpp`` + ``fused_ops.cpp``), built on the first call (may
     take tens of seconds; later calls and processes reuse torch's extension cache), or ``None`` if it cannot
     be built or loaded (one warning logged, once per process). Thread-safe."""
