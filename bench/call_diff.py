@@ -5,8 +5,9 @@ and ``least-pressure``, which differ only in placement) are joined call by call 
 every call both runs completed, the difference of their end-to-end latencies (A minus B: negative = A faster)
 is attributed twice:
 
-* **by outcome** -- each run's call is classed by what placement did to it: stayed on the session's previous
-  instance or moved (``same`` / ``moved``; a session's first call is ``first``), where its prefix came from as the
+* **by outcome** -- each run's call is classed by what placement did to it: stayed on the instance of the
+  session's previous call of the same model or moved (``same`` / ``moved``; the session's first call of the model
+  is ``first``), where its prefix came from as the
   engine reported it (``device`` when cached tokens exceed the restored ones, ``host`` when restored, else
   ``recompute``), and whether its placement opened or switched the model (``open`` / ``switch`` / ``resident``,
   from the router's call record). The table sums and takes the median of the latency difference per pair of
@@ -40,7 +41,7 @@ class CallView:
     index: int
     latency_s: float  # end of response - send (client clock)
     ttft_s: float  # first token - send
-    moved: str  # "first" | "same" | "moved": the instance against the session's previous call's
+    moved: str  # "first" | "same" | "moved": the instance against the session's previous call of the same model
     kv: str  # "device" | "host" | "recompute": where the prefix came from (engine usage)
     activation: str  # "open" | "switch" | "resident" | "?" (no call record)
     instance: str = ""
@@ -74,13 +75,14 @@ def call_views(replay: dict[str, Any], records: list[dict[str, Any]] | None) -> 
     for rs in by_session.values():
         rs.sort(key=lambda r: float(r.get("arrival_unix") or 0.0))
     out: dict[tuple[str, int], CallView] = {}
-    prev: dict[str, str] = {}
+    prev: dict[tuple[str, str], str] = {}
     seen: dict[str, int] = {}
     for c in calls:
         sid = c["session_id"]
         inst = c.get("instance", "")
-        moved = "first" if sid not in prev else ("same" if prev[sid] == inst else "moved")
-        prev[sid] = inst
+        key = (sid, str(c.get("model", "")))  # a two-model session's return goes back to its model's instance
+        moved = "first" if key not in prev else ("same" if prev[key] == inst else "moved")
+        prev[key] = inst
         if c.get("error") or not all(math.isfinite(float(c.get(x, math.nan))) for x in ("sent", "end")):
             continue
         # the k-th completed call of the session is its k-th error-free call-end record (a retried 429 leaves an

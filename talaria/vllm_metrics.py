@@ -28,10 +28,12 @@ state); the instruments are thread-safe (the engine feeds them from its heartbea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from talaria.v1 import engine_pb2 as pb
 
@@ -45,7 +47,18 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-TALARIA_NAMES = ("talaria_engine_kernel_on",)  # beside the vLLM names, in the same registry
+# the host KV tier's cumulative counters (services/engine/host_kv.py COUNTERS) exported, and their help text
+HOST_KV_COUNTERS = {
+    "checkpoints": ("talaria_host_kv_checkpoints", "Session checkpoints written to the kvstore"),
+    "checkpoint_bytes": ("talaria_host_kv_checkpoint_bytes", "Bytes of KV pages checkpointed to the kvstore"),
+    "checkpoint_cpu_s": ("talaria_host_kv_checkpoint_cpu_seconds", "CPU seconds the tier's checkpoint thread spent (copies, checksums, store RPCs, transfer): on a CPU engine taken from the compute threads' cores"),
+    "restores": ("talaria_host_kv_restores", "Prompts restored from the kvstore instead of recomputed"),
+    "restore_bytes": ("talaria_host_kv_restore_bytes", "Bytes of KV pages restored from the kvstore"),
+    "restore_cpu_s": ("talaria_host_kv_restore_cpu_seconds", "CPU seconds the tier's restore thread spent (lookups, transfers, checksums, scatters)"),
+    "restores_declined": ("talaria_host_kv_restores_declined", "Restores the measured costs declined (recomputing was cheaper)"),
+    "store_failures": ("talaria_host_kv_store_failures", "Kvstore RPCs or transfers that failed (the call recomputed or the checkpoint was dropped)"),
+}
+TALARIA_NAMES = ("talaria_engine_kernel_on", *(n for n, _h in HOST_KV_COUNTERS.values()))  # beside the vLLM names, in the same registry
 NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:time_to_first_token_seconds",
@@ -73,6 +86,8 @@ class ServingMetrics:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (device or host KV)", LABELS, registry=r)
         self.kernel_on = Gauge("talaria_engine_kernel_on", "1 if the engine runs this compute kernel, 0 if it runs the fallback (InstanceSnapshot.kernels)", ("engine", "kernel"), registry=r)
+        self.host_kv = _HostKvCounters()
+        r.register(self.host_kv)
 
     def observe_snapshot(self, snap: pb.InstanceSnapshot) -> None:
         """Set the gauges of every model ``snap`` lists. Mutates the gauges only."""
@@ -84,6 +99,11 @@ class ServingMetrics:
             self.gpu_kv_usage.labels(*key).set(snap.kv_usage)
         for k in snap.kernels:
             self.kernel_on.labels(snap.instance_id, k.name).set(0 if k.state.startswith("off") else 1)
+
+    def observe_host_kv(self, engine: str, counters: Iterable[tuple[str, Iterable[tuple[str, float]]]]) -> None:
+        """The host KV tiers' cumulative counters of ``engine`` (``EngineStats.host_kv_counters``: per model).
+        Mutates the exported values only."""
+        self.host_kv.update(engine, counters)
 
     def observe_hook(self, hook: pb.CompletionHook) -> None:
         """Count one finished call (tokens, prefix-cache lookups; latencies and success unless it failed).
@@ -107,6 +127,27 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         """Prometheus text format 0.0.4."""
         return generate_latest(self.registry)
+
+
+class _HostKvCounters(Collector):
+    """The host KV counters as Prometheus counters: the tier keeps the cumulative values, the heartbeat's
+    ``EngineStats`` carries them here, a scrape reads the latest."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str], dict[str, float]] = {}  # (model, engine) -> counter -> value
+
+    def update(self, engine: str, counters: Iterable[tuple[str, Iterable[tuple[str, float]]]]) -> None:
+        for model, kv in counters:
+            self._values[(model, engine)] = {k: float(v) for k, v in kv if k in HOST_KV_COUNTERS}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        values = dict(self._values)
+        for key, (name, help_text) in HOST_KV_COUNTERS.items():
+            fam = CounterMetricFamily(name, help_text, labels=LABELS)
+            for labels, kv in values.items():
+                if key in kv:
+                    fam.add_metric(list(labels), kv[key])
+            yield fam
 
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from services.engine.kv.session_residency import KvLocation, Residency  # noqa: F401 - part of this contract
+from services.engine.kv.session_residency import KvLocation as KvLocation, Residency as Residency  # part of this contract (re-exported)
 
 from services.engine.types import EngineRequest, RequestOutput
 
@@ -196,6 +196,9 @@ class EngineStats:
     transfer_stream_bytes: int = 0  # partial_layers: bytes the transfer scheduler streamed (weights)
     transfer_kv_bytes: int = 0  # ... and moved for KV restores under the kappa floor
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, what runs) -- see executor.Engine.kernels()
+    # the host KV tier's counters per model (``host_kv.COUNTERS``: checkpoints, bytes, the CPU seconds its
+    # threads took, restores, ...), cumulative since the tier started: the engine's /metrics exports them
+    host_kv_counters: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
     @property
     def kv_usage(self) -> float:

@@ -770,6 +770,7 @@ class Engine:
             sessions=tuple(sessions), profile=costs, host_kv=hk is not None,
             kv_restore_verify_failures=hk.counters["restore_verify_failures"] if hk is not None else 0,
             kernels=self.kernels(),
+            host_kv_counters=((self.model_id, tuple(hk.counters.items())),) if hk is not None else (),
         )
 
     def cost_stats(self) -> CostStats:

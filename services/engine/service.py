@@ -690,6 +690,7 @@ class EngineService:
         switches = pool.recent_switch_records(8) if pool is not None else ()
         snap = wire.instance_snapshot(self.cfg, st, switches, epoch=self.epoch, seq=seq, draining=self.draining, rounds=self.rounds_closed)
         self.serving_metrics.observe_snapshot(snap)
+        self.serving_metrics.observe_host_kv(self.cfg.id, st.host_kv_counters)
         return snap
 
     def start_metrics_server(self) -> int | None:

@@ -7,8 +7,8 @@ import json
 from bench.call_diff import call_views, diff, kv_source, load_run, table
 
 
-def _call(sid, i, inst, sent, end, cached=0, restored=0, error=""):
-    return {"session_id": sid, "call_index": i, "instance": inst, "sent": sent, "first_token": sent + 0.1, "end": end,
+def _call(sid, i, inst, sent, end, cached=0, restored=0, error="", model="m"):
+    return {"session_id": sid, "call_index": i, "model": model, "instance": inst, "sent": sent, "first_token": sent + 0.1, "end": end,
             "cached_tokens": cached, "restored_tokens": restored, "error": error}
 
 
@@ -47,6 +47,9 @@ def test_views_join_records_by_session_order_and_skip_errors():
     assert v[("s", 2)].outcome == "moved/host/switch"
     assert v[("s", 2)].components == {"switch wait": 1.0, "KV restore": 0.2}
     assert v[("s", 2)].latency_s == 2.0
+    # a two-model session: the user simulator's call in between does not make the agent's return a move
+    two = call_views({"calls": [_call("u", 0, "e0", 0, 1), _call("u", 1, "e1", 1, 2, model="sim"), _call("u", 2, "e0", 2, 3, cached=9)]}, None)
+    assert [two[("u", i)].moved for i in range(3)] == ["first", "first", "same"]
     no_records = call_views(replay, None)
     assert no_records[("s", 1)].outcome == "same/device/?" and no_records[("s", 1)].components == {}
 

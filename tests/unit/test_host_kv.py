@@ -77,6 +77,8 @@ def test_restore_after_eviction_equals_uninterrupted(synth_models, store, moonca
     assert usage.cached_tokens >= (len(p) // PAGE) * PAGE  # the restored prefix was not recomputed
     # what the tier's threads took from the cores: a copy, checksums and RPCs are never free
     assert 0 < hk.counters["checkpoint_cpu_s"] < 5 and 0 < hk.counters["restore_cpu_s"] < 5
+    exported = dict(dict(e.stats().host_kv_counters)[e.model_id])  # what the engine's /metrics reads
+    assert exported["checkpoints"] == hk.counters["checkpoints"] >= 1 and exported["restore_cpu_s"] == hk.counters["restore_cpu_s"]
     hk.close()
 
 

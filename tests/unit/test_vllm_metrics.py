@@ -62,6 +62,17 @@ def test_snapshot_and_hooks_fill_the_vllm_series():
     assert s[("vllm:time_per_output_token_seconds_count", L)] == 1 and abs(s[("vllm:time_per_output_token_seconds_sum", L)] - 0.5) < 1e-9
 
 
+def test_host_kv_counters_are_exported_per_model_and_engine():
+    m = ServingMetrics()
+    m.observe_host_kv("e0", [("m", [("checkpoints", 3), ("checkpoint_cpu_s", 0.25), ("restores", 1), ("dirty_marked", 9)])])
+    m.observe_host_kv("e0", [("m", [("checkpoints", 4), ("checkpoint_cpu_s", 0.5), ("restores", 1)]), ("other", [("restore_cpu_s", 0.125)])])
+    s = samples(m.exposition().decode())
+    assert s[("talaria_host_kv_checkpoints_total", L)] == 4  # the latest cumulative value, not a sum of heartbeats
+    assert s[("talaria_host_kv_checkpoint_cpu_seconds_total", L)] == 0.5 and s[("talaria_host_kv_restores_total", L)] == 1
+    assert s[("talaria_host_kv_restore_cpu_seconds_total", (("engine", "e0"), ("model_name", "other")))] == 0.125
+    assert not any(name.startswith("talaria_host_kv_dirty") for name, _l in s)  # only the exported counters
+
+
 class _FakeNC:
     is_connected = True
 

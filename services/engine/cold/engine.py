@@ -601,6 +601,7 @@ class ColdEngine:
             staging_slack_bytes=self._slack_bytes, num_switches=self.protocol.seq,
             slots=slots, transfer_stream_bytes=tb.get("STREAM", 0), transfer_kv_bytes=tb.get("KV", 0),
             kernels=st.kernels if st is not None else self._any_kernels(),
+            host_kv_counters=tuple((m, tuple(hk.counters.items())) for m, hk in list(self._host_kv.items())),
         )
 
     def _any_kernels(self) -> tuple[tuple[str, str], ...]:

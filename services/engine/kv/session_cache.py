@@ -19,8 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.engine.kv.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from services.engine.kv.retention import RetentionBook
 
 
 @dataclass(slots=True)
@@ -53,7 +57,7 @@ class SessionCache:
         self.max_pages = max_pages
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU first
         self._num_pages = 0
-        self.retention = None  # optional kv.retention.RetentionBook: evict by predicted return
+        self.retention: RetentionBook | None = None  # evict by predicted return (None: plain LRU)
 
     def __len__(self) -> int:
         return len(self._entries)
