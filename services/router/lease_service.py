@@ -131,49 +131,66 @@ class LeaseService:
         """Settle the lease a decision judged (see the table in the module docstring): consume a honoured one in
         the shared store (``forward``: the step sends the call), discard any other. Mutates the store, the
         table, the resume replay guard and the accounting."""
-        if d is None or d.lease == "none":
-            if d is not None:
-                self.lease_judged(d)
-            return NO_LEASE
-        if d.lease == "hit" and forward:
+        op, held = self._settle_local(d, rev, session_id, model, forward)
+        consumed = True
+        if op == "consume":
             assert rev is not None
-            held = self._held(session_id, model)
-            if rev == 0:
-                self.table.remove(lease_key(session_id, model), 0)
-            elif not await self.store.consume(session_id, model, rev):
-                self.lease_raced()
-                return RACED
-            return self._honoured(d, held)
-        if rev == 0:
-            self.table.remove(lease_key(session_id, model), 0)
-        elif rev is not None:
+            consumed = await self.store.consume(session_id, model, rev)
+        elif op == "discard":
+            assert rev is not None
             await self.store.discard(session_id, model, rev)
-        self.lease_judged(d)
-        return NO_LEASE
+        return self._settle_end(d, op, held, consumed)
 
     def settle_now(self, d: Decision | None, rev: int | None, session_id: str, model: str, forward: bool = True) -> Settled:
         """``settle`` against a store that answers at once (``MemoryLeases``: the simulator, the policy bench).
         Same outcomes and accounting."""
         store = self.store
         assert isinstance(store, MemoryLeases), "settle_now needs a local store"
+        op, held = self._settle_local(d, rev, session_id, model, forward)
+        consumed = True
+        if op in ("consume", "discard"):
+            assert rev is not None
+            ok = store.consume_now(session_id, model, rev)  # a local discard is a consume whose answer is unused
+            consumed = ok if op == "consume" else True
+        return self._settle_end(d, op, held, consumed)
+
+    def _settle_local(self, d: Decision | None, rev: int | None, session_id: str, model: str, forward: bool) -> tuple[str, tuple[str, int]]:
+        """The part of settling that needs no store round trip, and what is left for the store: ("consume",
+        held) for a honoured lease of a call that goes out, ("discard", -) for any other lease the store holds,
+        ("honoured", held) for a honoured lease only the local table held (revision 0: removed here), ("done",
+        -) when nothing is left. ``held``: the lease's (id, engine epoch). Mutates the local table and, for
+        "done", the accounting."""
+        none = ("", 0)
         if d is None or d.lease == "none":
             if d is not None:
                 self.lease_judged(d)
-            return NO_LEASE
+            return "done", none
         if d.lease == "hit" and forward:
             assert rev is not None
             held = self._held(session_id, model)
             if rev == 0:
                 self.table.remove(lease_key(session_id, model), 0)
-            elif not store.consume_now(session_id, model, rev):
-                self.lease_raced()
-                return RACED
-            return self._honoured(d, held)
+                return "honoured", held
+            return "consume", held
         if rev == 0:
             self.table.remove(lease_key(session_id, model), 0)
         elif rev is not None:
-            store.consume_now(session_id, model, rev)
+            return "discard", none
         self.lease_judged(d)
+        return "done", none
+
+    def _settle_end(self, d: Decision | None, op: str, held: tuple[str, int], consumed: bool) -> Settled:
+        """The outcome once the store answered (``consumed``: the consume won; True for the other ops).
+        Mutates the accounting and the resume replay guard."""
+        if op == "consume" and not consumed:
+            self.lease_raced()
+            return RACED
+        if op in ("consume", "honoured"):
+            assert d is not None
+            return self._honoured(d, held)
+        if op == "discard":
+            assert d is not None
+            self.lease_judged(d)
         return NO_LEASE
 
     def _held(self, session_id: str, model: str) -> tuple[str, int]:
