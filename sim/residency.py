@@ -1,6 +1,6 @@
 """Unified residency on a simulated cold instance: the mechanism side of ``services/engine/cold/residency.py``.
 
-Design NOTE (issue 16 item 1; JointServe §3-§4.2, ``../shared/reference/jointserve-paper.txt``). The policy is
+Design NOTE (JointServe §3-§4.2). The policy is
 the engine's own ``services.engine.residency.ResidencyManager`` (a multiple-choice knapsack over model layer
 groups and session KV prefixes under one device budget, valued by the recovery work each avoids) fed by the
 engine's ``ReuseSignals``; this module only builds the same candidates from the simulated instance and carries

@@ -1,4 +1,4 @@
-"""One residency budget for weights and KV (JointServe §3, ``../shared/reference/jointserve-paper.txt``) —
+"""One residency budget for weights and KV (JointServe §3) —
 pure policy: no torch, no I/O, no clock reads (``now`` is passed in).
 
 Design NOTE.

@@ -7,7 +7,7 @@ host staging buffer and *pushes* (``write``) checkpoints into the store's slabs 
 restores out of them, one batched call per group of byte ranges. A dead peer fails at once (return code
 -1), which the engine turns into "store unavailable".
 
-Facts this relies on (../shared/ENVIRONMENT.md): the package is ``mooncake-transfer-engine-non-cuda``
+Facts this relies on (checked on this project's machines): the package is ``mooncake-transfer-engine-non-cuda``
 on CPU machines (same ``mooncake`` module as the CUDA build; never both), it needs Debian's
 ``libibverbs1`` even for TCP, and it logs "Local segment descriptor not found" at every init even on
 success. Its TCP sockets bind every interface whatever ``host`` says.

@@ -1,6 +1,5 @@
-"""Per-token deadlines for the cold pool (Aegaeon, SOSP 2025, as summarized in
-``../shared/reference/aegaeon-summary.txt``: "Why request-granularity scaling stalls at three", "Token
-deadlines turn pooling into admission control") — pure policy, no torch, no I/O, injected clock.
+"""Per-token deadlines for the cold pool (Aegaeon, SOSP 2025: "Why request-granularity
+scaling stalls at three", "Token deadlines turn pooling into admission control") — pure policy, no torch, no I/O, injected clock.
 
 Design NOTE.
 * Service quality is per token. Each sequence's first token is due ``arrival + T_TTFT``; token ``i > 1`` is
