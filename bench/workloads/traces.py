@@ -68,6 +68,6 @@ def trace_path(trace: Trace, explicit: str | os.PathLike | None = None, env: Map
         p = d / trace.name
     if not p.is_file():
         raise TraceNotFound(
-            f"trace file not found: {p} (from {rule}); it is {trace.name} from {trace.source}; download it and pass "
-            f"{trace.flag} FILE, or put it in a directory named by ${ENV_VAR} (default {DEFAULT_DIR}); see data/traces/README.md")
+            f"trace file not found: {p} (from {rule}); it is {trace.name} from {trace.source}; download it, then pass "
+            f"{trace.flag} FILE, or put it in {DEFAULT_DIR}, or set ${ENV_VAR} to the directory holding it; see data/traces/README.md")
     return p
