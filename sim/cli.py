@@ -111,7 +111,7 @@ def add_cli(sub) -> None:
     r = ps.add_parser("run", help="simulate a replay workload on N cold instances, configurations side by side")
     r.add_argument("--profile", default=DEFAULT_TP8)
     r.add_argument("--workload", help="talaria-replay/1 JSONL")
-    r.add_argument("--mooncake", help="a Mooncake trace (bench/workloads/mooncake.py)")
+    r.add_argument("--mooncake", help="a Mooncake trace file (bench/workloads/mooncake.py; data/traces/README.md says where to get it)")
     r.add_argument("--sessions", type=int, default=10, help="synthetic sessions (full scale) when no workload is given")
     r.add_argument("--models", default="qwen3-235b,glm5-nvfp4,qwen3.5-122b-a10b")
     r.add_argument("--instances", type=int, default=1)
@@ -172,7 +172,8 @@ def add_cli(sub) -> None:
     le.add_argument("--max-depth", type=int, default=40, help="synthetic sessions' depth cap")
     le.add_argument("--taus", default="0.5,1,2,5", help="fixed tau values")
     le.add_argument("--start-gap", type=float, default=4.0, help="mean seconds between session starts (Poisson)")
-    le.add_argument("--miniswe", default="../shared/data/lmcache_miniswe_trace.jsonl.gz")
+    le.add_argument("--miniswe", default=None, help="the mini-swe-agent trace file (default: $TALARIA_TRACES_DIR/lmcache_miniswe_trace.jsonl.gz, "
+                    "else data/traces/; see data/traces/README.md)")
     le.add_argument("--no-arith", action="store_true", help="also run adaptive leases without the lease arithmetic")
     le.add_argument("--decay", action="store_true", help="also run adaptive leases weighed by their decaying value in placement")
     le.add_argument("--no-reference", action="store_true", help="skip the reference run without any leases")

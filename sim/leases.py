@@ -6,7 +6,8 @@ simulator's virtual clock (so the numbers do not move with this machine's load):
 
 * ``tools``: the synthetic generator's per-tool gaps (``SynthParams(tool_gaps=True)``: ``ls``/``grep`` ~50 ms
   ... ``pytest`` ~6 s), full-scale lengths;
-* ``miniswe``: the shared mini-swe-agent trace (``bench/workloads/miniswe.py``), ~4 characters per token,
+* ``miniswe``: the public mini-swe-agent trace (``bench/workloads/miniswe.py``; the file is found by
+  ``bench/workloads/traces.py``: ``--miniswe FILE``, else ``$TALARIA_TRACES_DIR``, else ``data/traces/``), ~4 characters per token,
   the commands it ran as the hooks' tools, gaps as recorded (start-to-start, capped at 10 s).
 
 Both on the §5.3 router testbed (``profiles/paper-tp4-router.yaml``: two cold TP=4 workers, three models,
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import unit_means, vs_best_fixed
+from bench.workloads.traces import MINISWE, trace_path
 from services.router.policy import PolicyParams
 
 from . import report, workload
@@ -44,13 +46,13 @@ from .paper import ROUTER_MODELS, slot_policy
 from .profile import GIB, Profile, load
 
 TAUS = (0.5, 1.0, 2.0, 5.0)
-MINISWE_PATH = "../shared/data/lmcache_miniswe_trace.jsonl.gz"
 METRICS = ("sct_p50_s", "sct_p95_s", "ttft_returning_p50_s", "ttft_returning_p95_s", "lease_hits", "unused_leases", "lease_expiries",
            "leases_declined", "lease_outweighed", "lease_gib_s", "same_instance_return_rate")
 
 
-def sessions_for(kind: str, seed: int, sessions: int, max_depth: int, miniswe_path: str, start_gap_s: float) -> list[workload.SimSession]:
-    """Fresh simulator sessions of workload ``kind`` ("tools" | "miniswe") for ``seed``. Pure (reads the trace file)."""
+def sessions_for(kind: str, seed: int, sessions: int, max_depth: int, miniswe_path: str | None, start_gap_s: float) -> list[workload.SimSession]:
+    """Fresh simulator sessions of workload ``kind`` ("tools" | "miniswe") for ``seed``; ``miniswe_path`` None: the
+    trace resolver's default (``bench/workloads/traces.py``). Pure (reads the trace file)."""
     if kind == "tools":
         from bench.workloads.synthetic import SynthParams, generate
 
@@ -118,13 +120,13 @@ def compare(rows: dict[str, dict[str, float]], name: str = "adaptive", per_seed:
 
 def run_leases(out: Path, *, profile: str, workloads: tuple[str, ...] = ("tools", "miniswe"), seeds: int = 12, seed: int = 0,
                sessions: int = 24, max_depth: int = 40, taus: tuple[float, ...] = TAUS, start_gap_s: float = 4.0,
-               miniswe_path: str = MINISWE_PATH, with_no_arith: bool = False, with_decay: bool = False, no_lease_row: bool = True, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+               miniswe_path: str | None = None, with_no_arith: bool = False, with_decay: bool = False, no_lease_row: bool = True, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Every (workload, seed, policy) run (``no_lease_row``: also one without leases, for reference), medians,
     geometric means, paired ratios; writes ``OUT/summary.json`` and one report per
     workload (``OUT/<workload>/report.md``, the sim's report code). Returns the summary."""
     prof = load(profile)
-    if "miniswe" in workloads and not Path(miniswe_path).exists():
-        raise FileNotFoundError(f"mini-swe-agent trace not found: {miniswe_path} (pass --miniswe PATH)")
+    if "miniswe" in workloads:  # a missing trace fails here, before any run, with the resolver's one-line error
+        miniswe_path = str(trace_path(MINISWE, miniswe_path))
     adaptive = ("adaptive",) + (("adaptive-no-arith",) if with_no_arith else ()) + (("adaptive-decay",) if with_decay else ())
     policies = [(a, 0.0) for a in adaptive] + [("fixed", t) for t in taus] + ([("none", 0.0)] if no_lease_row else [])
     summary: dict[str, Any] = {"profile": profile, "seeds": seeds, "first_seed": seed, "sessions": sessions, "max_depth": max_depth,

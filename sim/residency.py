@@ -3,8 +3,9 @@
 Design NOTE (JointServe §3-§4.2). The policy is
 the engine's own ``services.engine.residency.ResidencyManager`` (a multiple-choice knapsack over model layer
 groups and session KV prefixes under one device budget, valued by the recovery work each avoids) fed by the
-engine's ``ReuseSignals``; this module only builds the same candidates from the simulated instance and carries
-the plan out, as the engine's ``ResidencyDriver`` does:
+engine's ``ReuseSignals``, and the candidates come from the engine's own
+``services.engine.residency_candidates.candidates`` — the function the engine's ``ResidencyDriver`` calls. This
+module only describes the simulated instance as that function's ``InstanceState`` and carries the plan out:
 
 * **budget**: the active model's KV region (the arena minus its weights), where the engine stages weights too.
 * **protected**: the KV of the running batch and what the active model's queued calls will need (prompt +
@@ -12,8 +13,8 @@ the plan out, as the engine's ``ResidencyDriver`` does:
 * **session prefixes** of the active model cached on the device: recovery = the learned restore seconds per
   token (when the host KV store holds the session) or prefill seconds per token, times its tokens; reuse =
   ``ReuseSignals.session_reuse`` (its return probability from its last use and mean tool gap).
-* **layer groups** of every other loaded model (``layer_groups`` equal groups): recovery = a group's bytes at
-  the H2D rate; with streaming hot-swap (``partial_layers``) only the startup prefix k* has a recovery cost
+* **layer groups** of every other loaded model (``layer_groups`` equal groups): recovery = one group's share of
+  the switch's H2D copy; with streaming hot-swap (``partial_layers``) only the startup prefix k* has a recovery cost
   (later groups stream behind the first prefill), so a cold model keeps only that prefix; reuse =
   ``ReuseSignals.model_reuse`` (queued calls, else its arrival rate over the window).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.engine.residency import ResidencyManager, ResidencyObject, ResidencyPlan, ReuseSignals
+from services.engine.residency_candidates import CachedPrefix, GroupState, InactiveModel, InstanceState, candidates, startup_groups
 from talaria.ewma import Ewma
 
 if TYPE_CHECKING:
@@ -120,45 +122,53 @@ class SimResidency:
         return max((c.reuse for c in self.plan.choices if c.key[0] == "weights" and c.key[1] == model), default=0.0)
 
     def objects(self, inst: SimInstance, now: float) -> tuple[list[ResidencyObject], int]:
-        """The candidates and protected objects of ``inst`` and the budget in bytes (as ``ResidencyDriver.objects``). Pure
-        except for the reuse signals' session clocks."""
+        """The candidates and protected objects of ``inst`` (the engine's ``residency_candidates.candidates`` on
+        :meth:`state`, as ``ResidencyDriver.objects``) and the budget in bytes. Mutates only the reuse signals'
+        session clocks."""
+        st = self.state(inst, now)
+        if st is None:
+            return [], 0
+        state, budget = st
+        return candidates(state, self.signals, now), budget
+
+    def state(self, inst: SimInstance, now: float) -> tuple[InstanceState, int] | None:
+        """The simulated instance at ``now`` read as ``residency_candidates.InstanceState`` and the budget in
+        bytes (the active model's KV region: the arena minus its weights); None with no active model. A device
+        session without a recorded write counts as used at ``now``. Pure read."""
         a = inst.active
         if a is None:
-            return [], 0
+            return None
         cm = inst.profile.model(a)
         per_tok = cm.kv_bytes_per_token
         budget = max(0, inst.profile.arena_bytes - cm.weight_bytes)
         need = sum(c.prompt_tokens + c.output_tokens for c in inst.batch) + sum(c.ctx_needed + c.output_tokens for c in inst.queues[a])
-        objs = [ResidencyObject("kv", a, need * per_tok, 0.0, 1.0, resident=True, protected=True, session="<in-flight>")]
         costs = inst.scheduler.costs
-        prefill, restore = costs.prefill_per_token(a), costs.restore_per_token(a)
-        for sid, (m, tokens) in inst.device.items():
-            self.signals.touch_session(sid, inst.device_used.get(sid, now))
-            host = inst.host_tokens(m, sid) > 0
-            rec, path = (min(restore, prefill) * tokens, "restore") if host and restore > 0 else (prefill * tokens, "recompute")
-            objs.append(ResidencyObject("kv", m, tokens * per_tok, rec, self.signals.session_reuse(sid, now), resident=True, session=sid,
-                                        host_copy=host, recovery_path=path))
+        cached = tuple(CachedPrefix(sid, m, tokens, tokens * per_tok, inst.device_used.get(sid, now), inst.host_tokens(m, sid) > 0)
+                       for sid, (m, tokens) in inst.device.items())
+        return InstanceState(a, need * per_tok, costs.prefill_per_token(a), costs.restore_per_token(a), cached, self._inactive(inst, a)), budget
+
+    def _inactive(self, inst: SimInstance, active: str) -> tuple[InactiveModel, ...]:
+        """Every loaded model but the active one: its queued calls, its startup prefix (k* with streaming
+        hot-swap) and ``inst.groups`` equal layer groups (reload = one group's H2D copy; staged = the prefix
+        its staged bytes cover)."""
         g = inst.groups
         copy = inst.group_copy_s()
+        out = []
         for m in inst.loaded:
-            if m == a:
+            if m == active:
                 continue
             w = inst.profile.model(m).weight_bytes
-            k = self._startup_prefix(inst, m) if inst.partial_layers else g
-            reuse = self.signals.model_reuse(m, len(inst.queues[m]), False, now)
             have = int(self.staged.get(m, 0.0) / max(1, w) * g + 1e-9)
-            for j in range(g):
-                rec, path = (copy, "reload") if j < k else (0.0, "stream")
-                objs.append(ResidencyObject("weights", m, w // g, rec, reuse, group=j, resident=j < have, recovery_path=path))
-        return objs, budget
+            groups = tuple(GroupState(w // g, copy, j < have) for j in range(g))
+            out.append(InactiveModel(m, len(inst.queues[m]), False, self._startup_prefix(inst, m), groups))
+        return tuple(out)
 
     def _startup_prefix(self, inst: SimInstance, model: str) -> int:
-        """k* of ``model`` for its waiting calls' first forward, else for its usual prompt length; all groups
-        for a model never seen (as the engine's ``ResidencyDriver._startup_prefix``)."""
-        tokens = inst.first_prefill_tokens(model)
-        if not tokens and model in self.prompt_tokens:
-            tokens = int(self.prompt_tokens[model].value)
-        return inst.k_star(model, tokens) if tokens else inst.groups
+        """k* of ``model`` with streaming hot-swap (``partial_layers``), else all groups: the engine's
+        ``residency_candidates.startup_groups`` on this instance's first forward and the model's usual prompt."""
+        k_for = (lambda t: inst.k_star(model, t)) if inst.partial_layers else None
+        usual = self.prompt_tokens[model].value if model in self.prompt_tokens else None
+        return startup_groups(inst.groups, k_for, lambda: inst.first_prefill_tokens(model), usual)
 
     def snapshot(self) -> dict:
         p = self.plan

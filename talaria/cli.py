@@ -319,11 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_errors() -> tuple[type[BaseException], ...]:
+    """Errors a command reports as one line on stderr (exit 2), not a traceback: a missing public trace file
+    (``bench/workloads/traces.py``; its message names the file, its source and how to point at it)."""
+    try:
+        from bench.workloads.traces import TraceNotFound
+    except ImportError:
+        return ()
+    return (TraceNotFound,)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.log_level, args.log_format)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except _one_line_errors() as e:
+        print(f"talaria: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

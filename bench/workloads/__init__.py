@@ -12,6 +12,7 @@ text or chat messages), the completion-token count (EOS ignored) and the recorde
 | ``synthetic`` | seeded generator matching the published SWE-Bench Verified distributions |
 | ``mooncake`` | importer of the Mooncake trace (sessions from shared ``hash_ids`` chains) |
 | ``miniswe`` | importer of the mini-swe-agent trace (real prompts, real gaps, the tool each call ran) |
+| ``traces`` | where the public trace files are: an explicit path, else ``$TALARIA_TRACES_DIR``, else ``data/traces/``; a clear error when absent |
 
 Nothing here talks to a server or reads a clock.
 """

@@ -1,7 +1,9 @@
-"""Importer of the shared mini-swe-agent trace (``../shared/data/lmcache_miniswe_trace.jsonl.gz``: 20 real
-sessions on SWE-bench Django tasks, 402 calls with full prompt and response text) into Talaria's replay format.
+"""Importer of the public mini-swe-agent trace (``lmcache_miniswe_trace.jsonl.gz``: 20 real sessions on
+SWE-bench Django tasks, 402 calls with full prompt and response text) into Talaria's replay format. The file is
+not in the repository: ``traces.py`` finds it (``--miniswe FILE``, else ``$TALARIA_TRACES_DIR``, else
+``data/traces/``; ``data/traces/README.md`` says where it comes from).
 
-The source (``../shared/data/README.md``): one JSON object per call — ``timestamp`` (µs, request start),
+The source: one JSON object per call — ``timestamp`` (µs, request start),
 ``input`` (the prompt text), ``output`` (the response text), ``session_id``. Within a session (sorted by
 timestamp; the file order is scrambled) ``input`` grows append-only: call ``i+1``'s input is call ``i``'s
 input followed by the observation of the command call ``i`` ran. The responses are not in the inputs; as in
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.workloads import Call, Session, Workload
+from bench.workloads.traces import MINISWE, trace_path
 
 _BASH = re.compile(r"```bash\s*\n(.*?)```", re.S)
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -51,7 +54,7 @@ _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 @dataclass(frozen=True, slots=True)
 class MiniSweParams:
-    path: str = "../shared/data/lmcache_miniswe_trace.jsonl.gz"
+    path: str | None = None  # None: found by bench/workloads/traces.py ($TALARIA_TRACES_DIR, else data/traces/)
     sessions: int = 20
     models: tuple[str, ...] = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
     seed: int = 0
@@ -118,7 +121,8 @@ def _segments(records: list[dict]) -> list[tuple[str, str]]:
 
 
 def import_miniswe(p: MiniSweParams) -> Workload:
-    groups = read_sessions(p.path)[: p.sessions]
+    path = trace_path(MINISWE, p.path)
+    groups = read_sessions(path)[: p.sessions]
     rng = random.Random(p.seed)
     order = list(p.models)
     rng.shuffle(order)
@@ -155,7 +159,7 @@ def import_miniswe(p: MiniSweParams) -> Workload:
         if calls:
             sessions.append(Session(sid, start, calls))
     meta = {
-        "source": f"mini-swe-agent trace {Path(p.path).name} (bench/workloads/miniswe.py)",
+        "source": f"mini-swe-agent trace {path.name} (bench/workloads/miniswe.py)",
         "seed": p.seed,
         "length_scale": p.length_scale,
         "chars_per_token": cpt,

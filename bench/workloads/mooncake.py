@@ -1,5 +1,7 @@
 """Importer of the Mooncake trace format (``timestamp`` ms, ``input_length``, ``output_length``,
-``hash_ids``: one id per 512-token prefix block, equal ids = reusable KV) into Talaria's replay format.
+``hash_ids``: one id per 512-token prefix block, equal ids = reusable KV) into Talaria's replay format. The
+public trace file is not in the repository: ``traces.py`` finds it (``--mooncake FILE``, else
+``$TALARIA_TRACES_DIR``, else ``data/traces/``; ``data/traces/README.md`` says where it comes from).
 
 Sessions are not labelled in that trace; they are derived from shared ``hash_ids`` chains:
 
@@ -29,16 +31,16 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.workloads import Call, Session, Workload, common_prefix
+from bench.workloads.traces import MOONCAKE, trace_path
 
 BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
 class MooncakeParams:
-    path: str = "../shared/data/mooncake_synthetic_trace.jsonl"
+    path: str | None = None  # None: found by bench/workloads/traces.py ($TALARIA_TRACES_DIR, else data/traces/)
     sessions: int = 12
     min_depth: int = 2
     models: tuple[str, ...] = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -79,7 +81,8 @@ def derive_sessions(records: list[dict], min_shared_blocks: int = 2) -> list[lis
 
 
 def import_mooncake(p: MooncakeParams) -> Workload:
-    records = [json.loads(line) for line in Path(p.path).read_text().splitlines() if line.strip()]
+    path = trace_path(MOONCAKE, p.path)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     groups = [g for g in derive_sessions(records, p.min_shared_blocks) if len(g) >= p.min_depth][: p.sessions]
     rng = random.Random(p.seed)
     order = list(p.models)
@@ -124,7 +127,7 @@ def import_mooncake(p: MooncakeParams) -> Workload:
             prev = toks
         sessions.append(Session(sid, (records[g[0]]["timestamp"] - t0) / 1000.0 * p.time_scale, calls))
     meta = {
-        "source": f"Mooncake trace {Path(p.path).name} (bench/workloads/mooncake.py)",
+        "source": f"Mooncake trace {path.name} (bench/workloads/mooncake.py)",
         "seed": p.seed,
         "length_scale": p.length_scale,
         "time_scale": p.time_scale,

@@ -1,6 +1,6 @@
 """Seeded synthetic agent sessions matching the published SWE-Bench Verified distributions.
 
-Targets (Talaria §2.1 / Fig. 2, ``../shared/data/README.md``; 445 sessions, 7,386 calls):
+Targets (Talaria §2.1 / Fig. 2, the paper's characterisation of 445 SWE-Bench Verified sessions, 7,386 calls):
 
 | quantity | p50 | p95 | max | how it is drawn here |
 |---|---|---|---|---|

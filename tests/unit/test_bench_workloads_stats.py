@@ -14,10 +14,6 @@ import pytest
 
 from bench.workloads import Call, Session, TraceError, Workload, read_jsonl, resolve_prompts, write_jsonl
 
-_ROOT = Path(__file__).resolve().parents[2]
-SHARED_MINISWE = next((p for p in (_ROOT.parent / "shared/data/lmcache_miniswe_trace.jsonl.gz",  # ../shared of a checkout
-                                   _ROOT.parents[1] / "shared/data/lmcache_miniswe_trace.jsonl.gz")  # of a worktree
-                       if p.exists()), _ROOT.parent / "shared/data/lmcache_miniswe_trace.jsonl.gz")
 
 
 # ----------------------------------------------------------------------------------- tool field
@@ -93,12 +89,12 @@ def test_miniswe_import_rebuilds_prompts_gaps_and_tools(tmp_path):
     assert len(short.sessions[0].calls) == 2 and short.meta["calls_dropped"] == 1
 
 
-@pytest.mark.skipif(not SHARED_MINISWE.exists(), reason="shared mini-swe-agent trace not present")
-def test_miniswe_import_of_the_shared_trace_matches_its_readme():
+def test_miniswe_import_of_the_public_trace_matches_its_readme(miniswe_trace):
     from bench.workloads import describe
     from bench.workloads.miniswe import MiniSweParams, import_miniswe
 
-    w = import_miniswe(MiniSweParams(path=str(SHARED_MINISWE)))
+    w = import_miniswe(MiniSweParams())  # no path: the resolver finds the file the fixture found
+    assert w.meta["source"].startswith(f"mini-swe-agent trace {miniswe_trace.name}")
     d = describe(w)
     assert (d["sessions"], d["calls"], d["depth_max"]) == (20, 402, 30)
     assert 250 <= d["prompt_p50"] <= 400  # ~5.2K tokens x 1/16
@@ -378,18 +374,14 @@ def test_lease_rows_are_read_against_the_best_fixed_tau_paired_per_repetition(tm
     assert [r["lease_token_s"] for r in data["repetitions"][:4]] == [100.0, 400.0, 300.0, 0.0]  # per repetition, for re-reading
 
 
-SHARED_MOONCAKE = SHARED_MINISWE.parent / "mooncake_synthetic_trace.jsonl"
-
-
-@pytest.mark.skipif(not SHARED_MOONCAKE.exists(), reason="shared Mooncake trace not present")
-def test_the_shared_mooncake_trace_goes_through_the_existing_importer():
+def test_the_public_mooncake_trace_goes_through_the_existing_importer(mooncake_trace):
     from bench.workloads import describe
     from bench.workloads.mooncake import MooncakeParams, derive_sessions, import_mooncake
 
-    records = [json.loads(x) for x in SHARED_MOONCAKE.read_text().splitlines() if x.strip()]
+    records = [json.loads(x) for x in mooncake_trace.read_text().splitlines() if x.strip()]
     groups = derive_sessions(records)
     assert (len(groups), sum(len(g) >= 2 for g in groups)) == (2725, 348)  # as bench/workloads/README.md states
-    w = import_mooncake(MooncakeParams(path=str(SHARED_MOONCAKE), sessions=10))
+    w = import_mooncake(MooncakeParams(sessions=10))  # no path: the resolver's default
     d = describe(w)
     assert d["sessions"] == 10 and d["prompt_max"] <= 3584 and d["reuse_over_half_share"] > 0.5
 

@@ -26,9 +26,6 @@ from bench.workloads import (
 )
 from bench.workloads.synthetic import SynthParams, generate
 
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-
-
 # ------------------------------------------------------------------------------------ generator
 def test_generator_matches_published_swe_bench_distributions():
     """Talaria §2.1: depth p50 11 / p95 49; gap p50 0.39 s / p95 1.32 s; prompt p50 25K / p95 105K tokens
@@ -119,11 +116,10 @@ def test_mooncake_sessions_from_hash_chains():
     assert derive_sessions(recs, 2) == [[0, 2, 3], [1, 6], [4], [5]]
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake trace not present")
-def test_mooncake_import_scales_and_keeps_prefix_reuse():
+def test_mooncake_import_scales_and_keeps_prefix_reuse(mooncake_trace):
     from bench.workloads.mooncake import MooncakeParams, import_mooncake
 
-    w = import_mooncake(MooncakeParams(path=str(MOONCAKE), sessions=6, length_scale=1 / 16, time_scale=1 / 100))
+    w = import_mooncake(MooncakeParams(path=str(mooncake_trace), sessions=6, length_scale=1 / 16, time_scale=1 / 100))
     assert len(w.sessions) == 6 and all(len(s.calls) >= 2 for s in w.sessions)
     assert w.meta["length_scale"] == 1 / 16 and w.meta["block_tokens"] == 32
     for s in w.sessions:

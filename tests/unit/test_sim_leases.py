@@ -24,7 +24,7 @@ def test_replay_tools_reach_the_hook_of_the_call_that_ran_them():
 
 def test_simulated_router_learns_gaps_per_tool():
     prof = load("profiles/paper-tp4-router.yaml")
-    sessions = leases.sessions_for("tools", 0, 4, 6, leases.MINISWE_PATH, 4.0)
+    sessions = leases.sessions_for("tools", 0, 4, 6, None, 4.0)
     tools = {c.tool for s in sessions for c in s.calls if c.tool}
     assert tools
     r = Simulation(leases.config(prof, "adaptive", 1.0), sessions).run()

@@ -1,7 +1,8 @@
 """Carrying out unified residency plans on the cold engine (JointServe §3, §4.2).
 
-``residency.py`` is the pure policy; this module (outside it, like ``cold/slotted.py`` for ``slots/``) is the only
-one that reads the engine for it and executes its plans:
+``residency.py`` is the pure policy and ``residency_candidates.py`` turns an instance's state into its objects (the
+same code the simulator calls); this module (outside them, like ``cold/slotted.py`` for ``slots/``) is the only one
+that reads the engine for them (``ResidencyDriver.state``) and executes their plans:
 
 * **objects** — one device budget: the active model's KV region (``num_pages × page bytes``). Protected:
   the pages of running sequences plus the KV the active model's queued calls will need (so a plan never
@@ -28,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine.residency import ResidencyManager, ResidencyObject, ResidencyPlan, ReuseSignals
+from services.engine.residency_candidates import CachedPrefix, GroupState, InactiveModel, InstanceState, candidates, startup_groups
 from services.engine.substrate.groups import layer_groups
 from services.engine.substrate.staging import ChunkState
 from services.engine.substrate.switch import kv_page_bytes
@@ -76,11 +78,22 @@ class ResidencyDriver:
 
     # ------------------------------------------------------------------ objects
     def objects(self, ce, now: float) -> tuple[list[ResidencyObject], int]:
-        """The candidates and protected objects of the instance, and the budget in bytes."""
+        """The candidates and protected objects of the instance (``residency_candidates.candidates`` on
+        :meth:`state`), and the budget in bytes. Mutates only the reuse signals' session clocks."""
+        st = self.state(ce)
+        if st is None:
+            return [], 0
+        state, budget = st
+        return candidates(state, self.signals, now), budget
+
+    def state(self, ce) -> tuple[InstanceState, int] | None:
+        """The engine read as ``residency_candidates.InstanceState`` (the active shell's running and queued
+        calls, its idle cached session prefixes, the staging area's layer groups), and the budget in bytes;
+        None with no active shell or no staging area. Pure read."""
         a = ce.active
         eng = ce.shell(a) if a is not None else None
         if eng is None or ce.substrate.area is None:
-            return [], 0
+            return None
         pb = kv_page_bytes(ce.bank[a], ce.page_size)
         budget = int(eng.kv.num_pages * pb * self.budget_fraction)
         sch = eng.scheduler
@@ -88,33 +101,24 @@ class ResidencyDriver:
         queued_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in ce.queues.waiting(a))
         queued_tokens += sum(s.num_tokens + s.sampling.max_tokens for s in sch.waiting)
         need = running_pages + -(-queued_tokens // ce.page_size)
-        objs = [ResidencyObject("kv", a, need * pb, 0.0, 1.0, resident=True, protected=True, session="<in-flight>")]
-        objs += self._session_objects(ce, eng, a, pb, now)
-        objs += self._group_objects(ce, a, now)
-        return objs, budget
-
-    def _session_objects(self, ce, eng, model: str, pb: int, now: float) -> list[ResidencyObject]:
         prof = eng.stats().profile
-        prefill = prof.prefill_per_token or self.prefill_prior
-        restore = prof.restore_per_token or None
+        state = InstanceState(a, need * pb, prof.prefill_per_token or self.prefill_prior, prof.restore_per_token or None,
+                              self._cached(eng, a, pb), self._inactive(ce, a))
+        return state, budget
+
+    @staticmethod
+    def _cached(eng, model: str, pb: int) -> tuple[CachedPrefix, ...]:
+        """The active shell's cached session prefixes that no running or waiting call of it holds."""
         hk = eng.host_kv
         busy = {s.session_id for s in eng.scheduler.running} | {s.session_id for s in eng.scheduler.waiting}
-        out = []
-        for e in eng.kv.session_entries():
-            if e.session_id in busy:
-                continue
-            tokens = len(e.token_ids)
-            self.signals.touch_session(e.session_id, e.last_access)  # the cache's last use (engine clock)
-            host = hk is not None and hk.available() and e.session_id in hk.sessions
-            if host and restore is not None:
-                rec, path = min(tokens * restore, tokens * prefill), "restore"
-            else:
-                rec, path = tokens * prefill, "recompute"
-            out.append(ResidencyObject("kv", model, len(e.pages) * pb, rec, self.signals.session_reuse(e.session_id, now),
-                                       resident=True, session=e.session_id, host_copy=host, recovery_path=path))
-        return out
+        return tuple(CachedPrefix(e.session_id, model, len(e.token_ids), len(e.pages) * pb, e.last_access,  # engine clock
+                                  hk is not None and hk.available() and e.session_id in hk.sessions)
+                     for e in eng.kv.session_entries() if e.session_id not in busy)
 
-    def _group_objects(self, ce, active: str, now: float) -> list[ResidencyObject]:
+    def _inactive(self, ce, active: str) -> tuple[InactiveModel, ...]:
+        """Every loaded model but the active one: its queued calls, whether a switch to it is requested, its
+        startup prefix and its layer groups (staging slots they take, reload seconds at the measured H2D rate,
+        staged now)."""
         area = ce.substrate.area
         slot_bytes = area.k * area.geom.seg_bytes
         rate = max(self.h2d_bytes_per_s.value, 1.0)
@@ -123,28 +127,20 @@ class ResidencyDriver:
         for m in ce.loaded:
             if m == active:
                 continue
-            e = ce.bank[m]
-            reuse = self.signals.model_reuse(m, queued.get(m, 0), ce.requested == m, now)
             clean = area.clean(m)
-            k = self._startup_prefix(ce, m)
-            for g in layer_groups(e, self.layers_per_group):
-                # with streaming hot-swap only the startup prefix is worth keeping: later groups stream in behind
-                # the first prefill (k* is chosen so they never stall it), so evicting them costs no recovery
-                rec, path = (g.nbytes / rate, "reload") if g.index < k else (0.0, "stream")
-                out.append(ResidencyObject("weights", m, len(g.chunks) * slot_bytes, rec, reuse, group=g.index,
-                                           resident=all(j in clean for j in g.chunks), recovery_path=path))
-        return out
+            gs = layer_groups(ce.bank[m], self.layers_per_group)
+            groups = tuple(GroupState(len(g.chunks) * slot_bytes, g.nbytes / rate, all(j in clean for j in g.chunks)) for g in gs)
+            out.append(InactiveModel(m, queued.get(m, 0), ce.requested == m, self._startup_prefix(ce, m), groups))
+        return tuple(out)
 
     def _startup_prefix(self, ce, model: str) -> int:
-        """Groups whose loss is on the first-token path: all without streaming; k* (measured) with it."""
+        """Groups whose loss is on the first-token path: all without streaming (or a streamer grouping layers
+        otherwise); k* (measured, ``streaming_swap``) with it."""
         st = getattr(ce, "streamer", None)
         n = len(layer_groups(ce.bank[model], self.layers_per_group))
-        if st is None or st.layers_per_group != self.layers_per_group:
-            return n
-        tokens = ce.first_prefill_tokens(model)  # what its waiting calls will compute, else history
-        if not tokens and model in self.prompt_tokens:
-            tokens = int(self.prompt_tokens[model].value)
-        return st.k_for(model, tokens) if tokens else n
+        k_for = None if st is None or st.layers_per_group != self.layers_per_group else (lambda t: st.k_for(model, t))
+        usual = self.prompt_tokens[model].value if model in self.prompt_tokens else None
+        return startup_groups(n, k_for, lambda: ce.first_prefill_tokens(model), usual)
 
     # ------------------------------------------------------------------ plan and carry out
     def step(self, ce, now: float) -> bool:
