@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.engine.intra_op import set_thread_count
-from services.engine.kv.manager import cdiv
 from services.engine.memory import default_kv_cache_bytes
 from services.engine.model.batch import AttnBatch, KVCache
 from services.engine.model.compiled import compile_model
@@ -44,8 +43,10 @@ from services.engine.model.packed import can_pack
 from services.engine.model.paged_attn import load_kernel
 from services.engine.model.prefill_attn import applies as prefill_applies, isas as prefill_isas, load_prefill_kernel
 from services.engine.model.registry import lookup
-from services.engine.scheduler import SchedulerOutput
 from services.engine.settings import EngineSettings
+
+if TYPE_CHECKING:  # the schedule is the runner's input, read only: a type here, no import of the scheduler
+    from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class ModelRunner:
                 slots += [pages[p // P] * P + p % P for p in range(start, end)]
             cu_q.append(len(ids))
             context_lens.append(end)
-            block_tables.append(pages[: cdiv(end, P)])
+            block_tables.append(pages[: -(-end // P)])  # the pages holding positions < end
         return ids + positions + slots, cu_q, context_lens, block_tables
 
     def _step_threads(self, tokens: int) -> None:
@@ -186,7 +187,7 @@ class ModelRunner:
             budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_cache_bytes(self.device)
             num_pages = budget // page_bytes
             if kv_cache_bytes is None:  # no explicit size: no more than max_num_seqs full contexts
-                num_pages = min(num_pages, max_num_seqs * cdiv(cfg.attention_span, page_size))
+                num_pages = min(num_pages, max_num_seqs * -(-cfg.attention_span // page_size))
                 log.info("KV pool sized to the machine: %d pages (%.0f MiB; engine.kv_cache_mb sets it)", num_pages, num_pages * page_bytes / 2**20)
         if num_pages < 1:
             raise ValueError(f"KV pool too small: {num_pages} pages")
