@@ -260,8 +260,8 @@ class Engine:
             sched = self.scheduler.schedule()
             self._phases_scheduled(sched, t_sched)
             if not sched.is_empty:
-                seqs = [sc.seq for sc in sched.scheduled if sc.sample]
                 t0 = time.perf_counter()
+                seqs = [sc.seq for sc in sched.scheduled if sc.sample]  # the rows the runner returns logits for
                 try:
                     logits = self.runner.execute(sched)
                     sampled: list[int | Exception] = []

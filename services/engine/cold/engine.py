@@ -93,7 +93,7 @@ class ColdEngine:
         constructing thread: shells are built later, on the executor thread."""
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
-        s = (settings or EngineSettings()).with_overrides(**overrides)
+        s = self.settings = (settings or EngineSettings()).with_overrides(**overrides)
         self.catalog = {m: Path(p) for m, p in catalog.items()}
         self.device = torch.device(s.device)
         self.dtype = s.dtype
