@@ -162,10 +162,10 @@ def run_engine_bench(
                          max_num_batched_tokens=max(512, max(batches) * prompt_len))
         engine = Engine(path, compile_mode=compile_mode, **engine_kw)
         if compile_mode != "off":
-            say(engine.compile_verdict)
+            say(engine.runner.compile_verdict)
         # on CUDA the decode graphs (model/cuda_graphs.py) are measured against the same engine run eagerly
         eager = None
-        if engine.decode_graphs is not None:
+        if engine.runner.decode_graphs is not None:
             eager = Engine(path, cuda_graphs="off", **engine_kw)
         # the deterministic mode (engine config ``deterministic``) measured against this default engine, interleaved
         det = Engine(path, deterministic=True, **engine_kw) if deterministic else None
@@ -238,7 +238,7 @@ def run_engine_bench(
         "dtype": dtype_name,
         "device": device,
         "compile": compile_mode,
-        "cuda_graphs": engine.decode_graphs is not None,
+        "cuda_graphs": engine.runner.decode_graphs is not None,
         "torch_threads": n_threads,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,

@@ -41,7 +41,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig) -> Engine | ColdEngine:
     import torch
 
     from services.engine.executor import Engine
-    from services.engine.model.loader import engine_dtype
+    from services.engine.settings import EngineSettings
 
     torch.set_num_threads(torch_threads(cfg))
     if cfg.tune_allocator:  # before the weights and the first step allocate (allocator_tuning.py)
@@ -65,30 +65,7 @@ def build_engine(stack: StackConfig, cfg: EngineConfig) -> Engine | ColdEngine:
     path = stack.model_path(cfg.models[0])
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"engine {cfg.id}: model {cfg.models[0]!r} not found at {path} (run `talaria models synth --out {stack.models_dir}`)")
-    return Engine(
-        str(path),
-        device=cfg.device,
-        dtype=engine_dtype(cfg.dtype, cfg.device),
-        page_size=cfg.page_size,
-        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024 if cfg.kv_cache_mb else None,  # None: sized to the machine (memory.py)
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        lone_prefill_tokens=cfg.lone_prefill_tokens,
-        session_cache_entries=cfg.session_cache_entries,
-        model_id=cfg.models[0],
-        packed_weights=cfg.packed_weights,
-        decode_gemm=cfg.decode_gemm,
-        compile_mode=cfg.compile,
-        paged_decode=cfg.paged_decode,
-        fused_ops=cfg.fused_ops,
-        small_step_threads=cfg.small_step_threads,
-        intra_op_threads=torch_threads(cfg),
-        prefill_attention=cfg.prefill_attention,
-        cuda_graphs=cfg.cuda_graphs,
-        cuda_graph_max_context=cfg.cuda_graph_max_context,
-        max_model_len=cfg.max_model_len,
-        deterministic=cfg.deterministic,
-    )
+    return Engine(str(path), EngineSettings.from_config(cfg, torch_threads(cfg)), model_id=cfg.models[0])
 
 
 def build_cold_engine(stack: StackConfig, cfg: EngineConfig) -> ColdEngine:
@@ -96,8 +73,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig) -> ColdEngine:
     import torch
 
     from services.engine.cold.engine import ColdEngine
-    from services.engine.executor import DEFAULT_KV_CACHE_BYTES
-    from services.engine.model.loader import engine_dtype
+    from services.engine.settings import EngineSettings
 
     extra: dict[str, Any] = {}
     if cfg.slot_scheduler:  # rounds/slots with SP (Talaria §3.4) instead of the switch-when-idle rule
@@ -120,27 +96,14 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig) -> ColdEngine:
         arena = int(free * cfg.arena_fraction)
     return ColdEngine(
         catalog,
+        EngineSettings.from_config(cfg, torch_threads(cfg)),  # kv_cache_bytes None: the arena's default KV share
         **extra,
-        device=cfg.device,
-        dtype=engine_dtype(cfg.dtype, cfg.device),
-        page_size=cfg.page_size,
         arena_bytes=arena,
-        kv_cache_bytes=cfg.kv_cache_mb * 1024 * 1024 if cfg.kv_cache_mb else DEFAULT_KV_CACHE_BYTES,
         runtime_bytes=int(cfg.runtime_mb * 1024 * 1024),
         chunk_bytes=cfg.weight_chunk_kb * 1024,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        lone_prefill_tokens=cfg.lone_prefill_tokens,
-        session_cache_entries=cfg.session_cache_entries,
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,
         partial_layers=cfg.partial_layers,
-        paged_decode=cfg.paged_decode,
-        fused_ops=cfg.fused_ops,
-        small_step_threads=cfg.small_step_threads,
-        intra_op_threads=torch_threads(cfg),
-        prefill_attention=cfg.prefill_attention,
-        deterministic=cfg.deterministic,
     )
 
 

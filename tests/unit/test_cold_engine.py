@@ -280,7 +280,7 @@ def test_engine_config_kernels_reach_every_cold_shell_and_survive_a_rebind(synth
     off = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], paged_decode="off", fused_ops="off",
                                                 prefill_attention="off", kv_cache_mb=8, lone_prefill_tokens=96))
     assert _kernels(off, A) == (False, False)
-    assert off._engine_kw["prefill_attention"] == "off"  # every shell's Engine gets it (the kernel itself needs bf16, head dim 64)
+    assert off.shell(A).settings.prefill_attention == "off"  # every shell's Engine gets it (the kernel itself needs bf16, head dim 64)
     assert off._shells[A].engine.scheduler.lone_prefill_tokens == 96  # the scheduler of every shell too
     off.switch_to(B)
     assert _kernels(off, B) == (False, False)

@@ -33,7 +33,7 @@ def test_compiled_engine_gives_eager_greedy_tokens(synth_models, name):
     # fused_ops off: the compiled parts run the eager ops in the graph, and eager is the reference here
     eng = Engine(synth_models[name], dtype=torch.bfloat16, compile_mode="on", max_num_batched_tokens=64, fused_ops="off")
     dense = eng.model.dense
-    assert isinstance(dense, CompiledDense) and eng.compile_verdict.startswith("compile on")
+    assert isinstance(dense, CompiledDense) and eng.runner.compile_verdict.startswith("compile on")
     rng = random.Random(3)
     # lengths over the 64-token budget: chunked prefills run in the same steps as other sequences' decodes
     prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (1, 5, 40, 90, 17, 130)]

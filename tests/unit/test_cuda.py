@@ -72,7 +72,7 @@ def test_cuda_engine_greedy_batched_equals_unbatched_equals_hf(synth_models, nam
             refs.append(out[0, len(p):].tolist())
     batched = Engine(synth_models[name], device=DEV, dtype=torch.float32, page_size=4, num_pages=128, max_num_batched_tokens=16)
     assert batched.generate(prompts, sp) == refs
-    assert batched.decode_graphs is not None and batched.decode_graphs.replays > 0  # decode replayed CUDA graphs
+    assert batched.runner.decode_graphs is not None and batched.runner.decode_graphs.replays > 0  # decode replayed CUDA graphs
     single = Engine(synth_models[name], device=DEV, dtype=torch.float32, page_size=4, num_pages=128)
     assert [single.generate([p], sp)[0] for p in prompts] == refs
     batched.check_integrity()
@@ -99,12 +99,12 @@ def test_cuda_decode_graphs_equal_eager_steps_across_buckets(synth_models):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     kw = dict(device=DEV, dtype=torch.float32, page_size=4, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8)
     eager = Engine(synth_models["tiny-qwen2"], cuda_graphs="off", **kw)
-    assert eager.decode_graphs is None
+    assert eager.runner.decode_graphs is None
     graphs = Engine(synth_models["tiny-qwen2"], cuda_graph_max_context=80, **kw)
-    assert graphs.decode_graphs.captured and graphs.decode_graphs.max_context == 80
+    assert graphs.runner.decode_graphs.captured and graphs.runner.decode_graphs.max_context == 80
     for batch in (prompts[:3], prompts):
         assert graphs.generate(batch, sp) == eager.generate(batch, sp)
-    assert graphs.decode_graphs.replays > 0
+    assert graphs.runner.decode_graphs.replays > 0
     graphs.check_integrity()
 
 

@@ -126,8 +126,8 @@ def test_engine_switch(gemm, synth_models):
     path = synth_models["tiny-llama"]
     on = Engine(path, dtype=torch.bfloat16, page_size=4, num_pages=64)
     off = Engine(path, dtype=torch.bfloat16, page_size=4, num_pages=64, decode_gemm="off")
-    assert on.decode_gemm and isinstance(on.model.lm_head_packed.gemm, DecodeGemm)
-    assert not off.decode_gemm and off.model.is_packed and off.model.lm_head_packed.gemm is None
-    assert not Engine(path, dtype=torch.float32, page_size=4, num_pages=64).decode_gemm  # fp32: not packed
+    assert on.runner.decode_gemm and isinstance(on.model.lm_head_packed.gemm, DecodeGemm)
+    assert not off.runner.decode_gemm and off.model.is_packed and off.model.lm_head_packed.gemm is None
+    assert not Engine(path, dtype=torch.float32, page_size=4, num_pages=64).runner.decode_gemm  # fp32: not packed
     with pytest.raises(ValueError, match="decode_gemm"):
         Engine(path, dtype=torch.bfloat16, page_size=4, num_pages=64, decode_gemm="on")

@@ -85,13 +85,13 @@ def test_engine_greedy_tokens_through_the_bucketed_body(synth_models):
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 23, 11)]
     kw = dict(device="cpu", dtype=torch.float32, page_size=PAGE, num_pages=64, max_num_batched_tokens=16)
     eager = Engine(synth_models["tiny-qwen3"], **kw)
-    assert eager.decode_graphs is None  # auto on a CPU: nothing to capture
+    assert eager.runner.decode_graphs is None  # auto on a CPU: nothing to capture
     ref = eager.generate(prompts, sp)
     ours = Engine(synth_models["tiny-qwen3"], **kw)
-    ours.decode_graphs = DecodeGraphs(ours.model, ours.kv_cache, max_batch=4, max_context=64, capture=False,
+    ours.runner.decode_graphs = DecodeGraphs(ours.model, ours.kv_cache, max_batch=4, max_context=64, capture=False,
                                       context_buckets=(16,))
     assert ours.generate(prompts, sp) == ref
-    assert ours.decode_graphs.replays >= 10  # the decode steps went through the bucketed body
+    assert ours.runner.decode_graphs.replays >= 10  # the decode steps went through the bucketed body
     ours.check_integrity()
     with pytest.raises(ValueError, match="cuda_graphs"):
         Engine(synth_models["tiny-qwen3"], cuda_graphs="on", **kw)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.executor import DETERMINISTIC_SPLIT_KEYS, Engine
+from services.engine.executor import Engine
+from services.engine.model_runner import DETERMINISTIC_SPLIT_KEYS
 from services.engine.types import SamplingParams
 from tests.unit.engine_fixtures import one_thread  # noqa: F401 - autouse fixture
 from tests.unit.kernel_fixtures import require_extension
@@ -122,7 +123,7 @@ def _assert_invariant(r: dict[str, list[list[int]]], turn2: bool = True) -> None
 def test_greedy_tokens_alone_cached_and_beside_eight_streams_are_identical(kernel, synth_models, name):
     e = Engine(synth_models[name], dtype="bfloat16", page_size=16, num_pages=1024, max_num_batched_tokens=512,
                deterministic=True)
-    assert e.deterministic and e.model.split_keys == DETERMINISTIC_SPLIT_KEYS
+    assert e.runner.deterministic and e.model.split_keys == DETERMINISTIC_SPLIT_KEYS
     r = _runs(e)
     _assert_invariant(r)
     torch.set_num_threads(2)  # the thread count changes no bit either

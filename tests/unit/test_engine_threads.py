@@ -94,7 +94,7 @@ def test_a_worker_setting_one_thread_does_not_shrink_the_executors_team(synth_mo
     before = torch.get_num_threads()
     try:
         eng = Engine(synth_models["tiny-llama"], page_size=4, num_pages=64, intra_op_threads=2)
-        assert eng.intra_op_threads == 2
+        assert eng.runner.intra_op_threads == 2
         worker = threading.Thread(target=torch.set_num_threads, args=(1,))  # what host_kv's workers do
         worker.start()
         worker.join()

@@ -205,7 +205,7 @@ def test_stop_token_and_ignore_eos(llama):
     toks2, _, final2 = run(e, EngineRequest("b", p, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(third,))))
     assert toks2 == toks[: toks.index(third) + 1] and final2.finish_reason == FinishReason.STOP
     # EOS ends a request unless ignore_eos: make the model's EOS the token it will emit
-    e.eos_token_ids = frozenset({toks[0]})
+    e.outputs.eos_token_ids = frozenset({toks[0]})
     toks3, _, final3 = run(e, EngineRequest("c", p, SamplingParams(temperature=0.0, max_tokens=10)))
     assert toks3 == toks[:1] and final3.finish_reason == FinishReason.STOP
     toks4, _, _ = run(e, EngineRequest("d", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
@@ -272,7 +272,7 @@ def test_abort_releases_everything(llama):
 
 
 def test_stop_string_buffer_holds_back_partial_matches():
-    from services.engine.executor import StopStringBuffer
+    from services.engine.output_processor import StopStringBuffer
 
     b = StopStringBuffer(("</tool>", "STOP"))
     assert b.feed("hello <") == ("hello ", False)  # "<" may start "</tool>"

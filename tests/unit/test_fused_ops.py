@@ -130,7 +130,7 @@ def test_guards_fall_back_to_eager(ops):
 
 def _run(path, dtype, mode):
     eng = Engine(path, dtype=dtype, page_size=4, num_pages=256, max_num_batched_tokens=24, fused_ops=mode)
-    assert eng.fused_ops == (mode == "auto")
+    assert eng.runner.fused_ops == (mode == "auto")
     assert all(m.ops is (None if mode == "off" else eng.model.fused_ops)
                for m in eng.model.modules() if isinstance(m, RMSNorm))
     ps = [eng.tokenizer.encode(f"call {i}: the quick brown fox {'jumps ' * (3 * i)}over the lazy dog") for i in range(6)]
@@ -193,7 +193,7 @@ def test_engine_refuses_an_unknown_mode(synth_models):
 def test_small_steps_run_with_small_step_threads(synth_models):
     """``small_step_threads``: steps of <= SMALL_STEP_TOKENS tokens (decode) run with that many intra-op
     threads, larger ones (a prefill chunk) with the configured count; None leaves every step alone."""
-    from services.engine.executor import SMALL_STEP_TOKENS
+    from services.engine.model_runner import SMALL_STEP_TOKENS
 
     prev = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -272,7 +272,7 @@ def test_slow_restore_never_stalls_running_decodes(synth_models, store, mooncake
     while not entered.is_set():  # the restore reaches the store read
         for o in e.step():
             assert o.request_id == "busy"
-    busy = e._requests["busy"].seq
+    busy = e.outputs.requests["busy"].seq
     before = busy.num_completion_tokens
     for _ in range(5):  # the read is stuck: the other call still decodes a token every step
         for o in e.step():

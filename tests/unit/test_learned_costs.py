@@ -53,9 +53,9 @@ def test_router_learns_the_hot_engines_measured_curves_from_its_heartbeat(synth_
     eng.generate([list(range(3, 23))], SamplingParams(max_tokens=3, **GREEDY))  # short context, batch 1
     eng.generate([list(range(5, 5 + 200))], SamplingParams(max_tokens=2, **GREEDY))  # long context (chunked)
     eng.generate([list(range(i, i + 12)) for i in range(4)], SamplingParams(max_tokens=4, **GREEDY))  # batch 4
-    exp_p, exp_d = _replay(eng.step_samples)
+    exp_p, exp_d = _replay(eng.meter.step_samples)
     assert len(exp_p.points()) >= 2 and {1, 4} <= {b for b, _s, _n in exp_d.points()}
-    assert eng.prefill_curve.points() == exp_p.points() and eng.decode_curve.points() == exp_d.points()
+    assert eng.meter.prefill_curve.points() == exp_p.points() and eng.meter.decode_curve.points() == exp_d.points()
 
     cfg = EngineConfig(id="e0", models=["tiny-llama"])
     snap = wire.instance_snapshot(cfg, eng.stats(), [], epoch=1, seq=1, draining=False, rounds=0)

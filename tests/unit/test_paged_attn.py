@@ -172,7 +172,7 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(kernel, synth_models
     for mode in ("auto", "off"):
         eng = Engine(path, dtype=torch.float32, page_size=4, num_pages=256, max_num_batched_tokens=24,
                      paged_decode=mode)
-        assert eng.paged_decode == (mode == "auto")
+        assert eng.runner.paged_decode == (mode == "auto")
         ps = [eng.tokenizer.encode(f"request {i}: the quick brown fox {'jumps ' * (3 * i)}over the lazy dog")
               for i in range(6)]
         runs[mode] = eng.generate(ps, GREEDY)

@@ -120,7 +120,7 @@ def test_the_engine_runs_every_prefill_through_the_kernel_with_bf16_accuracy(sma
     from services.engine.model.loader import allocate_kv_cache, load_model
 
     eng = Engine(small_llama, dtype=torch.bfloat16, num_pages=64, page_size=16)
-    assert eng.prefill_attention and eng.model.prefill_attention is not None
+    assert eng.runner.prefill_attention and eng.model.prefill_attention is not None
     assert Engine(small_llama, dtype=torch.bfloat16, num_pages=64, page_size=16, prefill_attention="off").model.prefill_attention is None
     with pytest.raises(ValueError, match="prefill_attention"):
         Engine(small_llama, dtype=torch.bfloat16, num_pages=64, page_size=16, prefill_attention="on")

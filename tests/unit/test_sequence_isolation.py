@@ -75,7 +75,7 @@ def test_sampling_failure_ends_only_its_sequence(model_dir):
     sps = [SAMPLED, GREEDY, SAMPLED, GREEDY]
     clean = run_all(make(model_dir), batch(sps))
     eng = make(model_dir)
-    eng.sampler = _FailsFor("r2")
+    eng.outputs.sampler = _FailsFor("r2")
     got = run_all(eng, batch(sps))
     assert got["r2"][1].finish_reason == FinishReason.ERROR and "inf, nan" in got["r2"][1].error
     for rid in ("r0", "r1", "r3"):
@@ -97,7 +97,7 @@ def test_detokenizer_failure_ends_only_its_sequence(model_dir):
     def broken(_ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
-    eng._requests["r1"].decoder.step = broken  # a detokenizer bug hit by one sequence
+    eng.outputs.requests["r1"].decoder.step = broken  # a detokenizer bug hit by one sequence
     while len(final) < len(reqs):
         for o in outs:
             toks[o.request_id] += o.new_token_ids

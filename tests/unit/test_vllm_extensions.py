@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from services.engine.executor import Engine, StopStringBuffer
+from services.engine.executor import Engine
+from services.engine.output_processor import StopStringBuffer
 from services.engine.types import EngineRequest, SamplingParams
 from services.engine.wire import sampling_params
 from services.router.errors import APIError

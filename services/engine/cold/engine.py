@@ -41,6 +41,8 @@ from services.engine.api import ModelBusyError, ModelInfo, UnknownModelError
 from services.engine.cold.policy import IdleSwitching, SwitchPolicy, Turn
 from services.engine.cold.queues import ModelQueues
 from services.engine.executor import DEFAULT_KV_CACHE_BYTES, Engine, run_to_completion, validate_request
+from services.engine.model_runner import ModelRunner
+from services.engine.settings import EngineSettings
 from services.engine.kv.port import KvPort
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
@@ -68,18 +70,11 @@ class ColdEngine:
     def __init__(
         self,
         catalog: dict[str, str | Path],
+        settings: EngineSettings | None = None,
         *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | str | None = None,
-        page_size: int = 16,
         arena_bytes: int | None = None,
-        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         runtime_bytes: int = 1 << 20,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
-        lone_prefill_tokens: int = 0,
-        session_cache_entries: int = 256,
         staging: bool | None = None,  # None: the switch policy's default (``SwitchPolicy.staging``)
         staging_chunks_per_step: int = 8,
         staging_max_fraction: float = 1.0,
@@ -90,23 +85,21 @@ class ColdEngine:
         max_switch_records: int = 32,
         residency: Any = None,  # a cold.residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # streaming hot-swap, its transfer scheduler
-        paged_decode: str = "auto", fused_ops: str = "auto", small_step_threads: int | None = None,  # every shell's CPU kernels
-        prefill_attention: str = "auto", deterministic: bool = False,
-        intra_op_threads: int | None = None,  # every shell's team (Engine._step_threads); None: this thread's count now
+        **overrides: Any,  # single fields of ``settings`` (tests and tools: page_size=4, kv_cache_bytes=...)
     ) -> None:
+        """``settings`` (``settings.EngineSettings``): every shell's runtime (``EngineSettings.for_shell``), the
+        arena's page size and device, the dtype the weight bank loads, and ``kv_cache_bytes``: the arena's KV
+        share (``DEFAULT_KV_CACHE_BYTES`` when None). ``intra_op_threads`` None is resolved here, on the
+        constructing thread: shells are built later, on the executor thread."""
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
+        s = self.settings = (settings or EngineSettings()).with_overrides(**overrides)
         self.catalog = {m: Path(p) for m, p in catalog.items()}
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.page_size = page_size
-        self._engine_kw = dict(
-            device=self.device, page_size=page_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, lone_prefill_tokens=lone_prefill_tokens,
-            session_cache_entries=session_cache_entries, clock=clock, paged_decode=paged_decode, fused_ops=fused_ops, small_step_threads=small_step_threads,
-            prefill_attention=prefill_attention, deterministic=deterministic,  # shells are built on the executor thread: take the count here
-            intra_op_threads=Engine._threads(intra_op_threads),
-        )
+        self.device = torch.device(s.device)
+        self.dtype = s.dtype
+        self.page_size = s.page_size
+        kv_cache_bytes = s.kv_cache_bytes if s.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+        self._shell_settings = s.for_shell(ModelRunner.threads(s.intra_op_threads))
         self.clock = clock
         self.switching: SwitchPolicy = switching if switching is not None else IdleSwitching()
         staging = self.switching.staging if staging is None else staging
@@ -121,7 +114,7 @@ class ColdEngine:
         if arena_bytes is None:
             arena_bytes = align_up(max(self.bank[m].nbytes for m in self.catalog)) + kv_cache_bytes + align_up(runtime_bytes)
         self.arena = Arena(arena_bytes, self.device, runtime_bytes=runtime_bytes)
-        self.substrate = MemorySubstrate(self.arena, self.bank, page_size=page_size, staging=staging, staging_max_fraction=staging_max_fraction)
+        self.substrate = MemorySubstrate(self.arena, self.bank, page_size=s.page_size, staging=staging, staging_max_fraction=staging_max_fraction)
         # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
         self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
         self.streamer = self._make_streamer(transfer) if partial_layers else None  # streaming hot-swap
@@ -485,9 +478,9 @@ class ColdEngine:
         e = self.bank[model]
         alloc = StagingAwareAllocator(now.num_pages)
         eng = Engine(
-            self.catalog[model], model=(bind_model(e, self.substrate.weights(model)), e.config),
+            self.catalog[model], self._shell_settings, model=(bind_model(e, self.substrate.weights(model)), e.config),
             kv_cache=self.substrate.kv_cache(model), tokenizer=self._tokenizers[model],
-            page_allocator=alloc, model_id=model, **self._engine_kw,
+            page_allocator=alloc, model_id=model, clock=self.clock,
         )
         self._shells[model] = _Shell(eng, now, alloc)
         self._bind_host_kv(model, eng)

@@ -46,7 +46,7 @@ class PackedLinear:
         self.small = gemm.pack(weight) if gemm is not None else None
         self.gemm = gemm if self.small is not None else None
         self.small_bias = None if bias is None or self.small is None else bias.detach().float().contiguous().clone()
-        # deterministic mode (Engine._deterministic): every call in tiles of at most gemm.max_rows rows through the
+        # deterministic mode (model_runner.ModelRunner._deterministic): every call in tiles of at most gemm.max_rows rows through the
         # decode kernel, whose rows do not depend on the row count; oneDNN's bf16 rows do at some shapes (K = 1,536:
         # 13 of 116 rows differ from one-row calls), so a token decoded and the same token prefilled would differ
         self.tiled = False
