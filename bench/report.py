@@ -191,6 +191,31 @@ def kv_hits_by_source(ok: list) -> dict[str, Any]:
     return {"kv_hits_source": "usage", "kv_hit_calls_by_source": calls, "kv_hit_tokens_by_source": tokens}
 
 
+def _deadline_attainment(rounds: list[dict]) -> dict[str, Any]:
+    """Per-token deadline attainment over the replay window's round records: the cold engines score every
+    first token against arrival + slot_ttft_s and every later token against first token + (i-1) x slot_tpot_s,
+    in both scheduling modes (rounds or token deadlines; ``RoundSummary.token_deadlines``), so the sums over
+    the window's rounds are exact. ``deadline_first`` / ``deadline_later``: the share on time (n/a when no
+    round scored a token of that kind, or the engines predate the field)."""
+    sums = {"first_tokens": 0.0, "first_on_time": 0.0, "tokens": 0.0, "tokens_on_time": 0.0}
+    scored = False
+    for r in rounds:
+        td = r.get("token_deadlines")
+        if isinstance(td, dict):
+            scored = True
+            for k in sums:
+                v = td.get(k, 0)  # a JSON-encoded proto carries 64-bit counts as strings
+                try:
+                    sums[k] += float(v) if not isinstance(v, bool) else 0.0
+                except (TypeError, ValueError):
+                    pass
+    if not scored:
+        return {"deadline_first": NA, "deadline_later": NA, "deadline_tokens": {}}
+    return {"deadline_first": sums["first_on_time"] / sums["first_tokens"] if sums["first_tokens"] else NA,
+            "deadline_later": sums["tokens_on_time"] / sums["tokens"] if sums["tokens"] else NA,
+            "deadline_tokens": sums}
+
+
 def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     out: dict[str, Any] = {"records_note": note}
     if records is None:
@@ -237,6 +262,7 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
             out["hold_harm_s"] = sum(num(r, "hold_harm_s") for r in rounds)
         else:
             out.update({"holds": NA, "hold_s": NA, "hold_gain_s": NA, "hold_harm_s": NA})
+        out.update(_deadline_attainment(rounds))
     else:
         out.update({"sp_admitted": NA, "sp_deferred": NA, "switch_share_rounds": NA, "sp_no_gain": NA})
     src: dict[str, int] = {}
@@ -402,6 +428,7 @@ COLUMNS = [
     ("avoid. opens", "avoidable_cold_opens", "router"),
     ("same-inst", "same_instance_router", "router"),
     ("switch share", "switch_share", "telemetry/engine"),
+    ("deadlines first/later", "deadlines", "telemetry round summaries: share of first tokens / later tokens on their per-token deadline (slot_ttft_s, slot_tpot_s)"),
     ("SP adm/def", "sp", "telemetry round summaries; `no-gain`: deferred because the predicted round wait saved did not exceed the delay to other models (issue 12)"),
     ("KV hits dev/host", "kv_hits", "client usage (exact); `~`: client/kvstore estimate"),
     ("failed", "calls_failed", "client"),
@@ -475,6 +502,11 @@ def _cell(s: dict[str, Any], key: str) -> object:
             return f"{v:.1%}"
         v = s.get("switch_share_proxy", NA)
         return f"{v:.1%}*" if _finite(v) else "n/a"
+    if key == "deadlines":
+        f, l = s.get("deadline_first", NA), s.get("deadline_later", NA)
+        if not (_finite(f) or _finite(l)):
+            return "n/a"
+        return f"{f:.0%}/{l:.0%}" if _finite(f) and _finite(l) else (f"{f:.0%}/n/a" if _finite(f) else f"n/a/{l:.0%}")
     if key == "sp":
         a, d, ng = s.get("sp_admitted", NA), s.get("sp_deferred", NA), s.get("sp_no_gain", NA)
         if not (_finite(a) and _finite(d)):
