@@ -30,7 +30,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -437,7 +438,7 @@ class Engine:
                 self.host_kv.write_back(None, "flush")
             return self.kv.flush()
 
-    def end_session(self, session_id: str, tenant: str = "", token_ids: Sequence[int] = ()) -> int:
+    def end_session(self, session_id: str, tenant: str = "", token_ids: Seq[int] = ()) -> int:
         """The session ended. Drops its session-cache entry and the radix pages of its chains (every
         branch its calls left, ``session_chains``) that nothing else extends (shared prefixes stay), and queues
         the release of the same chains in the kvstore. ``token_ids``: the session's tokens when the device entry
