@@ -122,15 +122,16 @@ class Copier:
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
             return Ticket(event=ev, link=self.link if from_host else None, not_before=until)
-        link = self.link
+        link, pool = self.link, self._pool
+        assert pool is not None  # CPU: the stager thread
         if link is None or not from_host:
-            return Ticket(future=self._pool.submit(dst.copy_, src))
+            return Ticket(future=pool.submit(dst.copy_, src))
 
         def paced() -> None:  # on the stager thread: the copy, then the rest of its time on the link
             dst.copy_(src)
             link.wait_until(until)
 
-        return Ticket(future=self._pool.submit(paced))
+        return Ticket(future=pool.submit(paced))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, from_host: bool = False) -> None:
         """Switch-time copy: issued on the side stream (CUDA), ordered before the next ``barrier`` (which also
