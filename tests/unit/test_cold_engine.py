@@ -351,6 +351,17 @@ def test_a_paced_weight_link_makes_a_host_only_switch_take_bytes_over_bandwidth(
     assert ce.stats().profile.switch_by_path[SwitchPath.HOST_ONLY] >= 0.5 * floor  # EWMA with the paced initial switch (a smaller model)
 
 
+def test_engine_config_weight_link_reaches_the_cold_engines_copier(synth_models):
+    """``engines[].weight_link_mb_s`` (MB/s, 10^6 bytes) becomes the cold engine's paced link; unset, none."""
+    from services.engine.main import build_cold_engine
+    from talaria.config import EngineConfig, StackConfig
+
+    stack = StackConfig(models_dir=str(next(iter(synth_models.values())).parent))
+    paced = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], kv_cache_mb=8, weight_link_mb_s=250.0))
+    assert paced.substrate.copier.link is not None and paced.substrate.copier.link.bytes_per_s == 250e6
+    assert build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], kv_cache_mb=8)).substrate.copier.link is None
+
+
 def test_weight_link_paces_host_copies_only_and_queues_transfers():
     """``WeightLink`` books transfers one after another at its bandwidth (injected clock); the copier paces a
     bank-sourced copy (switch-time ``copy`` + ``barrier``, staging ``submit``) and leaves a D2D copy alone."""
@@ -383,3 +394,16 @@ def test_weight_link_paces_host_copies_only_and_queues_transfers():
     c.submit(dst, src, from_host=True).sync()
     assert time.monotonic() - t0 >= 0.125 and torch.equal(dst, src)
     c.close()
+
+
+def test_staging_pays_behind_a_paced_link_when_a_staged_switch_saves_more_than_its_memcpy(synth_models):
+    """With a paced weight link the stager's link time passes on its own thread; the serving cores pay only the
+    memcpy (a staged switch's D2D copy measures it), so a 1 s host-only switch against a 4 ms staged one keeps
+    staging on. Without a link the same costs stop it (the copy would cost the cores the host-only time)."""
+    from talaria.switch_path import SwitchPath
+
+    for link, pays in ((None, False), (1e9, True)):
+        ce = make_cold(synth_models, staging=False, weight_link_bytes_per_s=link)
+        ce.costs.observe(SwitchPath.HOST_ONLY, 1.0)
+        ce.costs.observe(SwitchPath.FULL_STAGED, 0.004)
+        assert ce.staging_pays() is pays
