@@ -24,6 +24,14 @@ The configurations are config overrides in one table (``CONFIGS``): a dotted pat
 relative to the base stack, whose mechanisms are on by default. A row whose knob is not a field of the
 config model in this build is reported as ``not available (knob X missing)`` and not run; it runs as
 soon as the field exists (``talaria/config.py`` is read at run time).
+
+The residency regime (``--residency-regime [SECONDS]``): on this testbed a switch is a CPU memcpy of a tiny
+model (milliseconds), so where a model is resident never matters and a load-only router ties the session-aware
+one. The regime gives every engine a paced host-to-device weight link (``engines[].weight_link_mb_s``,
+``regime_link_mb_s``) at which a host-only switch of the largest model takes SECONDS (default 1.5: the paper's
+switch seconds against decode steps of milliseconds), replays synthetic sessions spread over the three models
+with per-tool gaps, and compares ``REGIME_CONFIGS``: the full router against least-pressure (every mechanism,
+a load-only router), with Round-only as the baseline.
 """
 
 from __future__ import annotations
@@ -114,6 +122,25 @@ CONFIGS += tuple(
                  "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
 )
 QUICK_CONFIGS = ("Talaria", "Round-only")
+# The residency regime (``--residency-regime``): the full router against least-pressure (same engines, a
+# load-only router), with Round-only as the usual baseline.
+REGIME_CONFIGS = ("Talaria", "least-pressure", "Round-only")
+REGIME_SWITCH_S = 1.5  # default host-only switch seconds of the largest model (the paper's seconds against ms steps)
+
+
+def regime_link_mb_s(models_dir: Path, models: list[str], switch_s: float, dtype: str = "auto", device: str = "cpu") -> float:
+    """The weight-link bandwidth (MB/s, 10^6 bytes) at which a host-only switch to the largest of ``models``
+    moves its bank image in ``switch_s`` seconds: the image bytes the engine's weight bank holds (``dtype`` as
+    the engines resolve it on ``device``) over ``switch_s``. The link is all the engines are given; they measure
+    the switch costs it causes, and the router learns them from their heartbeats as always."""
+    from services.engine.model.loader import engine_dtype
+    from services.engine.substrate.bank import WeightBank
+
+    if not switch_s > 0:
+        raise ValueError("the regime's switch seconds must be > 0")
+    bank = WeightBank(pin=False)
+    dt = engine_dtype(dtype, device)
+    return max(bank.load(m, models_dir / m, dt).nbytes for m in models) / switch_s / 1e6
 
 
 # ----------------------------------------------------------------------------- knobs / overrides
@@ -176,14 +203,18 @@ def mechanisms() -> dict[str, str]:
 
 
 def base_stack(models_dir: Path, records_file: Path | None, *, kv_cache_mb: int = 64,
-               engines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               engines: list[dict[str, Any]] | None = None, weight_link_mb_s: float | None = None) -> dict[str, Any]:
     """Two cold-pool engines, each serving all of ``MODELS`` (real placement choices, real switches); or, with
-    ``engines`` (the ``engines`` of a ``--stack`` config file), those engines, each with the mechanism knobs on."""
+    ``engines`` (the ``engines`` of a ``--stack`` config file), those engines, each with the mechanism knobs on.
+    ``weight_link_mb_s``: every engine's weight copies from the host bank cross a link of that bandwidth (the
+    residency regime)."""
     from talaria.config import TelemetryConfig
 
     from talaria.config import EngineConfig
 
-    extra = {k: True for k in BASE_ENGINE_KNOBS if k in EngineConfig.model_fields}
+    extra: dict[str, Any] = {k: True for k in BASE_ENGINE_KNOBS if k in EngineConfig.model_fields}
+    if weight_link_mb_s is not None:
+        extra["weight_link_mb_s"] = weight_link_mb_s
     eng = lambda i: {  # noqa: E731
         "id": f"engine-{i}", "pool": "cold", "models": list(MODELS), "device": "cpu", "kv_cache_mb": kv_cache_mb,
         "torch_threads": 1, "heartbeat_period_s": 0.25, **extra,
@@ -317,7 +348,7 @@ def _read_records(path: Path, t0: float, t1: float) -> list[dict[str, Any]] | No
 
 # ----------------------------------------------------------------------------------- one config
 async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say, label: str = "",
-                     engines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     engines: list[dict[str, Any]] | None = None, weight_link_mb_s: float | None = None) -> dict[str, Any]:
     import httpx
 
     from bench.replay import replay_http, warmup
@@ -329,7 +360,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
     cdir.mkdir(parents=True, exist_ok=True)
     records = cdir / "records.jsonl"
     records.unlink(missing_ok=True)
-    cfg_dict = apply_overrides(base_stack(models_dir, records, engines=engines), mc.overrides)
+    cfg_dict = apply_overrides(base_stack(models_dir, records, engines=engines, weight_link_mb_s=weight_link_mb_s), mc.overrides)
     (cdir / "stack.json").write_text(json.dumps(cfg_dict, indent=1))
     stack = LocalStack(parse_config(cfg_dict), say=lambda _m: None, quiet=True)
     t_up = time.monotonic()
@@ -429,12 +460,16 @@ def run_matrix(
     repeats: int = 1,
     say=print,
     stack: Path | None = None,
+    residency_switch_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run the matrix; ``repeats`` > 1 runs every configuration that many times, interleaved
     (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
     (``bench.report.combine_repeats``). With ``repeats`` = 1 the output is laid out as before
     (``<out>/<configuration>``). ``stack``: a stack config file whose engines and models directory replace the
-    two synthesized cold engines (its missing models are imported from their packages, never synthesized)."""
+    two synthesized cold engines (its missing models are imported from their packages, never synthesized).
+    ``residency_switch_s``: the residency regime -- every engine gets a weight link (``regime_link_mb_s``) at
+    which a host-only switch of the largest model takes that many seconds, and the configurations default to
+    ``REGIME_CONFIGS``."""
     from bench.report import (ablations_table, baseline_names, combine_repeats, lease_comparison, lease_table, matrix_table, repeats_table,
                               write_matrix_report)
 
@@ -455,13 +490,21 @@ def run_matrix(
             raise ValueError(f"{stack}: models {left} are neither under {models_dir} nor importable from a package")
     else:
         models_dir = ensure_models(models_dir, list(MODELS), say=say)
+    link_mb_s = None
+    if residency_switch_s is not None:
+        models = sorted({m for e in engines for m in e["models"]}) if engines is not None else list(MODELS)
+        dtypes = {e.get("dtype", "auto") for e in engines} if engines is not None else {"auto"}
+        link_mb_s = min(regime_link_mb_s(models_dir, models, residency_switch_s, d) for d in dtypes)
+        say(f"residency regime: every engine's weight link {link_mb_s:.2f} MB/s (a host-only switch of the largest model "
+            f"~{residency_switch_s:g} s; the engines measure it, the router learns it)")
     w = workload if workload is not None else default_workload(quick)
     wpath = write_jsonl(w, out / "workload.jsonl")
     w = read_jsonl(wpath)  # every configuration replays exactly this file
     desc = describe(w)
     say(f"workload: {desc['sessions']} sessions, {desc['calls']} calls, models {desc['models']}, "
         f"meta {json.dumps(w.meta)} -> {wpath}")
-    wanted = names or (list(QUICK_CONFIGS) if quick else [c.name for c in CONFIGS if c.kind != "lease"])
+    default = list(REGIME_CONFIGS) if residency_switch_s is not None else [c.name for c in CONFIGS if c.kind != "lease"]
+    wanted = names or (list(QUICK_CONFIGS) if quick else default)
     unknown = set(wanted) - {c.name for c in CONFIGS}
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
@@ -493,7 +536,8 @@ def run_matrix(
         for pos, name in enumerate(order):
             row = dict(base_rows[name], position=pos + 1)
             say(f"{label}{name}: starting the stack ...")
-            row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label, engines=engines)))
+            row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label, engines=engines,
+                                                weight_link_mb_s=link_mb_s)))
             if row.get("status") != "ok":
                 say(f"{label}{name}: {row['status']}")
             done[name] = row
@@ -509,6 +553,7 @@ def run_matrix(
         "orders": orders,
         "loadavg_start": load_start,
         "loadavg_end": loadavg(),
+        "weight_link_mb_s": link_mb_s,  # the residency regime's paced weight link (None: not paced)
     }
     if repeats == 1:
         rows = reps[0] if reps else [dict(base_rows[c.name]) for c in selected]
@@ -542,6 +587,9 @@ def main(args) -> int:
 
     out = Path(args.out or f".talaria/bench/matrix-{time.strftime('%Y%m%d-%H%M%S')}")
     workload = None
+    regime = getattr(args, "residency_regime", None)
+    if regime is not None and not (args.workload or args.mooncake or args.miniswe):
+        args.tool_gaps = True  # the regime's synthetic sessions carry their tools' gaps
     if args.workload or args.mooncake or args.miniswe or args.tool_gaps or args.two_model or args.sessions is not None:
         if args.sessions is None:
             args.sessions = 10
@@ -549,7 +597,7 @@ def main(args) -> int:
     rows = run_matrix(
         out, quick=args.quick, names=args.configs, workload=workload, models_dir=Path(args.models_dir) if args.models_dir else None,
         progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv), repeats=args.repeats,
-        stack=Path(args.stack) if args.stack else None,
+        stack=Path(args.stack) if args.stack else None, residency_switch_s=regime,
     )
     ran = [r for r in rows if r.get("status") == "ok"]
     failed = sum(r["aggregate"]["calls_failed_total"] if "aggregate" in r else r["summary"]["calls_failed"] for r in ran)
@@ -571,4 +619,9 @@ def add_args(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--stack", metavar="FILE", help="a stack config whose engines (and models_dir) replace the two synthesized "
                    "cold engines, e.g. deploy/config/two-real-models.yaml with --two-model --models smollm2-135m-instruct gemma3-270m")
+    p.add_argument("--residency-regime", nargs="?", type=float, const=REGIME_SWITCH_S, default=None, metavar="SECONDS",
+                   help="the regime where model residency matters: every engine's weight copies from the host bank cross a "
+                        f"paced link (engines[].weight_link_mb_s) at which a host-only switch of the largest model takes SECONDS "
+                        f"(default {REGIME_SWITCH_S:g}); the synthetic workload gets per-tool gaps; configurations default to "
+                        f"{', '.join(REGIME_CONFIGS)} (bench/README.md, Residency regime)")
     add_workload_args(p)

@@ -85,6 +85,7 @@ class EngineConfig(_Strict):
     weight_chunk_kb: int = Field(4096, ge=1, description="cold: weight bank / staging chunk size")
     d2d_staging: bool = Field(True, description="cold: stage the predicted next model into the KV tail while the measured switch costs say it pays (off = H2D-only switches)")
     staging_chunks_per_step: int = Field(8, ge=0, description="cold: staging copies started per executor step")
+    weight_link_mb_s: float | None = Field(None, gt=0, description="cold, testbed knob: every weight copy from the host bank (a switch's host-to-device phase and D2D staging's writes) crosses one link of this many MB/s (10^6 bytes), so it takes at least bytes / bandwidth (services/engine/substrate/copier.py WeightLink); the switch records and the switch costs the engine measures and reports (the router learns them from the heartbeat) carry the paced time. Models a PCIe-, NVLink- or disk-limited switch on a machine where the CPU copy is too fast to matter (bench/README.md, Residency regime). null (default) = no pacing. Not with partial_layers")
     host_kv: bool = Field(True, description="checkpoint session KV to the node's kvstore and restore from it (needs kvstore.enabled)")
     host_kv_write_policy: Literal["back", "through"] = Field("through", description="host_kv: when a session's KV is copied to the kvstore; through = at the end of every call (the default: write-back measured no gain within noise, and under it another instance cannot restore a session that is only dirty here), back = only when its pages are about to leave the device (eviction under memory pressure, a cold engine's switch away from the model, a retention hint expecting the return after the lease window; services/engine/kv/write_back.py)")
     host_kv_restore: Literal["auto", "always", "never"] = Field("auto", description="host_kv: whether a call whose prompt the kvstore holds beyond the device caches restores it or recomputes it; auto = whichever the engine's measured restore and prefill costs say is faster (the default), always = restore whatever the store holds (e.g. to pin replays to the restore path), never = recompute (the store is still written)")
@@ -117,6 +118,8 @@ class EngineConfig(_Strict):
             raise ValueError(f"cold engine {self.id!r}: compile is for hot engines (a cold model's weights move with its arena slot)")
         if self.pool == "cold" and self.max_model_len is not None:
             raise ValueError(f"cold engine {self.id!r}: max_model_len is for hot engines (a cold engine's models each keep their own context limit)")
+        if self.weight_link_mb_s is not None and (self.pool != "cold" or self.partial_layers):
+            raise ValueError(f"engine {self.id!r}: weight_link_mb_s paces a cold engine's weight copies (not a hot engine's, nor partial_layers' streams)")
         if self.pool == "cold" and self.packed_weights:
             raise ValueError(f"cold engine {self.id!r}: packed_weights is for hot engines (a cold model's weights are rewritten in place)")
         return self

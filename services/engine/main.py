@@ -104,6 +104,7 @@ def build_cold_engine(stack: StackConfig, cfg: EngineConfig) -> ColdEngine:
         staging=cfg.d2d_staging,
         staging_chunks_per_step=cfg.staging_chunks_per_step,
         partial_layers=cfg.partial_layers,
+        weight_link_bytes_per_s=cfg.weight_link_mb_s * 1e6 if cfg.weight_link_mb_s is not None else None,
     )
 
 

@@ -304,6 +304,11 @@ def test_cold_engine_rejects_hot_only_options():
         EngineConfig(id="c", pool="cold", models=[A], compile="on")
     with pytest.raises(ValidationError, match="packed_weights is for hot engines"):
         EngineConfig(id="c", pool="cold", models=[A], packed_weights=True)
+    with pytest.raises(ValidationError, match="weight_link_mb_s paces a cold engine"):
+        EngineConfig(id="h", pool="hot", models=[A], weight_link_mb_s=10.0)
+    with pytest.raises(ValidationError, match="weight_link_mb_s paces a cold engine"):
+        EngineConfig(id="c", pool="cold", models=[A, B], weight_link_mb_s=10.0, partial_layers=True)
+    assert EngineConfig(id="c", pool="cold", models=[A, B], weight_link_mb_s=10.0).weight_link_mb_s == 10.0
 
 
 def test_cpu_engine_stops_staging_once_measured_switches_say_it_does_not_pay(synth_models):
@@ -325,3 +330,80 @@ def test_cpu_engine_stops_staging_once_measured_switches_say_it_does_not_pay(syn
     ce._stage()  # the executor's per-step staging turn
     ce.substrate.area.poll(wait=True)
     assert ce.substrate.staged_fraction(other) == 0.0
+
+
+def test_a_paced_weight_link_makes_a_host_only_switch_take_bytes_over_bandwidth(synth_models):
+    """A cold engine with ``weight_link_bytes_per_s``: a host-only switch moves the target's whole image over the
+    link, so its record's H2D phase and total take at least bytes / bandwidth, and the switch cost the engine
+    measures and reports (the heartbeat's profile, which the router prices from) carries that time. Without the
+    link the same switch is a CPU memcpy of a few MB (milliseconds)."""
+    from talaria.switch_path import SwitchPath
+
+    nbytes = max(e.nbytes for e in (make_cold(synth_models, staging=False).bank[m] for m in (A, B)))
+    bw = nbytes / 0.4  # a whole tiny model takes >= 0.4 s on the link
+    ce = make_cold(synth_models, staging=False, weight_link_bytes_per_s=bw)
+    other = B if ce.active == A else A
+    ce.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1), model=other)
+    rec = ce.switch_records[-1]
+    assert (rec.to_model, rec.path, rec.host_bytes) == (other, SwitchPath.HOST_ONLY, ce.bank[other].nbytes)
+    floor = rec.host_bytes / bw
+    assert rec.h2d_seconds >= floor and rec.total_seconds >= floor > 0.2
+    assert ce.stats().profile.switch_by_path[SwitchPath.HOST_ONLY] >= 0.5 * floor  # EWMA with the paced initial switch (a smaller model)
+
+
+def test_engine_config_weight_link_reaches_the_cold_engines_copier(synth_models):
+    """``engines[].weight_link_mb_s`` (MB/s, 10^6 bytes) becomes the cold engine's paced link; unset, none."""
+    from services.engine.main import build_cold_engine
+    from talaria.config import EngineConfig, StackConfig
+
+    stack = StackConfig(models_dir=str(next(iter(synth_models.values())).parent))
+    paced = build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], kv_cache_mb=8, weight_link_mb_s=250.0))
+    assert paced.substrate.copier.link is not None and paced.substrate.copier.link.bytes_per_s == 250e6
+    assert build_cold_engine(stack, EngineConfig(id="c", pool="cold", models=[A, B], kv_cache_mb=8)).substrate.copier.link is None
+
+
+def test_weight_link_paces_host_copies_only_and_queues_transfers():
+    """``WeightLink`` books transfers one after another at its bandwidth (injected clock); the copier paces a
+    bank-sourced copy (switch-time ``copy`` + ``barrier``, staging ``submit``) and leaves a D2D copy alone."""
+    import time
+
+    from services.engine.substrate.copier import Copier, WeightLink
+
+    now = [10.0]
+    link = WeightLink(1000.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert link.reserve(500) == 10.5 and link.reserve(1000) == 11.5  # the second waits for the first
+    now[0] = 20.0
+    assert link.reserve(100) == 20.1  # an idle link starts at once
+    link.wait_until(20.1)
+    assert now[0] == pytest.approx(20.1)
+    with pytest.raises(ValueError):
+        WeightLink(0)
+
+    src, dst = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    c = Copier("cpu", link=WeightLink(8 * (1 << 20)))  # 1 MiB takes 1/8 s
+    t0 = time.monotonic()
+    c.copy(dst, src)  # D2D: not on the link
+    c.barrier()
+    assert time.monotonic() - t0 < 0.1
+    t0 = time.monotonic()
+    c.copy(dst, src, from_host=True)
+    c.barrier()
+    assert time.monotonic() - t0 >= 0.125 and torch.equal(dst, src)
+    dst.zero_()
+    t0 = time.monotonic()
+    c.submit(dst, src, from_host=True).sync()
+    assert time.monotonic() - t0 >= 0.125 and torch.equal(dst, src)
+    c.close()
+
+
+def test_staging_pays_behind_a_paced_link_when_a_staged_switch_saves_more_than_its_memcpy(synth_models):
+    """With a paced weight link the stager's link time passes on its own thread; the serving cores pay only the
+    memcpy (a staged switch's D2D copy measures it), so a 1 s host-only switch against a 4 ms staged one keeps
+    staging on. Without a link the same costs stop it (the copy would cost the cores the host-only time)."""
+    from talaria.switch_path import SwitchPath
+
+    for link, pays in ((None, False), (1e9, True)):
+        ce = make_cold(synth_models, staging=False, weight_link_bytes_per_s=link)
+        ce.costs.observe(SwitchPath.HOST_ONLY, 1.0)
+        ce.costs.observe(SwitchPath.FULL_STAGED, 0.004)
+        assert ce.staging_pays() is pays

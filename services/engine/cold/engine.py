@@ -46,6 +46,7 @@ from services.engine.settings import EngineSettings
 from services.engine.kv.port import KvPort
 from services.engine.substrate.arena import Arena, align_up
 from services.engine.substrate.bank import DEFAULT_CHUNK_BYTES, WeightBank, bind_model
+from services.engine.substrate.copier import Copier, WeightLink
 from services.engine.substrate.policy import EngineView, predict_next
 from talaria.switch_path import SwitchCostModel, SwitchPath
 from services.engine.substrate.staging import StagingAwareAllocator
@@ -85,14 +86,21 @@ class ColdEngine:
         max_switch_records: int = 32,
         residency: Any = None,  # a cold.residency.ResidencyDriver (unified_residency)
         partial_layers: bool = False, transfer: Any = None,  # streaming hot-swap, its transfer scheduler
+        weight_link_bytes_per_s: float | None = None,  # a paced host->device weight link (substrate/copier.WeightLink)
         **overrides: Any,  # single fields of ``settings`` (tests and tools: page_size=4, kv_cache_bytes=...)
     ) -> None:
         """``settings`` (``settings.EngineSettings``): every shell's runtime (``EngineSettings.for_shell``), the
         arena's page size and device, the dtype the weight bank loads, and ``kv_cache_bytes``: the arena's KV
         share (``DEFAULT_KV_CACHE_BYTES`` when None). ``intra_op_threads`` None is resolved here, on the
-        constructing thread: shells are built later, on the executor thread."""
+        constructing thread: shells are built later, on the executor thread. ``weight_link_bytes_per_s``: every
+        copy from the host weight bank (switch-time and staging) crosses one link of this bandwidth
+        (``WeightLink``), so a switch's host-to-device phase takes at least its bytes / bandwidth; None = the
+        copy's own speed. A testbed knob: it models a PCIe- or disk-limited weight path where the CPU copy is
+        too fast to matter; the switch records and the measured switch costs carry the paced time."""
         if not catalog:
             raise ValueError("a cold engine needs at least one catalog model")
+        if weight_link_bytes_per_s is not None and partial_layers:
+            raise ValueError("a paced weight link is not modelled for partial_layers (its streams use their own transfer scheduler)")
         s = self.settings = (settings or EngineSettings()).with_overrides(**overrides)
         self.catalog = {m: Path(p) for m, p in catalog.items()}
         self.device = torch.device(s.device)
@@ -114,7 +122,9 @@ class ColdEngine:
         if arena_bytes is None:
             arena_bytes = align_up(max(self.bank[m].nbytes for m in self.catalog)) + kv_cache_bytes + align_up(runtime_bytes)
         self.arena = Arena(arena_bytes, self.device, runtime_bytes=runtime_bytes)
-        self.substrate = MemorySubstrate(self.arena, self.bank, page_size=s.page_size, staging=staging, staging_max_fraction=staging_max_fraction)
+        link = WeightLink(weight_link_bytes_per_s) if weight_link_bytes_per_s is not None else None
+        self.substrate = MemorySubstrate(self.arena, self.bank, page_size=s.page_size, copier=Copier(self.device, link=link),
+                                         staging=staging, staging_max_fraction=staging_max_fraction)
         # every switch's phase 1 calls these first (e.g. drain outstanding device->host KV checkpoints)
         self.before_kv_release: list[Callable[[str], None]] = before_kv_release if before_kv_release is not None else []
         self.streamer = self._make_streamer(transfer) if partial_layers else None  # streaming hot-swap
@@ -415,11 +425,13 @@ class ColdEngine:
         staging pays only if a staged switch saves more than that copy costs: ``host - full > host`` once both
         paths are measured (before that it stages, to measure). Measured here (tiny models, 2-core CPU): a
         staged switch 1.9 ms vs host-only 1.8 ms, and the stager's copies made ``bench matrix`` 1.12x slower
-        than with staging off. Pure read."""
+        than with staging off. With a paced weight link (``weight_link_bytes_per_s``) the link's time passes on
+        the stager thread, not on the serving cores: the cores pay only the memcpy, which a staged switch measures
+        (on a CPU its D2D copy is the same memcpy of the same bytes), so then ``host - full > full``. Pure read."""
         full, host = self.costs.get(SwitchPath.FULL_STAGED), self.costs.get(SwitchPath.HOST_ONLY)
         if full is None or host is None:
             return True
-        copy_cost = host if self.device.type == "cpu" else 0.0
+        copy_cost = (full if self.substrate.copier.link is not None else host) if self.device.type == "cpu" else 0.0
         return host - full > copy_cost
 
     # ------------------------------------------------------------------ the switch (RuntimeHooks)

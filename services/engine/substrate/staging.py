@@ -239,6 +239,7 @@ class StagingAwareAllocator(PageAllocator):
 
 
 def start_copy_fn(copier: Copier, arena_bytes: Callable[[int, int], object], src) -> Callable[[int], Ticket]:
-    """A ``start_copy`` for :meth:`StagingArea.stage`: copy ``src`` (a bank chunk) to arena ``addr``."""
+    """A ``start_copy`` for :meth:`StagingArea.stage`: copy ``src`` (a bank chunk, so across the copier's weight
+    link) to arena ``addr``."""
     n = src.numel()
-    return lambda addr: copier.submit(arena_bytes(addr, addr + n), src)
+    return lambda addr: copier.submit(arena_bytes(addr, addr + n), src, from_host=True)

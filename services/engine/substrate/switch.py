@@ -258,7 +258,7 @@ class MemorySubstrate:
                 host += e.chunk_range(j)[1] - e.chunk_range(j)[0]  # counted (staged + host = weights); not in h2d_seconds
                 continue
             lo, hi = e.chunk_range(j)
-            self.copier.copy(arena.bytes(lo, hi), e.chunk(j))
+            self.copier.copy(arena.bytes(lo, hi), e.chunk(j), from_host=True)
             host += hi - lo
         self.copier.barrier()
         if first_streamed is not None:

@@ -221,12 +221,13 @@ class ScheduledCopier:
         self.sched = sched
         self.device = torch.device(device)
         self.cuda = False
+        self.link = None  # no paced weight link (substrate/copier.WeightLink) on this path
         self._outstanding: list[TransferTicket] = []
 
-    def submit(self, dst, src) -> TransferTicket:
+    def submit(self, dst, src, *, from_host: bool = False) -> TransferTicket:  # no weight link here: a cold engine refuses one with partial layers
         return self.sched.submit(TrafficClass.PREFETCH, [(dst.numel() * dst.element_size(), (dst, src))], "stage")
 
-    def copy(self, dst, src) -> None:
+    def copy(self, dst, src, *, from_host: bool = False) -> None:
         self._outstanding.append(self.sched.submit(TrafficClass.PREFETCH, [(dst.numel() * dst.element_size(), (dst, src))], "switch"))
 
     def barrier(self) -> None:
