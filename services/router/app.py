@@ -32,7 +32,7 @@ from services.router.errors import APIError, CatchAll, anthropic_path, unencodab
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import Admission, OverloadPolicy, Step
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
-from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix, reasoning_usage
+from services.router.openai_format import ChatOutput, ChunkEvents, Logprobs, chat_output, echo_prefix, reasoning_usage
 from services.router.openai_routes import make_router
 from services.router.anthropic_routes import anthropic_routes
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
@@ -321,15 +321,12 @@ class RouterAPI:
 
     async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive,
                   out: ChatOutput | None = None, lps: Logprobs | None = None) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choices: list, usage=None, token: str | None = None) -> bytes:
-            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            if token:
-                d["resume_token"] = token  # the streaming form of the X-Talaria-Resume-Token header
-            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+        """The SSE stream of a call. The events of one (merged) engine chunk go out as one write, and the
+        finished chunk's events with ``[DONE]``: the bytes are those of one event per write, in fewer socket
+        sends. A plain text / content token without logprobs is encoded from the call's template
+        (``ChunkEvents``: only its text is JSON-encoded)."""
+        ev = ChunkEvents(rid, created, model, chat)
+        plain = lps is None or not lps.enabled  # no logprobs: a token's event is the template's
 
         def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None, stop: str | None = None) -> dict:
             lp = lps.take() if lps is not None and (text or delta or reason) else None
@@ -348,33 +345,39 @@ class RouterAPI:
 
         try:
             if chat:
-                yield event([choice("", None, first=True)])
+                yield ev.event([choice("", None, first=True)])
+            tail: list[bytes] = []  # the last chunk's events, sent with [DONE]
             async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
                 if c.HasField("error"):
                     err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
-                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                    tail.append(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                     break
+                parts: list[bytes] = []
                 if lps is not None:
                     lps.add(c.logprobs)
                 if c.text and out is not None:  # tool-call text becomes delta.tool_calls
                     for d in out.feed(c.text, len(c.token_ids)):
-                        yield event([choice(None, None, delta=d)])
+                        content = d.get("content") if plain and len(d) == 1 else None
+                        parts.append(ev.content(content) if content is not None else ev.event([choice(None, None, delta=d)]))
                 elif c.text:
-                    yield event([choice(c.text, None)])
+                    parts.append(ev.text(c.text) if plain else ev.event([choice(c.text, None)]))
                 if c.finished:
                     reason = c.finish_reason
                     if out is not None:
                         deltas, reason = out.finish(reason)
                         for d in deltas:
-                            yield event([choice(None, None, delta=d)])
-                    yield event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage))
+                            parts.append(ev.event([choice(None, None, delta=d)]))
+                    parts.append(ev.event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage)))
                     if include_usage:
-                        yield event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens))
-            yield b"data: [DONE]\n\n"
+                        parts.append(ev.event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens)))
+                    tail = parts
+                elif parts:
+                    yield b"".join(parts)
+            tail.append(b"data: [DONE]\n\n")
+            yield b"".join(tail)
         except EngineUnavailable as e:
             self.state.counters["engine_lost_midcall"] += 1
-            yield b"data: " + json.dumps(APIError(503, str(e), code="engine_unavailable").body()).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield b"data: " + json.dumps(APIError(503, str(e), code="engine_unavailable").body()).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             # Runs on normal end and when the client disconnects (the generator is closed/cancelled).
             if not call.finished:
