@@ -87,7 +87,7 @@ class RouterAPI:
         self.cfg = state.cfg.router
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
-        self._closing: set[asyncio.Task] = set()  # calls being closed after their stream ended (close_soon)
+        self._closing: set[asyncio.Future] = set()  # calls being closed after their answer (close_soon), disconnect watchers ending
 
     # ------------------------------------------------------------------------------ parse / encode
     async def read_json(self, request: Request) -> dict:
@@ -258,9 +258,12 @@ class RouterAPI:
             content, reason, usage, stop_reason = collect.result()
             answered = True
         finally:
-            for t in (collect, gone):
-                t.cancel()
-            await asyncio.gather(collect, gone, return_exceptions=True)
+            gone.cancel()  # not awaited: held until it ends, so the answer does not wait a loop turn for it
+            gone.add_done_callback(_retrieved)
+            self._hold(gone)
+            if not collect.done():
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("client disconnected" if gone.done() else "call abandoned")
             if not answered:
@@ -388,9 +391,13 @@ class RouterAPI:
     def close_soon(self, call: EngineCall) -> None:
         """Close ``call`` (end its trace, unsubscribe its inbox) in a task of its own, held in ``_closing``
         until it ends, so a response's last write does not wait for it. Mutates ``_closing``."""
-        t = asyncio.ensure_future(call.close())
-        self._closing.add(t)
-        t.add_done_callback(self._closing.discard)
+        self._hold(asyncio.ensure_future(call.close()))
+
+    def _hold(self, t: asyncio.Future) -> None:
+        """Keep a reference to a task nobody awaits until it ends (the loop holds tasks weakly). Mutates ``_closing``."""
+        if not t.done():
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
 
     # ----------------------------------------------------------------------------------- handlers
     async def chat(self, request: Request) -> Response:
@@ -442,6 +449,13 @@ class RouterAPI:
             "placement": {k: v for k, v in state.leases.metrics().items() if k != "counters"},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _retrieved(t: asyncio.Future) -> None:
+    """Done callback of a task nobody awaits: its exception is taken (as ``gather(return_exceptions=True)``
+    took it), so asyncio does not log it as never retrieved."""
+    if not t.cancelled():
+        t.exception()
 
 
 async def _disconnected(request: Request) -> None:
