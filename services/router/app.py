@@ -525,8 +525,10 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    app.post("/v1/chat/completions")(api.chat)
-    app.post("/v1/completions")(api.completions)
+    # the two hot endpoints as plain Starlette routes: they take the Request and return a Response, so FastAPI's
+    # per-call route machinery (dependency solving, its route context) would do nothing for them
+    app.add_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_route("/v1/completions", api.completions, methods=["POST"])
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     app.include_router(session_routes(state))  # DELETE /v1/sessions/{id}
     app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens
