@@ -28,12 +28,21 @@ What is measured
 How it is reported
     Per path and ``max_tokens``: p50 and p95 of the per-call latency (median over ``repeats`` rounds),
     the added latency ``p50(path) - p50(in-process)`` and the ratio ``p50(path) / p50(in-process)``.
+    And the CPU time each process of the stack spent per call of each path (router, engine, NATS server,
+    telemetry service, kvstore, and this bench process: the client, and the engine itself for
+    ``in-process``), from ``/proc``: where the time of a path goes among the processes, and whether a process
+    that should be there (the telemetry service) ran. CPU time also moves with machine load (clock speed,
+    shared caches: on the 2-core development machine the engine's CPU per call varied 1.5x between runs), so
+    compare runs made close together, alternating the versions. The stack's telemetry service
+    takes a free port: with a fixed one, a second stack on the machine can take it first and the service
+    exits, and the router path then loses the ~1 ms of CPU per call the service spends on its call records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import sys
 import time
@@ -60,6 +69,7 @@ def _stack_config(models_dir: Path, model: str, stream_interval_ms: float = 0.0)
         "models_dir": str(models_dir),
         "synthesize_models": False,
         "router": {"port": 0},
+        "telemetry": {"port": 0},  # a free port: a busy fixed one can leave the stack without its telemetry service
         "engines": [
             {"id": ENGINE_ID, "models": [model], "device": "cpu", "dtype": "float32", "kv_cache_mb": KV_CACHE_MB, "torch_threads": 1,
              "stream_interval_ms": stream_interval_ms}
@@ -192,6 +202,26 @@ def _wait_healthy(api: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"engine {ENGINE_ID} did not report healthy to the router within {timeout:.0f}s")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; /proc), 0.0 when it is gone or
+    /proc is unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _stack_pids(stack) -> dict[str, int]:
+    """The processes whose CPU per call is reported: the stack's children, its NATS server, this process."""
+    pids = {name: c.proc.pid for name, c in stack.children.items()}
+    if stack.nats is not None and stack.nats.proc is not None:
+        pids["nats-server"] = stack.nats.proc.pid
+    pids["bench"] = os.getpid()
+    return pids
+
+
 def _timed(fn, prompt: list[int], max_tokens: int, n: int) -> tuple[list[float], tuple[list[int], str]]:
     lat = []
     out: tuple[list[int], str] = ([], "")
@@ -237,16 +267,21 @@ def run_router_bench(
         nats_client = _Nats(stack.nats_url, stack.cfg.namespace, model)
         router = _Router(api, model)
         fns = {"in-process": inproc.call, "nats": nats_client.call, "router": router.call, "router-stream": router.call_stream}
+        pids = _stack_pids(stack)
 
         rows: list[dict[str, Any]] = []
         for mt in max_tokens:
             per: dict[str, dict[str, list[float]]] = {p: {"p50": [], "p95": [], "mean": []} for p in PATHS}
+            cpu: dict[str, dict[str, float]] = {p: dict.fromkeys(pids, 0.0) for p in PATHS}  # CPU seconds over every timed call
             outs: dict[str, tuple[list[int], str]] = {}
             for p in PATHS:
                 _timed(fns[p], prompt, mt, warmup)
             for _rep in range(repeats):
                 for p in PATHS:
+                    c0 = {k: _cpu_s(pid) for k, pid in pids.items()}
                     lat, outs[p] = _timed(fns[p], prompt, mt, calls)
+                    for k, pid in pids.items():
+                        cpu[p][k] += _cpu_s(pid) - c0[k]
                     per[p]["p50"].append(percentile(lat, 50))
                     per[p]["p95"].append(percentile(lat, 95))
                     per[p]["mean"].append(sum(lat) / len(lat))
@@ -265,6 +300,9 @@ def run_router_bench(
                     "ratio_p50": p50 / base,
                     "output_agrees": agree.get(p, True),
                     "runs_p50_ms": [x * 1e3 for x in per[p]["p50"]],
+                    # a process's work for a call may finish after the call returns (call records, closing): it
+                    # lands in the next call's window, so per-call averages hold over many calls
+                    "cpu_ms_per_call": {k: v * 1e3 / (calls * repeats) for k, v in cpu[p].items()},
                 })
             say(f"  max_tokens {mt}: " + ", ".join(f"{r['path']} p50 {r['p50_ms']:.2f} ms" for r in rows[-len(PATHS):]))
     except Exception:
@@ -304,7 +342,19 @@ def render(result: dict[str, Any]) -> str:
         [[r["max_tokens"], r["path"], r["p50_ms"], r["p95_ms"], r["added_p50_ms"], r["ratio_p50"], "yes" if r["output_agrees"] else "NO"]
          for r in result["rows"]],
     )
-    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API, non-streaming and streaming)\n{t}{_per_token(result)}"
+    return f"{head}\n\nper-call latency (in-process Engine vs engine process over NATS vs router HTTP API, non-streaming and streaming)\n{t}{_per_token(result)}{_cpu(result)}"
+
+
+def _cpu(result: dict[str, Any]) -> str:
+    """CPU milliseconds per call by process and path (``bench``: this process, the client; for ``in-process``
+    also the engine it runs)."""
+    rows = [r for r in result["rows"] if r.get("cpu_ms_per_call")]
+    if not rows:
+        return ""
+    procs = list(rows[0]["cpu_ms_per_call"])
+    t = format_table(["max_tokens", "path", *procs, "total"],
+                     [[r["max_tokens"], r["path"], *(r["cpu_ms_per_call"].get(k, 0.0) for k in procs), sum(r["cpu_ms_per_call"].values())] for r in rows])
+    return f"\n\nCPU ms per call by process (/proc; moves with machine load too: compare runs made close together)\n{t}"
 
 
 def _per_token(result: dict[str, Any]) -> str:

@@ -55,8 +55,10 @@ def _load(args: argparse.Namespace) -> StackConfig:
         raise SystemExit(2) from None
 
 
-def _run_until_signal(coro_factory: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run ``coro_factory(stop_event)`` until SIGINT/SIGTERM sets the event."""
+def _run_until_signal(coro_factory: Callable[[asyncio.Event], Awaitable[None]],
+                      loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
+    """Run ``coro_factory(stop_event)`` until SIGINT/SIGTERM sets the event, on a loop from ``loop_factory``
+    (None: asyncio's default)."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -65,8 +67,18 @@ def _run_until_signal(coro_factory: Callable[[asyncio.Event], Awaitable[None]]) 
             loop.add_signal_handler(sig, stop.set)
         await coro_factory(stop)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
     return 0
+
+
+def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop factory of a process's ``event_loop`` setting: uvloop's, or None (asyncio's default loop)."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
 
 
 def _with_api_key(cfg: StackConfig, key: str | None) -> StackConfig:
@@ -99,7 +111,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"router": RouterConfig(**r)})
     from services.router.service import run_router
 
-    return _run_until_signal(lambda stop: run_router(cfg, stop))
+    return _run_until_signal(lambda stop: run_router(cfg, stop), event_loop_factory(cfg.router.event_loop))
 
 
 def cmd_engine(args: argparse.Namespace) -> int:

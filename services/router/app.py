@@ -32,7 +32,7 @@ from services.router.errors import APIError, CatchAll, anthropic_path, unencodab
 from services.router.fanout import fan_out, wants_fanout
 from services.router.gateway import Admission, OverloadPolicy, Step
 from services.router.session_api import SESSION_END_HEADER, session_end_header, session_routes
-from services.router.openai_format import ChatOutput, Logprobs, chat_output, echo_prefix, reasoning_usage
+from services.router.openai_format import ChatOutput, ChunkEvents, Logprobs, chat_output, echo_prefix, reasoning_usage
 from services.router.openai_routes import make_router
 from services.router.anthropic_routes import anthropic_routes
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, parse_request
@@ -87,7 +87,7 @@ class RouterAPI:
         self.cfg = state.cfg.router
         pc = self.cfg.placement
         self.overload = OverloadPolicy(pc.overload, pc.queue_max, pc.queue_timeout_s)
-        self._closing: set[asyncio.Task] = set()  # calls being closed after their stream ended (close_soon)
+        self._closing: set[asyncio.Future] = set()  # calls being closed after their answer (close_soon), disconnect watchers ending
 
     # ------------------------------------------------------------------------------ parse / encode
     async def read_json(self, request: Request) -> dict:
@@ -258,9 +258,12 @@ class RouterAPI:
             content, reason, usage, stop_reason = collect.result()
             answered = True
         finally:
-            for t in (collect, gone):
-                t.cancel()
-            await asyncio.gather(collect, gone, return_exceptions=True)
+            gone.cancel()  # not awaited: held until it ends, so the answer does not wait a loop turn for it
+            gone.add_done_callback(_retrieved)
+            self._hold(gone)
+            if not collect.done():
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
             if not call.finished:  # client went away or the engine was lost: free the engine's work
                 await call.cancel("client disconnected" if gone.done() else "call abandoned")
             if not answered:
@@ -321,15 +324,12 @@ class RouterAPI:
 
     async def sse(self, call: EngineCall, rid: str, created: int, model: str, chat: bool, include_usage: bool, alive,
                   out: ChatOutput | None = None, lps: Logprobs | None = None) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choices: list, usage=None, token: str | None = None) -> bytes:
-            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            if token:
-                d["resume_token"] = token  # the streaming form of the X-Talaria-Resume-Token header
-            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+        """The SSE stream of a call. The events of one (merged) engine chunk go out as one write, and the
+        finished chunk's events with ``[DONE]``: the bytes are those of one event per write, in fewer socket
+        sends. A plain text / content token without logprobs is encoded from the call's template
+        (``ChunkEvents``: only its text is JSON-encoded)."""
+        ev = ChunkEvents(rid, created, model, chat)
+        plain = lps is None or not lps.enabled  # no logprobs: a token's event is the template's
 
         def choice(text: str | None, reason: str | None, first: bool = False, delta: dict | None = None, stop: str | None = None) -> dict:
             lp = lps.take() if lps is not None and (text or delta or reason) else None
@@ -348,33 +348,39 @@ class RouterAPI:
 
         try:
             if chat:
-                yield event([choice("", None, first=True)])
+                yield ev.event([choice("", None, first=True)])
+            tail: list[bytes] = []  # the last chunk's events, sent with [DONE]
             async for c in call.chunks(self.cfg.idle_chunk_timeout_s, alive):
                 if c.HasField("error"):
                     err = APIError(c.error.http_status or 500, c.error.message, code=c.error.code or None)
-                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                    tail.append(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                     break
+                parts: list[bytes] = []
                 if lps is not None:
                     lps.add(c.logprobs)
                 if c.text and out is not None:  # tool-call text becomes delta.tool_calls
                     for d in out.feed(c.text, len(c.token_ids)):
-                        yield event([choice(None, None, delta=d)])
+                        content = d.get("content") if plain and len(d) == 1 else None
+                        parts.append(ev.content(content) if content is not None else ev.event([choice(None, None, delta=d)]))
                 elif c.text:
-                    yield event([choice(c.text, None)])
+                    parts.append(ev.text(c.text) if plain else ev.event([choice(c.text, None)]))
                 if c.finished:
                     reason = c.finish_reason
                     if out is not None:
                         deltas, reason = out.finish(reason)
                         for d in deltas:
-                            yield event([choice(None, None, delta=d)])
-                    yield event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage))
+                            parts.append(ev.event([choice(None, None, delta=d)]))
+                    parts.append(ev.event([choice(None if chat else "", reason, stop=_stop_reason(reason, c.stop_reason))], token=self.finished(call, c.usage)))
                     if include_usage:
-                        yield event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens))
-            yield b"data: [DONE]\n\n"
+                        parts.append(ev.event([], reasoning_usage(_usage(c.usage), out, c.usage.reasoning_tokens)))
+                    tail = parts
+                elif parts:
+                    yield b"".join(parts)
+            tail.append(b"data: [DONE]\n\n")
+            yield b"".join(tail)
         except EngineUnavailable as e:
             self.state.counters["engine_lost_midcall"] += 1
-            yield b"data: " + json.dumps(APIError(503, str(e), code="engine_unavailable").body()).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield b"data: " + json.dumps(APIError(503, str(e), code="engine_unavailable").body()).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             # Runs on normal end and when the client disconnects (the generator is closed/cancelled).
             if not call.finished:
@@ -385,9 +391,13 @@ class RouterAPI:
     def close_soon(self, call: EngineCall) -> None:
         """Close ``call`` (end its trace, unsubscribe its inbox) in a task of its own, held in ``_closing``
         until it ends, so a response's last write does not wait for it. Mutates ``_closing``."""
-        t = asyncio.ensure_future(call.close())
-        self._closing.add(t)
-        t.add_done_callback(self._closing.discard)
+        self._hold(asyncio.ensure_future(call.close()))
+
+    def _hold(self, t: asyncio.Future) -> None:
+        """Keep a reference to a task nobody awaits until it ends (the loop holds tasks weakly). Mutates ``_closing``."""
+        if not t.done():
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
 
     # ----------------------------------------------------------------------------------- handlers
     async def chat(self, request: Request) -> Response:
@@ -439,6 +449,13 @@ class RouterAPI:
             "placement": {k: v for k, v in state.leases.metrics().items() if k != "counters"},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _retrieved(t: asyncio.Future) -> None:
+    """Done callback of a task nobody awaits: its exception is taken (as ``gather(return_exceptions=True)``
+    took it), so asyncio does not log it as never retrieved."""
+    if not t.cancelled():
+        t.exception()
 
 
 async def _disconnected(request: Request) -> None:
@@ -508,8 +525,10 @@ def create_app(state) -> FastAPI:  # state: services.router.service.RouterState
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    app.post("/v1/chat/completions")(api.chat)
-    app.post("/v1/completions")(api.completions)
+    # the two hot endpoints as plain Starlette routes: they take the Request and return a Response, so FastAPI's
+    # per-call route machinery (dependency solving, its route context) would do nothing for them
+    app.add_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_route("/v1/completions", api.completions, methods=["POST"])
     app.include_router(make_router(state, app))  # /v1/responses, /v1/models/{id}, /tokenize, /detokenize
     app.include_router(session_routes(state))  # DELETE /v1/sessions/{id}
     app.include_router(anthropic_routes(state, app))  # /v1/messages, /v1/messages/count_tokens

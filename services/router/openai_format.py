@@ -16,6 +16,8 @@ complete and valid, so an invalid claimed call can still come back as plain text
 
 from __future__ import annotations
 
+import json
+
 from talaria import reasoning_parsers
 from talaria.tool_parsers import ArgumentsDelta, CallHeader, TextDelta, make_parser
 
@@ -144,6 +146,42 @@ def reasoning_usage(usage: dict, out: ChatOutput | None, engine_count: int = 0) 
     if out is not None and out.reasoner is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": engine_count or out.reasoning_tokens}
     return usage
+
+
+class ChunkEvents:
+    """The SSE events (``data: <json>\\n\\n``) of one streamed call: ``chat.completion.chunk`` or
+    ``text_completion`` objects with the call's id, creation time and model.
+
+    ``event`` encodes any choice list (plus ``usage`` and the resume token). ``text`` (completions) and
+    ``content`` (chat) encode the per-token event of plain output without logprobs from a template built
+    once per call, so a streamed token costs one ``json.dumps`` of its text instead of building and encoding
+    the whole object; the bytes are exactly ``event``'s for the same choice (the key order and compact
+    separators of ``json.dumps(..., separators=(",", ":"))``; tested). Holds no state beyond the template."""
+
+    __slots__ = ("rid", "obj", "created", "model", "_head", "_tail")
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool) -> None:
+        self.rid, self.created, self.model = rid, created, model
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        head = json.dumps({"id": rid, "object": self.obj, "created": created, "model": model}, separators=(",", ":"))
+        self._head = b"data: " + head[:-1].encode() + b',"choices":[{"index":0,'
+        self._tail = b',"finish_reason":null,"logprobs":null}]}\n\n'
+
+    def event(self, choices: list, usage: dict | None = None, token: str | None = None) -> bytes:
+        d: dict = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        if token:
+            d["resume_token"] = token  # the streaming form of the X-Talaria-Resume-Token header
+        return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+
+    def text(self, text: str) -> bytes:
+        """``event([{"index": 0, "text": text, "finish_reason": None, "logprobs": None}])``."""
+        return self._head + b'"text":' + json.dumps(text).encode() + self._tail
+
+    def content(self, text: str) -> bytes:
+        """``event([{"index": 0, "delta": {"content": text}, "finish_reason": None, "logprobs": None}])``."""
+        return self._head + b'"delta":{"content":' + json.dumps(text).encode() + b"}" + self._tail
 
 
 class Logprobs:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -53,6 +54,8 @@ class CallTrace:
         self.router_queue_s = 0.0  # seconds in the gateway's overload queue
         self.forward_ns = 0  # when the call was (last) handed to an engine; placement = t0 -> here minus queue
         self.engine_attribution: CallAttribution | None = None  # the engine's phases, from the finished chunk
+        self._start_attrs: dict[str, object] | None = None  # the SERVER span's request attributes, set off the forward path
+        self._last: Any = None  # the finished chunk (a TokenChunk), read by end() (after the answer is written)
         try:
             op = "chat" if chat else "text_completion"
             parent = otel.extract(g.trace_context)
@@ -78,7 +81,10 @@ class CallTrace:
             if g.end_session:
                 attrs[call_hints.SESSION_END] = True
             self.tracer = tracer
-            self.span = tracer.start_span(f"{op} {g.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs, start_time=self.t0)
+            # the span now (its context goes with the request), its attributes once the call is forwarded
+            # (``placed`` / ``end``): attribute checks are not on the path to the engine
+            self._start_attrs = attrs
+            self.span = tracer.start_span(f"{op} {g.model}", context=parent, kind=SpanKind.SERVER, start_time=self.t0)
             self.ctx = trace.set_span_in_context(self.span)
             g.trace_context.clear()
             if self.span.get_span_context().is_valid:
@@ -94,6 +100,7 @@ class CallTrace:
         accepted, with ``Decision.attributes``) and the chosen instance."""
         try:
             now = time.time_ns()
+            self._set_start_attributes()
             attrs = decision.attributes()
             inst = (call.instance_id if call is not None else None) or decision.instance_id or ""
             ps = self.tracer.start_span("talaria.placement", context=self.ctx, start_time=self.t0, attributes=attrs)
@@ -148,20 +155,38 @@ class CallTrace:
                 self.error = c.error.code or "engine_error"
             if c.finished:
                 self.finished = True
-                if c.HasField("attribution"):
-                    self.engine_attribution = CallAttribution.from_proto(c.attribution)
-                attrs = {otel.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "stop"], otel.GEN_AI_RESPONSE_MODEL: self.model}
                 self.finish_reason = c.finish_reason
                 if c.HasField("usage"):
                     self.usage = c.usage
-                    attrs[otel.GEN_AI_USAGE_INPUT_TOKENS] = int(c.usage.prompt_tokens)
-                    attrs[otel.GEN_AI_USAGE_OUTPUT_TOKENS] = int(c.usage.completion_tokens)
-                    attrs[otel.GEN_AI_USAGE_CACHE_READ] = int(c.usage.cached_tokens)
-                if c.ttft_seconds:
-                    attrs["talaria.engine.ttft_seconds"] = float(c.ttft_seconds)
-                self.span.set_attributes(attrs)
+                self._last = c  # its attribution and span attributes are read by end(), after the answer
         except Exception:  # noqa: BLE001
             log.debug("chunk observation failed", exc_info=True)
+
+    def _set_start_attributes(self) -> None:
+        """The request attributes on the SERVER span (once). Mutates the span."""
+        if self._start_attrs is not None:
+            attrs, self._start_attrs = self._start_attrs, None
+            self.span.set_attributes(attrs)
+
+    def _finished_chunk(self) -> None:
+        """The finished chunk's part of the trace: the engine's time split and the response attributes
+        (finish reason, model, usage, the engine's TTFT). Mutates ``engine_attribution`` and the span."""
+        c, self._last = self._last, None
+        if c is None:
+            return
+        try:
+            if c.HasField("attribution"):
+                self.engine_attribution = CallAttribution.from_proto(c.attribution)
+            attrs = {otel.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "stop"], otel.GEN_AI_RESPONSE_MODEL: self.model}
+            if c.HasField("usage"):
+                attrs[otel.GEN_AI_USAGE_INPUT_TOKENS] = int(c.usage.prompt_tokens)
+                attrs[otel.GEN_AI_USAGE_OUTPUT_TOKENS] = int(c.usage.completion_tokens)
+                attrs[otel.GEN_AI_USAGE_CACHE_READ] = int(c.usage.cached_tokens)
+            if c.ttft_seconds:
+                attrs["talaria.engine.ttft_seconds"] = float(c.ttft_seconds)
+            self.span.set_attributes(attrs)
+        except Exception:  # noqa: BLE001
+            log.debug("finished chunk observation failed", exc_info=True)
 
     def _publish(self, phase: str) -> None:
         if self.publish is None:
@@ -180,6 +205,11 @@ class CallTrace:
         self.ended = True
         r = self.record
         end_ns = time.time_ns()
+        try:
+            self._set_start_attributes()
+        except Exception:  # noqa: BLE001 - recording never breaks a call
+            log.debug("span attributes failed", exc_info=True)
+        self._finished_chunk()
         r.end_unix = end_ns / 1e9
         try:
             attr = self.attribution(end_ns)

@@ -70,7 +70,11 @@ def test_router_bench_smoke(synth_models):
             assert _positive(row[k]), (k, row[k])
         assert math.isfinite(row["added_p50_ms"])
         assert row["output_agrees"], row  # greedy: every path must produce the same tokens/text
-    assert "p50 / in-process" in render(res)
+        cpu = row["cpu_ms_per_call"]  # every process of the stack, by name, and this one
+        assert {"router-0", "bench-engine-0", "telemetry", "nats-server", "bench"} <= set(cpu), cpu
+        assert all(v >= 0 for v in cpu.values())
+    text = render(res)
+    assert "p50 / in-process" in text and "CPU ms per call by process" in text
 
 
 def test_coldpool_bench_registered_and_renders():

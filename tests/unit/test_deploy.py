@@ -178,7 +178,7 @@ def test_router_refuses_to_start_without_a_key_when_keys_are_required(tmp_path, 
     assert cli.main(["router", "--config", str(cfg)]) == 2
     assert "require_keys" in capfd.readouterr().err
     started = []
-    monkeypatch.setattr(cli, "_run_until_signal", lambda factory: started.append(factory) or 0)
+    monkeypatch.setattr(cli, "_run_until_signal", lambda factory, loop_factory=None: started.append(factory) or 0)
     assert cli.main(["router", "--config", str(cfg), "--open-api"]) == 0 and started
     err = capfd.readouterr().err
     assert "--open-api" in err and "WARNING" in err.upper(), err

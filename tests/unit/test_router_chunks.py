@@ -132,3 +132,26 @@ def test_a_late_chunk_within_the_grace_is_still_taken_in_order():
 
     got = _read(call, feed)
     assert [list(c.token_ids) for c in got] == [[11], [12, 13]] and got[-1].finished
+
+
+def test_chunk_queue_a_cancelled_get_loses_nothing_and_a_timed_out_wait_ends_clean():
+    from services.router.engine_client import ChunkQueue
+
+    async def go():
+        q = ChunkQueue()
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        q.put_nowait("a")  # completes the waiter ...
+        waiting.cancel()  # ... but the reader is cancelled before it resumes
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert not q.empty() and q.get_nowait() == "a"  # the item stayed queued
+        try:
+            async with asyncio.timeout(0.01):
+                await q.get()
+        except TimeoutError:
+            pass
+        q.put_nowait("b")
+        q.put_nowait("c")
+        return [await q.get(), await q.get(), q.empty()]
+
+    assert asyncio.run(go()) == ["b", "c", True]
