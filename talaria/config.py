@@ -248,9 +248,10 @@ class RouterConfig(_Strict):
     gc_gen0_threshold: int = Field(DEFAULT_GEN0, ge=0, description="the router process's young-generation GC threshold after start-up "
                                    "objects are frozen (talaria/gctune.py: Python's default 700 put collections inside placement "
                                    "decisions); 0 = Python's defaults")
-    event_loop: Literal["uvloop", "asyncio"] = Field("uvloop", description="the router process's event loop: uvloop (libuv, in C: the "
-                                                     "loop's own work per HTTP call and per streamed token leaves Python) or the "
-                                                     "standard library's asyncio loop")
+    event_loop: Literal["asyncio", "uvloop"] = Field("asyncio", description="the router process's event loop: the standard library's "
+                                                      "asyncio loop, or uvloop (libuv, in C: fewer Python calls per HTTP call and per "
+                                                      "streamed token; no wall-clock gain measured by `talaria bench router` on a 2-core "
+                                                      "CPU host, bench/README.md)")
     placement: PlacementConfig = PlacementConfig()
     auth: AuthConfig = AuthConfig()
     responses: ResponsesStoreConfig = ResponsesStoreConfig()

@@ -25,11 +25,11 @@ def _loop_of(kind: str) -> asyncio.AbstractEventLoop:
     return seen[0]
 
 
-def test_the_router_runs_on_uvloop_by_default_and_stops_on_sigterm():
-    assert RouterConfig().event_loop == "uvloop"
-    assert isinstance(_loop_of(parse_config({}).router.event_loop), uvloop.Loop)
+def test_uvloop_on_request_runs_the_router_and_stops_on_sigterm():
+    assert isinstance(_loop_of(parse_config({"router": {"event_loop": "uvloop"}}).router.event_loop), uvloop.Loop)
 
 
-def test_asyncio_names_the_standard_library_loop():
-    loop = _loop_of("asyncio")
+def test_the_default_is_the_standard_library_loop():
+    assert RouterConfig().event_loop == "asyncio"
+    loop = _loop_of(parse_config({}).router.event_loop)
     assert not isinstance(loop, uvloop.Loop) and isinstance(loop, asyncio.BaseEventLoop)
