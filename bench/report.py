@@ -191,6 +191,21 @@ def kv_hits_by_source(ok: list) -> dict[str, Any]:
     return {"kv_hits_source": "usage", "kv_hit_calls_by_source": calls, "kv_hit_tokens_by_source": tokens}
 
 
+def _num(r: dict, *ks: str) -> float:
+    """The first of ``ks`` in record ``r`` that holds a number (a JSON-encoded proto carries 64-bit counts as
+    strings; a bool is not a number here); 0.0 when none does."""
+    for k in ks:
+        v = r.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                pass
+    return 0.0
+
+
 def _deadline_attainment(rounds: list[dict]) -> dict[str, Any]:
     """Per-token deadline attainment over the replay window's round records: the cold engines score every
     first token against arrival + slot_ttft_s and every later token against first token + (i-1) x slot_tpot_s,
@@ -204,11 +219,7 @@ def _deadline_attainment(rounds: list[dict]) -> dict[str, Any]:
         if isinstance(td, dict):
             scored = True
             for k in sums:
-                v = td.get(k, 0)  # a JSON-encoded proto carries 64-bit counts as strings
-                try:
-                    sums[k] += float(v) if not isinstance(v, bool) else 0.0
-                except (TypeError, ValueError):
-                    pass
+                sums[k] += _num(td, k)  # a JSON-encoded proto carries 64-bit counts as strings
     if not scored:
         return {"deadline_first": NA, "deadline_later": NA, "deadline_tokens": {}}
     return {"deadline_first": sums["first_on_time"] / sums["first_tokens"] if sums["first_tokens"] else NA,
@@ -224,23 +235,11 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     rounds = [r for r in records if r.get("kind") == "round"]
     out["rounds"] = len(rounds)
     if rounds:
-        def num(r: dict, *ks: str) -> float:
-            for k in ks:
-                v = r.get(k)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    return float(v)
-                if isinstance(v, str):
-                    try:
-                        return float(v)
-                    except ValueError:
-                        pass
-            return 0.0
-
-        wall = sum(num(r, "wall_seconds", "wall_s", "wall_ms") / (1e3 if "wall_ms" in r and "wall_seconds" not in r else 1) for r in rounds)
-        sw = sum(num(r, "switch_seconds", "switch_s", "switch_ms") / (1e3 if "switch_ms" in r and "switch_seconds" not in r else 1) for r in rounds)
+        wall = sum(_num(r, "wall_seconds", "wall_s", "wall_ms") / (1e3 if "wall_ms" in r and "wall_seconds" not in r else 1) for r in rounds)
+        sw = sum(_num(r, "switch_seconds", "switch_s", "switch_ms") / (1e3 if "switch_ms" in r and "switch_seconds" not in r else 1) for r in rounds)
         out["switch_share_rounds"] = sw / wall if wall else NA
-        out["sp_admitted"] = sum(num(r, "sp_admitted") for r in rounds)
-        out["sp_deferred"] = sum(num(r, "sp_deferred") for r in rounds)
+        out["sp_admitted"] = sum(_num(r, "sp_admitted") for r in rounds)
+        out["sp_deferred"] = sum(_num(r, "sp_deferred") for r in rounds)
         # SP that cannot lose (issue 12): deferral reasons and the predicted benefit / harm of what SP admitted,
         # when the engines' round summaries carry them (n/a for an older engine)
         if any("sp_deferred_reasons" in r for r in rounds):
@@ -250,16 +249,16 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
                     reasons[k] = reasons.get(k, 0.0) + float(v)
             out["sp_deferred_reasons"] = reasons
             out["sp_no_gain"] = reasons.get("no_gain", 0.0)
-            out["sp_benefit_s"] = sum(num(r, "sp_benefit_s") for r in rounds)
-            out["sp_harm_s"] = sum(num(r, "sp_harm_s") for r in rounds)
+            out["sp_benefit_s"] = sum(_num(r, "sp_benefit_s") for r in rounds)
+            out["sp_harm_s"] = sum(_num(r, "sp_harm_s") for r in rounds)
         else:
             out.update({"sp_deferred_reasons": {}, "sp_no_gain": NA, "sp_benefit_s": NA, "sp_harm_s": NA})
         # slots held for expected returns (slots/hold.py): how often, how long, and the predicted gain / harm
         if any("holds" in r for r in rounds):
-            out["holds"] = sum(num(r, "holds") for r in rounds)
+            out["holds"] = sum(_num(r, "holds") for r in rounds)
             out["hold_s"] = sum(float((r.get("phase_s") or {}).get("hold", 0.0)) for r in rounds)
-            out["hold_gain_s"] = sum(num(r, "hold_gain_s") for r in rounds)
-            out["hold_harm_s"] = sum(num(r, "hold_harm_s") for r in rounds)
+            out["hold_gain_s"] = sum(_num(r, "hold_gain_s") for r in rounds)
+            out["hold_harm_s"] = sum(_num(r, "hold_harm_s") for r in rounds)
         else:
             out.update({"holds": NA, "hold_s": NA, "hold_gain_s": NA, "hold_harm_s": NA})
         out.update(_deadline_attainment(rounds))
