@@ -58,7 +58,10 @@ def test_chat_stream_yields_reasoning_content_first_then_content(client, stack):
                 kinds.append("content")
                 content += c.delta.content
     assert (reasoning, content) == (SCRIPT_REASONING, SCRIPT_CONTENT)
-    assert kinds == sorted(kinds, key=lambda k: k == "content") and kinds.count("reasoning") > 1 and kinds.count("content") > 1
+    # every reasoning delta before the first content delta. How many deltas of each arrive depends on how many
+    # engine steps a lagging publisher folds into one chunk (services/engine/streaming.py), so it is not asserted
+    # here; splitting a stream at every point is tested on the parser (tests/unit/test_reasoning_parsers.py)
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and "reasoning" in kinds and "content" in kinds
     assert usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens
 
 
