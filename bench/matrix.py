@@ -118,13 +118,15 @@ CONFIGS += tuple(
                  "as Talaria, but a fixed lease's retention hint carries the learned return-gap distribution, so the slot hold weighs each return by it (issue 12)", "lease"),
     MatrixConfig("write-back", {"engines[].host_kv_write_policy": "back"},
                  "as Talaria, but the host KV store is written only when pages leave the device (write-back), not when every session call ends (issue 12)", "lease"),
+    MatrixConfig("no-rotation-eq2", {"router.placement.rotation_eq2": False},
+                 "as Talaria, but a call that adds its model to a cold instance's rotation is priced as a plain switch, not gated by Eq. 2", "lease"),
     MatrixConfig("no-prefetch", {"router.placement.intent_prefetch": False},
                  "as Talaria, but no intent prefetch (the next model is not opened ahead of a predicted model switch)", "lease"),
 )
 QUICK_CONFIGS = ("Talaria", "Round-only")
 # The residency regime (``--residency-regime``): the full router against least-pressure (same engines, a
 # load-only router), with Round-only as the usual baseline.
-REGIME_CONFIGS = ("Talaria", "least-pressure", "Round-only")
+REGIME_CONFIGS = ("Talaria", "least-pressure", "Round-only")  # --configs adds e.g. no-rotation-eq2
 REGIME_SWITCH_S = 1.5  # default host-only switch seconds of the largest model (the paper's seconds against ms steps)
 
 

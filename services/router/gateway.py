@@ -206,15 +206,18 @@ class Gateway:
         cold = snap.pool == pb.POOL_COLD or (spec is not None and spec.pool == "cold")
         priced = self._priced_models.get(v.instance_id, {})
         models: dict[str, ModelRes] = {}
+        kv = {(s.session_id, s.model): (int(s.state), s.committed_tokens) for s in snap.sessions}
+        # a cold instance's rotation: the models with a call there or a session's KV on its device (policy.ModelRes)
+        on_device = {s.model for s in snap.sessions if s.state == pb.KV_DEVICE and s.committed_tokens > 0} if cold else set()
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
                 models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
                                            wait_s=m.slot_wait_s if cold and self.params.slot_wait else 0.0,
-                                           profile=priced.get(m.model))
+                                           profile=priced.get(m.model),
+                                           in_rotation=not cold or m.active or m.num_running + m.num_waiting > 0 or m.model in on_device)
         if cold and spec is not None:
             for name in spec.models:
                 models.setdefault(name, ModelRes())
-        kv = {(s.session_id, s.model): (int(s.state), s.committed_tokens) for s in snap.sessions}
         self._static[v.instance_id] = (snap.epoch, snap.seq, models, kv)
         return models, kv
 

@@ -45,6 +45,20 @@ where W is the predicted latency of r without activation (dR_req + C_KV), W_exis
 instances where m is resident and admissible, and demand_m the calls of m predicted over the control
 window (observed arrival rate * window + live leases of m).
 
+A cold instance time-shares the models of its weight bank in rounds, so every catalog model is "loaded" there
+and a call of any of them is a switch, never an open. What such a call can still do is add its model to the
+instance's *rotation* (``ModelRes.in_rotation``: the models with a call there or a session's KV on its
+device): a "join". A join costs more than its own switch: every later round on that instance carries the
+switch into the model and back out, paid by the calls of the other models waiting there, and once the
+rotation outgrows what the device can keep staged those switches come from host memory. Eq. 1 prices only
+this call's switch (cheap when the model happens to be staged), so a new session was placed where its model
+was merely staged, spreading every model over every instance (the residency regime, ``bench/matrix.py``). A
+join is therefore a replica opening in §3.3's sense and gated by Eq. 2, with the instance's measured switch
+pair from host (``rotation_cost``) in place of mu dW + nu (it adds no weights to the device: the model takes
+the device only in its own slot). Where switches cost milliseconds the gate costs nothing; where they cost
+seconds it keeps a model on the instances already serving it until their queues make a join pay
+(``rotation_eq2``, default on; the ``no-rotation-eq2`` matrix row turns it off).
+
 Eq. 2 gates every open, a lease's included: a lease whose instance no longer has the model resident (it
 switched away or closed it during the tool gap) is honoured only if Eq. 2 admits the open there (lease
 ``eq2`` otherwise, and the call is placed by cost), since §3.3 opens a replica "only when the predicted demand
@@ -104,6 +118,7 @@ class PolicyParams:
     charge_imposed: bool = True  # Eq. 1's dR_req also charges the delay the call imposes on the running batch it joins
     imposed_prefill: bool = False  # ... including its prefill's stall of that batch (default: the decode slowdown only)
     queue_learned: bool = False  # the queue pressure is scaled by the measured/predicted queueing ratio (profiles.QueueBook)
+    rotation_eq2: bool = True  # a call that adds its model to a cold instance's rotation is a replica opening, gated by Eq. 2 (module doc)
 
     @classmethod
     def from_config(cls, placement: object) -> PolicyParams:
@@ -146,6 +161,9 @@ class ModelRes:
     active: bool = False  # currently serving (hot: always)
     staged: bool = False  # weights (partly) pre-staged for a switch
     wait_s: float = 0.0  # cold instance with rounds: predicted seconds until the switch into this model starts (engine-reported)
+    # cold instance: the model is in its rotation (active, calls queued or running, or a session's KV on the
+    # device); False: a call of it adds the model to the rotation (a "join", gated by Eq. 2 like an open)
+    in_rotation: bool = True
     # this model's own measured costs on the instance (its peers' for the same model where it has
     # measured none); None: the instance's profile prices it. Switch costs are always the instance's.
     profile: Profile | None = None
@@ -240,7 +258,7 @@ class CostBreakdown(NamedTuple):
     total: float
     queue_s: float
     kv_source: str  # "device" | "host" | "recompute" | "none"
-    act: str  # "active" | "switch" | "open"
+    act: str  # "active" | "switch" | "join" (a switch that adds the model to a cold instance's rotation) | "open"
     fresh_replica: bool
     predicted_ttft_s: float
     pages_needed: int
@@ -250,6 +268,7 @@ class CostBreakdown(NamedTuple):
 
 
 _tuple_new = tuple.__new__
+_REPLICA_ACTS = ("open", "join")  # activations Eq. 2 gates: a new replica, or a model new to a cold instance's rotation
 
 
 def cost_breakdown(
@@ -261,7 +280,7 @@ def cost_breakdown(
     the model must be opened, derived here). About twice as fast as the named tuple's own keyword
     constructor, which matters once per candidate per decision."""
     return _tuple_new(CostBreakdown, (
-        instance_id, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, kv_source, act, act == "open", predicted_ttft_s,
+        instance_id, delta_r, c_kv, c_act, delta_r + c_kv + c_act, queue_s, kv_source, act, act in _REPLICA_ACTS, predicted_ttft_s,
         pages_needed, eq2_gain, eq2_threshold, reject,
     ))
 
@@ -282,12 +301,14 @@ class Decision:
     #                      | "eq2" (honouring it would open a replica Eq. 2 rejects: ``_eq2_denies``)
     costs: tuple[CostBreakdown, ...] = ()
     opens_model: bool = False  # the chosen instance must open the model (not resident there)
-    switches_model: bool = False  # ... must switch to a resident/staged model
+    switches_model: bool = False  # ... must switch to a resident/staged model (a join included)
     avoidable_open: bool = False  # ... opens it although another healthy instance has it resident
     retry_after_s: float = 0.0  # overload: when trying again makes sense
     shortlisted_out: int = 0  # replica-opening instances not ranked (over the replica_shortlist bound)
     lease_held_s: float = 0.0  # how long the judged lease had been held (accounting of device KV held by leases)
     lease_tokens: int = 0  # its committed tokens
+    joins_rotation: bool = False  # the switch adds the model to the chosen cold instance's rotation (act "join")
+    avoidable_join: bool = False  # ... although another healthy instance has the model in its rotation
 
     def chosen(self) -> CostBreakdown | None:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
@@ -311,6 +332,7 @@ class Decision:
         attrs["talaria.placement.opens_model"] = self.opens_model
         attrs["talaria.placement.switches_model"] = self.switches_model
         attrs["talaria.placement.avoidable_open"] = self.avoidable_open
+        attrs["talaria.placement.joins_rotation"] = self.joins_rotation
         if self.costs:
             attrs["talaria.placement.candidates"] = [c.instance_id for c in self.costs]
             rows = []
@@ -404,16 +426,27 @@ def hbm_price(price_s_per_gib: float, kv_usage: float) -> float:
     return price_s_per_gib / max(0.05, 1.0 - kv_usage)
 
 
-def activation(inst: InstanceState, model: str) -> tuple[str, float]:
+def activation(inst: InstanceState, model: str, rotation_eq2: bool = True) -> tuple[str, float]:
+    """Eq. 1's C_act for ``model`` on ``inst`` and how it activates: "active" | "switch" | "join" | "open".
+    A "join" is a switch into a loaded model outside a cold instance's rotation (``ModelRes.in_rotation``):
+    priced as the switch, and gated by Eq. 2 (``_eq2``) when ``rotation_eq2``. Pure."""
     res = inst.models[model]
     if res.active:  # 0 while its slot admits calls mid-way; a draining slot quotes its model's next slot
         return "active", res.wait_s
     # a cold instance serving other models first: the call also waits for this model's slot
-    if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
-        return "switch", inst.profile.staged_switch_s + res.wait_s
-    if res.loaded:
-        return "switch", inst.profile.switch_s + res.wait_s
+    if res.loaded or res.staged:
+        act = "join" if rotation_eq2 and not res.in_rotation and inst.pool == "cold" else "switch"
+        if res.staged:  # loaded and (partly) staged in the device's KV tail: the cheaper path
+            return act, inst.profile.staged_switch_s + res.wait_s
+        return act, inst.profile.switch_s + res.wait_s
     return "open", inst.profile.open_s + res.wait_s
+
+
+def rotation_cost(inst: InstanceState) -> float:
+    """Eq. 2's penalty for a join: the switch pair (into the model and back out to the others) that a model
+    added to a cold instance's rotation puts into its rounds, at the instance's measured cost of a switch
+    from host memory (``Profile.switch_s``). Seconds; pure."""
+    return 2.0 * inst.profile.switch_s
 
 
 class _Call(NamedTuple):
@@ -502,13 +535,16 @@ def breakdown(inst: InstanceState, state: PlacementState, idx: InstanceIndex | N
 def apply_eq2(costs: Sequence[CostBreakdown], by_id: Mapping[str, InstanceState], state: PlacementState) -> list[CostBreakdown]:
     """``_eq2`` with each instance's mu computed from ``by_id`` (the reference path of the tests)."""
     price = state.params.hbm_price_s_per_gib
-    return _eq2(costs, [hbm_price(price, by_id[c.instance_id].kv_usage) for c in costs], state)
+    return _eq2(costs, [(hbm_price(price, by_id[c.instance_id].kv_usage), rotation_cost(by_id[c.instance_id])) for c in costs], state)
 
 
-def _eq2(costs: Sequence[CostBreakdown], mus: Sequence[float], state: PlacementState) -> list[CostBreakdown]:
+def _eq2(costs: Sequence[CostBreakdown], prices: Sequence[tuple[float, float]], state: PlacementState) -> list[CostBreakdown]:
     """Gate fresh replicas by Eq. 2: each fresh replica gets its gain and threshold, and is rejected
-    ("eq2") unless the gain exceeds T_swap + mu * dW + nu. Returns the breakdowns with those filled in
-    (the others unchanged). The one place Eq. 2 is written."""
+    ("eq2") unless the gain exceeds its threshold: T_swap + mu * dW + nu for an open, T_swap + the
+    instance's ``rotation_cost`` for a join (no weights are added to the device: the model is in the
+    instance's weight bank and takes the device only in its own slot; what it adds is a switch pair to the
+    rounds). ``prices``: per row, (mu, rotation cost) of its instance. Returns the breakdowns with those
+    filled in (the others unchanged). The one place Eq. 2 is written."""
     if not any(c.fresh_replica and not c.reject for c in costs):
         return list(costs)
     p, m = state.params, state.request.model
@@ -517,10 +553,10 @@ def _eq2(costs: Sequence[CostBreakdown], mus: Sequence[float], state: PlacementS
     demand = max(1.0, state.demand.get(m, 0.0))
     d_w = p.model_weights_gib.get(m, p.default_weights_gib)
     out = []
-    for c, mu in zip(costs, mus):
+    for c, (mu, rotation) in zip(costs, prices):
         if c.fresh_replica and not c.reject:
             gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - (c.delta_r + c.c_kv))
-            threshold = c.c_act + mu * d_w + p.replica_penalty_s
+            threshold = c.c_act + (rotation if c.act == "join" else mu * d_w + p.replica_penalty_s)
             c = cost_breakdown(
                 instance_id=c.instance_id, delta_r=c.delta_r, c_kv=c.c_kv, c_act=c.c_act, queue_s=c.queue_s,
                 kv_source=c.kv_source, act=c.act, predicted_ttft_s=c.predicted_ttft_s, pages_needed=c.pages_needed,
@@ -545,7 +581,7 @@ class _Entry(NamedTuple):
     cap: float  # kv_pages_total * (1 - hbm_reserve_fraction)
     pages_total: int
     page: int
-    mu: float  # Eq. 2 HBM price
+    eq2_prices: tuple[float, float]  # Eq. 2: (HBM price mu, rotation cost) of the instance
     act: str
     c_act: float
     base_reject: str  # "unhealthy" | "stale" | ""
@@ -581,21 +617,22 @@ def model_profile(inst: InstanceState, model: str) -> Profile:
 def _entry(inst: InstanceState, model: str, p: PolicyParams) -> _Entry:
     """The per-snapshot terms of ``inst`` for ``model`` (computed once per snapshot by the index)."""
     prof = model_profile(inst, model)
-    act, c_act = activation(inst, model)
+    act, c_act = activation(inst, model, p.rotation_eq2)
     joins, slowdown = _imposed_terms(inst, prof, act, p)
     return _Entry(
         inst, inst.instance_id, prof.prefill_per_token, prof.decode_step_at(inst.running + 1),
         queue_pressure(inst, p.admission_unit, p.running_weight, inst.overlay_leases), calls_on(inst),
         inst.kv_pages_total * (1.0 - p.hbm_reserve_fraction), inst.kv_pages_total, max(1, inst.page_size),
-        hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), act, c_act,
+        (hbm_price(p.hbm_price_s_per_gib, inst.kv_usage), rotation_cost(inst)), act, c_act,
         "unhealthy" if not inst.healthy else ("stale" if not inst.fresh else ""),
         prof if prof.prefill_by_context is not None or prof.decode_by_batch is not None else None,
         joins, slowdown, prof,
     )
 
 
-def _index_params(p: PolicyParams) -> tuple[float, float, float, float, bool, bool]:
-    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed, p.imposed_prefill)
+def _index_params(p: PolicyParams) -> tuple[float, float, float, float, bool, bool, bool]:
+    return (p.admission_unit, p.running_weight, p.hbm_reserve_fraction, p.hbm_price_s_per_gib, p.charge_imposed, p.imposed_prefill,
+            p.rotation_eq2)
 
 
 # a replica-opening entry's shortlist key: (rejected by its base checks, queue pressure, KV usage, instance id)
@@ -672,7 +709,7 @@ class InstanceIndex:
                 self.serving[m] = dict(sorted(d.items(), key=lambda kv: self._pos[kv[0]]))
             else:
                 d[iid] = e
-            if act == "open":
+            if act in _REPLICA_ACTS:
                 key = (bool(base), pressure, inst.kv_usage, iid)
                 insort(self.opening.setdefault(m, []), key)
                 keys[m] = key
@@ -719,8 +756,9 @@ def index_of(state: PlacementState) -> InstanceIndex:
     return idx
 
 
-def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[list[CostBreakdown], list[float], int]:
-    """Eq. 1 breakdowns of the candidates of ``state.request.model`` in instance order, with their mu; plus
+def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[list[CostBreakdown], list[tuple[float, float]], int]:
+    """Eq. 1 breakdowns of the candidates of ``state.request.model`` in instance order, with their Eq. 2 prices
+    (mu, rotation cost); plus
     how many replica-opening instances the shortlist left out.
 
     Instances whose KV state for this call may differ from the generic one (session prefix listed, the
@@ -743,20 +781,20 @@ def _rank(state: PlacementState, idx: InstanceIndex, shortlist: bool) -> tuple[l
     c = _call(state)
     selected = _shortlist(idx.opening.get(m, ()), serving, c, p.replica_shortlist) if shortlist else None
     rows: list[CostBreakdown] = []
-    mus: list[float] = []
+    mus: list[tuple[float, float]] = []
     left_out = 0
     append, mu_append = rows.append, mus.append
     for iid, e in serving.items():
         if iid in special:
             append(_eq1_special(e, state, c, shared))
-        elif selected is not None and iid not in selected and e.act == "open":
+        elif selected is not None and iid not in selected and e.act in _REPLICA_ACTS:
             left_out += 1
             continue
         elif shared > 0 and e.inst.host_kv:  # restores the shared host prefix
             append(_eq1(e, None, "host", shared, shared * e.prof.restore_per_token, c))
         else:
             append(_eq1(e, None, src, committed, None, c))
-        mu_append(e.mu)
+        mu_append(e.eq2_prices)
     return rows, mus, left_out
 
 
@@ -790,19 +828,24 @@ def _finish(
     idx: InstanceIndex | None = None, left_out: int = 0,
 ) -> Decision:
     m = state.request.model
-    opens = switches = avoidable = False
+    opens = switches = avoidable = joins = avoidable_join = False
     c = next((x for x in costs if x.instance_id == chosen), None)
     if c is not None:
-        opens, switches = c.act == "open", c.act == "switch"
-        if opens:
+        opens, joins = c.act == "open", c.act == "join"
+        switches = joins or c.act == "switch"
+        if opens or joins:
             pool = [e.inst for e in idx.serving.get(m, {}).values()] if idx is not None else _serving(state)
-            avoidable = any(i.instance_id != chosen and i.healthy and i.models[m].loaded for i in pool)
+            # an open is avoidable where another instance has the model resident (§5.3), a join where another
+            # has it in its rotation
+            elsewhere = any(i.instance_id != chosen and i.healthy and i.models[m].loaded and (opens or i.models[m].in_rotation) for i in pool)
+            avoidable, avoidable_join = (elsewhere, False) if opens else (False, elsewhere)
     retry = 0.0
     if chosen is None and costs:
         retry = max(state.params.retry_after_s, min(x.predicted_ttft_s for x in costs) - state.params.admission_budget_s)
     elif chosen is None:
         retry = state.params.retry_after_s
-    return Decision(chosen, state.params.policy, reason, lease, tuple(costs), opens, switches, avoidable, retry, left_out)
+    return Decision(chosen, state.params.policy, reason, lease, tuple(costs), opens, switches, avoidable, retry, left_out,
+                    joins_rotation=joins, avoidable_join=avoidable_join)
 
 
 def lease_check(state: PlacementState, now: float, idx: InstanceIndex | None = None) -> str:

@@ -182,7 +182,7 @@ def test_decision_attributes_are_the_placement_span_attributes():
     assert at == {
         "talaria.placement.reason": "cost", "talaria.placement.instance": "a", "talaria.placement.policy": "full",
         "talaria.placement.lease": "expired", "talaria.placement.opens_model": False, "talaria.placement.switches_model": False,
-        "talaria.placement.avoidable_open": False, "talaria.placement.candidates": ["a", "b"], "talaria.placement.cost.total": 0.5,
+        "talaria.placement.avoidable_open": False, "talaria.placement.joins_rotation": False, "talaria.placement.candidates": ["a", "b"], "talaria.placement.cost.total": 0.5,
         "talaria.placement.cost.delta_r": 0.3, "talaria.placement.cost.c_kv": 0.1, "talaria.placement.cost.c_act": 0.1,
         "talaria.placement.cost.queue_s": 0.2, "talaria.placement.cost.kv_source": "device", "talaria.placement.cost.act": "active",
         "talaria.placement.cost.reject": "",
@@ -193,6 +193,7 @@ def test_decision_attributes_are_the_placement_span_attributes():
     assert Decision(None, "full", "no-instance").attributes() == {
         "talaria.placement.reason": "no-instance", "talaria.placement.policy": "full", "talaria.placement.lease": "none",
         "talaria.placement.opens_model": False, "talaria.placement.switches_model": False, "talaria.placement.avoidable_open": False,
+        "talaria.placement.joins_rotation": False,
     }
 
 

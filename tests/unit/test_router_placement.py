@@ -178,6 +178,47 @@ def test_staged_model_changes_activation_not_a_second_open_penalty():
     assert c.total == pytest.approx(c.delta_r + c.c_kv + 0.2)
 
 
+def test_a_model_new_to_a_cold_instances_rotation_is_gated_by_eq2():
+    """A call whose model has no call and no session KV on a cold instance adds it to that instance's rotation
+    (a "join"): priced as the switch it is, but admitted only when Eq. 2's gain beats the switch plus the
+    switch pair it adds to the instance's rounds (``rotation_cost``). With a switch from host at 1.5 s, a new
+    session whose model is merely staged on the idle instance goes to the instance already serving that
+    model; once that one queues enough, the join pays; with ``rotation_eq2`` off it is a plain switch."""
+    slow = Profile(prefill_per_token=1e-3, decode_step=0.01, restore_per_token=1e-4, switch_s=1.5, staged_switch_s=0.01, open_s=4.0)
+    serving = lambda waiting: inst("a", models={"m": ModelRes(loaded=True, active=True), "n": ModelRes(loaded=True, in_rotation=False)},
+                                   pool="cold", profile=slow, waiting=waiting)
+    staged = inst("b", models={"m": ModelRes(loaded=True, staged=True, in_rotation=False), "n": ModelRes(loaded=True, active=True)},
+                  pool="cold", profile=slow)
+    quiet = decide(PlacementState(req(session="new"), [serving(1), staged], PolicyParams()), now=0)
+    by = {c.instance_id: c for c in quiet.costs}
+    assert by["b"].act == "join" and by["b"].fresh_replica and by["b"].reject == "eq2"
+    assert by["b"].eq2_threshold == pytest.approx(by["b"].c_act + 2 * 1.5)
+    assert by["b"].total < by["a"].total  # Eq. 1 alone would have chosen the staged instance
+    assert quiet.instance_id == "a" and not quiet.joins_rotation
+    plain = decide(PlacementState(req(session="new"), [serving(1), staged], PolicyParams(rotation_eq2=False)), now=0)
+    assert plain.instance_id == "b" and plain.switches_model and not plain.joins_rotation
+    busy = decide(PlacementState(req(session="new"), [serving(6), staged], PolicyParams()), now=0)
+    assert busy.instance_id == "b" and busy.joins_rotation and busy.switches_model and busy.avoidable_join
+    hot = inst("h", models={"m": ModelRes(loaded=True, in_rotation=False)})  # a hot instance has no rotation: a switch
+    assert decide(PlacementState(req(), [hot], PolicyParams()), now=0).costs[0].act == "switch"
+
+
+def test_the_gateway_reads_a_cold_instances_rotation_from_its_heartbeat():
+    """``ModelRes.in_rotation`` on a cold instance: the active model, a model with calls queued or running, a model
+    with a session's KV on the device; not one whose sessions are only in the host store, nor an idle one."""
+    clock = ManualClock(100.0)
+    pools = {"c": PoolSpec("cold", ("m", "q", "d", "h", "i"), 16)}
+    ls, _ = make_gateway(clock, pools=pools)
+    gw = ls.gw
+    snap = snapshot("c", 1, clock, pool=pb.POOL_COLD, models=[
+        pb.ModelState(model=x, loaded=True, active=x == "m", max_context=4096, num_waiting=1 if x == "q" else 0) for x in ("m", "q", "d", "h", "i")])
+    snap.sessions.append(pb.SessionState(session_id="s1", model="d", committed_tokens=64, state=pb.KV_DEVICE))
+    snap.sessions.append(pb.SessionState(session_id="s2", model="h", committed_tokens=64, state=pb.KV_HOST))
+    assert gw.on_snapshot(snap)
+    models = gw.state_for(gw.request("s", "m", 8, 4))[0].instances[0].models
+    assert {x: r.in_rotation for x, r in models.items()} == {"m": True, "q": True, "d": True, "h": False, "i": False}
+
+
 def test_a_cold_instance_prices_the_wait_for_its_models_slot():
     """Issue 12: two cold instances hold ``m`` loaded, not active; one will give ``m`` its slot in 3 s, the
     other in 0.1 s. The wait is part of the activation term (Eq. 1), so the call goes where its slot comes

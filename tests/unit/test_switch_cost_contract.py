@@ -62,7 +62,10 @@ def test_router_learns_the_cold_engines_measured_switch_costs(synth_models):
     assert activation(inst, A) == ("active", 0.0)
     res_b = inst.models[B]
     want = prof.staged_switch_s if res_b.staged else prof.switch_s
-    assert activation(inst, B) == ("switch", pytest.approx(want))
+    # B has no call and no session KV there: outside the rotation, a call of it joins it (Eq. 2 gates a join)
+    assert not res_b.in_rotation
+    assert activation(inst, B) == ("join", pytest.approx(want))
+    assert activation(inst, B, rotation_eq2=False) == ("switch", pytest.approx(want))
 
 
 def test_policy_params_and_priors_come_from_the_config_by_field_name():
