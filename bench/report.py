@@ -126,6 +126,8 @@ def _router_metrics(before: dict | None, after: dict | None) -> dict[str, Any]:
     returns = d("returns")
     return {
         "avoidable_cold_opens": d("avoidable_cold_opens"),
+        "rotation_joins": d("rotation_joins"),
+        "avoidable_rotation_joins": d("avoidable_rotation_joins"),
         "model_opens_router": d("model_opens"),
         "model_switches_router": d("model_switches"),
         "same_instance_router": d("same_instance_returns") / returns if returns else NA,

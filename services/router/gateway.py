@@ -15,7 +15,9 @@ Accounting (``stats``; §5.3-5.4): ``decisions``, ``placement_<reason>``, ``retu
 session for the same model), ``same_instance_returns``, ``moved_returns``, ``leases_installed``,
 ``lease_hits``, ``lease_misses`` (+ ``lease_miss_unhealthy`` / ``lease_miss_prefix_invalid`` /
 ``lease_miss_raced``), ``lease_expiries``, ``model_opens``, ``model_switches``, ``avoidable_cold_opens``
-(the chosen instance had to open the model while another healthy instance had it resident). The lease
+(the chosen instance had to open the model while another healthy instance had it resident),
+``rotation_joins`` / ``avoidable_rotation_joins`` (the call added its model to a cold instance's rotation /
+while another healthy instance had it in its rotation; ``policy.activation``). The lease
 counters are written by ``LeaseService`` into the same ``stats``.
 
 Leases: the gateway reads the lease table (the lease the policy judges at a return, live leases' charge on
@@ -113,6 +115,7 @@ class Gateway:
         self._armed: dict[str, float] = {}  # id -> its one deadline entry on the heap
         self._priced: dict[str, object] = {}  # id -> the policy.Profile the book gave when the instance last reported
         self._priced_models: dict[str, dict] = {}  # cold id -> model -> its policy.Profile then (None: the instance's prices it)
+        self._served: dict[str, dict[str, float]] = {}  # cold id -> model -> when a call of it was last forwarded there or ended there
         self._leases_synced = False  # _lease_counts mirrors the table's live counts (leases charged in full)
         self.work: Counter = Counter()  # states_built, index_puts, deadlines_void: the refresh's work, counted
         self._primed = False
@@ -189,7 +192,17 @@ class Gateway:
         done = min(hook.finish_unix, now) if hook.finish_unix > 0 else now
         committed = hook.prefix.committed_tokens if hook.HasField("prefix") else 0
         self.sessions.record(hook.session_id, hook.model, hook.instance_id, committed, done_unix=done)
+        self._mark_served(hook.instance_id, hook.model, done)
         return done
+
+    def _mark_served(self, instance_id: str, model: str, at: float) -> None:
+        """A call of ``model`` was forwarded to or ended on ``instance_id`` at ``at`` (a cold instance's recent
+        rotation, ``_static_of``). Mutates ``_served``."""
+        spec = self.pools.get(instance_id)
+        if spec is not None and spec.pool != "cold":
+            return
+        served = self._served.setdefault(instance_id, {})
+        served[model] = max(at, served.get(model, 0.0))
 
     def priced_profile(self, instance_id: str, model: str):
         """The ``policy.Profile`` placement prices a call of ``model`` on ``instance_id`` with: a cold
@@ -207,14 +220,20 @@ class Gateway:
         priced = self._priced_models.get(v.instance_id, {})
         models: dict[str, ModelRes] = {}
         kv = {(s.session_id, s.model): (int(s.state), s.committed_tokens) for s in snap.sessions}
-        # a cold instance's rotation: the models with a call there or a session's KV on its device (policy.ModelRes)
-        on_device = {s.model for s in snap.sessions if s.state == pb.KV_DEVICE and s.committed_tokens > 0} if cold else set()
+        # a cold instance's rotation (policy.ModelRes.in_rotation): the models with a call there or a session's KV on
+        # its device, and those it served within Eq. 2's control window (a session's KV may have gone to the host
+        # store during its tool gap, and its return still belongs there)
+        rotation: set[str] = set()
+        if cold:
+            rotation = {s.model for s in snap.sessions if s.state == pb.KV_DEVICE and s.committed_tokens > 0}
+            horizon = snap.sent_unix - self.params.control_window_s
+            rotation.update(m for m, t in self._served.get(v.instance_id, {}).items() if t >= horizon)
         for m in snap.models:
             if cold or m.loaded:  # a hot instance serves only what it pinned
                 models[m.model] = ModelRes(loaded=m.loaded, active=m.active or (not cold and m.loaded), staged=m.staged,
                                            wait_s=m.slot_wait_s if cold and self.params.slot_wait else 0.0,
                                            profile=priced.get(m.model),
-                                           in_rotation=not cold or m.active or m.num_running + m.num_waiting > 0 or m.model in on_device)
+                                           in_rotation=not cold or m.active or m.num_running + m.num_waiting > 0 or m.model in rotation)
         if cold and spec is not None:
             for name in spec.models:
                 models.setdefault(name, ModelRes())
@@ -480,7 +499,12 @@ class Gateway:
             self.stats["model_switches"] += 1
         if d.avoidable_open:
             self.stats["avoidable_cold_opens"] += 1
+        if d.joins_rotation:
+            self.stats["rotation_joins"] += 1
+        if d.avoidable_join:
+            self.stats["avoidable_rotation_joins"] += 1
         self.registry.forwarded(inst, call_id)
+        self._mark_served(inst, req.model, self.wall())
         if req.session_id:
             self.sessions.record(req.session_id, req.model, inst)
         chosen = next((c for c in d.costs if c.instance_id == inst), None)
@@ -614,6 +638,8 @@ ACCOUNTING = (
     "model_opens",
     "model_switches",
     "avoidable_cold_opens",
+    "rotation_joins",
+    "avoidable_rotation_joins",
     "overload_rejected",
     "overload_queued",
     "overload_queue_timeouts",

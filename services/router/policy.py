@@ -314,8 +314,10 @@ class Decision:
         return next((c for c in self.costs if c.instance_id == self.instance_id), None)
 
     def as_dict(self) -> dict[str, Any]:
+        """The decision as plain JSON-compliant values (``/router/decisions``): an unbounded Eq. 2 gain (no
+        resident replica could admit the call) is the string "inf", as JSON has no infinity. Pure."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["costs"] = [c._asdict() for c in self.costs]
+        d["costs"] = [{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in c._asdict().items()} for c in self.costs]
         return d
 
     def attributes(self) -> dict[str, str | bool | float | int | list[str]]:

@@ -3,6 +3,7 @@ that feeds it (no NATS, no HTTP)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -199,6 +200,11 @@ def test_a_model_new_to_a_cold_instances_rotation_is_gated_by_eq2():
     assert plain.instance_id == "b" and plain.switches_model and not plain.joins_rotation
     busy = decide(PlacementState(req(session="new"), [serving(6), staged], PolicyParams()), now=0)
     assert busy.instance_id == "b" and busy.joins_rotation and busy.switches_model and busy.avoidable_join
+    # nowhere in a rotation: no replica can admit the call, the gain is unbounded, and the decision's record
+    # (``/router/decisions``) stays JSON ("inf"; that endpoint answered 500 while one decision held an inf)
+    first = decide(PlacementState(req(session="new"), [staged], PolicyParams()), now=0)
+    assert first.instance_id == "b" and math.isinf(first.costs[0].eq2_gain)
+    assert json.loads(json.dumps(first.as_dict(), allow_nan=False))["costs"][0]["eq2_gain"] == "inf"
     hot = inst("h", models={"m": ModelRes(loaded=True, in_rotation=False)})  # a hot instance has no rotation: a switch
     assert decide(PlacementState(req(), [hot], PolicyParams()), now=0).costs[0].act == "switch"
 
@@ -217,6 +223,19 @@ def test_the_gateway_reads_a_cold_instances_rotation_from_its_heartbeat():
     assert gw.on_snapshot(snap)
     models = gw.state_for(gw.request("s", "m", 8, 4))[0].instances[0].models
     assert {x: r.in_rotation for x, r in models.items()} == {"m": True, "q": True, "d": True, "h": False, "i": False}
+    # a call of "h" ended there (its session's KV went to the host store in the tool gap): in the rotation for
+    # Eq. 2's control window after it, as the heartbeats after the hook show, and out of it after the window
+    gw.on_hook(pb.CompletionHook(request_id="r", session_id="s2", model="h", instance_id="c", finish_unix=clock.now(),
+                                 prefix=cpb.PrefixHandle(model="h", committed_tokens=64)))
+    in_rotation = {}
+    for seq, later in ((2, 1.0), (3, gw.params.control_window_s + 1.0)):
+        clock.advance(later)
+        later_snap = pb.InstanceSnapshot()
+        later_snap.CopyFrom(snap)
+        later_snap.seq, later_snap.sent_unix = seq, clock.now()
+        assert gw.on_snapshot(later_snap)
+        in_rotation[seq] = gw.state_for(gw.request("s", "m", 8, 4))[0].instances[0].models["h"].in_rotation
+    assert in_rotation == {2: True, 3: False}
 
 
 def test_a_cold_instance_prices_the_wait_for_its_models_slot():
