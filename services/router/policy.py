@@ -39,11 +39,16 @@ A fresh replica (the model is not resident on i) is admitted only when Eq. 2 hol
 
     gain(m, i) > T_swap(m, i) + mu_i * dW_m + nu_m
     gain(m, i) = demand_m * max(0, W_existing - W_i)   (inf when no existing replica can admit r)
+    W_existing = min over admissible existing replicas of Eq. 1's total (their switch and slot wait included)
     mu_i       = hbm_price / max(0.05, 1 - kv_usage_i)  (price per GiB rises with memory pressure)
 
-where W is the predicted latency of r without activation (dR_req + C_KV), W_existing the best over
-instances where m is resident and admissible, and demand_m the calls of m predicted over the control
-window (observed arrival rate * window + live leases of m).
+where W_i is the predicted latency of r on i without its activation (dR_req + C_KV: the activation is
+the threshold's T_swap), W_existing the best Eq. 1 total over the instances where m is resident and
+admissible, their activation included: on a cold instance the wait for the model's switch and slot is
+queueing that a replica elsewhere removes (without it, two models switching from host at 1.4 s on one
+instance showed 0.3 s of queue, and Eq. 2 kept either from joining the other instance, which served one
+model: the residency regime, 2026-12-07), and demand_m the calls of m predicted over the control window
+(observed arrival rate * window + live leases of m).
 
 A cold instance time-shares the models of its weight bank in rounds, so every catalog model is "loaded" there
 and a call of any of them is a switch, never an open. What such a call can still do is add its model to the
@@ -550,7 +555,7 @@ def _eq2(costs: Sequence[CostBreakdown], prices: Sequence[tuple[float, float]], 
     if not any(c.fresh_replica and not c.reject for c in costs):
         return list(costs)
     p, m = state.params, state.request.model
-    existing = [c.delta_r + c.c_kv for c in costs if not c.fresh_replica and not c.reject]
+    existing = [c.total for c in costs if not c.fresh_replica and not c.reject]
     w_existing = min(existing) if existing else math.inf
     demand = max(1.0, state.demand.get(m, 0.0))
     d_w = p.model_weights_gib.get(m, p.default_weights_gib)

@@ -200,6 +200,14 @@ def test_a_model_new_to_a_cold_instances_rotation_is_gated_by_eq2():
     assert plain.instance_id == "b" and plain.switches_model and not plain.joins_rotation
     busy = decide(PlacementState(req(session="new"), [serving(6), staged], PolicyParams()), now=0)
     assert busy.instance_id == "b" and busy.joins_rotation and busy.switches_model and busy.avoidable_join
+    # the existing replica's switch and slot wait is queueing a join removes: Eq. 2's W_existing is its Eq. 1 total
+    switching = inst("a", models={"m": ModelRes(loaded=True, in_rotation=True, wait_s=2.0), "n": ModelRes(loaded=True, active=True)},
+                     pool="cold", profile=slow)
+    thrash = decide(PlacementState(req(session="new"), [switching, staged], PolicyParams()), now=0)
+    by = {c.instance_id: c for c in thrash.costs}
+    assert by["a"].act == "switch" and by["a"].c_act == pytest.approx(1.5 + 2.0)
+    assert by["b"].eq2_gain == pytest.approx(by["a"].total - by["b"].delta_r - by["b"].c_kv)
+    assert thrash.instance_id == "b" and thrash.joins_rotation
     # nowhere in a rotation: no replica can admit the call, the gain is unbounded, and the decision's record
     # (``/router/decisions``) stays JSON ("inf"; that endpoint answered 500 while one decision held an inf)
     first = decide(PlacementState(req(session="new"), [staged], PolicyParams()), now=0)
