@@ -39,16 +39,11 @@ A fresh replica (the model is not resident on i) is admitted only when Eq. 2 hol
 
     gain(m, i) > T_swap(m, i) + mu_i * dW_m + nu_m
     gain(m, i) = demand_m * max(0, W_existing - W_i)   (inf when no existing replica can admit r)
-    W_existing = min over admissible existing replicas of Eq. 1's total (their switch and slot wait included)
     mu_i       = hbm_price / max(0.05, 1 - kv_usage_i)  (price per GiB rises with memory pressure)
 
-where W_i is the predicted latency of r on i without its activation (dR_req + C_KV: the activation is
-the threshold's T_swap), W_existing the best Eq. 1 total over the instances where m is resident and
-admissible, their activation included: on a cold instance the wait for the model's switch and slot is
-queueing that a replica elsewhere removes (without it, two models switching from host at 1.4 s on one
-instance showed 0.3 s of queue, and Eq. 2 kept either from joining the other instance, which served one
-model: the residency regime, 2026-12-07), and demand_m the calls of m predicted over the control window
-(observed arrival rate * window + live leases of m).
+where W is the predicted latency of r without activation (dR_req + C_KV; the candidate's activation is the
+threshold's T_swap), W_existing the best over instances where m is resident and admissible, and demand_m the
+calls of m predicted over the control window (observed arrival rate * window + live leases of m).
 
 A cold instance time-shares the models of its weight bank in rounds, so every catalog model is "loaded" there
 and a call of any of them is a switch, never an open. What such a call can still do is add its model to the
@@ -60,7 +55,14 @@ this call's switch (cheap when the model happens to be staged), so a new session
 was merely staged, spreading every model over every instance (the residency regime, ``bench/matrix.py``). A
 join is therefore a replica opening in §3.3's sense and gated by Eq. 2, with the instance's measured switch
 pair from host (``rotation_cost``) in place of mu dW + nu (it adds no weights to the device: the model takes
-the device only in its own slot). Where switches cost milliseconds the gate costs nothing; where they cost
+the device only in its own slot). For a join, W_existing is the existing replicas' Eq. 1 *total*, their
+switch and slot wait included: a model that time-shares an instance with another waits for its switch at
+nearly every call when its calls come one at a time between tool gaps, and that is queueing a join removes
+(without it, two models switching from host at 1.4 s on one instance showed 0.3 s of queue, no join passed,
+and one repetition of the residency regime ran 39.9 s SCT p50 against 5.1-5.4 s). For an open it stays
+without activation, as above: counting it there raised the simulator's §5.3 testbed's avoidable opens at a
+session every 4 s from 3 to 8 (median of seeds 0-4), where the calls of a busy model share one slot and its
+switch. Where switches cost milliseconds the gate costs nothing; where they cost
 seconds it keeps a model on the instances already serving it until their queues make a join pay
 (``rotation_eq2``, default on; the ``no-rotation-eq2`` matrix row turns it off).
 
@@ -555,14 +557,17 @@ def _eq2(costs: Sequence[CostBreakdown], prices: Sequence[tuple[float, float]], 
     if not any(c.fresh_replica and not c.reject for c in costs):
         return list(costs)
     p, m = state.params, state.request.model
-    existing = [c.total for c in costs if not c.fresh_replica and not c.reject]
-    w_existing = min(existing) if existing else math.inf
+    existing = [c for c in costs if not c.fresh_replica and not c.reject]
+    # an open's W_existing without the existing replicas' activation, a join's with it (module doc)
+    w_existing = min((c.delta_r + c.c_kv for c in existing), default=math.inf)
+    w_existing_join = min((c.total for c in existing), default=math.inf)
     demand = max(1.0, state.demand.get(m, 0.0))
     d_w = p.model_weights_gib.get(m, p.default_weights_gib)
     out = []
     for c, (mu, rotation) in zip(costs, prices):
         if c.fresh_replica and not c.reject:
-            gain = math.inf if math.isinf(w_existing) else demand * max(0.0, w_existing - (c.delta_r + c.c_kv))
+            w = w_existing_join if c.act == "join" else w_existing
+            gain = math.inf if math.isinf(w) else demand * max(0.0, w - (c.delta_r + c.c_kv))
             threshold = c.c_act + (rotation if c.act == "join" else mu * d_w + p.replica_penalty_s)
             c = cost_breakdown(
                 instance_id=c.instance_id, delta_r=c.delta_r, c_kv=c.c_kv, c_act=c.c_act, queue_s=c.queue_s,
