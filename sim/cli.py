@@ -17,6 +17,15 @@ def paper_output_scale() -> float:
     return OUTPUT_SCALE
 
 
+_OPEN_HELP = ("the router testbed's switch from host (its H2D phase), seconds, or 'profile' for the profile's own "
+              "bandwidth-scaled value; not published: the default is the paper's measured TP=8 H2D switch (sim/README.md)")
+
+
+def _open_s(value: str) -> float | None:
+    """``--router-open-s``: seconds, or "profile" (None: the profile's own switch from host)."""
+    return None if value.strip().lower() in ("profile", "none") else float(value)
+
+
 def _run(args) -> int:
     from bench.workloads import read_jsonl
     from bench.workloads.mooncake import MooncakeParams, import_mooncake
@@ -48,7 +57,7 @@ def _paper(args) -> int:
     s = run_paper(Path(args.out), tp8_profile=args.profile, router_profile=args.router_profile, seed=args.seed,
                   configs=args.configs.split(",") if args.configs else None, say=lambda m: print(m, file=sys.stderr),
                   output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else (),
-                  router_start_gap_s=args.router_start_gap)
+                  router_start_gap_s=args.router_start_gap, router_open_h2d_s=_open_s(args.router_open_s))
     print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
     return 0
 
@@ -58,7 +67,7 @@ def _router_sweep(args) -> int:
     from .profile import load
 
     rows = router_sweep(load(args.router_profile), args.routers.split(), [float(g) for g in args.gaps.split(",")], args.seeds,
-                        say=lambda m: print(m, file=sys.stderr))
+                        say=lambda m: print(m, file=sys.stderr), open_h2d_s=_open_s(args.router_open_s))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "router_sweep.json").write_text(json.dumps(rows, indent=2))
     print(json.dumps(rows, indent=2) if args.json else f"{len(rows)} rows -> {Path(args.out) / 'router_sweep.json'}")
@@ -106,6 +115,8 @@ def _leases(args) -> int:
 
 
 def add_cli(sub) -> None:
+    from .paper import ROUTER_OPEN_H2D_S, ROUTER_START_GAP_S
+
     p = sub.add_parser("sim", help="discrete-event simulator: the real policies under a virtual clock")
     ps = p.add_subparsers(dest="sim_cmd", required=True)
     r = ps.add_parser("run", help="simulate a replay workload on N cold instances, configurations side by side")
@@ -128,7 +139,9 @@ def add_cli(sub) -> None:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--output-scale", type=float, default=paper_output_scale(), help="completion lengths x this (not published; see README)")
     pp.add_argument("--start-gap", type=float, default=26.0, help="seconds between session starts of the TP=8 replay (not published)")
-    pp.add_argument("--router-start-gap", type=float, default=2.0, help="seconds between session starts of the router testbed ('high load', not published)")
+    pp.add_argument("--router-start-gap", type=float, default=ROUTER_START_GAP_S,
+                    help="seconds between session starts of the router testbed ('high load', not published; the default is calibrated, sim/README.md)")
+    pp.add_argument("--router-open-s", default=str(ROUTER_OPEN_H2D_S), help=_OPEN_HELP)
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
     pp.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
                     help="instances park in-flight calls at a switch (the slot scheduler's can_park mode; their context goes to "
@@ -141,6 +154,7 @@ def add_cli(sub) -> None:
     rs.add_argument("--routers", default="full full:lease_arithmetic=false",
                     help="space-separated router variants: a policy, optionally ':field=value,...' PolicyParams overrides")
     rs.add_argument("--gaps", default="2,3,4,6", help="seconds between session starts (offered load), comma-separated")
+    rs.add_argument("--router-open-s", default=str(ROUTER_OPEN_H2D_S), help=_OPEN_HELP)
     rs.add_argument("--seeds", type=int, default=10, help="task orders per load")
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(fn=_router_sweep)

@@ -214,6 +214,19 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
     assert got["comparison"]["of"] >= 10
     assert (tmp_path / "tp8" / "sct_cdf.png").exists() and (tmp_path / "router" / "report.md").exists()
     assert s["tp8"] == got["tp8"]
+    # the router testbed's two unpublished parameters are in the summary, at their calibrated defaults
+    assert got["assumptions"]["router_start_gap_s"] == paper.ROUTER_START_GAP_S
+    assert got["assumptions"]["router_open_h2d_s"] == paper.ROUTER_OPEN_H2D_S != load(TP4).switch.open_h2d_s
+
+
+def test_the_router_testbeds_switch_from_host_is_set_or_left_as_the_profile_has_it():
+    from sim.cli import _open_s
+
+    prof = load(TP4)
+    assert paper.testbed_profile(prof, 1.46).switch.open_h2d_s == 1.46
+    assert paper.testbed_profile(prof, 1.46).switch.open_d2d_s == prof.switch.open_d2d_s
+    assert paper.testbed_profile(prof, None) is prof
+    assert _open_s("profile") is None and _open_s("1.46") == 1.46
 
 
 def test_parking_instance_resumes_parked_calls_with_their_context():
