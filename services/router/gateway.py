@@ -138,6 +138,7 @@ class Gateway:
             self.leases.drop_instance(snap.instance_id)
             self.profiles.forget(snap.instance_id)
             self.queues.forget(snap.instance_id)
+            self._served.pop(snap.instance_id, None)  # a restarted engine's rotation starts empty
         if not self.registry.observe(snap):
             return False
         p, group = snap.profile, peer_group(snap)

@@ -244,6 +244,14 @@ def test_the_gateway_reads_a_cold_instances_rotation_from_its_heartbeat():
         assert gw.on_snapshot(later_snap)
         in_rotation[seq] = gw.state_for(gw.request("s", "m", 8, 4))[0].instances[0].models["h"].in_rotation
     assert in_rotation == {2: True, 3: False}
+    # an engine that restarted (new epoch) has lost its device and its rotation with it
+    gw.on_hook(pb.CompletionHook(request_id="r2", session_id="s2", model="h", instance_id="c", finish_unix=clock.now(),
+                                 prefix=cpb.PrefixHandle(model="h", committed_tokens=64)))
+    restarted = pb.InstanceSnapshot()
+    restarted.CopyFrom(snap)
+    restarted.epoch, restarted.seq, restarted.sent_unix = 2, 1, clock.advance(0.5)
+    assert gw.on_snapshot(restarted)
+    assert not gw.state_for(gw.request("s", "m", 8, 4))[0].instances[0].models["h"].in_rotation
 
 
 def test_a_cold_instance_prices_the_wait_for_its_models_slot():
