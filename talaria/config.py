@@ -178,9 +178,9 @@ class PlacementConfig(_Strict):
     hbm_price_s_per_gib: float = Field(0.05, ge=0, description="Eq. 2 mu base: latency per GiB of added weights")
     replica_penalty_s: float = Field(1.0, ge=0, description="Eq. 2 nu: per-replica penalty against transient bursts")
     model_weights_gib: dict[str, float] = Field(default_factory=dict, description="Eq. 2 delta-W per model (default 1 GiB)")
-    rotation_eq2: bool = Field(True, description="a call that adds its model to a cold instance's rotation (no call of it there and no "
-                               "session KV on the device) is gated by Eq. 2 like a replica opening, with the instance's measured switch "
-                               "pair as the penalty; false: priced as a plain switch")
+    rotation_eq2: bool = Field(True, description="a call that adds its model to a cold instance's rotation (no call of it there now or "
+                               "within control_window_s, and no session KV on the device) is gated by Eq. 2 like a replica opening, with "
+                               "the instance's measured switch pair as the penalty; false: priced as a plain switch")
     replica_shortlist: int = Field(16, ge=0, description="instances that would open the model: only the k least loaded with headroom are ranked (0 = all)")
     default_prefill_per_token_s: float = Field(2e-4, ge=0)
     default_decode_step_s: float = Field(0.02, ge=0)
