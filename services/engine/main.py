@@ -208,9 +208,10 @@ async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
 
     t = threading.Thread(target=run, name="engine-build", daemon=True)
     t.start()
-    res = await fut
-    await asyncio.to_thread(t.join)
-    return res
+    try:
+        return await fut
+    finally:  # returned or raised: the thread (and its OpenMP pool) is gone before the caller goes on
+        await asyncio.to_thread(t.join)
 
 
 async def run_engine(stack: StackConfig, cfg: EngineConfig, url: str, stop: asyncio.Event) -> None:
