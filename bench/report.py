@@ -30,6 +30,7 @@ from typing import Any
 from bench import format_table
 from bench.stats import unit_means, vs_best_fixed, wins_losses
 from bench.workloads import nearest_rank
+from services.telemetry.collector import record_number
 
 SOURCES = {
     "client": "replay client timestamps and responses (bench/replay.py)",
@@ -193,21 +194,6 @@ def kv_hits_by_source(ok: list) -> dict[str, Any]:
     return {"kv_hits_source": "usage", "kv_hit_calls_by_source": calls, "kv_hit_tokens_by_source": tokens}
 
 
-def _num(r: dict, *ks: str) -> float:
-    """The first of ``ks`` in record ``r`` that holds a number (a JSON-encoded proto carries 64-bit counts as
-    strings; a bool is not a number here); 0.0 when none does."""
-    for k in ks:
-        v = r.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, str):
-            try:
-                return float(v)
-            except ValueError:
-                pass
-    return 0.0
-
-
 def _deadline_attainment(rounds: list[dict]) -> dict[str, Any]:
     """Per-token deadline attainment over the replay window's round records: the cold engines score every
     first token against arrival + slot_ttft_s and every later token against first token + (i-1) x slot_tpot_s,
@@ -221,7 +207,7 @@ def _deadline_attainment(rounds: list[dict]) -> dict[str, Any]:
         if isinstance(td, dict):
             scored = True
             for k in sums:
-                sums[k] += _num(td, k)  # a JSON-encoded proto carries 64-bit counts as strings
+                sums[k] += record_number(td, k)  # a JSON-encoded proto carries 64-bit counts as strings
     if not scored:
         return {"deadline_first": NA, "deadline_later": NA, "deadline_tokens": {}}
     return {"deadline_first": sums["first_on_time"] / sums["first_tokens"] if sums["first_tokens"] else NA,
@@ -237,11 +223,11 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
     rounds = [r for r in records if r.get("kind") == "round"]
     out["rounds"] = len(rounds)
     if rounds:
-        wall = sum(_num(r, "wall_seconds", "wall_s", "wall_ms") / (1e3 if "wall_ms" in r and "wall_seconds" not in r else 1) for r in rounds)
-        sw = sum(_num(r, "switch_seconds", "switch_s", "switch_ms") / (1e3 if "switch_ms" in r and "switch_seconds" not in r else 1) for r in rounds)
+        wall = sum(record_number(r, "wall_seconds", "wall_s", "wall_ms") / (1e3 if "wall_ms" in r and "wall_seconds" not in r else 1) for r in rounds)
+        sw = sum(record_number(r, "switch_seconds", "switch_s", "switch_ms") / (1e3 if "switch_ms" in r and "switch_seconds" not in r else 1) for r in rounds)
         out["switch_share_rounds"] = sw / wall if wall else NA
-        out["sp_admitted"] = sum(_num(r, "sp_admitted") for r in rounds)
-        out["sp_deferred"] = sum(_num(r, "sp_deferred") for r in rounds)
+        out["sp_admitted"] = sum(record_number(r, "sp_admitted") for r in rounds)
+        out["sp_deferred"] = sum(record_number(r, "sp_deferred") for r in rounds)
         # SP that cannot lose (issue 12): deferral reasons and the predicted benefit / harm of what SP admitted,
         # when the engines' round summaries carry them (n/a for an older engine)
         if any("sp_deferred_reasons" in r for r in rounds):
@@ -251,16 +237,16 @@ def _records_metrics(records: list[dict] | None, note: str) -> dict[str, Any]:
                     reasons[k] = reasons.get(k, 0.0) + float(v)
             out["sp_deferred_reasons"] = reasons
             out["sp_no_gain"] = reasons.get("no_gain", 0.0)
-            out["sp_benefit_s"] = sum(_num(r, "sp_benefit_s") for r in rounds)
-            out["sp_harm_s"] = sum(_num(r, "sp_harm_s") for r in rounds)
+            out["sp_benefit_s"] = sum(record_number(r, "sp_benefit_s") for r in rounds)
+            out["sp_harm_s"] = sum(record_number(r, "sp_harm_s") for r in rounds)
         else:
             out.update({"sp_deferred_reasons": {}, "sp_no_gain": NA, "sp_benefit_s": NA, "sp_harm_s": NA})
         # slots held for expected returns (slots/hold.py): how often, how long, and the predicted gain / harm
         if any("holds" in r for r in rounds):
-            out["holds"] = sum(_num(r, "holds") for r in rounds)
+            out["holds"] = sum(record_number(r, "holds") for r in rounds)
             out["hold_s"] = sum(float((r.get("phase_s") or {}).get("hold", 0.0)) for r in rounds)
-            out["hold_gain_s"] = sum(_num(r, "hold_gain_s") for r in rounds)
-            out["hold_harm_s"] = sum(_num(r, "hold_harm_s") for r in rounds)
+            out["hold_gain_s"] = sum(record_number(r, "hold_gain_s") for r in rounds)
+            out["hold_harm_s"] = sum(record_number(r, "hold_harm_s") for r in rounds)
         else:
             out.update({"holds": NA, "hold_s": NA, "hold_gain_s": NA, "hold_harm_s": NA})
         out.update(_deadline_attainment(rounds))

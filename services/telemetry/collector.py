@@ -119,12 +119,13 @@ def decode_round(data: bytes) -> dict[str, Any]:
     return _msg_dict(m)
 
 
-def _num(d: dict, *keys: str) -> float:
+def record_number(d: dict, *keys: str) -> float:
+    """The first of ``keys`` in record ``d`` that holds a number (a JSON-encoded proto carries 64-bit counts as
+    strings; a bool is not a number here); 0.0 when none does. The one reader of numbers in telemetry records
+    (this collector, and ``bench/report.py`` over the records file)."""
     for k in keys:
         v = d.get(k)
-        if isinstance(v, bool):
-            return float(v)
-        if isinstance(v, (int, float)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
         if isinstance(v, str):
             try:
@@ -331,7 +332,7 @@ class Collector:
 
     def on_switch_record(self, d: dict[str, Any], now: float) -> None:
         inst = str(d.get("instance_id", ""))
-        key = (inst, int(_num(d, "seq")), float(_num(d, "started_unix")))
+        key = (inst, int(record_number(d, "seq")), float(record_number(d, "started_unix")))
         with self._lock:
             if key in self._switch_seen:  # the same record on the subject and in a snapshot
                 return
@@ -356,19 +357,19 @@ class Collector:
             self._count("round")
             m = self.metrics
             inst = str(d.get("instance_id", ""))
-            m.sp_admitted.labels(inst).inc(_num(d, "sp_admitted"))
-            m.sp_deferred.labels(inst).inc(_num(d, "sp_deferred"))
+            m.sp_admitted.labels(inst).inc(record_number(d, "sp_admitted"))
+            m.sp_deferred.labels(inst).inc(record_number(d, "sp_deferred"))
             if d.get("deadline_risk"):
                 m.deadline_risk.labels(inst).inc()
-            wall = _num(d, "wall_s")
+            wall = record_number(d, "wall_s")
             if wall:
                 m.round_wall.labels(inst).observe(wall)
             td = d.get("token_deadlines")
-            if isinstance(td, dict) and (_num(td, "tokens") or _num(td, "first_tokens")):  #
+            if isinstance(td, dict) and (record_number(td, "tokens") or record_number(td, "first_tokens")):  #
                 for token, n, ok in (("first", "first_tokens", "first_on_time"), ("later", "tokens", "tokens_on_time")):
-                    m.deadline_tokens.labels(inst, token, "true").inc(_num(td, ok))
-                    m.deadline_tokens.labels(inst, token, "false").inc(max(0.0, _num(td, n) - _num(td, ok)))
-                m.gap_p99.labels(inst).set(_num(td, "gap_p99_s"))
+                    m.deadline_tokens.labels(inst, token, "true").inc(record_number(td, ok))
+                    m.deadline_tokens.labels(inst, token, "false").inc(max(0.0, record_number(td, n) - record_number(td, ok)))
+                m.gap_p99.labels(inst).set(record_number(td, "gap_p99_s"))
             # A round's host hits are not counted into kv_hits: every call's hook already reports its own
             # restored tokens (counting both would count a host hit twice). They stay in the records file.
             self._write("round", now, d)
