@@ -57,8 +57,8 @@ def _paper(args) -> int:
     s = run_paper(Path(args.out), tp8_profile=args.profile, router_profile=args.router_profile, seed=args.seed,
                   configs=args.configs.split(",") if args.configs else None, say=lambda m: print(m, file=sys.stderr),
                   output_scale=args.output_scale, start_gap_s=args.start_gap, park=args.park, taus=tuple(float(t) for t in args.taus.split(",")) if args.taus else (),
-                  router_start_gap_s=args.router_start_gap, router_open_h2d_s=_open_s(args.router_open_s))
-    print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router")}, indent=2, default=str))
+                  router_start_gap_s=args.router_start_gap, router_open_h2d_s=_open_s(args.router_open_s), router_seeds=args.router_seeds)
+    print(json.dumps(s if args.json else {k: s[k] for k in ("tp8", "router", "router_repetitions") if k in s}, indent=2, default=str))
     return 0
 
 
@@ -115,7 +115,7 @@ def _leases(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from .paper import ROUTER_OPEN_H2D_S, ROUTER_START_GAP_S
+    from .paper import ROUTER_OPEN_H2D_S, ROUTER_SEEDS, ROUTER_START_GAP_S
 
     p = sub.add_parser("sim", help="discrete-event simulator: the real policies under a virtual clock")
     ps = p.add_subparsers(dest="sim_cmd", required=True)
@@ -143,6 +143,9 @@ def add_cli(sub) -> None:
                     help="seconds between session starts of the router testbed ('high load', not published; the default is calibrated, sim/README.md)")
     pp.add_argument("--router-open-s", default=str(ROUTER_OPEN_H2D_S), help=_OPEN_HELP)
     pp.add_argument("--taus", default="0,0.5,1,2,5", help="tau sweep (§5.4); empty to skip")
+    pp.add_argument("--router-seeds", type=int, default=ROUTER_SEEDS,
+                    help="repetitions of the router experiment: task orders 0..N-1 beside least-pressure, medians and paired "
+                    "per-seed ratios in summary.json 'router_repetitions' (0 to skip)")
     pp.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
                     help="instances park in-flight calls at a switch (the slot scheduler's can_park mode; their context goes to "
                     "host KV, or is recomputed without it); default --no-park: D_fin drains them (Talaria §3.4, §4.2; see sim/README.md)")

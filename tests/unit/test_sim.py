@@ -201,8 +201,13 @@ def test_sim_paper_writes_the_summary_contract(tmp_path, monkeypatch):
 
     monkeypatch.setattr(workload, "paper_replay", lambda models, **kw: sessions(6, 3, models=models))
     monkeypatch.setattr(workload, "router_subset", lambda models, **kw: sessions(6, 3, models=models))
-    s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None)
+    s = paper.run_paper(tmp_path, tp8_profile=str(TP8), router_profile=str(TP4), taus=(0.0, 1.0), say=lambda m: None, router_seeds=2)
     got = json.loads((tmp_path / "summary.json").read_text())
+    # the router experiment's repetitions: every router beside least-pressure, paired per seed
+    reps = got["router_repetitions"]
+    assert set(reps) == {"least-pressure", "full", "session-sticky"} and got["assumptions"]["router_seeds"] == 2
+    assert reps["least-pressure"]["baseline_ttft_p95_over_this"] == 1.0 and reps["full"]["seeds"] == 2
+    assert reps["full"]["ttft_p95_s"] > 0 and "baseline_median_over_this_median" in reps["full"]
     assert set(got["tp8"]) == {"Talaria", "no-SP", "no-HKVR", "H2D-only", "no-hold", "Round-only"}
     for v in got["tp8"].values():
         assert set(v) == {"sct_p50_s", "sct_p95_s", "ttft_p95_s"} and v["sct_p50_s"] > 0
@@ -621,6 +626,7 @@ def test_router_sweep_pairs_each_variant_with_the_baseline_per_seed():
     assert [r["router"] for r in rows] == ["least-pressure", "full", "full:lease_arithmetic=false"]
     base, full, plain = rows
     assert base["baseline_ttft_p95_over_this"] == 1.0 and base["seeds_won_ttft_p95"] == 0
+    assert full["baseline_median_over_this_median"] == base["ttft_p95_s"] / full["ttft_p95_s"]  # ratio of the two medians
     assert full["avoidable_opens"] < base["avoidable_opens"]  # the router testbed's point, medians over two task orders
     assert plain["same_instance_returns"] > full["same_instance_returns"]  # leases honoured as Algorithm 1 does
 
