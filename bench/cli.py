@@ -70,6 +70,7 @@ def add_cli(subparsers) -> None:
     r.add_argument("--max-tokens", type=int, nargs="+", default=[1, 16], help="max_tokens values (default 1 16)")
     r.add_argument("--calls", type=int, default=30, help="sequential calls per path per repetition (default 30)")
     r.add_argument("--warmup", type=int, default=3, help="warm-up calls per path (default 3)")
+    r.add_argument("--block", type=int, default=10, help="calls per path in a row before the next path's turn (default 10)")
     r.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (default 12, under one KV page)")
     r.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="the engine's stream_interval_ms (streaming calls: tokens after the first wait up to this long to share a message; default 0 = a message per step)")

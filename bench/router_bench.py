@@ -3,31 +3,42 @@
 What is measured
     Sequential calls (one at a time, ``calls`` per round after ``warmup`` calls) with the same short prompt
     (``prompt_len`` random token ids, fewer than a KV page so no prefix-cache reuse plays a part), greedy,
-    EOS ignored, for each ``max_tokens`` (default 1 and 16), along three paths:
+    EOS ignored, for each ``max_tokens`` (default 1 and 16), along these paths:
 
     (a) ``in-process``: an ``Engine`` on the same model in this process: ``add_request`` then ``step()``
         until the request finishes (the loop ``generate()`` runs), collecting token ids and text;
     (b) ``nats``: a ``GenerateRequest`` (token ids) published on the engine's generate subject with a
         reply inbox, reading the ``TokenChunk`` stream until ``finished`` (``EngineCall``, as the router
         does) against an engine *process*: adds NATS + the engine service (protobuf, its asyncio loop,
-        its step thread), no router;
+        its step thread), no router; ``nats-stream`` the same with ``GenerateRequest.stream`` (a chunk per
+        step): the direct call a streaming router call is compared with;
     (c) ``router``: the OpenAI API of a ``LocalStack`` with one engine (``/v1/completions`` with a
         token-id prompt via the official ``openai`` client, non-streaming, ``ignore_eos`` extension):
         adds HTTP, the router's validation, placement and its own NATS hop on top of (b);
     (d) ``router-stream``: the same call with ``stream=True`` (SSE), read to its end: the per-token path
         (one NATS message and one SSE event per token when the reader keeps up). (b) and (c) are
         non-streaming calls: the engine sends their first token at once and the rest with the finished
-        chunk (``GenerateRequest.stream`` false), so (d) - (c) is what per-token streaming costs.
+        chunk (``GenerateRequest.stream`` false), so (d) - (c) is what per-token streaming costs;
+    (e) ``router-raw`` and (f) ``router-raw-stream``: (c) and (d) with a minimal HTTP/1.1 client instead of
+        the ``openai`` one (one keep-alive ``http.client`` connection, the JSON body encoded with ``json``, the
+        answer or each SSE event decoded with ``json``): the client then does what (b)'s does (encode a
+        request, decode the answer), so (e) - (b) and (f) - ``nats-stream`` are what the router adds, and (c) - (e) is the ``openai``
+        client's own work (its request building, pydantic models, SSE parser: ~1 ms of CPU a call and
+        ~0.3 ms an event here), which a user pays with any server.
 
     Fairness: the engine process runs with ``torch_threads: 1`` and this process sets
     ``torch.set_num_threads(1)`` for (a); same model, dtype (float32), page size and KV budget. The
-    stack stays up during (a) so that its idle heartbeats are background noise for all three paths.
-    The three paths run in turn inside every repetition (a, b, c, a, b, c, ...) so that noise on a
-    shared machine hits all of them alike, and the produced tokens/text are checked to agree.
+    stack stays up during (a) so that its idle heartbeats are background noise for every path.
+    The paths take turns in blocks of ``block`` calls (a, b, ..., f, then b, ..., f, a, ...: the order rotates
+    per block) so that drift on a shared machine hits all of them alike, and the produced tokens/text are
+    checked to agree.
 
 How it is reported
     Per path and ``max_tokens``: p50 and p95 of the per-call latency (median over ``repeats`` rounds),
-    the added latency ``p50(path) - p50(in-process)`` and the ratio ``p50(path) / p50(in-process)``.
+    the added latency ``p50(path) - p50(in-process)`` and the ratio ``p50(path) / p50(in-process)``; and
+    what each router path adds over a direct engine call, ``p50(path) - p50(nats)`` (streaming paths:
+    ``- p50(nats-stream)``) paired per block (median over the blocks of all rounds), per call (smallest
+    ``max_tokens``) and per further token (the slope to the largest).
     And the CPU time each process of the stack spent per call of each path (router, engine, NATS server,
     telemetry service, kvstore, and this bench process: the client, and the engine itself for
     ``in-process``), from ``/proc``: where the time of a path goes among the processes, and whether a process
@@ -55,7 +66,9 @@ from bench import emit, ensure_models, format_table, median, percentile, quiet_l
 DEFAULT_MODEL = "tiny-llama"
 ENGINE_ID = "bench-engine-0"
 KV_CACHE_MB = 64
-PATHS = ("in-process", "nats", "router", "router-stream")
+PATHS = ("in-process", "nats", "nats-stream", "router", "router-stream", "router-raw", "router-raw-stream")
+ROUTER_PATHS = PATHS[3:]
+BASE_OF = {"router": "nats", "router-raw": "nats", "router-stream": "nats-stream", "router-raw-stream": "nats-stream"}  # the direct call each pairs with
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -122,7 +135,7 @@ class _Nats:
 
         return await connect(url, "bench-client")
 
-    async def _call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    async def _call(self, prompt: list[int], max_tokens: int, stream: bool = False) -> tuple[list[int], str]:
         from services.router.engine_client import SCHEMA_VERSION, EngineCall
         from talaria.v1 import engine_pb2 as pb
 
@@ -133,6 +146,7 @@ class _Nats:
             sampling=pb.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True),
             token_ids=pb.TokenIds(ids=prompt),
             deadline_unix=time.time() + 60,
+            stream=stream,
         )
         call = EngineCall(self.mux, self.subjects, ENGINE_ID, req)
         alive = lambda: True  # noqa: E731 - the timeouts below bound a dead engine
@@ -154,6 +168,9 @@ class _Nats:
 
     def call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
         return self.loop.run_until_complete(self._call(prompt, max_tokens))
+
+    def call_stream(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        return self.loop.run_until_complete(self._call(prompt, max_tokens, stream=True))
 
     def close(self) -> None:
         try:
@@ -185,6 +202,57 @@ class _Router:
             if ev.choices:
                 text.append(ev.choices[0].text or "")
         return [], "".join(text)
+
+
+class _RawHTTP:
+    """The router's ``/v1/completions`` over one keep-alive HTTP/1.1 connection with the standard library:
+    a JSON body in, the JSON answer (or each SSE event) out -- the work (b)'s client does, nothing more."""
+
+    def __init__(self, api: str, model: str):
+        import http.client
+        from urllib.parse import urlsplit
+
+        u = urlsplit(api)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        self.model = model
+
+    def _post(self, prompt: list[int], max_tokens: int, stream: bool):
+        import json
+
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                           "stream": stream, "ignore_eos": True}).encode()
+        self.conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer unused"})
+        r = self.conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"router answered {r.status}: {r.read()[:300]!r}")
+        return r
+
+    def call(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        import json
+
+        d = json.loads(self._post(prompt, max_tokens, False).read())
+        if d["usage"]["completion_tokens"] != max_tokens:
+            raise RuntimeError(f"router returned {d['usage']['completion_tokens']} tokens, expected {max_tokens}")
+        return [], d["choices"][0]["text"]
+
+    def call_stream(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        import json
+
+        r = self._post(prompt, max_tokens, True)
+        text = []
+        while line := r.readline():
+            if not line.startswith(b"data: "):
+                continue
+            if line.startswith(b"data: [DONE]"):
+                break
+            ev = json.loads(line[6:])
+            if ev.get("choices"):
+                text.append(ev["choices"][0].get("text") or "")
+        r.read()  # the rest of the chunked body: the connection is reused
+        return [], "".join(text)
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _wait_healthy(api: str, timeout: float = 60.0) -> None:
@@ -242,6 +310,7 @@ def run_router_bench(
     prompt_len: int = 12,
     seed: int = 0,
     stream_interval_ms: float = 0.0,
+    block: int = 10,
     say=print,
 ) -> dict[str, Any]:
     import torch
@@ -249,13 +318,13 @@ def run_router_bench(
     from talaria.config import parse_config
     from talaria.up import LocalStack
 
-    if repeats < 1 or calls < 1:
-        raise ValueError("repeats and calls must be >= 1")
+    if repeats < 1 or calls < 1 or block < 1:
+        raise ValueError("repeats, calls and block must be >= 1")
     mdir = ensure_models(models_dir, [model], say=say)
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     stack = LocalStack(parse_config(_stack_config(mdir, model, stream_interval_ms)), say=lambda _m: None, quiet=True)
-    nats_client = None
+    nats_client = raw = None
     quiet = quiet_loggers("httpx", "httpx2", "openai", "talaria.natsutil")
     quiet.__enter__()
     try:
@@ -266,40 +335,50 @@ def run_router_bench(
         _wait_healthy(api)
         nats_client = _Nats(stack.nats_url, stack.cfg.namespace, model)
         router = _Router(api, model)
-        fns = {"in-process": inproc.call, "nats": nats_client.call, "router": router.call, "router-stream": router.call_stream}
+        raw = _RawHTTP(api, model)
+        fns = {"in-process": inproc.call, "nats": nats_client.call, "nats-stream": nats_client.call_stream, "router": router.call, "router-stream": router.call_stream,
+               "router-raw": raw.call, "router-raw-stream": raw.call_stream}
         pids = _stack_pids(stack)
 
         rows: list[dict[str, Any]] = []
+        sizes = [min(block, calls - i) for i in range(0, calls, block)]
         for mt in max_tokens:
-            per: dict[str, dict[str, list[float]]] = {p: {"p50": [], "p95": [], "mean": []} for p in PATHS}
+            lat: dict[str, list[list[float]]] = {p: [[] for _ in range(repeats)] for p in PATHS}  # per round, every call
+            blocks: dict[str, list[float]] = {p: [] for p in PATHS}  # each block's p50, in the same order for every path
             cpu: dict[str, dict[str, float]] = {p: dict.fromkeys(pids, 0.0) for p in PATHS}  # CPU seconds over every timed call
             outs: dict[str, tuple[list[int], str]] = {}
             for p in PATHS:
                 _timed(fns[p], prompt, mt, warmup)
-            for _rep in range(repeats):
-                for p in PATHS:
-                    c0 = {k: _cpu_s(pid) for k, pid in pids.items()}
-                    lat, outs[p] = _timed(fns[p], prompt, mt, calls)
-                    for k, pid in pids.items():
-                        cpu[p][k] += _cpu_s(pid) - c0[k]
-                    per[p]["p50"].append(percentile(lat, 50))
-                    per[p]["p95"].append(percentile(lat, 95))
-                    per[p]["mean"].append(sum(lat) / len(lat))
+            turn = 0
+            for rep in range(repeats):
+                for n in sizes:
+                    for p in PATHS[turn % len(PATHS):] + PATHS[: turn % len(PATHS)]:
+                        c0 = {k: _cpu_s(pid) for k, pid in pids.items()}
+                        got, outs[p] = _timed(fns[p], prompt, mt, n)
+                        for k, pid in pids.items():
+                            cpu[p][k] += _cpu_s(pid) - c0[k]
+                        lat[p][rep] += got
+                        blocks[p].append(percentile(got, 50))
+                    turn += 1
             ref = outs["in-process"]
-            agree = {"nats": outs["nats"] == ref, "router": outs["router"][1] == ref[1], "router-stream": outs["router-stream"][1] == ref[1]}
-            base = median(per["in-process"]["p50"])
+            agree = {p: outs[p] == ref if p.startswith("nats") else outs[p][1] == ref[1] for p in PATHS[1:]}
+            base = median([percentile(x, 50) for x in lat["in-process"]])
             for p in PATHS:
-                p50 = median(per[p]["p50"])
+                p50 = median([percentile(x, 50) for x in lat[p]])
                 rows.append({
                     "max_tokens": mt,
                     "path": p,
                     "p50_ms": p50 * 1e3,
-                    "p95_ms": median(per[p]["p95"]) * 1e3,
-                    "mean_ms": median(per[p]["mean"]) * 1e3,
+                    "p95_ms": median([percentile(x, 95) for x in lat[p]]) * 1e3,
+                    "mean_ms": median([sum(x) / len(x) for x in lat[p]]) * 1e3,
                     "added_p50_ms": (p50 - base) * 1e3,
                     "ratio_p50": p50 / base,
+                    # what the path adds over the direct engine call it pairs with (BASE_OF: streaming with streaming):
+                    # its block p50 minus that call's block p50 of the same turn, median over every block of every
+                    # round (None for the paths below the router)
+                    "over_nats_p50_ms": median([(a - b) * 1e3 for a, b in zip(blocks[p], blocks[BASE_OF[p]])]) if p in ROUTER_PATHS else None,
                     "output_agrees": agree.get(p, True),
-                    "runs_p50_ms": [x * 1e3 for x in per[p]["p50"]],
+                    "runs_p50_ms": [percentile(x, 50) * 1e3 for x in lat[p]],
                     # a process's work for a call may finish after the call returns (call records, closing): it
                     # lands in the next call's window, so per-call averages hold over many calls
                     "cpu_ms_per_call": {k: v * 1e3 / (calls * repeats) for k, v in cpu[p].items()},
@@ -314,6 +393,8 @@ def run_router_bench(
     finally:
         if nats_client is not None:
             nats_client.close()
+        if raw is not None:
+            raw.close()
         stack.stop()
         quiet.__exit__(None, None, None)
         torch.set_num_threads(prev_threads)
@@ -323,6 +404,7 @@ def run_router_bench(
         "models_dir": str(mdir),
         "prompt_len": prompt_len,
         "calls": calls,
+        "block": block,
         "warmup": warmup,
         "repeats": repeats,
         "torch_threads": 1,
@@ -334,7 +416,8 @@ def run_router_bench(
 def render(result: dict[str, Any]) -> str:
     head = (
         f"router bench: {result['model']} fp32 cpu, 1 torch thread per engine, prompt {result['prompt_len']} tokens, "
-        f"{result['calls']} sequential calls per round after {result['warmup']} warm-up, median of {result['repeats']} rounds, "
+        f"{result['calls']} sequential calls per path per round (blocks of {result.get('block', result['calls'])}, paths in turn) after "
+        f"{result['warmup']} warm-up, median of {result['repeats']} rounds, "
         f"engine stream_interval_ms {result.get('stream_interval_ms', 0.0):g}"
     )
     t = format_table(
@@ -366,7 +449,14 @@ def _per_token(result: dict[str, Any]) -> str:
     lo, hi = mts[0], mts[-1]
     added = {(r["path"], r["max_tokens"]): r["added_p50_ms"] for r in result["rows"]}
     rows = [[p, added[(p, lo)], (added[(p, hi)] - added[(p, lo)]) / (hi - lo)] for p in PATHS[1:] if (p, lo) in added and (p, hi) in added]
-    return f"\n\nadded cost: per call (max_tokens {lo}) and per token (slope to max_tokens {hi})\n" + format_table(["path", "added per call ms", "added per token ms"], rows)
+    over = {(r["path"], r["max_tokens"]): r["over_nats_p50_ms"] for r in result["rows"] if r.get("over_nats_p50_ms") is not None}
+    orows = [[p, over[(p, lo)], (over[(p, hi)] - over[(p, lo)]) / (hi - lo)] for p in ROUTER_PATHS if (p, lo) in over and (p, hi) in over]
+    text = f"\n\nadded cost over in-process: per call (max_tokens {lo}) and per token (slope to max_tokens {hi})\n" + format_table(
+        ["path", "added per call ms", "added per token ms"], rows)
+    if orows:
+        text += ("\n\nwhat the router adds over a direct engine call (nats; streaming over nats-stream), paired per block (raw: a "
+                 "minimal HTTP client; the others include the openai client's own work)\n" + format_table(["path", "over nats per call ms", "over nats per token ms"], orows))
+    return text
 
 
 def main(args) -> int:
@@ -380,5 +470,6 @@ def main(args) -> int:
         prompt_len=args.prompt_len,
         seed=args.seed,
         stream_interval_ms=args.stream_interval_ms,
+        block=args.block,
     )
     return emit(result, render(result), args.json)

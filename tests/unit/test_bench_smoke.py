@@ -61,7 +61,7 @@ def test_router_bench_smoke(synth_models):
     from bench.router_bench import PATHS, render, run_router_bench
 
     models_dir = synth_models["tiny-llama"].parent
-    res = run_router_bench(models_dir, model="tiny-llama", max_tokens=(1, 3), calls=2, warmup=1, repeats=1, say=lambda _m: None)
+    res = run_router_bench(models_dir, model="tiny-llama", max_tokens=(1, 3), calls=3, block=2, warmup=1, repeats=1, say=lambda _m: None)
     json.loads(json.dumps(res))
     assert res["bench"] == "router"
     assert [(r["max_tokens"], r["path"]) for r in res["rows"]] == [(m, p) for m in (1, 3) for p in PATHS]
@@ -69,12 +69,14 @@ def test_router_bench_smoke(synth_models):
         for k in ("p50_ms", "p95_ms", "mean_ms", "ratio_p50"):
             assert _positive(row[k]), (k, row[k])
         assert math.isfinite(row["added_p50_ms"])
+        # the router paths, and only they, are paired with the direct engine call (raw = a minimal HTTP client)
+        assert (row["over_nats_p50_ms"] is not None) == (row["path"] in ("router", "router-stream", "router-raw", "router-raw-stream"))
         assert row["output_agrees"], row  # greedy: every path must produce the same tokens/text
         cpu = row["cpu_ms_per_call"]  # every process of the stack, by name, and this one
         assert {"router-0", "bench-engine-0", "telemetry", "nats-server", "bench"} <= set(cpu), cpu
         assert all(v >= 0 for v in cpu.values())
     text = render(res)
-    assert "p50 / in-process" in text and "CPU ms per call by process" in text
+    assert "p50 / in-process" in text and "CPU ms per call by process" in text and "over nats per token ms" in text
 
 
 def test_coldpool_bench_registered_and_renders():
