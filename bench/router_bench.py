@@ -255,6 +255,17 @@ class _RawHTTP:
         self.conn.close()
 
 
+def over_direct(blocks: dict[str, list[float]], path: str) -> float | None:
+    """What ``path`` adds over the direct engine call it pairs with (``BASE_OF``: a streamed router call with a
+    streamed direct one), in ms: the median over blocks of its block p50 minus that call's block p50 of the same
+    turn (``blocks``: each path's block p50s in seconds, in turn order). None for a path that is not a router
+    path. Pure."""
+    base = BASE_OF.get(path)
+    if base is None:
+        return None
+    return median([(a - b) * 1e3 for a, b in zip(blocks[path], blocks[base], strict=True)])
+
+
 def _wait_healthy(api: str, timeout: float = 60.0) -> None:
     import httpx
 
@@ -373,10 +384,8 @@ def run_router_bench(
                     "mean_ms": median([sum(x) / len(x) for x in lat[p]]) * 1e3,
                     "added_p50_ms": (p50 - base) * 1e3,
                     "ratio_p50": p50 / base,
-                    # what the path adds over the direct engine call it pairs with (BASE_OF: streaming with streaming):
-                    # its block p50 minus that call's block p50 of the same turn, median over every block of every
-                    # round (None for the paths below the router)
-                    "over_nats_p50_ms": median([(a - b) * 1e3 for a, b in zip(blocks[p], blocks[BASE_OF[p]])]) if p in ROUTER_PATHS else None,
+                    # what the path adds over the direct call of its kind, paired per block (None below the router)
+                    "over_nats_p50_ms": over_direct(blocks, p),
                     "output_agrees": agree.get(p, True),
                     "runs_p50_ms": [percentile(x, 50) * 1e3 for x in lat[p]],
                     # a process's work for a call may finish after the call returns (call records, closing): it

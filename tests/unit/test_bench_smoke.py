@@ -79,6 +79,20 @@ def test_router_bench_smoke(synth_models):
     assert "p50 / in-process" in text and "CPU ms per call by process" in text and "over nats per token ms" in text
 
 
+def test_router_bench_pairs_each_router_path_with_the_direct_call_of_its_kind():
+    """A streamed router call is compared with a streamed direct call (the engine's per-step chunks are not the
+    router's), a plain one with a plain one; block by block, median of the differences."""
+    from bench.router_bench import over_direct
+
+    blocks = {"nats": [0.010, 0.020, 0.012], "nats-stream": [0.030, 0.040, 0.032], "router": [0.012, 0.023, 0.013],
+              "router-stream": [0.031, 0.041, 0.034], "router-raw": [0.011, 0.021, 0.013], "router-raw-stream": [0.031, 0.040, 0.033]}
+    assert over_direct(blocks, "router") == pytest.approx(2.0)  # 2, 3, 1 ms over nats, paired per block
+    assert over_direct(blocks, "router-stream") == pytest.approx(1.0)  # 1, 1, 2 ms over nats-stream (not 21 over nats)
+    assert over_direct(blocks, "router-raw-stream") == pytest.approx(1.0)
+    assert over_direct(blocks, "router-raw") == pytest.approx(1.0)
+    assert over_direct(blocks, "nats") is None and over_direct(blocks, "in-process") is None
+
+
 def test_coldpool_bench_registered_and_renders():
     """issue 16: ``talaria bench coldpool`` is registered; its table renders from a result dict."""
     import argparse
