@@ -385,7 +385,7 @@ def run_router_bench(
                     "added_p50_ms": (p50 - base) * 1e3,
                     "ratio_p50": p50 / base,
                     # what the path adds over the direct call of its kind, paired per block (None below the router)
-                    "over_nats_p50_ms": over_direct(blocks, p),
+                    "over_direct_p50_ms": over_direct(blocks, p),
                     "output_agrees": agree.get(p, True),
                     "runs_p50_ms": [percentile(x, 50) * 1e3 for x in lat[p]],
                     # a process's work for a call may finish after the call returns (call records, closing): it
@@ -458,13 +458,13 @@ def _per_token(result: dict[str, Any]) -> str:
     lo, hi = mts[0], mts[-1]
     added = {(r["path"], r["max_tokens"]): r["added_p50_ms"] for r in result["rows"]}
     rows = [[p, added[(p, lo)], (added[(p, hi)] - added[(p, lo)]) / (hi - lo)] for p in PATHS[1:] if (p, lo) in added and (p, hi) in added]
-    over = {(r["path"], r["max_tokens"]): r["over_nats_p50_ms"] for r in result["rows"] if r.get("over_nats_p50_ms") is not None}
+    over = {(r["path"], r["max_tokens"]): r["over_direct_p50_ms"] for r in result["rows"] if r.get("over_direct_p50_ms") is not None}
     orows = [[p, over[(p, lo)], (over[(p, hi)] - over[(p, lo)]) / (hi - lo)] for p in ROUTER_PATHS if (p, lo) in over and (p, hi) in over]
     text = f"\n\nadded cost over in-process: per call (max_tokens {lo}) and per token (slope to max_tokens {hi})\n" + format_table(
         ["path", "added per call ms", "added per token ms"], rows)
     if orows:
         text += ("\n\nwhat the router adds over a direct engine call (nats; streaming over nats-stream), paired per block (raw: a "
-                 "minimal HTTP client; the others include the openai client's own work)\n" + format_table(["path", "over nats per call ms", "over nats per token ms"], orows))
+                 "minimal HTTP client; the others include the openai client's own work)\n" + format_table(["path", "over direct per call ms", "over direct per token ms"], orows))
     return text
 
 

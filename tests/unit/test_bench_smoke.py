@@ -70,13 +70,13 @@ def test_router_bench_smoke(synth_models):
             assert _positive(row[k]), (k, row[k])
         assert math.isfinite(row["added_p50_ms"])
         # the router paths, and only they, are paired with the direct engine call (raw = a minimal HTTP client)
-        assert (row["over_nats_p50_ms"] is not None) == (row["path"] in ("router", "router-stream", "router-raw", "router-raw-stream"))
+        assert (row["over_direct_p50_ms"] is not None) == (row["path"] in ("router", "router-stream", "router-raw", "router-raw-stream"))
         assert row["output_agrees"], row  # greedy: every path must produce the same tokens/text
         cpu = row["cpu_ms_per_call"]  # every process of the stack, by name, and this one
         assert {"router-0", "bench-engine-0", "telemetry", "nats-server", "bench"} <= set(cpu), cpu
         assert all(v >= 0 for v in cpu.values())
     text = render(res)
-    assert "p50 / in-process" in text and "CPU ms per call by process" in text and "over nats per token ms" in text
+    assert "p50 / in-process" in text and "CPU ms per call by process" in text and "over direct per token ms" in text
 
 
 def test_router_bench_pairs_each_router_path_with_the_direct_call_of_its_kind():
