@@ -94,3 +94,26 @@ def test_registry_names_every_family_and_refuses_others():
     assert kv.pool_shape(32) == (2, 3, 32, 2, 16) and kv.page_bytes(4, 2) == 2 * 3 * 4 * 2 * 16 * 2
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         lookup("GPT2LMHeadModel")
+
+
+def test_a_windowed_prefill_group_reads_only_the_keys_its_rows_can_see():
+    """A chunk of new rows after a long cached context reads, per windowed layer, the keys from the one its
+    earliest row sees on (``_window_starts``), not the whole context; the mask still hides the rest."""
+    from services.engine.model.llama import _padded_group, _prefill_group, _window_starts
+
+    page, window = 4, 12
+    tables = [list(range(0, 12)), list(range(12, 24))]  # 48 positions each
+    cu, ctx = [0, 4, 10], [44, 30]  # 4 new rows after 40 cached; 6 new after 24
+    assert _window_starts([4, 6], ctx, window) == [44 - 4 - window + 1, 30 - 6 - window + 1] == [29, 13]
+    assert _window_starts([4, 6], ctx, None) == [0, 0] and _window_starts([30], [30], window) == [0]  # a fresh prompt: all
+    cpu = torch.device("cpu")
+    g = _prefill_group([0, 1], cu, ctx, tables, page, cpu, window)
+    assert g.slots.numel() == (44 - 29) + (30 - 13)  # 15 + 17 keys, not 44 + 30
+    assert g.mask is not None and g.mask.shape == (10, 32)
+    assert g.slots[:15].tolist() == list(range(29, 44))  # sequence 0's keys 29..43 (table = identity pages)
+    one = _prefill_group([0], cu, ctx, tables, page, cpu, window)
+    assert one.slots.shape[-1] == 15 and one.mask.shape[-1] == 15
+    pad = _padded_group([0, 1], [4, 6], ctx, cu, tables, page, cpu, window, first_key=13)  # keys before every row's first
+    assert pad.slots.shape == (2, 44 - 13) and pad.mask.shape == (2, 1, 6, 44 - 13)
+    assert pad.slots[0, 0].item() == 13 and not pad.mask[0, 0, 0, : 29 - 13].any() and pad.mask[0, 0, 0, 29 - 13]
+    assert _prefill_group([0, 1], cu, ctx, tables, page, cpu, None).slots.numel() in (44 + 30, 2 * 44)  # no window: every key

@@ -16,7 +16,7 @@ What differs from Llama, each mirroring transformers' ``modeling_gemma3`` (the p
   layer on Gemma 3). A forward builds two attention plans (``llama._AttnPlan``): one windowed, one full,
   each layer reading its own (one plan when no context in the step is longer than the window: they are
   then the same). The paged decode kernel shows a windowed layer only its last ``window`` keys; the prefill
-  paths mask the older ones. The KV pool keeps every position of every layer (the KV manager owns pages
+  paths read keys from the first one any new row can see (``llama._window_starts``) and mask the rest. The KV pool keeps every position of every layer (the KV manager owns pages
   and prefix caching needs them), so a windowed layer's older pages are kept but never read.
 * **Two RoPE bases**: ``rope_local_theta`` (10k) on sliding layers, ``rope_theta`` (1M, with its scaling) on
   full ones; two cos/sin tables.
