@@ -35,9 +35,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (30, 5, 19, 41)]
 
 
-def test_window_is_applied_and_greedy_tokens_equal_transformers(windowed_mistral):
+@pytest.mark.parametrize("layout", ["auto", "padded", "packed"])
+def test_window_is_applied_and_greedy_tokens_equal_transformers(windowed_mistral, layout, monkeypatch):
     """Prompts longer than the window, chunked (8-token budget: packed and padded prefill groups mixed
-    with decodes) and batched, against transformers' windowed greedy generate() one prompt at a time."""
+    with decodes) and batched, against transformers' windowed greedy generate() one prompt at a time; each
+    prefill layout forced too (a padded group of several sequences whose chunks start past their windows
+    reads a column slice of the slot table)."""
+    from services.engine.model import llama
+
+    monkeypatch.setattr(llama, "PREFILL_LAYOUT", layout)
     cfg = ModelConfig.from_dir(windowed_mistral)
     assert cfg.sliding_window == WINDOW and cfg.attention_span == 4096
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(windowed_mistral), dtype=torch.float32).eval()
@@ -117,3 +123,33 @@ def test_a_windowed_prefill_group_reads_only_the_keys_its_rows_can_see():
     assert pad.slots.shape == (2, 44 - 13) and pad.mask.shape == (2, 1, 6, 44 - 13)
     assert pad.slots[0, 0].item() == 13 and not pad.mask[0, 0, 0, : 29 - 13].any() and pad.mask[0, 0, 0, 29 - 13]
     assert _prefill_group([0, 1], cu, ctx, tables, page, cpu, None).slots.numel() in (44 + 30, 2 * 44)  # no window: every key
+
+
+def test_windowed_prefill_groups_attend_as_the_whole_context_does():
+    """The key slice changes nothing but the work: a padded group of two sequences (its slot table cut to a
+    column slice), a packed one and the same groups over the whole context give the same attention."""
+    from services.engine.model.llama import Attention, _packed_group, _padded_group
+
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 64,
+                                 "max_position_embeddings": 256})
+    attn = Attention(cfg)
+    g = torch.Generator().manual_seed(3)
+    page, window, cpu = 4, 12, torch.device("cpu")
+    tables = [list(range(0, 12)), list(range(12, 24))]
+    cu, ctx, q_lens = [0, 4, 10], [44, 30], [4, 6]
+    layer_k = torch.randn(24 * page, 2, 16, generator=g)
+    layer_v = torch.randn(24 * page, 2, 16, generator=g)
+    q = torch.randn(10, 4, 16, generator=g)
+    out = {}
+    for name, grp in {
+        "padded, sliced": _padded_group([0, 1], q_lens, ctx, cu, tables, page, cpu, window, first_key=13),
+        "padded, whole": _padded_group([0, 1], q_lens, ctx, cu, tables, page, cpu, window),
+        "packed, sliced": _packed_group([0, 1], q_lens, ctx, cu, tables, page, cpu, window, starts=[29, 13]),
+        "packed, whole": _packed_group([0, 1], q_lens, ctx, cu, tables, page, cpu, window),
+    }.items():
+        o = torch.empty_like(q)
+        o.index_copy_(0, grp.q_index, attn._attend(q, layer_k, layer_v, grp, whole=False))
+        out[name] = o
+    for name, o in out.items():
+        torch.testing.assert_close(o, out["packed, whole"], rtol=1e-5, atol=1e-6, msg=name)

@@ -607,7 +607,7 @@ def _window_starts(q_lens: list[int], lens: list[int], window: int | None) -> li
 def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None, first_key: int = 0) -> _Group:
     """``first_key``: context positions before it are seen by no row of the group (``_window_starts``) and are
     not read."""
-    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)[:, first_key:]
+    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)[:, first_key:].contiguous()  # attention views it flat
     B, L, Q = len(rows), slots.shape[1] + first_key, max(q_lens)
     nq = torch.tensor(q_lens, device=device)
     local = torch.minimum(torch.arange(Q, device=device)[None, :], nq[:, None] - 1)  # pad rows repeat the last query
