@@ -43,7 +43,8 @@ Design notes
   ``q_pos - window < j <= q_pos``); a plain-causal group that spans more than the window gets an explicit
   mask, and a prefill group gathers each sequence's keys only from the first one its earliest new row sees
   (``_window_starts``): Gemma 3 270M, a 232-token return after 3,000 cached tokens 607 -> 359 ms (15 of its
-  18 layers windowed at 512; one engine, bf16, 2 threads, 2026-12-07). The pages outside the window stay allocated (the KV manager owns them; prefix caching needs them).
+  18 layers windowed at 512; one engine, bf16, 2 threads, 2026-12-07). The pages outside the window stay
+  allocated (the KV manager owns them; prefix caching needs them).
 * Side effects: for every layer ``l`` the model writes the new tokens' K (after RoPE) and V into
   ``kv.k[l]`` / ``kv.v[l]`` at the rows in ``batch.slot_mapping`` (in place in the paged pool, before the
   layer's attention reads them). Nothing else is mutated: no page is allocated, no other slot is written,
