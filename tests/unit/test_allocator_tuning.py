@@ -54,7 +54,11 @@ def test_tuned_heap_serves_prefill_activations_without_faulting_fresh_pages(synt
     # (18x) in an environment without triton; 2,211 vs 375 (5.9x) with triton installed (xgrammar's dependency;
     # torch registers triton-backed ops when it is importable, and the default run then faults half as often,
     # the tuned one a little more: which allocation moves glibc's threshold was not traced). The claim is "the
-    # heap keeps them": a fourfold cut at least, and far below one fault per activation page.
-    assert default > 1000, default
-    assert tuned < default / 4 and tuned < 1000, (tuned, default)
+    # heap keeps them": far below one fault per activation page, and a fourfold cut at least where glibc's
+    # defaults fault. Those defaults adapt (glibc raises its mmap threshold to the size of an mmapped chunk it
+    # frees), so in some runs they keep the activations in the heap too: 752 faults per prefill in one of three
+    # runs here (2026-12-07), 7,406 in the other two; the comparison is made where they do not.
+    assert tuned < 1000, (tuned, default)
+    if default > 1000:
+        assert tuned < default / 4, (tuned, default)
     print(f"faults per prefill: default {default:.0f}, tuned {tuned:.0f}")
