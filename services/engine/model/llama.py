@@ -497,12 +497,13 @@ def pad_table(table: list[int], width: int) -> list[int]:
     return head + [0] * (width - len(head))
 
 
-def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
-    """Padded ``[n, Lmax]`` flat slots of the first ``lens[i]`` tokens of each block table (pad slot 0)."""
+def _page_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device, first: int = 0) -> torch.Tensor:
+    """Padded ``[n, Lmax - first]`` flat slots of positions ``first .. lens[i] - 1`` of each block table (pad
+    slot 0)."""
     L = max(lens)
     width = -(-L // page_size)
     padded = torch.tensor([pad_table(t, width) for t in tables], dtype=torch.long)
-    slots = (padded[:, :, None] * page_size + torch.arange(page_size)).reshape(len(tables), -1)[:, :L].contiguous()
+    slots = (padded[:, :, None] * page_size + torch.arange(page_size)).reshape(len(tables), -1)[:, first:L].contiguous()
     return slots.to(device)
 
 
@@ -608,7 +609,7 @@ def _window_starts(q_lens: list[int], lens: list[int], window: int | None) -> li
 def _padded_group(rows, q_lens, lens, cu, tables, page_size, device, window=None, first_key: int = 0) -> _Group:
     """``first_key``: context positions before it are seen by no row of the group (``_window_starts``) and are
     not read."""
-    slots = _page_slots([tables[i] for i in rows], lens, page_size, device)[:, first_key:].contiguous()  # attention views it flat
+    slots = _page_slots([tables[i] for i in rows], lens, page_size, device, first_key)
     B, L, Q = len(rows), slots.shape[1] + first_key, max(q_lens)
     nq = torch.tensor(q_lens, device=device)
     local = torch.minimum(torch.arange(Q, device=device)[None, :], nq[:, None] - 1)  # pad rows repeat the last query
