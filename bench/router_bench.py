@@ -456,10 +456,12 @@ def _per_token(result: dict[str, Any]) -> str:
     if len(mts) < 2:
         return ""
     lo, hi = mts[0], mts[-1]
-    added = {(r["path"], r["max_tokens"]): r["added_p50_ms"] for r in result["rows"]}
-    rows = [[p, added[(p, lo)], (added[(p, hi)] - added[(p, lo)]) / (hi - lo)] for p in PATHS[1:] if (p, lo) in added and (p, hi) in added]
-    over = {(r["path"], r["max_tokens"]): r["over_direct_p50_ms"] for r in result["rows"] if r.get("over_direct_p50_ms") is not None}
-    orows = [[p, over[(p, lo)], (over[(p, hi)] - over[(p, lo)]) / (hi - lo)] for p in ROUTER_PATHS if (p, lo) in over and (p, hi) in over]
+
+    def per_call_and_token(key: str, paths: tuple[str, ...]) -> list[list[Any]]:
+        v = {(r["path"], r["max_tokens"]): r[key] for r in result["rows"] if r.get(key) is not None}
+        return [[p, v[(p, lo)], (v[(p, hi)] - v[(p, lo)]) / (hi - lo)] for p in paths if (p, lo) in v and (p, hi) in v]
+
+    rows, orows = per_call_and_token("added_p50_ms", PATHS[1:]), per_call_and_token("over_direct_p50_ms", ROUTER_PATHS)
     text = f"\n\nadded cost over in-process: per call (max_tokens {lo}) and per token (slope to max_tokens {hi})\n" + format_table(
         ["path", "added per call ms", "added per token ms"], rows)
     if orows:
