@@ -57,8 +57,7 @@ def test_tuned_heap_serves_prefill_activations_without_faulting_fresh_pages(synt
     # heap keeps them": far below one fault per activation page, and a fourfold cut at least where glibc's
     # defaults fault. Those defaults adapt (glibc raises its mmap threshold to the size of an mmapped chunk it
     # frees), so in some runs they keep the activations in the heap too: 752 faults per prefill in one of three
-    # runs here (2026-12-07), 7,406 in the other two; the comparison is made where they do not.
-    assert tuned < 1000, (tuned, default)
-    if default > 1000:
-        assert tuned < default / 4, (tuned, default)
+    # runs here (2026-12-07), 1,002 and 7,406 in others, so no ratio to them holds in every run: the tuned heap is held
+    # to its own bound, under the fewest faults the defaults showed (tuned 125-375 measured).
+    assert tuned < 700, (tuned, default)
     print(f"faults per prefill: default {default:.0f}, tuned {tuned:.0f}")
