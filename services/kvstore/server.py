@@ -233,7 +233,10 @@ class KvStoreServer:
         self.store_id = store_id
         self.epoch = time.time_ns()
         capacity = cfg.capacity_mb * 1024 * 1024
-        self.pool = HostBuffer(capacity)
+        t0 = time.monotonic()
+        self.pool = HostBuffer(capacity, touch=True)  # faulted in now, not on the serving path (HostBuffer)
+        log.info("kvstore pool: %d MiB resident in %.2f s (transparent huge pages advised: %s)", cfg.capacity_mb, time.monotonic() - t0,
+                 "yes" if self.pool.huge_pages else "no")
         self.mooncake = MooncakeEndpoint(cfg.data_host, cfg.protocol)
         self.mooncake.register(self.pool.address, capacity)
         self.registry = HostKVRegistry(
