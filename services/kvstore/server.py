@@ -47,6 +47,8 @@ from talaria.v1 import kvstore_pb2_grpc as pbg
 
 log = logging.getLogger(__name__)
 
+POPULATE_CHUNK = 64 << 20  # bytes of the host pool faulted in per step of the populating thread (the first at start)
+
 SERVICE_NAME = "talaria.v1.KvStore"
 STATS_PUBLISH_S = 1.0  # period of the KvStoreStatsRecord on NATS
 
@@ -233,10 +235,11 @@ class KvStoreServer:
         self.store_id = store_id
         self.epoch = time.time_ns()
         capacity = cfg.capacity_mb * 1024 * 1024
-        t0 = time.monotonic()
-        self.pool = HostBuffer(capacity, touch=True)  # faulted in now, not on the serving path (HostBuffer)
-        log.info("kvstore pool: %d MiB resident in %.2f s (transparent huge pages advised: %s)", cfg.capacity_mb, time.monotonic() - t0,
-                 "yes" if self.pool.huge_pages else "no")
+        self.pool = HostBuffer(capacity)
+        # faulted in ahead of use, not by the serving path (HostBuffer): the head now, the rest by a thread from
+        # low addresses up -- the registry hands out the lowest free slabs first -- so a large pool does not
+        # delay the store's start
+        self.pool.populate(0, POPULATE_CHUNK)  # nothing uses the pool yet: the zero-writing fallback is safe here
         self.mooncake = MooncakeEndpoint(cfg.data_host, cfg.protocol)
         self.mooncake.register(self.pool.address, capacity)
         self.registry = HostKVRegistry(
@@ -258,6 +261,29 @@ class KvStoreServer:
         self.port = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._populated = threading.Event()
+        threading.Thread(target=self._populate_rest, name="kvstore-populate", daemon=True).start()
+
+    def _populate_rest(self) -> None:
+        """Fault the pool in past its head, a chunk at a time (the thread ``__init__`` starts). Mutates: the
+        process's resident memory; sets ``_populated`` when done."""
+        t0 = time.monotonic()
+        for start in range(POPULATE_CHUNK, self.pool.nbytes, POPULATE_CHUNK):
+            if self._stop.is_set():
+                return
+            # the store may already be writing there: never the zero-writing fallback
+            if not self.pool.populate(start, start + POPULATE_CHUNK, may_write=False):
+                log.info("kvstore pool: the kernel cannot fault memory in without writing it (MADV_POPULATE_WRITE, "
+                         "Linux 5.14); past the first %d MiB the pool is faulted in by its first checkpoints", POPULATE_CHUNK >> 20)
+                return
+        log.info("kvstore pool: %d MiB resident after %.2f s (transparent huge pages advised: %s)", self.cfg.capacity_mb,
+                 time.monotonic() - t0, "yes" if self.pool.huge_pages else "no")
+        self._populated.set()
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Whether the whole pool is resident (waits up to ``timeout`` seconds for the populating thread; False
+        also where the kernel cannot populate without writing)."""
+        return self._populated.wait(timeout)
 
     @property
     def address(self) -> str:

@@ -84,23 +84,33 @@ class HostBuffer:
         if touch:
             self.populate()
 
-    def populate(self) -> None:
-        """Fault every page in now (one ``MADV_POPULATE_WRITE`` call, or a write per 4 KiB page on a kernel
-        without it). Mutates: the process's resident memory (the whole buffer), not the contents (zero)."""
-        if not _advise(self._map, MADV_POPULATE_WRITE):
-            self.array[::4096] = 0
+    def populate(self, start: int = 0, end: int | None = None, *, may_write: bool = True) -> bool:
+        """Fault bytes ``[start, end)`` in now (``end`` None = the whole buffer): one ``MADV_POPULATE_WRITE`` call,
+        which leaves the contents alone; on a kernel without it (before Linux 5.14), a zero written per 4 KiB
+        page -- only with ``may_write``, i.e. where nothing in the range holds data yet or is being written
+        (a transfer landing there concurrently would be corrupted). Returns whether the range is now faulted
+        in. Mutates: the process's resident memory, and the range's contents only on that fallback."""
+        end = self.nbytes if end is None else min(end, self.nbytes)
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        if lo >= end or _advise(self._map, MADV_POPULATE_WRITE, lo, end - lo):
+            return True
+        if not may_write:
+            return False
+        self.array[lo:end:4096] = 0
+        return True
 
     @property
     def address(self) -> int:
         return int(self.array.ctypes.data)
 
 
-def _advise(m: mmap.mmap, advice: int | None) -> bool:
-    """``madvise(advice)`` over the whole mapping; False where the platform or kernel refuses it."""
+def _advise(m: mmap.mmap, advice: int | None, start: int = 0, length: int | None = None) -> bool:
+    """``madvise(advice)`` over ``[start, start + length)`` of the mapping (``length`` None = to its end); False
+    where the platform or kernel refuses it."""
     if advice is None:
         return False
     try:
-        m.madvise(advice)
+        m.madvise(advice, start, len(m) - start if length is None else length)
     except (OSError, ValueError):
         return False
     return True
