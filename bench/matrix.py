@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from bench import ensure_models
+from bench.machine import probe
 from bench.stats import loadavg
 from bench.workloads import Workload, describe, read_jsonl, write_jsonl
 
@@ -350,7 +351,8 @@ def _read_records(path: Path, t0: float, t1: float) -> list[dict[str, Any]] | No
 
 # ----------------------------------------------------------------------------------- one config
 async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out: Path, *, progress: bool, say, label: str = "",
-                     engines: list[dict[str, Any]] | None = None, weight_link_mb_s: float | None = None) -> dict[str, Any]:
+                     engines: list[dict[str, Any]] | None = None, weight_link_mb_s: float | None = None,
+                     probe_machine: bool = True) -> dict[str, Any]:
     import httpx
 
     from bench.replay import replay_http, warmup
@@ -391,6 +393,7 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
             await asyncio.sleep(0.6)  # let the warmup's hooks and heartbeats land before "before"
             before = (await client.get(f"{api}/health")).json()
             kv_before = _kvstore_stats(stack)
+            machine = probe() if probe_machine else {}  # the stack idle: the machine's speed for this run (bench/machine.py)
             load_before = loadavg()
             cpu_before = stack_cpu_seconds(stack)
             w0 = time.time()
@@ -416,12 +419,14 @@ async def run_config(mc: MatrixConfig, workload: Workload, models_dir: Path, out
         summary = summarize_run(res, telemetry)
         summary["stack_up_s"] = up_s
         summary["loadavg_before"], summary["loadavg_after"] = load_before, load_after  # beside every number (issue 12)
+        summary["machine"] = machine
         summary["cpu_s"] = cpu  # CPU seconds each service used during the replay (work, hardly load-dependent)
         eng_ids = {e["id"] for e in cfg_dict["engines"]}
         summary["engine_cpu_s"] = sum(v for k, v in cpu.items() if k in eng_ids)
         load = f"{load_before[0]:.2f}->{load_after[0]:.2f}" if load_before and load_after else "n/a"
         say(f"{label}{mc.name}: SCT p50 {summary['sct_p50_s']:.2f}s p95 {summary['sct_p95_s']:.2f}s, TTFT p50 {summary['ttft_p50_s']:.2f}s, "
-            f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s, engine CPU {summary['engine_cpu_s']:.1f}s, load 1m {load}")
+            f"{summary['calls_failed']} failed, replay {res.wall_s:.0f}s, engine CPU {summary['engine_cpu_s']:.1f}s, load 1m {load}"
+            + (f", machine {machine['gemm_gflops']:.0f} GFLOP/s {machine['read_gb_s']:.1f} GB/s" if machine else ""))
         return {"status": "ok", "summary": summary}
     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
         tails = {n: c.log[-15:] for n, c in stack.children.items()}
@@ -463,6 +468,7 @@ def run_matrix(
     say=print,
     stack: Path | None = None,
     residency_switch_s: float | None = None,
+    probe_machine: bool = True,
 ) -> list[dict[str, Any]]:
     """Run the matrix; ``repeats`` > 1 runs every configuration that many times, interleaved
     (``interleaved_orders``), into ``<out>/rep<i>/<configuration>``, and reports medians over repetitions
@@ -539,7 +545,7 @@ def run_matrix(
             row = dict(base_rows[name], position=pos + 1)
             say(f"{label}{name}: starting the stack ...")
             row.update(asyncio.run(run_config(by[name], w, models_dir, rep_out, progress=progress, say=say, label=label, engines=engines,
-                                                weight_link_mb_s=link_mb_s)))
+                                                weight_link_mb_s=link_mb_s, probe_machine=probe_machine)))
             if row.get("status") != "ok":
                 say(f"{label}{name}: {row['status']}")
             done[name] = row
@@ -599,7 +605,7 @@ def main(args) -> int:
     rows = run_matrix(
         out, quick=args.quick, names=args.configs, workload=workload, models_dir=Path(args.models_dir) if args.models_dir else None,
         progress=not args.no_progress, command=" ".join(shlex.quote(a) for a in sys.argv), repeats=args.repeats,
-        stack=Path(args.stack) if args.stack else None, residency_switch_s=regime,
+        stack=Path(args.stack) if args.stack else None, residency_switch_s=regime, probe_machine=not args.no_probe,
     )
     ran = [r for r in rows if r.get("status") == "ok"]
     failed = sum(r["aggregate"]["calls_failed_total"] if "aggregate" in r else r["summary"]["calls_failed"] for r in ran)
@@ -619,6 +625,8 @@ def add_args(p) -> None:
                         "on a shared machine)")
     p.add_argument("--models-dir", help="checkpoints (default .talaria/bench-models, synthesized if missing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-probe", action="store_true", help="skip the machine-speed probe before each run (bench/machine.py: "
+                   "bf16 GEMM and streaming-read rates, ~0.5 s with the stack idle, reported beside the run's numbers)")
     p.add_argument("--stack", metavar="FILE", help="a stack config whose engines (and models_dir) replace the two synthesized "
                    "cold engines, e.g. deploy/config/two-real-models.yaml with --two-model --models smollm2-135m-instruct gemma3-270m")
     p.add_argument("--residency-regime", nargs="?", type=float, const=REGIME_SWITCH_S, default=None, metavar="SECONDS",

@@ -240,7 +240,9 @@ async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
     wpt = 400 / probe.prompt_tokens if probe.prompt_tokens else 0.75
     say(f"calibration: 400 words = {probe.prompt_tokens} tokens on {targets[0].name}")
     runs: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    machine: list[dict[str, Any]] = []
     for rep in range(a.repeats):
+        machine.append(probe_machine(a))  # both servers idle here: the machine's speed for this repetition
         order = targets if rep % 2 == 0 else targets[::-1]
         per: dict[str, dict[str, float]] = {t.name: {} for t in targets}
         for wl in a.workloads:
@@ -270,7 +272,17 @@ async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
     agree = sum(x == y for x, y in zip(sorted(targets[0].texts[1:]), sorted(targets[1].texts))) / max(len(targets[1].texts), 1)
     return {"bench": "peer", "talaria": {"url": a.talaria_url, "model": targets[0].model, "config": effective_config(a.talaria_config)},
             "peer": {"url": a.url, "model": a.model},
-            "repeats": a.repeats, "words_per_token": wpt, "rows": rows, "runs": runs, "identical_completions": agree}
+            "repeats": a.repeats, "words_per_token": wpt, "rows": rows, "runs": runs, "identical_completions": agree,
+            "machine": machine}
+
+
+def probe_machine(a: argparse_like) -> dict[str, Any]:
+    """One ``bench.machine`` sample, or ``{}`` under ``--no-probe`` (the report then says it was not probed)."""
+    if getattr(a, "no_probe", False):
+        return {}
+    from bench.machine import probe
+
+    return probe()
 
 
 def effective_config(path: str | None) -> dict[str, Any] | None:
@@ -310,7 +322,10 @@ def render(r: dict[str, Any]) -> str:
             + render_config(r["talaria"].get("config")))
     table = format_table(["metric", "talaria", "peer", "talaria advantage"],
                          [[x["metric"], x["talaria"], x["peer"], x["talaria_advantage"]] for x in r["rows"]])
-    return f"{head}\n\n{table}\n\nidentical completions (greedy, sanity, not a gate): {r['identical_completions']:.0%}"
+    from bench.machine import render_samples
+
+    return (f"{head}\n\n{table}\n\nidentical completions (greedy, sanity, not a gate): {r['identical_completions']:.0%}\n"
+            + render_samples(r.get("machine", [])))
 
 
 def add_args(p) -> None:
@@ -336,6 +351,8 @@ def add_args(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-call timeout, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the machine-speed probe before each repetition (bench/machine.py; ~0.5 s, servers idle)")
     from bench.peer_multi import add_args as add_multi_args
 
     add_multi_args(p)

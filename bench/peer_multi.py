@@ -315,7 +315,7 @@ async def run_side(side: Side, w: Workload, a) -> tuple[dict[str, float], dict[s
 
 async def run_multi_bench(a, say=print) -> dict[str, Any]:
     """Every repetition: the same two-model workload on both sides, the order alternating (module doc)."""
-    from bench.peer import effective_config
+    from bench.peer import effective_config, probe_machine
     from bench.replay import warmup
 
     peers = parse_peers(a.peer)
@@ -342,7 +342,9 @@ async def run_multi_bench(a, say=print) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"talaria": [], "peer": []}
     extras: dict[str, list[dict[str, Any]]] = {"talaria": [], "peer": []}
     workload_meta = None
+    machine: list[dict[str, Any]] = []
     for rep in range(a.repeats):
+        machine.append(probe_machine(a))  # both sides idle: the machine's speed for this repetition
         params = dict(sessions=a.sessions, seed=a.seed * 1000 + rep, max_depth=a.max_depth, length_scale=a.length_scale,
                       time_scale=a.time_scale, mean_interarrival_s=a.mean_interarrival, agent_calls_per_turn=a.agent_calls_per_turn)
         order = sides if rep % 2 == 0 else sides[::-1]
@@ -364,10 +366,11 @@ async def run_multi_bench(a, say=print) -> dict[str, Any]:
             "talaria": {"url": a.talaria_url, "models": list(tal_models), "config": effective_config(a.talaria_config)},
             "peer": {"servers": [{"model": m, "url": u} for m, u in peers]},
             "rows": compare(runs), "runs": runs, "extras": extras,
-            "load_1min": {"min": min(loads), "max": max(loads)} if loads else None}
+            "load_1min": {"min": min(loads), "max": max(loads)} if loads else None, "machine": machine}
 
 
 def render(r: dict[str, Any]) -> str:
+    from bench.machine import render_samples
     from bench.peer import render_config
 
     peers = ", ".join(f"{s['model']} at {s['url']}" for s in r["peer"]["servers"])
@@ -385,7 +388,8 @@ def render(r: dict[str, Any]) -> str:
         if last:
             mem.append(f"{side} RSS at its peak, last repetition: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(last.items())) + " MiB")
     errs = [f"{side}: {e}" for side in ("talaria", "peer") for x in r["extras"][side] for e in x["errors"]]
-    return "\n".join([head, "", table, ""] + mem + (["errors: " + "; ".join(sorted(set(errs)))] if errs else []))
+    return "\n".join([head, "", table, ""] + mem + [render_samples(r.get("machine", []))]
+                     + (["errors: " + "; ".join(sorted(set(errs)))] if errs else []))
 
 
 def add_args(p) -> None:

@@ -422,6 +422,7 @@ COLUMNS = [
     ("engaged: rounds/hostKV/D2D", "evidence", "telemetry/kvstore/engine"),
     ("engine CPU s", "engine_cpu_s", "/proc: CPU seconds the engine processes used during the replay (work done; hardly depends on machine load)"),
     ("load 1m", "load", "/proc/loadavg 1-minute average before -> after this run"),
+    ("machine GF/s, GB/s", "machine", "bench/machine.py: bf16 GEMM GFLOP/s and streaming-read GB/s probed before this run, the stack idle"),
 ]
 
 
@@ -478,9 +479,16 @@ def _ci_cell(v: Any, ci: Any) -> str:
     return f"{v:.2f}"
 
 
+def _machine_cell(s: dict[str, Any]) -> str:
+    m = s.get("machine") or {}
+    return f"{m['gemm_gflops']:.0f}, {m['read_gb_s']:.1f}" if m else "n/a"
+
+
 def _cell(s: dict[str, Any], key: str) -> object:
     if key == "load":
         return _load_cell(s)
+    if key == "machine":
+        return _machine_cell(s)
     if key in ("sct_p50_vs_best", "sct_p95_vs_best"):
         return _ci_cell(s.get(key, NA), s.get(f"{key}_ci"))
     if key == "switch_share":
@@ -557,7 +565,9 @@ def write_matrix_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, A
         f"Workload: {meta.get('workload_desc', '')}",
         "",
         f"Load average (1/5/15 min) at the start: {meta.get('loadavg_start', 'n/a')}, at the end: {meta.get('loadavg_end', 'n/a')}; "
-        "per run in the `load 1m` columns and in summary.json (`loadavg_before` / `loadavg_after`).",
+        "per run in the `load 1m` columns and in summary.json (`loadavg_before` / `loadavg_after`). The machine's own speed, "
+        "which the load average does not see on a shared host, is probed before each run (bench/machine.py: bf16 GEMM GFLOP/s "
+        "and streaming-read GB/s, the stack idle; `machine` in summary.json, the `machine` and `GEMM GF/s` columns).",
         "",
         "Best baseline: per repetition and per metric, the fastest of the baseline configurations that ran "
         "(every mechanism off; with the full router and with the least-pressure router). `/best` ratios are "
@@ -855,6 +865,8 @@ def aggregate_repeats(reps: list[list[dict[str, Any]]], baseline: str = "Round-o
         agg["load1"] = {"min": min(loads, default=NA), "max": max(loads, default=NA), "values": loads}
         agg["calls_failed_total"] = sum(int(s.get("calls_failed", 0)) for _i, s in ok)
         agg["engine_cpu_s"] = _median([s["engine_cpu_s"] for _i, s in ok if _finite(s.get("engine_cpu_s"))])
+        gemm = [m["gemm_gflops"] for _i, s in ok if (m := s.get("machine"))]
+        agg["machine_gemm_gflops"] = {"min": min(gemm, default=NA), "max": max(gemm, default=NA), "values": gemm}
         ranked = sorted(((s["sct_p50_s"], i) for i, s in ok if _finite(s.get("sct_p50_s"))))
         agg["median_rep"] = ranked[(len(ranked) - 1) // 2][1] if ranked else (ok[0][0] if ok else None)
         agg["statuses"] = [r.get("status", "ok" if r.get("summary") else "n/a") for _i, r in per]
@@ -924,14 +936,20 @@ def _ratio_ci_wl(a: dict[str, Any], key: str) -> list[str]:
     return [_ratio_cell(a["ratios"][key]), _ci_range(a.get("ci95", {}).get(key)), f"{w[0]}/{w[1]}" if w else "n/a"]
 
 
+def _range_cell(r: dict[str, Any] | None) -> str:
+    return f"{r['min']:.0f}-{r['max']:.0f}" if r and _finite(r.get("min", NA)) else "n/a"
+
+
 def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
     """Medians over repetitions; ratio columns: median of the per-repetition ratios [min-max]; ``CI95``: the
     hierarchical bootstrap interval of that median (bench/stats.py); ``W/L``: repetitions whose ratio was
-    below / above 1; ``load 1m``: min-max of the 1-minute load average around this configuration's runs."""
+    below / above 1; ``load 1m``: min-max of the 1-minute load average around this configuration's runs; ``GEMM GF/s``:
+    min-max of the machine's bf16 GEMM rate probed before them (bench/machine.py)."""
     b = "RO" if baseline == "Round-only" else baseline
     headers = ["configuration", "ok/reps", "SCT p50 s", "SCT p95 s", "TTFT p50 s", "TTFT p95 s",
                f"SCT p50/{b}", f"SCT p95/{b}", f"TTFT p50/{b}", f"TTFT p95/{b}",
-               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "engine CPU s", "load 1m", "failed"]
+               "SCT p50/best", "CI95", "W/L", "SCT p95/best", "CI95", "W/L", "SCT p50 range s", "engine CPU s", "load 1m",
+               "GEMM GF/s", "failed"]
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
@@ -943,7 +961,8 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
                     + best
                     + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
                        f"{a['engine_cpu_s']:.1f}" if _finite(a.get("engine_cpu_s", NA)) else "n/a",
-                       f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", a["calls_failed_total"]])
+                       f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", _range_cell(a.get("machine_gemm_gflops")),
+                       a["calls_failed_total"]])
     return format_table(headers, body)
 
 
