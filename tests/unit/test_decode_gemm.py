@@ -44,7 +44,8 @@ def _rounded_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 21])
 @pytest.mark.parametrize("n,k", [(16, 64), (37, 64), (200, 576), (100, 1536)])
 def test_kernel_is_the_float_sum_rounded_once(gemm, n, k, rows, bias):
-    """Column counts off the 16/32 blocks (masked tails), rows off the 8-row passes: every output is the exact
+    """Column counts off the 16-output blocks (masked tails) and the 64-output groups, rows off the 4-row passes:
+    every output is the exact
     sum rounded to bf16 (nearest even), or one bf16 step from it where float32's summation order moved it
     across a rounding boundary (rare)."""
     w, x, b = _data(n, k, rows, bias)
@@ -55,6 +56,19 @@ def test_kernel_is_the_float_sum_rounded_once(gemm, n, k, rows, bias):
     off = (y.float() - exact).abs()
     assert (off <= step).all(), off.max().item()
     assert (off == 0).float().mean().item() >= 0.97
+
+
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 576), (1000, 1536)])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(gemm, n, k):
+    """Batch invariance (same request, same answer): each output's float32 sum runs over k in the same order
+    whatever the call's row count, its pass and its column group, so a row computed alone and as row 0, 6 or 15 of
+    a 16-row call (four 4-row passes over weights then in L2) is bit-identical."""
+    w, x, b = _data(n, k, 16, True, seed=3)
+    packed = gemm.pack(w)
+    together = gemm(x, packed, n, b)
+    for i in (0, 6, 15):
+        assert torch.equal(gemm(x[i:i + 1], packed, n, b), together[i:i + 1]), i
+    assert torch.equal(gemm(x[4:9], packed, n, b), together[4:9])
 
 
 def test_leading_dims_and_the_pack_guards(gemm):

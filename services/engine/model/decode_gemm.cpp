@@ -15,55 +15,43 @@
 namespace {
 
 constexpr int64_t kCols = 16;   // outputs per column block: one zmm of float32 accumulators
-constexpr int kMaxRows = 8;     // rows per register pass (2 x 8 accumulators + 2 weights + 1 broadcast <= 32 zmm)
+constexpr int kPassRows = 4;    // rows per register pass
+constexpr int kGroupBlocks = 4; // column blocks per group (4 x 4 accumulators + 4 weights + 1 broadcast <= 32 zmm)
 
 #ifdef TALARIA_DECODE_GEMM
-// R rows x (one or two) column blocks over the whole K: the weight block [Kp][16][2] is streamed once per pass,
-// each row's k-pair broadcast against it (VDPBF16PS: acc[j] += w[j][0] * x[k] + w[j][1] * x[k + 1], float32).
-template <int R>
-void column_pair(const uint32_t* const* xr, const uint16_t* w0p, const uint16_t* w1p, int64_t kp_n, const float* bias,
-                 c10::BFloat16* const* yr, int64_t n0, int64_t n) {
-  __m512 acc0[R], acc1[R];
-  for (int m = 0; m < R; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
-  }
-  const bool two = w1p != nullptr;
+// R rows x C column blocks over the whole K: the C weight blocks [Kp][16][2] (adjacent in memory) are streamed once
+// per call, each row's k-pair broadcast once against all C of them (VDPBF16PS: acc[j] += w[j][0] * x[k] +
+// w[j][1] * x[k + 1], float32). Every output's sum runs over k in order in one accumulator, so the result does not
+// depend on R or C.
+template <int R, int C>
+void group(const uint32_t* const* xr, const uint16_t* w, int64_t kp_n, const float* bias, c10::BFloat16* const* yr,
+           int64_t n0, int64_t n) {
+  __m512 acc[R][C];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t block = kp_n * 2 * kCols;  // elements of one column block
   for (int64_t kp = 0; kp < kp_n; ++kp) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w0p + kp * 2 * kCols);
-    const __m512bh w1 = two ? (__m512bh)_mm512_loadu_si512(w1p + kp * 2 * kCols) : w0;
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block + kp * 2 * kCols);
     for (int m = 0; m < R; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][kp]));
-      acc0[m] = _mm512_dpbf16_ps(acc0[m], w0, xb);
-      if (two) acc1[m] = _mm512_dpbf16_ps(acc1[m], w1, xb);
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], wv[c], xb);
     }
   }
-  const int64_t left0 = std::min<int64_t>(kCols, n - n0);
-  const int64_t left1 = two ? std::min<int64_t>(kCols, n - n0 - kCols) : 0;
-  const __mmask16 k0 = static_cast<__mmask16>((1u << left0) - 1);
-  const __mmask16 k1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, left1)) - 1);
-  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
-  const __m512 b1 = bias != nullptr && two ? _mm512_maskz_loadu_ps(k1, bias + n0 + kCols) : _mm512_setzero_ps();
-  for (int m = 0; m < R; ++m) {  // float32 sum + bias, rounded to bf16 once (nearest even), as oneDNN's output
-    _mm256_mask_storeu_epi16(yr[m] + n0, k0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[m], b0)));
-    if (two) _mm256_mask_storeu_epi16(yr[m] + n0 + kCols, k1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[m], b1)));
+  for (int c = 0; c < C; ++c) {  // float32 sum + bias, rounded to bf16 once (nearest even), as oneDNN's output
+    const int64_t c0 = n0 + c * kCols;
+    const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(kCols, n - c0)) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(k, bias + c0) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m)
+      _mm256_mask_storeu_epi16(yr[m] + c0, k, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][c], b)));
   }
 }
 
+using GroupFn = void (*)(const uint32_t* const*, const uint16_t*, int64_t, const float*, c10::BFloat16* const*, int64_t,
+                         int64_t);
 template <int R>
-void columns(const uint32_t* const* xr, const uint16_t* w, int64_t kp_n, const float* bias, c10::BFloat16* const* yr,
-             int64_t n, int64_t nb0, int64_t nb1) {
-  for (int64_t nb = nb0; nb < nb1; nb += 2) {
-    const uint16_t* w0 = w + nb * kp_n * 2 * kCols;
-    const uint16_t* w1 = nb + 1 < nb1 ? w0 + kp_n * 2 * kCols : nullptr;
-    column_pair<R>(xr, w0, w1, kp_n, bias, yr, nb * kCols, n);
-  }
-}
-
-using ColumnsFn = void (*)(const uint32_t* const*, const uint16_t*, int64_t, const float*, c10::BFloat16* const*, int64_t,
-                           int64_t, int64_t);
-constexpr ColumnsFn kColumns[kMaxRows] = {columns<1>, columns<2>, columns<3>, columns<4>,
-                                          columns<5>, columns<6>, columns<7>, columns<8>};
+constexpr GroupFn kRowGroups[kGroupBlocks] = {group<R, 1>, group<R, 2>, group<R, 3>, group<R, 4>};
+constexpr const GroupFn* kGroups[kPassRows] = {kRowGroups<1>, kRowGroups<2>, kRowGroups<3>, kRowGroups<4>};
 #endif
 
 }  // namespace
@@ -97,7 +85,7 @@ at::Tensor decode_gemm_pack(at::Tensor w) {
 }
 
 // y [..., N] = x [..., K] W^T + bias for x bf16 with contiguous rows, W packed by decode_gemm_pack; bias float32 [N] or
-// undefined. Column blocks in pairs are spread over torch's threads; every pass streams the weights once for up to 8 rows.
+// undefined. Runs of column blocks are spread over torch's threads; the weights come from memory once per call.
 at::Tensor decode_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias_opt) {
 #ifdef TALARIA_DECODE_GEMM
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
@@ -121,19 +109,22 @@ at::Tensor decode_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t pairs = (nb_n + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, pairs / (4 * at::get_num_threads()));
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    const int64_t nb0 = p0 * 2, nb1 = std::min(nb_n, p1 * 2);
-    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      const int r = static_cast<int>(std::min<int64_t>(kMaxRows, rows - m0));
-      const uint32_t* xr[kMaxRows];
-      c10::BFloat16* yr[kMaxRows];
-      for (int m = 0; m < r; ++m) {
-        xr[m] = xp + (m0 + m) * kp_n;
-        yr[m] = yp + (m0 + m) * n;
+  // Each thread takes a run of column blocks; per group of kGroupBlocks blocks, row passes of kPassRows rows: the
+  // first pass reads the group's weights from memory, the others find them in L2 (a group is 4 x K x 64 bytes).
+  const int64_t grain = std::max<int64_t>(1, nb_n / (4 * at::get_num_threads()));
+  at::parallel_for(0, nb_n, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t g = b0; g < b1; g += kGroupBlocks) {
+      const int c = static_cast<int>(std::min<int64_t>(kGroupBlocks, b1 - g));
+      for (int64_t m0 = 0; m0 < rows; m0 += kPassRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kPassRows, rows - m0));
+        const uint32_t* xr[kPassRows];
+        c10::BFloat16* yr[kPassRows];
+        for (int m = 0; m < r; ++m) {
+          xr[m] = xp + (m0 + m) * kp_n;
+          yr[m] = yp + (m0 + m) * n;
+        }
+        kGroups[r - 1][c - 1](xr, wp + g * kp_n * 2 * kCols, kp_n, bp, yr, g * kCols, n);
       }
-      kColumns[r - 1](xr, wp, kp_n, bp, yr, n, nb0, nb1);
     }
   });
   return y.view(sizes);

@@ -10,12 +10,21 @@ the textbook GEMV-shaped schedule for that regime (what llama.cpp's and vLLM's C
 * the weight is packed once at load as ``[N / 16, K / 2, 16, 2]`` -- for each block of 16 outputs, the
   k-pairs of its 16 rows side by side, one 64-byte cache line per k-pair -- so the step reads each weight
   exactly once, sequentially, in the order the dot-product instruction consumes it;
-* per pass, up to 8 rows x 2 column blocks of float32 accumulators live in registers (16 zmm), each row's
-  k-pair is broadcast and ``VDPBF16PS`` adds ``w[j][0] * x[k] + w[j][1] * x[k + 1]`` into 16 outputs; steps
-  with more rows make more passes (the weights then come from memory again, which is why only small steps
-  take this path, ``MAX_ROWS``);
+* the output columns go in groups of 4 blocks (64 outputs); per group, passes of up to 4 rows keep 4 x 4
+  zmm of float32 accumulators in registers, each row's k-pair is broadcast once and ``VDPBF16PS`` adds
+  ``w[j][0] * x[k] + w[j][1] * x[k + 1]`` into 16 outputs of each of the 4 blocks; the first pass reads the
+  group's weights from memory, later passes (rows 5-16) find them in L2 (a group is 4 x K x 64 bytes: 72 KiB
+  at K = 576, 192 KiB at 1,536), so a step reads each weight from memory once whatever its rows (calls with
+  more than ``MAX_ROWS`` rows keep oneDNN);
 * the bias is added in float32 and each output rounded to bf16 once (nearest even), as oneDNN does;
-* column-block pairs are spread over torch's threads (``at::parallel_for``).
+* runs of column blocks are spread over torch's threads (``at::parallel_for``).
+
+The schedule before (2026-12-07) was 8 rows x 2 blocks per pass, with the passes of a 16-row step each
+streaming every weight from memory: one broadcast fed 2 dot products instead of 4, and 16 rows read the
+weights twice. SmolLM2-135M's linears and lm_head per step (2 threads, bf16, interleaved medians of 7, two
+sittings on this 2-core VM): 10.7 / 12.3 / 19.7 ms at M = 1 / 8 / 16 before, 10.1 / 12.2 / 17.3 ms after; in
+a noisier second sitting 10.6 / 16.5 / 26.3 before, 9.7 / 14.8 / 20.5 after. Outputs bit-identical (each
+output's sum runs over k in order in one accumulator either way); 2 x 8 and 8 x 2 groupings measured worse.
 
 Exactness: the products are exact in float32 and summed in float32, like oneDNN's, but in a different
 order, so outputs can differ from oneDNN's (and from ``F.linear``) by one bf16 rounding step; greedy tokens
