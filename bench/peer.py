@@ -45,12 +45,16 @@ How it is reported
     Repetitions are interleaved: in every repetition each workload runs on both targets back to back, the
     order alternating (Talaria first in even repetitions, the peer first in odd ones), so load on a shared
     machine hits both alike. Per metric: the median over repetitions (>= 3 by default) of each target, and
-    the ratio oriented so that > 1 means Talaria is better (peer/Talaria for times, Talaria/peer for rates).
+    the ratio oriented so that > 1 means Talaria is better (peer/Talaria for times, Talaria/peer for rates);
+    beside it the same ratio paired within each repetition (median [min-max], repetitions won), where the
+    machine's state of a repetition, shared by both targets, cancels. Before each repetition, with both servers
+    idle, a probe of the machine's speed (``bench/machine.py``) whose samples end the report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -261,19 +265,34 @@ async def run_peer_bench(a: argparse_like, say=print) -> dict[str, Any]:
         say(f"  repetition {rep + 1}/{a.repeats}: " + ", ".join(f"{k} {per['talaria'][k]:.3g} vs {per['peer'][k]:.3g}" for k in per["talaria"]))
     for t in targets:
         await t.client.close()
-    rows = []
-    for metric in runs["talaria"][0]:
-        ours = median([r[metric] for r in runs["talaria"]])
-        theirs = median([r[metric] for r in runs["peer"]])
-        better_high = metric.endswith(HIGHER_IS_BETTER)
-        ratio = (ours / theirs if better_high else theirs / ours) if ours and theirs else float("nan")
-        rows.append({"metric": metric, "talaria": ours, "peer": theirs, "talaria_advantage": ratio})
+    rows = compare_runs(runs)
     # greedy, same texts: two servers of the same checkpoint should produce the same completions
     agree = sum(x == y for x, y in zip(sorted(targets[0].texts[1:]), sorted(targets[1].texts))) / max(len(targets[1].texts), 1)
     return {"bench": "peer", "talaria": {"url": a.talaria_url, "model": targets[0].model, "config": effective_config(a.talaria_config)},
             "peer": {"url": a.url, "model": a.model},
             "repeats": a.repeats, "words_per_token": wpt, "rows": rows, "runs": runs, "identical_completions": agree,
             "machine": machine}
+
+
+def compare_runs(runs: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """Per metric: each side's median over repetitions and Talaria's advantage of the medians (> 1 = better),
+    plus the advantage paired within each repetition (both sides ran it back to back, so the machine's state of
+    that repetition cancels): its median, min and max and the repetitions Talaria won. Pure."""
+    rows = []
+    for metric in runs["talaria"][0]:
+        mine = [r[metric] for r in runs["talaria"]]
+        peer = [r[metric] for r in runs["peer"]]
+        ours, theirs = median(mine), median(peer)
+        better_high = metric.endswith(HIGHER_IS_BETTER)
+
+        def adv(o: float, t: float) -> float:
+            return (o / t if better_high else t / o) if o and t else float("nan")
+
+        paired = [x for x in (adv(o, t) for o, t in zip(mine, peer)) if math.isfinite(x)]
+        rows.append({"metric": metric, "talaria": ours, "peer": theirs, "talaria_advantage": adv(ours, theirs),
+                     "paired": {"median": median(paired), "min": min(paired), "max": max(paired),
+                                "won": sum(x > 1 for x in paired), "n": len(paired)} if paired else None})
+    return rows
 
 
 def probe_machine(a: argparse_like) -> dict[str, Any]:
@@ -320,8 +339,12 @@ def render(r: dict[str, Any]) -> str:
     head = (f"peer bench: Talaria {r['talaria']['model']} at {r['talaria']['url']} vs peer {r['peer']['model']} at "
             f"{r['peer']['url']}; medians of {r['repeats']} interleaved repetitions; advantage > 1 = Talaria better\n"
             + render_config(r["talaria"].get("config")))
-    table = format_table(["metric", "talaria", "peer", "talaria advantage"],
-                         [[x["metric"], x["talaria"], x["peer"], x["talaria_advantage"]] for x in r["rows"]])
+    def paired(x: dict[str, Any]) -> str:
+        p = x.get("paired")
+        return f"{p['median']:.3f} [{p['min']:.2f}-{p['max']:.2f}] won {p['won']}/{p['n']}" if p else "n/a"
+
+    table = format_table(["metric", "talaria", "peer", "talaria advantage", "paired per repetition"],
+                         [[x["metric"], x["talaria"], x["peer"], x["talaria_advantage"], paired(x)] for x in r["rows"]])
     from bench.machine import render_samples
 
     return (f"{head}\n\n{table}\n\nidentical completions (greedy, sanity, not a gate): {r['identical_completions']:.0%}\n"

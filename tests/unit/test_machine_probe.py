@@ -52,3 +52,20 @@ def test_peer_and_matrix_reports_print_the_samples():
     assert _machine_cell({"machine": {"gemm_gflops": 355.4, "read_gb_s": 31.04}}) == "355, 31.0"
     assert _machine_cell({"machine": {}}) == "n/a" and _machine_cell({}) == "n/a"
     assert _range_cell({"min": 300.0, "max": 355.0}) == "300-355" and _range_cell(None) == "n/a"
+
+
+def test_peer_rows_pair_each_repetition_and_orient_the_advantage():
+    from bench.peer import compare_runs
+
+    runs = {"talaria": [{"chat_sct_p50_s": 33.2, "decode_8_tok_s": 351.0}, {"chat_sct_p50_s": 30.0, "decode_8_tok_s": 393.0},
+                        {"chat_sct_p50_s": 29.0, "decode_8_tok_s": 378.0}],
+            "peer": [{"chat_sct_p50_s": 42.4, "decode_8_tok_s": 230.0}, {"chat_sct_p50_s": 39.7, "decode_8_tok_s": 400.0},
+                     {"chat_sct_p50_s": 38.7, "decode_8_tok_s": 270.0}]}
+    rows = {r["metric"]: r for r in compare_runs(runs)}
+    sct = rows["chat_sct_p50_s"]
+    assert sct["talaria"] == 30.0 and sct["peer"] == 39.7 and abs(sct["talaria_advantage"] - 39.7 / 30.0) < 1e-12
+    # per repetition 42.4/33.2 = 1.277, 39.7/30.0 = 1.323, 38.7/29.0 = 1.334: the median pairs repetition 2 with itself
+    assert abs(sct["paired"]["median"] - 39.7 / 30.0) < 1e-12 and abs(sct["paired"]["min"] - 42.4 / 33.2) < 1e-12
+    assert sct["paired"]["won"] == 3 and sct["paired"]["n"] == 3
+    dec = rows["decode_8_tok_s"]  # a rate: Talaria / peer, and repetition 2 lost (393 < 400)
+    assert abs(dec["paired"]["min"] - 393.0 / 400.0) < 1e-12 and dec["paired"]["won"] == 2
