@@ -41,7 +41,7 @@ def _rounded_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 21])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 21, 32])
 @pytest.mark.parametrize("n,k", [(16, 64), (37, 64), (200, 576), (100, 1536)])
 def test_kernel_is_the_float_sum_rounded_once(gemm, n, k, rows, bias):
     """Column counts off the 16-output blocks (masked tails) and the 64-output groups, rows off the 4-row passes:

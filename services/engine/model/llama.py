@@ -58,7 +58,7 @@ Design notes
   threads; flash's key blocks, one call vs two merged by log-sum-exp after a cached prefix; masked packed or
   padded calls), so a greedy call's tokens changed with what shared its steps and with its cache state. With
   one per-query order they cannot: together with bf16 linears whose rows do not depend on the row count
-  (the decode GEMM in 16-row tiles: ``PackedLinear.tiled``) and row-wise norms/RoPE/SiLU, a token's hidden state
+  (the decode GEMM in tiles of ``MAX_ROWS`` rows: ``PackedLinear.tiled``) and row-wise norms/RoPE/SiLU, a token's hidden state
   is a function of the tokens before it only -- the same bits alone or batched, with its prompt prefix cached,
   restored or recomputed, decoded or prefilled (with a packed engine's linears tiled: engine README). This is the batch-invariant approach of SGLang's deterministic
   inference and vLLM's batch-invariant mode (fixed split sizes instead of ones chosen per batch).
