@@ -19,11 +19,11 @@ What it does not do: normalise anything. The ratios stay raw; the samples say ho
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import median
 from bench.stats import loadavg
 
 GEMM_SHAPE = (256, 576, 1536)  # tokens x hidden x MLP width: SmolLM2-135M's up projection at a 256-token chunk
@@ -38,7 +38,7 @@ def _median_rate(fn, work: float, timings: int, iters: int) -> float:
         for _ in range(iters):
             fn()
         rates.append(work * iters / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    return median(rates)
 
 
 def steal_seconds(path: str | Path = "/proc/stat") -> float | None:

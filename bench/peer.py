@@ -336,17 +336,18 @@ def render_config(c: dict[str, Any] | None) -> str:
 
 
 def render(r: dict[str, Any]) -> str:
+    from bench.machine import render_samples
+
     head = (f"peer bench: Talaria {r['talaria']['model']} at {r['talaria']['url']} vs peer {r['peer']['model']} at "
             f"{r['peer']['url']}; medians of {r['repeats']} interleaved repetitions; advantage > 1 = Talaria better\n"
             + render_config(r["talaria"].get("config")))
+
     def paired(x: dict[str, Any]) -> str:
         p = x.get("paired")
         return f"{p['median']:.3f} [{p['min']:.2f}-{p['max']:.2f}] won {p['won']}/{p['n']}" if p else "n/a"
 
     table = format_table(["metric", "talaria", "peer", "talaria advantage", "paired per repetition"],
                          [[x["metric"], x["talaria"], x["peer"], x["talaria_advantage"], paired(x)] for x in r["rows"]])
-    from bench.machine import render_samples
-
     return (f"{head}\n\n{table}\n\nidentical completions (greedy, sanity, not a gate): {r['identical_completions']:.0%}\n"
             + render_samples(r.get("machine", [])))
 

@@ -936,8 +936,9 @@ def _ratio_ci_wl(a: dict[str, Any], key: str) -> list[str]:
     return [_ratio_cell(a["ratios"][key]), _ci_range(a.get("ci95", {}).get(key)), f"{w[0]}/{w[1]}" if w else "n/a"]
 
 
-def _range_cell(r: dict[str, Any] | None) -> str:
-    return f"{r['min']:.0f}-{r['max']:.0f}" if r and _finite(r.get("min", NA)) else "n/a"
+def _range_cell(r: dict[str, Any] | None, digits: int) -> str:
+    """``min-max`` of an aggregate's range with ``digits`` decimals, or n/a where it has no finite minimum."""
+    return f"{r['min']:.{digits}f}-{r['max']:.{digits}f}" if r and _finite(r.get("min", NA)) else "n/a"
 
 
 def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> str:
@@ -953,16 +954,13 @@ def repeats_table(agg: list[dict[str, Any]], baseline: str = "Round-only") -> st
     body = []
     for a in agg:
         m, q = a["metrics"], a["ratios"]
-        rng = m["sct_p50_s"]
         best = _ratio_ci_wl(a, "sct_p50_vs_best") + _ratio_ci_wl(a, "sct_p95_vs_best")
-        ld = a.get("load1", {})
         body.append([a["name"], f"{a['repeats_ok']}/{a['repeats']}"] + [m[k]["median"] for k in REPEAT_METRICS]
                     + [_ratio_cell(q[k]) for k in ("sct_p50_vs_base", "sct_p95_vs_base", "ttft_p50_vs_base", "ttft_p95_vs_base")]
                     + best
-                    + [f"{rng['min']:.1f}-{rng['max']:.1f}" if _finite(rng["min"]) else "n/a",
+                    + [_range_cell(m["sct_p50_s"], 1),
                        f"{a['engine_cpu_s']:.1f}" if _finite(a.get("engine_cpu_s", NA)) else "n/a",
-                       f"{ld['min']:.2f}-{ld['max']:.2f}" if _finite(ld.get("min", NA)) else "n/a", _range_cell(a.get("machine_gemm_gflops")),
-                       a["calls_failed_total"]])
+                       _range_cell(a.get("load1"), 2), _range_cell(a.get("machine_gemm_gflops"), 0), a["calls_failed_total"]])
     return format_table(headers, body)
 
 

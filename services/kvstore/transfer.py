@@ -86,7 +86,7 @@ class HostBuffer:
 
     def populate(self, start: int = 0, end: int | None = None, *, may_write: bool = True) -> bool:
         """Fault bytes ``[start, end)`` in now (``end`` None = the whole buffer): one ``MADV_POPULATE_WRITE`` call,
-        which leaves the contents alone; on a kernel without it (before Linux 5.14), a zero written per 4 KiB
+        which leaves the contents alone; on a kernel without it (before Linux 5.14), a zero written per
         page -- only with ``may_write``, i.e. where nothing in the range holds data yet or is being written
         (a transfer landing there concurrently would be corrupted). Returns whether the range is now faulted
         in. Mutates: the process's resident memory, and the range's contents only on that fallback."""
@@ -96,7 +96,7 @@ class HostBuffer:
             return True
         if not may_write:
             return False
-        self.array[lo:end:4096] = 0
+        self.array[lo:end:mmap.PAGESIZE] = 0
         return True
 
     @property

@@ -51,7 +51,8 @@ def test_peer_and_matrix_reports_print_the_samples():
     assert "bf16 GEMM 355 GFLOP/s" in render(r)
     assert _machine_cell({"machine": {"gemm_gflops": 355.4, "read_gb_s": 31.04}}) == "355, 31.0"
     assert _machine_cell({"machine": {}}) == "n/a" and _machine_cell({}) == "n/a"
-    assert _range_cell({"min": 300.0, "max": 355.0}) == "300-355" and _range_cell(None) == "n/a"
+    assert _range_cell({"min": 300.0, "max": 355.0}, 0) == "300-355" and _range_cell(None, 0) == "n/a"
+    assert _range_cell({"min": 0.845, "max": 2.5}, 2) == "0.84-2.50" and _range_cell({}, 1) == "n/a"
 
 
 def test_peer_rows_pair_each_repetition_and_orient_the_advantage():

@@ -13,7 +13,7 @@ the textbook GEMV-shaped schedule for that regime (what llama.cpp's and vLLM's C
 * the output columns go in groups of 4 blocks (64 outputs); per group, passes of up to 4 rows keep 4 x 4
   zmm of float32 accumulators in registers, each row's k-pair is broadcast once and ``VDPBF16PS`` adds
   ``w[j][0] * x[k] + w[j][1] * x[k + 1]`` into 16 outputs of each of the 4 blocks; the first pass reads the
-  group's weights from memory, later passes (rows 5-16) find them in L2 (a group is 4 x K x 64 bytes: 72 KiB
+  group's weights from memory, later passes (rows 5-32) find them in L2 (a group is 4 x K x 64 bytes: 72 KiB
   at K = 576, 192 KiB at 1,536), so a step reads each weight from memory once whatever its rows (calls with
   more than ``MAX_ROWS`` = 32 rows keep oneDNN);
 * the bias is added in float32 and each output rounded to bf16 once (nearest even), as oneDNN does;
