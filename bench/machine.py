@@ -4,7 +4,8 @@ Design note. On a shared virtual machine the same work runs at different speeds 
 load average does not see it: the slowdown comes from outside the guest (co-tenants on the host's memory
 bandwidth and caches), not from runnable processes here. Measured on the 2-core development VM: the agent
 pattern run in-process (no server, identical work) took 23-24 s one day and 25-28 s another, 25.4 and 27.8 s in
-two repetitions of one process; issue 48's matrix sittings moved the same configuration's engine CPU by 25 %.
+two repetitions of one process; two sittings of the matrix's two-model replay moved the same configuration's engine
+CPU by 25 % (services/router/README.md).
 A benchmark that prints only its ratios and the load average cannot tell such a sitting from a regression.
 
 ``probe`` measures, in the benchmark's own process, the two rates a CPU engine's steps are bound by: a bf16
