@@ -66,6 +66,8 @@ class Placed:
         d = self.step.decision
         assert d is not None
         h = {"X-Talaria-Instance": self.call.instance_id, "X-Talaria-Placement": d.reason}
+        if d.lease != "none":  # the session's lease and how placement judged it (``policy.Decision.lease``)
+            h["X-Talaria-Lease"] = d.lease
         if self.step.deadline_risk_s is not None:
             h["X-Talaria-Deadline-Risk"] = f"predicted-ttft={self.step.deadline_risk_s:.1f}s"
         return h
