@@ -55,6 +55,13 @@ def prompt_opens_reasoning(prompt_text: str, fmt: str) -> bool:
     return prompt_text.rfind(ThinkParser.OPEN) > prompt_text.rfind(ThinkParser.CLOSE)
 
 
+def prompt_closes_reasoning(prompt_text: str, fmt: str) -> bool:
+    """Whether a rendered prompt ends with a closed reasoning block of ``fmt``, white space aside: the template
+    turned reasoning off (Qwen3's ``enable_thinking: false`` puts ``<think></think>`` in the generation prompt),
+    so the output is all answer."""
+    return fmt == "think" and prompt_text.rstrip().endswith(ThinkParser.CLOSE)
+
+
 def _held(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -177,14 +184,53 @@ class TokenCounter:
                 self.state = "done"
 
 
-def token_counter(fmt: str, token_to_id: Callable[[str], int | None], prompt_opens: bool) -> TokenCounter | None:
-    """A :class:`TokenCounter` for ``fmt`` when its markers are single tokens of the vocabulary, else None."""
+class ReasoningGate:
+    """Structured output after the reasoning (as vLLM does for a reasoning model): the call's grammar governs
+    the answer only, for a model whose ``<think>`` and ``</think>`` are single tokens. States: ``start`` (the
+    first token may open the reasoning: the grammar's tokens plus ``<think>`` are allowed), ``reasoning``
+    (nothing constrained, up to and including ``</think>``), ``answer`` (the grammar; a first token other than
+    ``<think>`` goes straight there). A prompt that opened the reasoning starts in ``reasoning``. A gate built
+    for a prompt that closed it is never made (the grammar starts at the first token: ``prompt_closes_reasoning``).
+    Pure; ``feed`` mutates only its state."""
+
+    def __init__(self, open_id: int, close_id: int, prompt_opens: bool) -> None:
+        self.open_id, self.close_id = open_id, close_id
+        self.state = "reasoning" if prompt_opens else "start"
+
+    @property
+    def constrained(self) -> bool:
+        """The next token is masked by the grammar (with ``open_id`` also allowed in ``start``)."""
+        return self.state != "reasoning"
+
+    def feed(self, token: int) -> bool:
+        """Advance by a sampled token; True when it is the answer's, i.e. the grammar's matcher takes it."""
+        if self.state == "start":
+            if token == self.open_id:
+                self.state = "reasoning"
+                return False
+            self.state = "answer"
+            return True
+        if self.state == "reasoning":
+            if token == self.close_id:
+                self.state = "answer"
+            return False
+        return True
+
+
+def marker_ids(fmt: str, token_to_id: Callable[[str], int | None]) -> tuple[int, int] | None:
+    """The token ids of ``fmt``'s open and close markers when both are single tokens of the vocabulary."""
     if fmt != "think":
         return None
     open_id, close_id = token_to_id(ThinkParser.OPEN), token_to_id(ThinkParser.CLOSE)
     if open_id is None or close_id is None:
         return None
-    return TokenCounter(open_id, close_id, prompt_opens)
+    return open_id, close_id
+
+
+def token_counter(fmt: str, token_to_id: Callable[[str], int | None], prompt_opens: bool) -> TokenCounter | None:
+    """A :class:`TokenCounter` for ``fmt`` when its markers are single tokens of the vocabulary, else None."""
+    ids = marker_ids(fmt, token_to_id)
+    return TokenCounter(*ids, prompt_opens) if ids is not None else None
 
 
 _PARSERS = {"think": ThinkParser}

@@ -12,7 +12,9 @@ Constrained rows (structured output, ``SamplingParams.grammar``; see ``grammar.p
 an xgrammar matcher; before sampling, only those rows get their disallowed tokens masked to -inf (XGrammar
 §3's per-step token bitmask), and the sampled token is then advanced through the matcher. Rows without a
 grammar are not touched, so an unconstrained batch pays nothing. A matcher error ends nothing but its own
-row's constraint (it is logged and dropped).
+row's constraint (it is logged and dropped). A reasoning model's constrained call (``SamplingParams.reasoning_gate``)
+is masked only outside its reasoning: its first token may also be ``<think>``, and from there to ``</think>``
+nothing is masked and the matcher sees nothing (``talaria/reasoning_parsers.ReasoningGate``).
 
 Logit shaping (rows whose params ask for it; others untouched): ``logit_bias`` is added; the repetition
 penalty (Keskar et al., 2019, CTRL §4.1) divides positive / multiplies negative logits of tokens seen in the
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from services.engine.types import SamplingParams
+from talaria.reasoning_parsers import ReasoningGate
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Sampler:
         self.device = torch.device(device)
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, object] = {}  # request id -> xgrammar GrammarMatcher (constrained requests)
+        self._gates: dict[str, ReasoningGate] = {}  # request id -> where its reasoning is (grammar after reasoning)
         self._history: dict[str, tuple[set[int], dict[int, int]]] = {}  # logit-shaping requests: (prompt ids, output counts)
         self._logprobs: dict[str, list] = {}  # request id -> entries not yet collected (outlive remove())
 
@@ -69,6 +73,8 @@ class Sampler:
             import xgrammar as xgr
 
             self._matchers[request_id] = xgr.GrammarMatcher(params.grammar)
+            if params.reasoning_gate is not None:
+                self._gates[request_id] = ReasoningGate(*params.reasoning_gate)
         if is_greedy(params):
             return
         g = torch.Generator(device=self.device)
@@ -78,6 +84,7 @@ class Sampler:
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._gates.pop(request_id, None)
         self._history.pop(request_id, None)
 
     def __len__(self) -> int:
@@ -95,8 +102,9 @@ class Sampler:
         for i in shaped:
             self._shape(logits[i], request_ids[i], params[i])
         constrained = [i for i, rid in enumerate(request_ids) if rid in self._matchers] if self._matchers else []
-        if constrained:
-            self._mask(logits, [request_ids[i] for i in constrained], constrained)
+        masked = [i for i in constrained if (gate := self._gates.get(request_ids[i])) is None or gate.constrained] if self._gates else constrained
+        if masked:
+            self._mask(logits, [request_ids[i] for i in masked], masked)
         out = torch.argmax(logits, dim=-1)
         rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if rows:
@@ -125,7 +133,9 @@ class Sampler:
             alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             self._logprobs.setdefault(request_ids[i], []).append((tokens[i], float(raw[j, tokens[i]]), alts))
         for i in constrained:
-            self._advance(request_ids[i], tokens[i])
+            gate = self._gates.get(request_ids[i])
+            if gate is None or gate.feed(tokens[i]):  # a token of the reasoning is not the grammar's
+                self._advance(request_ids[i], tokens[i])
         for i in shaped:
             h = self._history.get(request_ids[i])
             if h is not None:
@@ -168,6 +178,10 @@ class Sampler:
             if not m.is_terminated():
                 m.fill_next_token_bitmask(bitmask, i)
                 live.append(i)
+                gate = self._gates.get(rid)
+                if gate is not None and gate.state == "start":  # the first token may open the reasoning instead
+                    word, bit = divmod(gate.open_id, 32)
+                    bitmask[i, word] |= 1 << bit  # torch stores bit 31 as the int32 sign bit
         if live:
             xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
 

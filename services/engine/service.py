@@ -448,10 +448,18 @@ class EngineService:
         """Decode, tokenize and compile the call's constraint (runs on a worker thread; raises CallError).
         Range checks are the executor's (``validate_request``)."""
         sampling = wire.sampling_params(req.sampling)
-        prompt, opens = self._tokenize(req)
+        prompt, opens, closes = self._tokenize(req)
         if req.sampling.constraint.kind:
-            sampling = dataclasses.replace(sampling, grammar=self._grammar(req))
+            sampling = dataclasses.replace(sampling, grammar=self._grammar(req), reasoning_gate=self._reasoning_gate(req, opens, closes))
         return sampling, prompt, opens
+
+    def _reasoning_gate(self, req: pb.GenerateRequest, opens: bool, closes: bool) -> tuple[int, int, bool] | None:
+        """A constrained chat call of a reasoning model: its grammar starts after the reasoning (the markers'
+        ids and whether the prompt opened it), unless the prompt closed the reasoning or the markers are not
+        single tokens (then the grammar starts at the first token and the output holds no reasoning). Pure."""
+        fmt = self.reasoning_format(req.model) if req.WhichOneof("prompt") == "messages" else ""
+        ids = reasoning_parsers.marker_ids(fmt, self._runtime(req.model).tokenizer.token_to_id) if fmt and not closes else None
+        return (*ids, opens) if ids is not None else None
 
     def reasoning_format(self, model: str) -> str:
         """The reasoning format of ``model``'s output ("" = none): ``reasoning_parsers`` of this engine's
@@ -495,14 +503,15 @@ class EngineService:
         except GrammarError as e:
             raise CallError(400, "invalid_value", str(e), e.param) from None
 
-    def _tokenize(self, req: pb.GenerateRequest) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether its text ends inside an unclosed reasoning block (chat only)."""
+    def _tokenize(self, req: pb.GenerateRequest) -> tuple[list[int], bool, bool]:
+        """The prompt's token ids, and whether its text ends inside an unclosed reasoning block / right after a
+        closed one (chat only)."""
         which = req.WhichOneof("prompt")
         rt = self._runtime(req.model)
         if which == "text":
-            return rt.tokenizer.encode(req.text), False
+            return rt.tokenizer.encode(req.text), False, False
         if which == "token_ids":
-            return list(req.token_ids.ids), False  # the executor checks them against its vocabulary
+            return list(req.token_ids.ids), False, False  # the executor checks them against its vocabulary
         if which == "messages":
             msgs = [chat_message_dict(m) for m in req.messages.messages]
             tools = json.loads(req.tools_json) if req.tools_json else None
@@ -525,8 +534,9 @@ class EngineService:
                     text = continue_final_message(text, msgs)
                 except ValueError as e:
                     raise CallError(400, "invalid_value", str(e), "continue_final_message") from None
-            opens = reasoning_parsers.prompt_opens_reasoning(text, self.reasoning_format(req.model))
-            return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text), opens
+            fmt = self.reasoning_format(req.model)
+            opens, closes = reasoning_parsers.prompt_opens_reasoning(text, fmt), reasoning_parsers.prompt_closes_reasoning(text, fmt)
+            return align_to_previous(rt.tokenizer, self._session_ids.get(req.session_id, req.model), text), opens, closes
         raise CallError(400, "missing_field", "request has no prompt", "prompt")
 
     def _fence(self, req: pb.GenerateRequest) -> CallError | None:
@@ -611,7 +621,8 @@ class EngineService:
         reasoning = self.reasoning_format(req.model) if req.WhichOneof("prompt") == "messages" else ""
         call.reasoning = reasoning_parsers.token_counter(reasoning, self._runtime(req.model).tokenizer.token_to_id, opens)
         await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format,
-                                             reasoning_format=reasoning, reasoning_open=opens))
+                                             reasoning_format=reasoning, reasoning_open=opens,
+                                             constraint_after_reasoning=sampling.reasoning_gate is not None))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
         self.counters["errors"] += 1

@@ -40,6 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
+    # a reasoning model's call: the grammar starts after its reasoning, (<think> id, </think> id, the prompt
+    # opened the reasoning); talaria/reasoning_parsers.ReasoningGate
+    reasoning_gate: tuple[int, int, bool] | None = None
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt + generated tokens divided (>0) / multiplied (<0)

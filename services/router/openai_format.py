@@ -128,10 +128,12 @@ class ChatOutput:
 
 def chat_output(req, accepted) -> ChatOutput:
     """The output shaper of a chat request, from the engine's accepted chunk (its ``tool_format``,
-    ``reasoning_format`` and ``reasoning_open``)."""
-    # Structured output (tool_choice required/named, a JSON response_format) is enforced by a grammar from the
-    # first token, so such an output holds no reasoning and is not parsed for it
-    fmt = "" if req.constraint_proto().kind else accepted.reasoning_format
+    ``reasoning_format``, ``reasoning_open`` and ``constraint_after_reasoning``)."""
+    # Structured output (tool_choice required/named, a JSON response_format) is a grammar: after the reasoning
+    # where the engine says so (a reasoning model whose markers are single tokens, its prompt not closing the
+    # reasoning), else from the first token, when the output holds no reasoning and is not parsed for it
+    constrained = bool(req.constraint_proto().kind)
+    fmt = accepted.reasoning_format if not constrained or accepted.constraint_after_reasoning else ""
     reasoning = {"reasoning_format": fmt, "reasoning_open": accepted.reasoning_open}
     if not req.tools_enabled():
         return ChatOutput(**reasoning)

@@ -255,7 +255,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs", "stop_reason", "reasoning_format", "reasoning_open", "attribution")
+    __slots__ = ("schema_version", "request_id", "seq", "accepted", "token_ids", "text", "finished", "finish_reason", "usage", "error", "instance_id", "ttft_seconds", "keepalive", "tool_format", "logprobs", "stop_reason", "reasoning_format", "reasoning_open", "attribution", "constraint_after_reasoning")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class TokenChunk(_message.Message):
     REASONING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     REASONING_OPEN_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_AFTER_REASONING_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     seq: int
@@ -294,7 +295,8 @@ class TokenChunk(_message.Message):
     reasoning_format: str
     reasoning_open: bool
     attribution: _common_pb2.CallAttribution
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ..., reasoning_format: _Optional[str] = ..., reasoning_open: _Optional[bool] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ...) -> None: ...
+    constraint_after_reasoning: bool
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., instance_id: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., keepalive: _Optional[bool] = ..., tool_format: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ..., reasoning_format: _Optional[str] = ..., reasoning_open: _Optional[bool] = ..., attribution: _Optional[_Union[_common_pb2.CallAttribution, _Mapping]] = ..., constraint_after_reasoning: _Optional[bool] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("schema_version", "request_id", "reason")

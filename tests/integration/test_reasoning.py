@@ -7,6 +7,8 @@ reason answers 400 naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -101,6 +103,39 @@ def test_messages_thinking_blocks_stream_and_not(stack):
     assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == SCRIPT_REASONING
     off = c.messages.create(**args, thinking={"type": "disabled"})
     assert [(b.type, b.text) for b in off.content] == [("text", SCRIPT_CONTENT)]
+
+
+ANSWER = {"type": "object", "properties": {"reply": {"type": "string", "enum": ["hello"]}}, "required": ["reply"], "additionalProperties": False}
+GREET = [{"type": "function", "function": {"name": "greet", "parameters": ANSWER}}]
+
+
+def test_structured_output_starts_after_the_reasoning(client, stack):
+    """A JSON response_format or a forced tool call governs the answer, not the reasoning before it: the
+    scripted reasoning comes back whole, then the grammar's output; reasoning switched off, the grammar
+    starts at the first token."""
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    r = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=80, temperature=0, response_format=rf)
+    m = r.choices[0].message
+    assert (m.reasoning_content, json.loads(m.content), r.choices[0].finish_reason) == (SCRIPT_REASONING, {"reply": "hello"}, "stop")
+    assert r.usage.completion_tokens_details.reasoning_tokens == stack.reasoning_tokens
+    reasoning, content = "", ""
+    for ch in client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=80, temperature=0, response_format=rf, stream=True):
+        for c in ch.choices:
+            assert not (content and getattr(c.delta, "reasoning_content", None))  # reasoning first
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, json.loads(content)) == (SCRIPT_REASONING, {"reply": "hello"})
+    off = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=80, temperature=0, response_format=rf, reasoning_effort="none")
+    assert (getattr(off.choices[0].message, "reasoning_content", None), json.loads(off.choices[0].message.content)) == (None, {"reply": "hello"})
+    t = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=200, temperature=0, tools=GREET, tool_choice="required")
+    m = t.choices[0].message
+    assert m.reasoning_content == SCRIPT_REASONING and t.choices[0].finish_reason == "tool_calls", (m, t.usage)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("greet", {"reply": "hello"})]
+    c = anthropic.Anthropic(base_url=stack.api, api_key="unused", max_retries=0, timeout=60)
+    msg = c.messages.create(model=THINK, max_tokens=2048, system="Be brief.", messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0},
+                            thinking={"type": "enabled", "budget_tokens": 1024}, tools=[{"name": "greet", "input_schema": ANSWER}],
+                            tool_choice={"type": "tool", "name": "greet"})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "input", None)) for b in msg.content] == [("thinking", SCRIPT_REASONING), ("tool_use", {"reply": "hello"})]
 
 
 def test_a_model_without_reasoning_is_a_400_naming_each_protocols_field(client, stack):

@@ -89,6 +89,50 @@ def test_tool_call_grammar_gives_a_parseable_call(tok, factory, choice, fmt):
     json.loads(call.arguments)
 
 
+def _pick(tok, bit: int, avoid: set[int]) -> int:
+    """A token id at bit ``bit`` of its bitmask word that is neither EOS nor able to start JSON (nor in ``avoid``)."""
+    for t in range(bit, tok.vocab_size, 32):
+        text = tok.decode([t])
+        if t not in tok.eos_token_ids and t not in avoid and text.strip() and text.strip()[0] not in '{["-0123456789tfn':
+            return t
+    raise AssertionError("no such token")
+
+
+@pytest.mark.parametrize("bit", [0, 31])  # bit 31 is the int32 word's sign bit
+def test_the_grammar_starts_after_the_reasoning(tok, factory, bit):
+    """A reasoning gate: the first token may be <think> although the grammar forbids it there; inside the
+    reasoning nothing is masked (tokens no JSON could hold come out); after </think> the output is the
+    grammar's. Without the gate the same logits cannot open it."""
+    grammar = factory.compile("json_schema", json.dumps(SCHEMA))
+    think = _pick(tok, bit, set())
+    close = _pick(tok, 5, {think})
+    free = _pick(tok, 7, {think, close})
+    script = [think, free, free, close]  # greedy: each step's favourite token, then random logits
+    g = torch.Generator().manual_seed(4)
+
+    def run(params, script):
+        s, out = Sampler(), []
+        s.add("r", params)
+        for step in range(200):
+            logits = torch.randn(1, tok.vocab_size, generator=g) * 3
+            if step < len(script):
+                logits[0, script[step]] = 100.0
+            t = s.sample(logits, ["r"], [params])[0]
+            if t in tok.eos_token_ids:
+                return out
+            out.append(t)
+        raise AssertionError("the grammar did not end")
+
+    out = run(SamplingParams(temperature=0.0, grammar=grammar, reasoning_gate=(think, close, False)), script)
+    assert out[:4] == script
+    obj = json.loads(tok.decode(out[4:]))
+    assert set(obj) == {"city", "days"}
+    opened = run(SamplingParams(temperature=0.0, grammar=grammar, reasoning_gate=(think, close, True)), script[1:])
+    assert opened[:3] == script[1:] and json.loads(tok.decode(opened[3:]))  # the prompt opened it: free from the start
+    plain = run(SamplingParams(temperature=0.0, grammar=grammar), script)
+    assert plain[0] != think and set(json.loads(tok.decode(plain))) == {"city", "days"}
+
+
 def test_tiny_temperature_is_greedy_not_nan():
     s = Sampler()
     logits = torch.randn(2, 50)

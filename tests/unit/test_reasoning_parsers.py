@@ -2,8 +2,8 @@
 
 import pytest
 
-from talaria.reasoning_parsers import (ContentDelta, ReasoningDelta, detect_format, effort_kwargs, make_parser,
-                                       prompt_opens_reasoning, split)
+from talaria.reasoning_parsers import (ContentDelta, ReasoningDelta, ReasoningGate, detect_format, effort_kwargs, make_parser,
+                                       marker_ids, prompt_closes_reasoning, prompt_opens_reasoning, split)
 
 CASES = [
     # (output, prompt opens <think>, reasoning, content)
@@ -54,6 +54,11 @@ def test_detection_prompt_and_switches():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", "think")
     assert not prompt_opens_reasoning("<think>\n\n</think>\n\n", "think")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n", "think")
+    # a template that switched reasoning off closes it in the generation prompt: the output is all answer
+    assert prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", "think")
+    assert not prompt_closes_reasoning("<|im_start|>assistant\n<think>\n", "think")
+    assert not prompt_closes_reasoning("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", "think")  # an earlier turn's
+    assert not prompt_closes_reasoning("<think></think>", "")
     assert effort_kwargs("{% if enable_thinking is false %}", "none") == {"enable_thinking": False}
     assert effort_kwargs("{% if enable_thinking is false %}", "low") == {"enable_thinking": True}
     assert effort_kwargs("Reasoning: {{ reasoning_effort }}", "high") == {"reasoning_effort": "high"}
@@ -93,6 +98,26 @@ def test_chat_output_splits_reasoning_before_tool_parsing_and_not_under_a_gramma
     out.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 9)
     out.finish("stop")
     assert out.reasoner is None and [c["function"]["name"] for c in out.calls] == ["f"]
+    # the engine starts the grammar after the reasoning: the output is parsed for it, then for the forced call
+    gated = pb.TokenChunk(tool_format="hermes", reasoning_format="think", reasoning_open=True, constraint_after_reasoning=True)
+    out = chat_output(forced, gated)
+    out.feed('weigh it</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 12)
+    out.finish("stop")
+    assert out.reasoning == "weigh it" and [c["function"]["name"] for c in out.calls] == ["f"]
+
+
+@pytest.mark.parametrize("ids,opens,answer", [
+    ([100, 7, 8, 101, 9, 10], False, [9, 10]),  # a leading <think> (100) opens the reasoning, </think> (101) ends it
+    ([9, 100, 101], False, [9, 100, 101]),  # no <think> first: all answer, later markers included
+    ([7, 101, 9], True, [9]),  # the prompt opened it
+    ([7, 8], True, []),  # never closed: no answer
+])
+def test_reasoning_gate_hands_the_grammar_only_the_answer(ids, opens, answer):
+    g = ReasoningGate(100, 101, opens)
+    assert g.constrained is (not opens)  # the first token is masked unless the prompt opened the reasoning
+    assert [t for t in ids if g.feed(t)] == answer
+    assert marker_ids("think", {"<think>": 100, "</think>": 101}.get) == (100, 101)
+    assert marker_ids("think", {"<think>": 100}.get) is None and marker_ids("", {}.get) is None
 
 
 @pytest.mark.parametrize("ids,opens,count", [
