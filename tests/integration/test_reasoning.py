@@ -131,6 +131,10 @@ def test_structured_output_starts_after_the_reasoning(client, stack):
     m = t.choices[0].message
     assert m.reasoning_content == SCRIPT_REASONING and t.choices[0].finish_reason == "tool_calls", (m, t.usage)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("greet", {"reply": "hello"})]
+    resp = client.responses.create(model=THINK, input="hi", instructions="Be brief.", max_output_tokens=80, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}})
+    assert [i.type for i in resp.output] == ["reasoning", "message"] and resp.output[0].content[0].text == SCRIPT_REASONING
+    assert json.loads(resp.output_text) == {"reply": "hello"}
     c = anthropic.Anthropic(base_url=stack.api, api_key="unused", max_retries=0, timeout=60)
     msg = c.messages.create(model=THINK, max_tokens=2048, system="Be brief.", messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0},
                             thinking={"type": "enabled", "budget_tokens": 1024}, tools=[{"name": "greet", "input_schema": ANSWER}],
