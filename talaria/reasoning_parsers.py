@@ -191,11 +191,20 @@ class ReasoningGate:
     (nothing constrained, up to and including ``</think>``), ``answer`` (the grammar; a first token other than
     ``<think>`` goes straight there). A prompt that opened the reasoning starts in ``reasoning``. A gate built
     for a prompt that closed it is never made (the grammar starts at the first token: ``prompt_closes_reasoning``).
-    Pure; ``feed`` mutates only its state."""
+    ``budget`` (vLLM's ``thinking_token_budget``; 0 = none): once that many tokens are inside the reasoning
+    (the markers not counted), the next token must be ``</think>`` (``must_close``), as vLLM and llama.cpp
+    force the end of a reasoning that outgrows its budget. Pure; ``feed`` mutates only its state."""
 
-    def __init__(self, open_id: int, close_id: int, prompt_opens: bool) -> None:
+    def __init__(self, open_id: int, close_id: int, prompt_opens: bool, budget: int = 0) -> None:
         self.open_id, self.close_id = open_id, close_id
         self.state = "reasoning" if prompt_opens else "start"
+        self.budget = budget
+        self.spent = 0  # tokens inside the reasoning so far
+
+    @property
+    def must_close(self) -> bool:
+        """The reasoning has used its budget: the next token is ``close_id``."""
+        return self.state == "reasoning" and 0 < self.budget <= self.spent
 
     @property
     def constrained(self) -> bool:
@@ -213,6 +222,8 @@ class ReasoningGate:
         if self.state == "reasoning":
             if token == self.close_id:
                 self.state = "answer"
+            else:
+                self.spent += 1
             return False
         return True
 

@@ -14,7 +14,8 @@ an xgrammar matcher; before sampling, only those rows get their disallowed token
 grammar are not touched, so an unconstrained batch pays nothing. A matcher error ends nothing but its own
 row's constraint (it is logged and dropped). A reasoning model's constrained call (``SamplingParams.reasoning_gate``)
 is masked only outside its reasoning: its first token may also be ``<think>``, and from there to ``</think>``
-nothing is masked and the matcher sees nothing (``talaria/reasoning_parsers.ReasoningGate``).
+nothing is masked and the matcher sees nothing (``talaria/reasoning_parsers.ReasoningGate``). A reasoning
+that has used its ``thinking_token_budget`` gets its close marker forced (every other logit -inf).
 
 Logit shaping (rows whose params ask for it; others untouched): ``logit_bias`` is added; the repetition
 penalty (Keskar et al., 2019, CTRL §4.1) divides positive / multiplies negative logits of tokens seen in the
@@ -73,8 +74,8 @@ class Sampler:
             import xgrammar as xgr
 
             self._matchers[request_id] = xgr.GrammarMatcher(params.grammar)
-            if params.reasoning_gate is not None:
-                self._gates[request_id] = ReasoningGate(*params.reasoning_gate)
+        if params.reasoning_gate is not None and request_id not in self._gates:
+            self._gates[request_id] = ReasoningGate(*params.reasoning_gate)
         if is_greedy(params):
             return
         g = torch.Generator(device=self.device)
@@ -102,9 +103,15 @@ class Sampler:
         for i in shaped:
             self._shape(logits[i], request_ids[i], params[i])
         constrained = [i for i, rid in enumerate(request_ids) if rid in self._matchers] if self._matchers else []
-        masked = [i for i in constrained if (gate := self._gates.get(request_ids[i])) is None or gate.constrained] if self._gates else constrained
+        gated = [i for i, rid in enumerate(request_ids) if rid in self._gates] if self._gates else []
+        masked = [i for i in constrained if (gate := self._gates.get(request_ids[i])) is None or gate.constrained] if gated else constrained
         if masked:
             self._mask(logits, [request_ids[i] for i in masked], masked)
+        for i in gated:
+            gate = self._gates[request_ids[i]]
+            if gate.must_close:  # the reasoning's budget is spent: its close marker, whatever the row's sampling
+                logits[i].fill_(float("-inf"))
+                logits[i, gate.close_id] = 0.0
         out = torch.argmax(logits, dim=-1)
         rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if rows:
@@ -132,9 +139,12 @@ class Sampler:
             top = torch.topk(raw[j], k) if k else None
             alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             self._logprobs.setdefault(request_ids[i], []).append((tokens[i], float(raw[j, tokens[i]]), alts))
+        for i in gated:
+            if not self._gates[request_ids[i]].feed(tokens[i]) or request_ids[i] not in self._matchers:
+                continue  # a token of the reasoning is not the grammar's
+            self._advance(request_ids[i], tokens[i])
         for i in constrained:
-            gate = self._gates.get(request_ids[i])
-            if gate is None or gate.feed(tokens[i]):  # a token of the reasoning is not the grammar's
+            if request_ids[i] not in self._gates:
                 self._advance(request_ids[i], tokens[i])
         for i in shaped:
             h = self._history.get(request_ids[i])

@@ -450,16 +450,26 @@ class EngineService:
         sampling = wire.sampling_params(req.sampling)
         prompt, opens, closes = self._tokenize(req)
         if req.sampling.constraint.kind:
-            sampling = dataclasses.replace(sampling, grammar=self._grammar(req), reasoning_gate=self._reasoning_gate(req, opens, closes))
+            sampling = dataclasses.replace(sampling, grammar=self._grammar(req))
+        if req.sampling.constraint.kind or sampling.thinking_token_budget:
+            sampling = dataclasses.replace(sampling, reasoning_gate=self._reasoning_gate(req, opens, closes, sampling.thinking_token_budget))
         return sampling, prompt, opens
 
-    def _reasoning_gate(self, req: pb.GenerateRequest, opens: bool, closes: bool) -> tuple[int, int, bool] | None:
-        """A constrained chat call of a reasoning model: its grammar starts after the reasoning (the markers'
-        ids and whether the prompt opened it), unless the prompt closed the reasoning or the markers are not
-        single tokens (then the grammar starts at the first token and the output holds no reasoning). Pure."""
+    def _reasoning_gate(self, req: pb.GenerateRequest, opens: bool, closes: bool, budget: int) -> tuple[int, int, bool, int] | None:
+        """The reasoning gate of a reasoning model's constrained or budgeted chat call (the markers' ids, whether
+        the prompt opened the reasoning, the budget): its grammar starts after the reasoning, which ends at the
+        budget. None where the prompt closed the reasoning (nothing to gate or cap) or, without a budget, where
+        the markers are not single tokens (the grammar starts at the first token; the output holds no
+        reasoning). Raises CallError 400 for a budget it cannot enforce (no reasoning parser, markers that are
+        not single tokens). Pure."""
         fmt = self.reasoning_format(req.model) if req.WhichOneof("prompt") == "messages" else ""
-        ids = reasoning_parsers.marker_ids(fmt, self._runtime(req.model).tokenizer.token_to_id) if fmt and not closes else None
-        return (*ids, opens) if ids is not None else None
+        ids = reasoning_parsers.marker_ids(fmt, self._runtime(req.model).tokenizer.token_to_id) if fmt else None
+        if budget and ids is None:
+            why = "has no reasoning parser" if not fmt else "has reasoning markers that are not single tokens"
+            raise CallError(400, "unsupported_parameter", f"model '{req.model}' {why}: thinking_token_budget cannot be enforced", "thinking_token_budget")
+        if ids is None or closes:
+            return None
+        return (*ids, opens, budget)
 
     def reasoning_format(self, model: str) -> str:
         """The reasoning format of ``model``'s output ("" = none): ``reasoning_parsers`` of this engine's

@@ -40,9 +40,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
-    # a reasoning model's call: the grammar starts after its reasoning, (<think> id, </think> id, the prompt
-    # opened the reasoning); talaria/reasoning_parsers.ReasoningGate
-    reasoning_gate: tuple[int, int, bool] | None = None
+    thinking_token_budget: int = 0  # vLLM's: at most this many tokens inside the reasoning (0 = no cap)
+    # a reasoning model's constrained or budgeted call: (<think> id, </think> id, the prompt opened the reasoning,
+    # the budget); the grammar starts after the reasoning, which ends at the budget (reasoning_parsers.ReasoningGate)
+    reasoning_gate: tuple[int, int, bool, int] | None = None
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt + generated tokens divided (>0) / multiplied (<0)

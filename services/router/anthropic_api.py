@@ -25,8 +25,10 @@ Mapping (every field honoured or a 400 naming it, by its Anthropic name):
   template's switch (chat ``reasoning_effort: medium``), ``{"type": "disabled"}`` off (``none``: a no-op for
   a model that does not reason); a model with no reasoning parser or no switch is a 400 naming ``thinking``.
   ``budget_tokens`` must be below ``max_tokens``, as Anthropic asks (its floor of 1024 is not imposed: a
-  router's ``max_tokens_limit`` may be lower), and is not a separate cap:
-  ``max_tokens`` bounds thinking and text together. The reasoning comes back as a ``thinking`` block before
+  router's ``max_tokens_limit`` may be lower), and caps the thinking: it becomes the chat
+  ``thinking_token_budget``, which the engine enforces by forcing the end of the reasoning once that many
+  tokens are in it (a 400 naming ``thinking.budget_tokens`` where it cannot); ``max_tokens`` bounds thinking
+  and text together. The reasoning comes back as a ``thinking`` block before
   the text (streamed as ``thinking_delta``; ``signature`` is empty: nothing is signed); ``thinking``
   blocks sent back in assistant turns become the turn's ``reasoning_content`` for the chat template (which
   renders or drops it, as the model was trained); ``redacted_thinking`` blocks are accepted (nothing to render).
@@ -92,7 +94,8 @@ class Translation:
             field = {"parameters": "input_schema"}.get(m.group(2), m.group(2))
             return f"tools.{m.group(1)}.{field}{m.group(3) or ''}"
         return {"stop": "stop_sequences", "session_id": "metadata.user_id", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
-                "continue_final_message": "messages", "max_completion_tokens": "max_tokens", "reasoning_effort": "thinking"}.get(param.split(".")[0], param)
+                "continue_final_message": "messages", "max_completion_tokens": "max_tokens", "reasoning_effort": "thinking",
+                "thinking_token_budget": "thinking.budget_tokens"}.get(param.split(".")[0], param)
 
 
 def _cache_control(v: Any, param: str, tr: Translation) -> None:
@@ -239,8 +242,9 @@ def _tool_choice(tc: Any, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def _thinking(v: Any, max_tokens: int) -> str:
-    """``thinking`` -> the chat ``reasoning_effort``. Raises 400 naming the field."""
+def _thinking(v: Any, max_tokens: int) -> tuple[str, int | None]:
+    """``thinking`` -> the chat ``reasoning_effort`` and ``thinking_token_budget`` (enabled: ``budget_tokens``,
+    enforced by the engine as a cap on the tokens inside the reasoning). Raises 400 naming the field."""
     if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
         raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": n} or {\"type\": \"disabled\"}", "thinking.type")
     extra = set(v) - {"type", "budget_tokens"}
@@ -249,11 +253,11 @@ def _thinking(v: Any, max_tokens: int) -> str:
     if v["type"] == "disabled":
         if "budget_tokens" in v:
             raise bad("budget_tokens goes with type enabled", "thinking.budget_tokens")
-        return "none"
+        return "none", None
     b = v.get("budget_tokens")
     if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < max_tokens:
         raise bad("budget_tokens must be a positive integer less than max_tokens", "thinking.budget_tokens")
-    return "medium"
+    return "medium", b
 
 
 def _session_of(chat: dict) -> str:
@@ -300,7 +304,9 @@ def to_chat(body: dict, count_only: bool = False) -> Translation:
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"], tr)
     if body.get("thinking") is not None:
-        chat["reasoning_effort"] = _thinking(body["thinking"], chat.get("max_tokens", 1 << 62))
+        chat["reasoning_effort"], budget = _thinking(body["thinking"], chat.get("max_tokens", 1 << 62))
+        if budget is not None:
+            chat["thinking_token_budget"] = budget
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], chat)
     _cache_control(body.get("cache_control"), "cache_control", tr)

@@ -12,7 +12,7 @@ surrogate such as ``"\\udc80"`` is valid JSON but not a protobuf string).
 Extensions (vLLM-style, sent via the client's ``extra_body``): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos`` (fixed-length replays), ``session_id``; ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``cache_salt`` and, for chat, ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message`` (vLLM's meanings; docs/protocols.md), and OpenAI's
+``add_generation_prompt``, ``continue_final_message``, ``thinking_token_budget`` (vLLM's meanings; docs/protocols.md), and OpenAI's
 ``reasoning_effort`` through the model's template switch; the per-call agent hints ``priority``, ``expected_output_tokens``, ``expected_tool_s``,
 ``cache_ttl_s`` and their Dynamo aliases ``nvext.agent_hints`` / ``cache_control`` (``hints.py``). The session key of a call is the ``X-Session-ID`` header, else ``session_id``, else
 ``prompt_cache_key`` (OpenAI's own cache-affinity key), else ``user``, else ``safety_identifier``.
@@ -307,6 +307,9 @@ class ChatCompletionRequest(_Common):
     # set through the model's chat-template switch (ChatTemplateOptions.reasoning_effort); the engine
     # answers 400 naming it for a model with no reasoning parser or no switch (talaria/reasoning_parsers.py)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's cap on the reasoning (tokens inside it; then its close marker is forced): the engine's 400 for a
+    # model where it cannot be enforced (no reasoning parser, or markers that are not single tokens)
+    thinking_token_budget: int | None = Field(None, ge=1, le=UINT32_MAX)
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     safety_identifier: str | None = None  # an end-user id: the session key of last resort (after `user`)
@@ -393,6 +396,7 @@ class ChatCompletionRequest(_Common):
         sp = super().sampling_proto(max_tokens)
         sp.constraint.CopyFrom(self.constraint_proto())
         sp.logprobs, sp.top_logprobs = bool(self.logprobs), self.top_logprobs or 0
+        sp.thinking_token_budget = self.thinking_token_budget or 0
         return sp
 
     def tools_enabled(self) -> bool:

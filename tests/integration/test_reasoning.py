@@ -29,6 +29,7 @@ def stack(synth_models, tmp_path_factory):
     (out / RAW).symlink_to(out / THINK)  # the same checkpoint, configured not to be parsed for reasoning
     engines = [engine("think-0", THINK), engine("plain-0", PLAIN), engine("raw-0", RAW, reasoning_parsers={RAW: "none"})]
     s = start_stack(stack_config(out, engines, max_tokens_limit=2048))
+    s.think_dir = out / THINK
     s.reasoning_tokens = len(Tokenizer.from_dir(out / THINK).encode(SCRIPT_REASONING, add_special_tokens=False)) + 1  # and </think>
     yield s
     s.stop()
@@ -140,6 +141,29 @@ def test_structured_output_starts_after_the_reasoning(client, stack):
                             thinking={"type": "enabled", "budget_tokens": 1024}, tools=[{"name": "greet", "input_schema": ANSWER}],
                             tool_choice={"type": "tool", "name": "greet"})
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "input", None)) for b in msg.content] == [("thinking", SCRIPT_REASONING), ("tool_use", {"reply": "hello"})]
+
+
+def test_a_thinking_budget_ends_the_reasoning(client, stack):
+    """``thinking_token_budget`` (Messages: ``thinking.budget_tokens``): the scripted reasoning is cut after that
+    many tokens by a forced ``</think>``; a budget the model does not reach changes nothing; a model that cannot
+    enforce one answers 400 naming the field."""
+    script = Tokenizer.from_dir(stack.think_dir).encode(SCRIPT_REASONING, add_special_tokens=False)
+    cut = Tokenizer.from_dir(stack.think_dir).decode(script[:3])
+    r = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, extra_body={"thinking_token_budget": 3})
+    assert r.choices[0].message.reasoning_content == cut and r.usage.completion_tokens_details.reasoning_tokens == 4  # and </think>
+    roomy = client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=60, temperature=0, extra_body={"thinking_token_budget": 500})
+    assert (roomy.choices[0].message.reasoning_content, roomy.choices[0].message.content) == (SCRIPT_REASONING, SCRIPT_CONTENT)
+    c = anthropic.Anthropic(base_url=stack.api, api_key="unused", max_retries=0, timeout=60)
+    m = c.messages.create(model=THINK, max_tokens=60, messages=[{"role": "user", "content": "hi"}], system="Be brief.", extra_body={"temperature": 0},
+                          thinking={"type": "enabled", "budget_tokens": 3})
+    assert m.content[0].type == "thinking" and m.content[0].thinking == cut
+    for model in (PLAIN, RAW):  # no reasoning parser (RAW: configured off)
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=model, messages=MSGS, max_tokens=4, extra_body={"thinking_token_budget": 3})
+        assert ei.value.body["param"] == "thinking_token_budget", ei.value.body
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=THINK, messages=MSGS, max_tokens=4, extra_body={"thinking_token_budget": 0})
+    assert ei.value.body["param"] == "thinking_token_budget"
 
 
 def test_a_model_without_reasoning_is_a_400_naming_each_protocols_field(client, stack):

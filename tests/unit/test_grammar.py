@@ -133,6 +133,29 @@ def test_the_grammar_starts_after_the_reasoning(tok, factory, bit):
     assert plain[0] != think and set(json.loads(tok.decode(plain))) == {"city", "days"}
 
 
+@pytest.mark.parametrize("with_grammar", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_thinking_budget_forces_the_close_marker(tok, factory, with_grammar, temperature):
+    """Logits that never favour </think>: after ``budget`` tokens inside the reasoning the sampler emits it
+    anyway (greedy or sampled), then the answer is free, or the grammar's."""
+    think = _pick(tok, 3, set())
+    close = _pick(tok, 5, {think})
+    grammar = factory.compile("json_schema", json.dumps(SCHEMA)) if with_grammar else None
+    params = SamplingParams(temperature=temperature, seed=2, grammar=grammar, thinking_token_budget=3, reasoning_gate=(think, close, True, 3))
+    s, out, g = Sampler(), [], torch.Generator().manual_seed(8)
+    s.add("r", params)
+    for _ in range(200):
+        logits = torch.randn(1, tok.vocab_size, generator=g) * 3
+        logits[0, close] = -50.0
+        t = s.sample(logits, ["r"], [params])[0]
+        if t in tok.eos_token_ids or (not with_grammar and len(out) == 8):
+            break
+        out.append(t)
+    assert out[3] == close and close not in out[:3], out
+    if with_grammar:
+        assert set(json.loads(tok.decode(out[4:]))) == {"city", "days"}
+
+
 def test_tiny_temperature_is_greedy_not_nan():
     s = Sampler()
     logits = torch.randn(2, 50)

@@ -120,6 +120,20 @@ def test_reasoning_gate_hands_the_grammar_only_the_answer(ids, opens, answer):
     assert marker_ids("think", {"<think>": 100}.get) is None and marker_ids("", {}.get) is None
 
 
+def test_reasoning_gate_budget_counts_the_tokens_inside_and_then_must_close():
+    g = ReasoningGate(100, 101, False, budget=2)
+    closes = []
+    for t in (100, 7, 8):  # <think>, then two tokens inside: the budget is spent
+        closes.append(g.must_close)
+        g.feed(t)
+    assert closes == [False, False, False] and g.must_close and g.spent == 2
+    assert not g.feed(101) and g.state == "answer" and not g.must_close
+    early = ReasoningGate(100, 101, True, budget=5)
+    early.feed(7)
+    early.feed(101)  # closed by the model before the budget: nothing forced
+    assert early.state == "answer" and not early.must_close and not ReasoningGate(100, 101, True).must_close
+
+
 @pytest.mark.parametrize("ids,opens,count", [
     ([7, 8, 101, 9], True, 3),  # reasoning 7, 8 then </think> (101), then the answer
     ([100, 7, 101, 9, 101], False, 3),  # a leading <think> (100) opens it; a later </think> is the answer's
