@@ -148,6 +148,7 @@ def test_thinking_becomes_reasoning_effort_and_comes_back_as_thinking_blocks():
     on = to_chat(body(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048)).chat
     off = to_chat(body(thinking={"type": "disabled"})).chat
     assert on["reasoning_effort"] == "medium" and off["reasoning_effort"] == "none"
+    assert on["thinking_token_budget"] == 1024 and "thinking_token_budget" not in off  # the engine enforces it
     assert to_chat(body()).chat.get("reasoning_effort") is None
     tr = to_chat(body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "A"}]},
