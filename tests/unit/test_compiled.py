@@ -14,6 +14,7 @@ import torch
 from services.engine.executor import Engine
 from services.engine.model.compiled import CompiledDense, compile_model
 from services.engine.model.llama import layer_in, layer_out
+from services.engine.model.packed import can_pack
 from services.engine.types import SamplingParams
 from talaria.config import EngineConfig
 
@@ -28,6 +29,8 @@ def test_compile_mode_is_validated():
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_compiled_engine_gives_eager_greedy_tokens(synth_models, name):
+    if not can_pack(torch.device("cpu"), torch.bfloat16):  # inductor would lower the plain bf16 linears its own way
+        pytest.skip("bit-identity holds with prepacked oneDNN linears (opaque in the graph); this CPU has no oneDNN bf16 path")
     # bf16 on CPU: the production path (fused q/k/v with one RoPE, prepacked linears as the opaque op);
     # tiny-qwen3: per-head q/k RMSNorm inside the compiled part
     # fused_ops off: the compiled parts run the eager ops in the graph, and eager is the reference here

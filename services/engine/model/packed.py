@@ -26,8 +26,11 @@ import torch.nn.functional as F
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether prepacked oneDNN linears exist for this device/dtype (CPU, bf16, oneDNN built in)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether prepacked oneDNN linears exist for this device/dtype: CPU, bf16, oneDNN built in, and a CPU
+    whose oneDNN has a bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT: ``_reorder_linear_weight`` raises on an
+    AVX2-only CPU, where a bf16 engine runs its linears through ``F.linear`` instead)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class PackedLinear:
