@@ -269,6 +269,9 @@ class ModelRunner:
             raise ValueError(f"decode_gemm must be 'auto' or 'off', got {decode_gemm!r}")
         if packed_weights is None:
             packed_weights = own_model and can_pack(self.device, self.dtype)
+        elif packed_weights and self.dtype == torch.bfloat16 and not can_pack(self.device, self.dtype):
+            raise ValueError("packed_weights: true needs oneDNN's bf16 path, which this CPU lacks (AVX512-BW/VL/DQ or "
+                             "AVX-NE-CONVERT); leave it unset (bf16 linears then run unpacked) or use dtype float32")
         if packed_weights and not self.model.is_packed:
             self.model.pack_weights(load_decode_gemm() if decode_gemm == "auto" and self.device.type == "cpu" else None)
         self.decode_gemm = self.model.is_packed and self.model.lm_head_packed.gemm is not None  # what the model runs

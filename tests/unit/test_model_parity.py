@@ -529,3 +529,15 @@ def test_packed_weights_match_the_unpacked_model(synth_models, name):
         outs.append(torch.cat([first, mixed]))
     torch.testing.assert_close(outs[1], outs[0], atol=0.05, rtol=0.0)
     assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
+
+
+def test_bf16_without_onednns_bf16_path_runs_unpacked_and_refuses_explicit_packing(synth_models, monkeypatch):
+    """On a CPU without oneDNN's bf16 path (AVX2 only: its weight reorder raises) a bf16 engine runs unpacked by
+    default, and an explicit ``packed_weights: true`` is refused at start with the reason, not oneDNN's error."""
+    import services.engine.model_runner as mr
+    from services.engine.executor import Engine
+
+    monkeypatch.setattr(mr, "can_pack", lambda device, dtype: False)
+    assert not Engine(synth_models["tiny-llama"], dtype=torch.bfloat16, num_pages=16).model.is_packed
+    with pytest.raises(ValueError, match="oneDNN's bf16 path"):
+        Engine(synth_models["tiny-llama"], dtype=torch.bfloat16, num_pages=16, packed_weights=True)
