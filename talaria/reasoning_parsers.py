@@ -162,26 +162,21 @@ class ThinkParser:
 class TokenCounter:
     """Reasoning tokens of an output counted by token id, for a model whose ``<think>`` and ``</think>`` are
     single tokens (Qwen3, DeepSeek-R1): from the start (``prompt_opens``) or a leading ``<think>`` up to and
-    including the first ``</think>``. Exact where the text parser's view of a merged chunk is not. Mutates
-    only itself."""
+    including the first ``</think>``, i.e. every token :class:`ReasoningGate` does not hand the answer, the markers
+    included. Exact where the text parser's view of a merged chunk is not. Mutates only itself."""
 
     def __init__(self, open_id: int, close_id: int, prompt_opens: bool) -> None:
-        self.open_id, self.close_id = open_id, close_id
-        self.state = "reasoning" if prompt_opens else "start"
+        self.gate = ReasoningGate(open_id, close_id, prompt_opens)
         self.count = 0
 
     def feed(self, ids: Iterable[int]) -> None:
         for t in ids:
-            if self.state == "done":
+            if self.gate.state == "answer":
                 return
-            if self.state == "start":
-                if t != self.open_id:
-                    self.state = "done"
-                    return
-                self.state = "reasoning"
-            self.count += 1
-            if t == self.close_id:
-                self.state = "done"
+            was = self.gate.state
+            self.gate.feed(t)
+            if "reasoning" in (was, self.gate.state):  # <think>, a token inside, or </think>
+                self.count += 1
 
 
 class ReasoningGate:

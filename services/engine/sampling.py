@@ -139,12 +139,9 @@ class Sampler:
             top = torch.topk(raw[j], k) if k else None
             alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             self._logprobs.setdefault(request_ids[i], []).append((tokens[i], float(raw[j, tokens[i]]), alts))
-        for i in gated:
-            if not self._gates[request_ids[i]].feed(tokens[i]) or request_ids[i] not in self._matchers:
-                continue  # a token of the reasoning is not the grammar's
-            self._advance(request_ids[i], tokens[i])
+        answer = {i: self._gates[request_ids[i]].feed(tokens[i]) for i in gated}  # False: a token of the reasoning
         for i in constrained:
-            if request_ids[i] not in self._gates:
+            if answer.get(i, True):  # the grammar's matcher sees only the answer
                 self._advance(request_ids[i], tokens[i])
         for i in shaped:
             h = self._history.get(request_ids[i])

@@ -451,8 +451,8 @@ class EngineService:
         prompt, opens, closes = self._tokenize(req)
         if req.sampling.constraint.kind:
             sampling = dataclasses.replace(sampling, grammar=self._grammar(req))
-        if req.sampling.constraint.kind or sampling.thinking_token_budget:
-            sampling = dataclasses.replace(sampling, reasoning_gate=self._reasoning_gate(req, opens, closes, sampling.thinking_token_budget))
+        if req.sampling.constraint.kind or req.sampling.thinking_token_budget:
+            sampling = dataclasses.replace(sampling, reasoning_gate=self._reasoning_gate(req, opens, closes, req.sampling.thinking_token_budget))
         return sampling, prompt, opens
 
     def _reasoning_gate(self, req: pb.GenerateRequest, opens: bool, closes: bool, budget: int) -> tuple[int, int, bool, int] | None:
@@ -632,7 +632,7 @@ class EngineService:
         call.reasoning = reasoning_parsers.token_counter(reasoning, self._runtime(req.model).tokenizer.token_to_id, opens)
         await self._send(call, pb.TokenChunk(accepted=True, usage=cpb.Usage(prompt_tokens=len(prompt)), tool_format=tool_format,
                                              reasoning_format=reasoning, reasoning_open=opens,
-                                             constraint_after_reasoning=sampling.reasoning_gate is not None))
+                                             constraint_after_reasoning=sampling.grammar is not None and sampling.reasoning_gate is not None))
 
     async def _reject(self, reply: str, rid: str, err: CallError) -> None:
         self.counters["errors"] += 1

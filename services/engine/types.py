@@ -40,9 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: object = field(default=None, compare=False)  # compiled xgrammar grammar (services/engine/grammar.py)
-    thinking_token_budget: int = 0  # vLLM's: at most this many tokens inside the reasoning (0 = no cap)
     # a reasoning model's constrained or budgeted call: (<think> id, </think> id, the prompt opened the reasoning,
-    # the budget); the grammar starts after the reasoning, which ends at the budget (reasoning_parsers.ReasoningGate)
+    # the thinking_token_budget, 0 = none); the grammar starts after the reasoning, which ends at the budget
+    # (reasoning_parsers.ReasoningGate; built by the engine service from the wire, as ``grammar`` is)
     reasoning_gate: tuple[int, int, bool, int] | None = None
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens

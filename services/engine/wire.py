@@ -56,7 +56,6 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
         logprobs=min(sp.top_logprobs, 20) if sp.logprobs else -1,
         skip_special_tokens=sp.skip_special_tokens,
         include_stop_str_in_output=sp.include_stop_str_in_output,
-        thinking_token_budget=sp.thinking_token_budget,
     )
 
 

@@ -141,7 +141,7 @@ def test_a_thinking_budget_forces_the_close_marker(tok, factory, with_grammar, t
     think = _pick(tok, 3, set())
     close = _pick(tok, 5, {think})
     grammar = factory.compile("json_schema", json.dumps(SCHEMA)) if with_grammar else None
-    params = SamplingParams(temperature=temperature, seed=2, grammar=grammar, thinking_token_budget=3, reasoning_gate=(think, close, True, 3))
+    params = SamplingParams(temperature=temperature, seed=2, grammar=grammar, reasoning_gate=(think, close, True, 3))
     s, out, g = Sampler(), [], torch.Generator().manual_seed(8)
     s.add("r", params)
     for _ in range(200):
